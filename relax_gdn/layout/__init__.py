@@ -1,0 +1,38 @@
+"""THD layouts of a packed micro-batch across CP ranks, and the all-to-all that converts them.
+
+Knows nothing of GDN (ARCHITECTURE.md): partitions, interval routes, the autograd swap, and
+the per-micro-batch caches for routes and cu_seqlens checks.
+"""
+
+from relax_gdn.layout.cache import (
+    CP_LAYOUT_PAIR,
+    ROUTE_STRATEGIES,
+    ResolvedCuSeqlens,
+    attach_host_cu_seqlens,
+    get_route,
+    host_cu_seqlens,
+    packed_cu_seqlens,
+    prebuild_routes,
+    resolve_cu_seqlens,
+)
+from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
+from relax_gdn.layout.route import Route, build_route
+from relax_gdn.layout.swap import swap_layout
+
+__all__ = [
+    "CP_LAYOUT_PAIR",
+    "LAYOUTS",
+    "ROUTE_STRATEGIES",
+    "ResolvedCuSeqlens",
+    "Route",
+    "attach_host_cu_seqlens",
+    "build_route",
+    "get_route",
+    "host_cu_seqlens",
+    "packed_cu_seqlens",
+    "prebuild_routes",
+    "resolve_cu_seqlens",
+    "swap_layout",
+    "thd_rank_indices",
+    "validated_boundaries",
+]

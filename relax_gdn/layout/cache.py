@@ -1,0 +1,209 @@
+"""Per-micro-batch caches on the ``PackedSeqParams`` object itself (LAYOUTS.md §3).
+
+A route and the cu_seqlens checks depend only on (cu_seqlens, W, r, layouts, device), which are
+constant within a micro-batch: every GDN layer, both swap directions and every recompute replay
+need the same answer. So the answer is stored on the micro-batch's own ``PackedSeqParams`` and
+reused only after a provenance check; nothing is ever cached across micro-batches.
+
+Host copies: the data pipeline already holds cu_seqlens on the host. ``attach_host_cu_seqlens``
+records that copy next to the device tensor so nothing in a layer needs a device->host sync.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relax_gdn.layout.partition import host_boundaries, validated_boundaries
+from relax_gdn.layout.route import Route, build_route
+
+if TYPE_CHECKING:  # the layout package needs only the fields, not Megatron-Core's import cost
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+ROUTE_STRATEGIES = ("lazy_cache", "prebuild")
+CP_LAYOUT_PAIR = ("zigzag", "contiguous")  # the conversion chunkwise GDN performs
+
+_HOST_ATTR = "_relax_gdn_host_cu_seqlens"  # list of (device tensor, its _version, host array)
+_ROUTES_ATTR = "_relax_gdn_routes"  # {frozenset(layouts): Route}
+_RESOLVED_ATTR = "_relax_gdn_resolved_cu_seqlens"  # {(seq_len, cp_size): ResolvedCuSeqlens}
+
+
+def attach_host_cu_seqlens(
+    packed_seq_params: PackedSeqParams, cu_seqlens: torch.Tensor, host: torch.Tensor | np.ndarray | list
+) -> None:
+    """Record that ``host`` holds the values of ``cu_seqlens`` (a tensor of this micro-batch)."""
+    records = getattr(packed_seq_params, _HOST_ATTR, None)
+    if records is None:
+        records = []
+        setattr(packed_seq_params, _HOST_ATTR, records)
+    records[:] = [rec for rec in records if rec[0] is not cu_seqlens]
+    records.append((cu_seqlens, cu_seqlens._version, host_boundaries(host)))
+
+
+def host_cu_seqlens(packed_seq_params: PackedSeqParams | None, cu_seqlens: torch.Tensor) -> np.ndarray:
+    """Host values of ``cu_seqlens``: the attached copy if still valid, else one device->host copy."""
+    for tensor, version, host in getattr(packed_seq_params, _HOST_ATTR, ()):
+        if tensor is cu_seqlens and version == cu_seqlens._version:
+            return host
+    return host_boundaries(cu_seqlens)
+
+
+def packed_cu_seqlens(packed_seq_params: PackedSeqParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, kv) boundaries a packed layer works with: padded ones when given (they carry the
+    CP padding that the zigzag split needs), else the actual ones. The one place that decides."""
+    if packed_seq_params.cu_seqlens_q_padded is not None:
+        return packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_kv_padded
+    return packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in ROUTE_STRATEGIES:
+        raise ValueError(f"unknown route strategy {strategy!r}: use one of {ROUTE_STRATEGIES} (gdn.route)")
+
+
+def _route_matches(
+    route: Route, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str,
+    device: torch.device,
+) -> bool:
+    return (
+        route.cu_seqlens is cu_seqlens
+        and route.cu_seqlens_version == cu_seqlens._version  # in-place refills, also via views
+        and route.cp_size == cp_size
+        and route.cp_rank == cp_rank
+        and route.serves(source, target)
+        and route.device == device
+    )
+
+
+_warned_missing_prebuild = False
+
+
+def get_route(
+    packed_seq_params: PackedSeqParams,
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    source: str,
+    target: str,
+    strategy: str = "lazy_cache",
+    device: torch.device | str | None = None,
+) -> Route:
+    """The ``source -> target`` route for this micro-batch, reused when its provenance matches.
+
+    ``lazy_cache``: the first caller builds and stores it on ``packed_seq_params``; later callers
+    (other layers, the reverse direction, recompute) reuse it. ``prebuild``: the data side already
+    stored it (``prebuild_routes``); a stored route that does not match the request is rebuilt,
+    never used. Either way the answer is the same route; only who pays for building differs.
+    """
+    global _warned_missing_prebuild
+    _check_strategy(strategy)
+    device = torch.device(device) if device is not None else cu_seqlens.device
+    routes = getattr(packed_seq_params, _ROUTES_ATTR, None)
+    if routes is None:
+        routes = {}
+        setattr(packed_seq_params, _ROUTES_ATTR, routes)
+    key = frozenset((source, target))
+    cached = routes.get(key)
+    if cached is not None and _route_matches(cached, cu_seqlens, cp_size, cp_rank, source, target, device):
+        return cached.oriented(source, target)
+    if strategy == "prebuild" and not _warned_missing_prebuild:
+        _warned_missing_prebuild = True
+        warnings.warn(
+            "gdn.route=prebuild but this micro-batch carries no matching prebuilt route "
+            f"({source}->{target}, cp_size={cp_size}, cp_rank={cp_rank}); building it in the layer. "
+            "Call relax_gdn.layout.prebuild_routes on the PackedSeqParams the model receives.",
+            stacklevel=2,
+        )
+    route = build_route(
+        host_cu_seqlens(packed_seq_params, cu_seqlens), cp_size, cp_rank, source, target,
+        device=device, provenance=cu_seqlens,
+    )
+    routes[key] = route
+    return route.oriented(source, target)
+
+
+def prebuild_routes(
+    packed_seq_params: PackedSeqParams | None,
+    cp_group: dist.ProcessGroup | None,
+    *,
+    cp_size: int | None = None,
+    cp_rank: int | None = None,
+) -> None:
+    """Data-side route building: attach the zigzag<->contiguous route (one object serves both
+    directions) to ``packed_seq_params``. A no-op without packed (THD) input or with CP = 1."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        return
+    if cp_size is None:
+        cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if cp_rank is None:
+        cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    if cp_size == 1:
+        return
+    cu_seqlens, _ = packed_cu_seqlens(packed_seq_params)
+    get_route(packed_seq_params, cu_seqlens, cp_size, cp_rank, *CP_LAYOUT_PAIR, strategy="lazy_cache")
+
+
+@dataclass(frozen=True)
+class ResolvedCuSeqlens:
+    """The outcome of GDN's per-layer cu_seqlens checks, computed once per micro-batch."""
+
+    cu_seqlens: torch.Tensor  # device boundaries the layer uses (padded if given)
+    host: np.ndarray  # their host copy
+    max_seqlen: int
+    sources: tuple  # (tensor, _version) of each PackedSeqParams boundary field, for validity
+
+
+def _boundary_fields(packed_seq_params: PackedSeqParams) -> tuple:
+    p = packed_seq_params
+    fields = (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
+    return tuple((t, None if t is None else t._version) for t in fields)
+
+
+def _same_sources(a: tuple, b: tuple) -> bool:
+    return all(ta is tb and va == vb for (ta, va), (tb, vb) in zip(a, b, strict=True))
+
+
+def resolve_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, cp_size: int) -> ResolvedCuSeqlens:
+    """GDN's checks on packed boundaries (q == kv, last boundary == global length, 2W divisibility,
+    padded-vs-actual choice), run once per micro-batch and cached on ``packed_seq_params``.
+
+    Keyed on the identities and versions of the four boundary tensors plus ``(seq_len, cp_size)``;
+    the answer does not depend on the CP rank. With host copies attached it needs no sync at all.
+    """
+    sources = _boundary_fields(packed_seq_params)
+    cache = getattr(packed_seq_params, _RESOLVED_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(packed_seq_params, _RESOLVED_ATTR, cache)
+    hit = cache.get((seq_len, cp_size))
+    if hit is not None and _same_sources(hit.sources, sources):
+        return hit
+
+    cu_q, cu_kv = packed_cu_seqlens(packed_seq_params)
+    if cu_q is None:
+        raise ValueError("packed (thd) input needs PackedSeqParams.cu_seqlens_q (or cu_seqlens_q_padded)")
+    host_q = host_cu_seqlens(packed_seq_params, cu_q)
+    if cu_kv is not None and cu_kv is not cu_q:
+        host_kv = host_cu_seqlens(packed_seq_params, cu_kv)
+        if not np.array_equal(host_q, host_kv):
+            raise ValueError(
+                "GDN needs identical query and key/value boundaries (self-attention packing): "
+                f"cu_seqlens_q={host_q.tolist()} but cu_seqlens_kv={host_kv.tolist()}"
+            )
+    if int(host_q[-1]) != seq_len:
+        raise ValueError(
+            f"cu_seqlens[-1]={int(host_q[-1])} does not match the micro-batch's global length {seq_len} "
+            "(local rows x CP size x SP size); the packed boundaries belong to another batch"
+        )
+    validated_boundaries(host_q, cp_size, 0, "zigzag")
+    lengths = np.diff(host_q)
+    resolved = ResolvedCuSeqlens(
+        cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0, sources=sources
+    )
+    cache[(seq_len, cp_size)] = resolved
+    return resolved

@@ -1,0 +1,85 @@
+"""Execute a route: pack -> one ``all_to_all_single`` -> scatter, with autograd (LAYOUTS.md §2.6).
+
+Nothing here reads device data on the host: split sizes are host ints from the route, row lists
+are device tensors, so a swap issues no device->host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from relax_gdn.layout.route import Route
+
+# gloo's all-to-all handles only some dtypes (int16 fails, for one). An all-to-all just moves
+# bytes, so any other dtype travels as the raw bytes of the same rows.
+_GLOO_NATIVE = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+}
+
+
+def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -> bool:
+    return dtype not in _GLOO_NATIVE and dist.get_backend(group) == "gloo"
+
+
+def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
+    x = x.contiguous()
+    send = x if route.send_rows is None else x.index_select(0, route.send_rows)
+    recv = x.new_empty((route.local_rows, *x.shape[1:]))
+    if route.local_rows and x[0].numel():
+        if _needs_byte_transport(x.dtype, group):
+            wire_send, wire_recv = send.view(torch.uint8), recv.view(torch.uint8)
+        else:
+            wire_send, wire_recv = send, recv
+        dist.all_to_all_single(
+            wire_recv,
+            wire_send,
+            output_split_sizes=list(route.recv_splits),
+            input_split_sizes=list(route.send_splits),
+            group=group,
+        )
+    if route.recv_rows is None:
+        return recv
+    return torch.empty_like(recv).index_copy_(0, route.recv_rows, recv)
+
+
+class _SwapLayout(torch.autograd.Function):
+    """Forward moves rows along the route; backward moves gradients along its mirror."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.route, ctx.group = route, group
+        return _exchange(x, route, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.route.reverse(), ctx.group), None, None
+
+
+def swap_layout(
+    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0
+) -> torch.Tensor:
+    """Convert ``x`` (this rank's rows in ``route.source`` layout along ``seq_dim``) to ``route.target``.
+
+    Any trailing shape and dtype; differentiable (the backward is the reverse swap). An identity
+    route (CP = 1, or source == target) returns ``x`` itself with no collective.
+    """
+    if x.shape[seq_dim] != route.local_rows:
+        raise ValueError(
+            f"swap_layout: x has {x.shape[seq_dim]} rows on seq_dim={seq_dim} but the route "
+            f"({route.source}->{route.target}, cp_size={route.cp_size}) moves {route.local_rows} "
+            "rows per rank; was the route built for this micro-batch?"
+        )
+    if x.device != route.device:
+        raise ValueError(
+            f"swap_layout: x is on {x.device} but the route's row lists are on {route.device}; "
+            "build (or get_route) the route for the device of the activations"
+        )
+    if route.is_identity:
+        return x
+    if seq_dim % x.dim() == 0:
+        return _SwapLayout.apply(x, route, cp_group)
+    moved = _SwapLayout.apply(x.movedim(seq_dim, 0), route, cp_group)
+    return moved.movedim(0, seq_dim)
