@@ -23,13 +23,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: Any
+) -> None:
+    import torch
     import torch.distributed as dist
 
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         results[rank] = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -39,14 +44,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ranks ``0..world_size-1`` (gloo initialised); return each rank's result."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args)`` on ranks ``0..world_size-1`` with the default process group initialised
+    (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r); return each rank's result."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), fn, args, results),
+            args=(world_size, _free_port(), backend, fn, args, results),
             nprocs=world_size,
             join=True,
             start_method="spawn",

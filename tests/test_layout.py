@@ -14,6 +14,7 @@ from relax_gdn.layout import (
     get_route,
     prebuild_routes,
     resolve_cu_seqlens,
+    rows_as_tensor,
     swap_layout,
     thd_rank_indices,
 )
@@ -45,20 +46,16 @@ def random_packings(seed: int = 0):
 
 def exchange_without_communication(routes, held):
     """Run every rank's route on what each rank holds, moving rows by hand instead of all-to-all."""
-
-    def rows(t, n):
-        return torch.arange(n) if t is None else t
-
     outs = []
     for r, route in enumerate(routes):
+        out = torch.full((route.local_rows,), -1, dtype=torch.long)
+        out[rows_as_tensor(route.keep_target)] = held[r][rows_as_tensor(route.keep_source)]
         blocks = []
         for s, sender in enumerate(routes):
-            sent = held[s][rows(sender.send_rows, sender.local_rows)]
-            offset = sum(sender.send_splits[:r])
-            blocks.append(sent[offset : offset + sender.send_splits[r]])
-        received = torch.cat(blocks)
-        out = torch.empty_like(received)
-        out[rows(route.recv_rows, route.local_rows)] = received
+            sent = held[s][rows_as_tensor(sender.send_rows)]
+            offset = sum(sender.wire_send_splits[:r])
+            blocks.append(sent[offset : offset + sender.wire_send_splits[r]])
+        out[rows_as_tensor(route.recv_rows)] = torch.cat(blocks)
         outs.append(out)
     return outs
 
@@ -81,35 +78,38 @@ def test_route_equals_reference_partition(w, cu):
 
 
 @pytest.mark.parametrize("w,cu", random_packings(seed=1)[::3])
-def test_round_trip_and_identity_detection(w, cu):
+def test_contiguous_row_lists_are_zero_copy_slices(w, cu):
     for source, target in DIRECTIONS:
-        routes = [build_route(cu, w, r, source, target) for r in range(w)]
-        for r, route in enumerate(routes):
-            src_ids = thd_rank_indices(cu, w, r, source)
+        for r in range(w):
+            route = build_route(cu, w, r, source, target)
             # per-token expectation of the send order: by destination, then by target position
+            src_ids = thd_rank_indices(cu, w, r, source)
             owner = torch.empty(int(cu[-1]), dtype=torch.long)
             position = torch.empty(int(cu[-1]), dtype=torch.long)
             for d in range(w):
                 ids = thd_rank_indices(cu, w, d, target)
                 owner[ids], position[ids] = d, torch.arange(ids.numel())
+            remote = owner[src_ids] != r
             order = torch.argsort(owner[src_ids] * max(1, int(cu[-1])) + position[src_ids], stable=True)
-            expected_identity = torch.equal(order, torch.arange(order.numel()))
-            assert (route.send_rows is None) == expected_identity
-            if route.send_rows is not None:
-                assert torch.equal(route.send_rows, order)
-        if w == 1:
-            assert all(route.is_identity for route in routes)
-    # same layout on both sides never moves a row
+            expected = order[remote[order]]
+            assert torch.equal(rows_as_tensor(route.send_rows), expected)
+            contiguous = expected.numel() == 0 or torch.equal(
+                expected, torch.arange(int(expected[0]), int(expected[0]) + expected.numel())
+            )
+            assert isinstance(route.send_rows, slice) == contiguous
     assert all(build_route(cu, w, r, "zigzag", "zigzag").is_identity for r in range(w))
+    assert all(build_route(cu, w, r, "zigzag", "contiguous").is_identity for r in range(w)) == (
+        w == 1 or cu[-1] == 0
+    )
 
 
-def test_identity_rows_for_rank0_single_sequence():
-    # W=2, one sequence: rank 0 holds chunks [0, 3] and keeps chunk 0, sends chunk 3 to rank 1
-    # in its local order, so its send list is the identity; it receives chunk 0 then chunk 1.
+def test_rank0_single_sequence_keeps_chunk0_and_ships_chunk3():
+    # W=2, one sequence of 16: rank 0 holds chunks [0, 3] and contiguous rank 0 wants [0, 1].
     route = build_route([0, 16], 2, 0, "zigzag", "contiguous")
-    assert route.send_rows is None and route.send_splits == (4, 4)
-    assert route.recv_rows is None and route.recv_splits == (4, 4)
-    assert not route.is_identity
+    assert route.send_splits == (4, 4) and route.recv_splits == (4, 4)
+    assert route.keep_source == slice(0, 4) and route.keep_target == slice(0, 4)
+    assert route.send_rows == slice(4, 8) and route.recv_rows == slice(4, 8)
+    assert route.wire_send_splits == [0, 4] and not route.is_identity
 
 
 # ---------------------------------------------------------------- real gloo groups

@@ -16,7 +16,7 @@ from relax_gdn.layout.cache import (
     resolve_cu_seqlens,
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
-from relax_gdn.layout.route import Route, build_route
+from relax_gdn.layout.route import Route, build_route, rows_as_tensor
 from relax_gdn.layout.swap import swap_layout
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "packed_cu_seqlens",
     "prebuild_routes",
     "resolve_cu_seqlens",
+    "rows_as_tensor",
     "swap_layout",
     "thd_rank_indices",
     "validated_boundaries",

@@ -18,20 +18,47 @@ import torch
 from relax_gdn.layout.partition import CuSeqlens, layout_segments, validated_boundaries
 
 
+Rows = slice | torch.Tensor
+"""A selection of local rows: a ``slice`` when they are one contiguous range (zero-copy view),
+else a device index tensor."""
+
+
+def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def put_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows].copy_(values)
+    else:
+        out.index_copy_(0, rows, values)
+
+
+def rows_as_tensor(rows: Rows) -> torch.Tensor:
+    """The selected row ids as a CPU tensor (for tests and debugging, not the hot path)."""
+    if isinstance(rows, slice):
+        return torch.arange(rows.start, rows.stop)
+    return rows.cpu()
+
+
 @dataclass(frozen=True, eq=False)
 class Route:
     """How one rank converts its rows from ``source`` layout to ``target`` layout.
 
-    Rows sent to each destination are grouped by destination and, within a destination, ordered
-    by the receiver's target row, so blocks arrive in order and one scatter places them.
-    ``None`` row lists mean "identity": the buffer is used as is (zero copy).
+    Rows that stay on this rank move by one local copy (``keep_source`` -> ``keep_target``) that
+    overlaps the all-to-all; only rows for other ranks go through it. Those are sent grouped by
+    destination and, within a destination, ordered by the receiver's target row, so blocks
+    arrive in order and one scatter (``recv_rows``) places them. Row selections that are one
+    contiguous range are slices: zero-copy views, no gather or scatter kernel.
     ``reverse()`` gives the mirror route (target -> source) sharing the same tensors.
     """
 
-    send_rows: torch.Tensor | None  # local source rows to send, destination-major
-    send_splits: tuple[int, ...]  # rows sent to each rank
-    recv_rows: torch.Tensor | None  # local target row of each received row
-    recv_splits: tuple[int, ...]  # rows received from each rank
+    send_splits: tuple[int, ...]  # rows this rank's source sends to each rank (own rank included)
+    recv_splits: tuple[int, ...]  # rows this rank's target receives from each rank
+    keep_source: Rows  # own-rank rows, in source storage ...
+    keep_target: Rows  # ... and where they go in target storage (same order)
+    send_rows: Rows  # source rows for OTHER ranks, destination-major, receiver-row order
+    recv_rows: Rows  # target row of each row received from other ranks, source-major
     local_rows: int  # T / W: rows held per rank in either layout
     # Provenance: what the route was built for. Caches compare it with a request before reuse.
     cp_size: int
@@ -44,17 +71,29 @@ class Route:
 
     @property
     def is_identity(self) -> bool:
-        """No row changes rank or position: the swap is a no-op without any collective."""
-        own = self.send_splits[self.cp_rank]
-        return self.send_rows is None and self.recv_rows is None and own == self.local_rows
+        """On EVERY rank no row moves (CP = 1, same layout, or nothing packed): the swap is a no-op
+        with no collective. Decided on facts all ranks share, so no rank skips a collective that
+        its peers enter."""
+        return self.cp_size == 1 or self.source == self.target or self.local_rows == 0
+
+    @property
+    def wire_send_splits(self) -> list[int]:
+        """Split sizes of the all-to-all: own-rank rows never go on the wire."""
+        return [0 if d == self.cp_rank else n for d, n in enumerate(self.send_splits)]
+
+    @property
+    def wire_recv_splits(self) -> list[int]:
+        return [0 if s == self.cp_rank else n for s, n in enumerate(self.recv_splits)]
 
     @functools.cached_property
     def _reversed(self) -> Route:
         return Route(
-            send_rows=self.recv_rows,
             send_splits=self.recv_splits,
-            recv_rows=self.send_rows,
             recv_splits=self.send_splits,
+            keep_source=self.keep_target,
+            keep_target=self.keep_source,
+            send_rows=self.recv_rows,
+            recv_rows=self.send_rows,
             local_rows=self.local_rows,
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
@@ -77,17 +116,17 @@ class Route:
         return self if self.source == source else self.reverse()
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate ``range(s, s + n)`` for each run, vectorised."""
+def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows:
+    """``concat(range(s, s + n))`` over the runs: a slice when the runs chain into one range
+    (decided on the runs, before anything is expanded), else a device index tensor."""
     total = int(lengths.sum())
+    if total == 0:
+        return slice(0, 0)
+    first = int(starts[0])
+    if np.array_equal(starts, first + np.cumsum(lengths) - lengths):
+        return slice(first, first + total)
     offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _to_device(rows: np.ndarray, device: torch.device) -> torch.Tensor | None:
-    if np.array_equal(rows, np.arange(rows.size, dtype=np.int64)):
-        return None
-    host = torch.from_numpy(rows)
+    host = torch.from_numpy(np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64))
     if device.type == "cuda":
         # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
         return host.pin_memory().to(device, non_blocking=True)
@@ -115,7 +154,6 @@ def build_route(
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
     total = int(cu[-1])
-    local_rows = total // cp_size
 
     src = layout_segments(cu, cp_size, source)
     tgt = layout_segments(cu, cp_size, target)
@@ -130,22 +168,23 @@ def build_route(
 
     # Runs are in global order, which is also target-row (and source-row) order within a rank,
     # so a stable sort by the peer rank yields peer-major, target-row-minor order on both sides.
-    mine = np.nonzero(src_rank == cp_rank)[0]
-    mine = mine[np.argsort(tgt_rank[mine], kind="stable")]
-    send_rows = _expand(src_row[mine], run_len[mine])
-    send_splits = np.bincount(tgt_rank[mine], weights=run_len[mine], minlength=cp_size)
-
-    theirs = np.nonzero(tgt_rank == cp_rank)[0]
-    theirs = theirs[np.argsort(src_rank[theirs], kind="stable")]
-    recv_rows = _expand(tgt_row[theirs], run_len[theirs])
-    recv_splits = np.bincount(src_rank[theirs], weights=run_len[theirs], minlength=cp_size)
+    kept = (src_rank == cp_rank) & (tgt_rank == cp_rank)
+    outgoing = np.nonzero((src_rank == cp_rank) & ~kept)[0]
+    outgoing = outgoing[np.argsort(tgt_rank[outgoing], kind="stable")]
+    incoming = np.nonzero((tgt_rank == cp_rank) & ~kept)[0]
+    incoming = incoming[np.argsort(src_rank[incoming], kind="stable")]
+    send_splits = np.bincount(tgt_rank[outgoing], weights=run_len[outgoing], minlength=cp_size)
+    recv_splits = np.bincount(src_rank[incoming], weights=run_len[incoming], minlength=cp_size)
+    send_splits[cp_rank] = recv_splits[cp_rank] = run_len[kept].sum()
 
     return Route(
-        send_rows=_to_device(send_rows, device),
         send_splits=tuple(int(n) for n in send_splits),
-        recv_rows=_to_device(recv_rows, device),
         recv_splits=tuple(int(n) for n in recv_splits),
-        local_rows=local_rows,
+        keep_source=_rows(src_row[kept], run_len[kept], device),
+        keep_target=_rows(tgt_row[kept], run_len[kept], device),
+        send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
+        recv_rows=_rows(tgt_row[incoming], run_len[incoming], device),
+        local_rows=total // cp_size,
         cp_size=cp_size,
         cp_rank=cp_rank,
         source=source,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from relax_gdn.layout.route import Route
+from relax_gdn.layout.route import Route, put_rows, take_rows
 
 # gloo's all-to-all handles only some dtypes (int16 fails, for one). An all-to-all just moves
 # bytes, so any other dtype travels as the raw bytes of the same rows.
@@ -26,23 +26,26 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
 def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     x = x.contiguous()
-    send = x if route.send_rows is None else x.index_select(0, route.send_rows)
-    recv = x.new_empty((route.local_rows, *x.shape[1:]))
-    if route.local_rows and x[0].numel():
-        if _needs_byte_transport(x.dtype, group):
-            wire_send, wire_recv = send.view(torch.uint8), recv.view(torch.uint8)
-        else:
-            wire_send, wire_recv = send, recv
-        dist.all_to_all_single(
-            wire_recv,
-            wire_send,
-            output_split_sizes=list(route.recv_splits),
-            input_split_sizes=list(route.send_splits),
-            group=group,
-        )
-    if route.recv_rows is None:
-        return recv
-    return torch.empty_like(recv).index_copy_(0, route.recv_rows, recv)
+    send = take_rows(x, route.send_rows)
+    recv = x.new_empty((sum(route.wire_recv_splits), *x.shape[1:]))
+    wire_send, wire_recv = send, recv
+    if _needs_byte_transport(x.dtype, group):
+        wire_send, wire_recv = send.view(torch.uint8), recv.view(torch.uint8)
+    # Issued async so the own-rank copy below overlaps the transfer; on NCCL, wait() only makes
+    # the current stream wait for the collective, the host never blocks.
+    work = dist.all_to_all_single(
+        wire_recv,
+        wire_send,
+        output_split_sizes=route.wire_recv_splits,
+        input_split_sizes=route.wire_send_splits,
+        group=group,
+        async_op=True,
+    )
+    out = x.new_empty((route.local_rows, *x.shape[1:]))
+    put_rows(out, route.keep_target, take_rows(x, route.keep_source))
+    work.wait()
+    put_rows(out, route.recv_rows, recv)
+    return out
 
 
 class _SwapLayout(torch.autograd.Function):

@@ -1,0 +1,108 @@
+"""Route build time: interval intersection vs the per-token approach, side by side.
+
+    python -m relax_gdn.bench.routes [--quick]
+
+The per-token baseline is the approach the seed started from (Relax Stage 1): for every rank,
+per-token partition indices (bucketize over cu_seqlens, boolean masks, nonzero), then an
+argsort by (destination, target row) for the send side and a mask + nonzero per source rank for
+the receive side: O(W * T) tensor work per direction. It runs here on CPU tensors; on a GPU the
+same code also pays a host sync per nonzero. Both directions are timed for the baseline (it was
+recomputed per swap); one interval route serves both directions, so it is built once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from relax_gdn.layout import build_route
+
+
+def per_token_indices(cu: torch.Tensor, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
+    """Global token ids of one rank, computed per token (the baseline's partition step)."""
+    total = int(cu[-1])
+    ids = torch.arange(total)
+    if layout == "contiguous":
+        part = total // cp_size
+        return ids[cp_rank * part : (cp_rank + 1) * part]
+    seq = torch.bucketize(ids, cu[1:], right=True)
+    pos = ids - cu[seq]
+    chunk = pos // ((cu[seq + 1] - cu[seq]) // (2 * cp_size))
+    mask = (chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)
+    return ids[mask.nonzero().squeeze(1)]
+
+
+def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
+    total = int(cu[-1])
+    owner = torch.empty(total, dtype=torch.long)
+    position = torch.empty(total, dtype=torch.long)
+    for d in range(cp_size):
+        ids = per_token_indices(cu, cp_size, d, target)
+        owner[ids] = d
+        position[ids] = torch.arange(ids.numel())
+    mine = per_token_indices(cu, cp_size, cp_rank, source)
+    dest = owner[mine]
+    send_rows = torch.argsort(dest * total + position[mine], stable=True)
+    send_splits = torch.bincount(dest, minlength=cp_size).tolist()
+    recv_blocks, recv_splits = [], []
+    for s in range(cp_size):
+        ids = per_token_indices(cu, cp_size, s, source)
+        block = position[ids[(owner[ids] == cp_rank).nonzero().squeeze(1)]]
+        recv_blocks.append(block)
+        recv_splits.append(block.numel())
+    return send_rows, send_splits, torch.cat(recv_blocks), recv_splits
+
+
+def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Generator) -> list[int]:
+    """``num_seqs`` documents of random lengths (multiples of 2W) that sum to ``total``."""
+    unit = 2 * cp_size
+    units = total // unit
+    cuts = np.sort(rng.choice(np.arange(1, units), size=num_seqs - 1, replace=False))
+    return (np.concatenate([[0], cuts, [units]]) * unit).tolist()
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few rows only (smoke run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(1234)
+    grid = [(t, n, w) for t in (8192, 16384, 32768, 65536) for n in (1, 16, 64, 256) for w in (2, 4, 8)]
+    if args.quick:
+        grid = [(8192, 16, 2), (32768, 64, 4)]
+    print(f"{'T':>6} {'seqs':>5} {'W':>2} | {'interval (both dirs)':>20} | {'per-token x2':>13} | {'speed-up':>8}")
+    for total, num_seqs, cp_size in grid:
+        cu_list = random_packing(total, num_seqs, cp_size, rng)
+        cu = torch.tensor(cu_list)
+        rank = cp_size - 1  # the last rank receives from everyone in zigzag->contiguous
+        repeats = 5 if total * cp_size > 2**18 else 20
+        interval = median_seconds(lambda: build_route(cu_list, cp_size, rank, "zigzag", "contiguous"), 50)
+        per_token = median_seconds(
+            lambda: (
+                per_token_route(cu, cp_size, rank, "zigzag", "contiguous"),
+                per_token_route(cu, cp_size, rank, "contiguous", "zigzag"),
+            ),
+            repeats,
+        )
+        print(
+            f"{total:>6} {num_seqs:>5} {cp_size:>2} | {interval * 1e3:>17.3f} ms | "
+            f"{per_token * 1e3:>10.2f} ms | {per_token / interval:>7.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Swap cost on GPUs: zigzag<->contiguous with a prebuilt route vs a bare all-to-all of the same bytes.
+
+    torchrun --nproc-per-node 2 -m relax_gdn.bench.swap [--rows 8192 --width 12352]
+
+Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer). The bare
+all-to-all sends equal splits of the same tensor with no pack or scatter: the floor a swap can
+reach. Host syncs inside the swaps are counted with torch.cuda.set_sync_debug_mode("warn").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from relax_gdn.layout import build_route, swap_layout
+
+
+def cuda_median_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def count_syncs(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        fn()
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=8192, help="rows per rank")
+    parser.add_argument("--width", type=int, default=12352)
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    device = torch.device("cuda", rank)
+    total = args.rows * world
+    unit = 2 * world
+    docs = [3000, 5192, 3808] if total == 16384 else [total // 4, total // 2]
+    docs = [d // unit * unit for d in docs]
+    packings = {"multi-doc": [0, *torch.tensor(docs).cumsum(0).tolist(), total], "single-doc": [0, total]}
+
+    x = torch.randn(args.rows, args.width, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x))
+    rows = [("bare all_to_all_single", bare, 0)]
+    for name, cu in packings.items():
+        route = build_route(cu, world, rank, "zigzag", "contiguous", device=device)
+        back = route.reverse()
+        for label, r in ((f"{name} zigzag->contiguous", route), (f"{name} contiguous->zigzag", back)):
+            rows.append((label, cuda_median_ms(lambda r=r: swap_layout(x, r, None)), count_syncs(lambda r=r: swap_layout(x, r, None))))
+    if rank == 0:
+        gb = x.numel() * x.element_size() / 1e9
+        print(f"\nswap of {args.rows} x {args.width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
+              f"{torch.cuda.get_device_name()}")
+        print(f"{'variant':<36} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
+        for label, ms, syncs in rows:
+            print(f"{label:<36} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
