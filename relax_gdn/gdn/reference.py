@@ -44,7 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+
+from relax_gdn.layout.collectives import all_gather_stacked
 
 __all__ = [
     "ContiguousShard",
@@ -484,31 +485,6 @@ def contiguous_shard(cu_seqlens_global: HostCuSeqlens, world_size: int, rank: in
     )
 
 
-class _AllGather(torch.autograd.Function):
-    """``[*s] -> [W, *s]`` all-gather whose backward is the matching reduce-scatter (SUM).
-
-    Written out rather than taken from ``torch.distributed.nn.functional.all_gather``, which torch
-    2.14 deprecates (a FutureWarning on every call) and which emulates the reduce-scatter with W
-    scatters on gloo.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        grad_x = torch.empty_like(grad[0])
-        dist.reduce_scatter(grad_x, list(grad.unbind(0)), op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad_x, None
-
-
 def _shard_of(group: dist.ProcessGroup | None, cu_seqlens_global: HostCuSeqlens) -> ContiguousShard:
     if group is None:
         return contiguous_shard(cu_seqlens_global, 1, 0)
@@ -550,7 +526,7 @@ def cp_causal_conv1d(
 
     part = shard.stop - shard.start
     tail = min(part, halo_len)
-    tails = _AllGather.apply(x[0, part - tail :], group).flatten(0, 1)  # [W * tail, D]
+    tails = all_gather_stacked(x[0, part - tail :], group).flatten(0, 1)  # [W * tail, D]
     # Rank j's tail sits at padded[halo_len + j*tail:]; the halo_len rows before rank r's own tail
     # are the last halo_len global rows before this slice (zeros before the stream start). Slicing
     # rather than branching keeps every rank in the autograd graph of the all-gather, whose
@@ -616,7 +592,7 @@ def cp_gated_delta_rule(
     # 2. Exchange and fold. The fold starts from a zero that is still a function of the gathered
     # tensor: a rank whose first sequence starts on its own boundary uses nothing gathered, yet
     # must reach the all-gather's backward, which is a collective.
-    s_loc, m = _AllGather.apply(summary[0], group).split([dv, dk], dim=-1)
+    s_loc, m = all_gather_stacked(summary[0], group).split([dv, dk], dim=-1)
     state = s_loc[shard.rank] * 0
     for j in shard.pre_ranks:
         state = m[j] @ state + s_loc[j]

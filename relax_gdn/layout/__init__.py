@@ -12,11 +12,12 @@ from relax_gdn.layout.cache import (
     get_route,
     host_cu_seqlens,
     packed_cu_seqlens,
+    per_micro_batch,
     prebuild_routes,
     resolve_cu_seqlens,
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
-from relax_gdn.layout.route import Route, build_route, rows_as_tensor
+from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order, rows_as_tensor
 from relax_gdn.layout.swap import swap_layout
 
 __all__ = [
@@ -24,12 +25,15 @@ __all__ = [
     "LAYOUTS",
     "ROUTE_STRATEGIES",
     "ResolvedCuSeqlens",
+    "GatheredOrder",
     "Route",
     "attach_host_cu_seqlens",
     "build_route",
+    "gathered_zigzag_order",
     "get_route",
     "host_cu_seqlens",
     "packed_cu_seqlens",
+    "per_micro_batch",
     "prebuild_routes",
     "resolve_cu_seqlens",
     "rows_as_tensor",

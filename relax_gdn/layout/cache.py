@@ -12,8 +12,9 @@ records that copy next to the device tensor so nothing in a layer needs a device
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -25,12 +26,13 @@ from relax_gdn.layout.route import Route, build_route
 if TYPE_CHECKING:  # the layout package needs only the fields, not Megatron-Core's import cost
     from megatron.core.packed_seq_params import PackedSeqParams
 
+T = TypeVar("T")
+
 ROUTE_STRATEGIES = ("lazy_cache", "prebuild")
 CP_LAYOUT_PAIR = ("zigzag", "contiguous")  # the conversion chunkwise GDN performs
 
 _HOST_ATTR = "_relax_gdn_host_cu_seqlens"  # list of (device tensor, its _version, host array)
 _ROUTES_ATTR = "_relax_gdn_routes"  # {frozenset(layouts): Route}
-_RESOLVED_ATTR = "_relax_gdn_resolved_cu_seqlens"  # {(seq_len, cp_size): ResolvedCuSeqlens}
 
 
 def attach_host_cu_seqlens(
@@ -78,6 +80,41 @@ def _route_matches(
         and route.serves(source, target)
         and route.device == device
     )
+
+
+_PER_MICRO_BATCH_ATTR = "_relax_gdn_per_micro_batch"  # {(name, key): (sources, value)}
+
+
+def _sources(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
+    return tuple((t, None if t is None else t._version) for t in tensors)
+
+
+def _same_sources(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(ta is tb and va == vb for (ta, va), (tb, vb) in zip(a, b))
+
+
+def per_micro_batch(
+    packed_seq_params: PackedSeqParams,
+    name: str,
+    key: tuple,
+    depends_on: tuple[torch.Tensor | None, ...],
+    build: Callable[[], T],
+) -> T:
+    """``build()`` once per micro-batch: cached on ``packed_seq_params`` under ``(name, key)`` and
+    reused while every tensor in ``depends_on`` is the same object at the same ``_version``
+    (in-place refills, also through views, invalidate). ``key`` holds the plain values the answer
+    depends on (CP size, rank, device, ...)."""
+    cache = getattr(packed_seq_params, _PER_MICRO_BATCH_ATTR, None)
+    if cache is None:
+        cache = {}
+        setattr(packed_seq_params, _PER_MICRO_BATCH_ATTR, cache)
+    sources = _sources(depends_on)
+    hit = cache.get((name, key))
+    if hit is not None and _same_sources(hit[0], sources):
+        return hit[1]
+    value = build()
+    cache[(name, key)] = (sources, value)
+    return value
 
 
 _warned_missing_prebuild = False
@@ -155,17 +192,6 @@ class ResolvedCuSeqlens:
     cu_seqlens: torch.Tensor  # device boundaries the layer uses (padded if given)
     host: np.ndarray  # their host copy
     max_seqlen: int
-    sources: tuple  # (tensor, _version) of each PackedSeqParams boundary field, for validity
-
-
-def _boundary_fields(packed_seq_params: PackedSeqParams) -> tuple:
-    p = packed_seq_params
-    fields = (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
-    return tuple((t, None if t is None else t._version) for t in fields)
-
-
-def _same_sources(a: tuple, b: tuple) -> bool:
-    return all(ta is tb and va == vb for (ta, va), (tb, vb) in zip(a, b, strict=True))
 
 
 def resolve_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, cp_size: int) -> ResolvedCuSeqlens:
@@ -175,15 +201,15 @@ def resolve_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, cp_size
     Keyed on the identities and versions of the four boundary tensors plus ``(seq_len, cp_size)``;
     the answer does not depend on the CP rank. With host copies attached it needs no sync at all.
     """
-    sources = _boundary_fields(packed_seq_params)
-    cache = getattr(packed_seq_params, _RESOLVED_ATTR, None)
-    if cache is None:
-        cache = {}
-        setattr(packed_seq_params, _RESOLVED_ATTR, cache)
-    hit = cache.get((seq_len, cp_size))
-    if hit is not None and _same_sources(hit.sources, sources):
-        return hit
+    p = packed_seq_params
+    boundary_fields = (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
+    return per_micro_batch(
+        p, "resolved_cu_seqlens", (seq_len, cp_size), boundary_fields,
+        lambda: _resolve(p, seq_len, cp_size),
+    )
 
+
+def _resolve(packed_seq_params: PackedSeqParams, seq_len: int, cp_size: int) -> ResolvedCuSeqlens:
     cu_q, cu_kv = packed_cu_seqlens(packed_seq_params)
     if cu_q is None:
         raise ValueError("packed (thd) input needs PackedSeqParams.cu_seqlens_q (or cu_seqlens_q_padded)")
@@ -202,8 +228,4 @@ def resolve_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, cp_size
         )
     validated_boundaries(host_q, cp_size, 0, "zigzag")
     lengths = np.diff(host_q)
-    resolved = ResolvedCuSeqlens(
-        cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0, sources=sources
-    )
-    cache[(seq_len, cp_size)] = resolved
-    return resolved
+    return ResolvedCuSeqlens(cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0)

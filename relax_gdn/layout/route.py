@@ -116,6 +116,20 @@ class Route:
         return self if self.source == source else self.reverse()
 
 
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(range(s, s + n))`` over the runs, vectorised."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(rows)
+    if device.type == "cuda":
+        # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows:
     """``concat(range(s, s + n))`` over the runs: a slice when the runs chain into one range
     (decided on the runs, before anything is expanded), else a device index tensor."""
@@ -125,12 +139,7 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows
     first = int(starts[0])
     if np.array_equal(starts, first + np.cumsum(lengths) - lengths):
         return slice(first, first + total)
-    offsets = np.cumsum(lengths) - lengths
-    host = torch.from_numpy(np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64))
-    if device.type == "cuda":
-        # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return _upload(_expand(starts, lengths), device)
 
 
 def build_route(
@@ -193,3 +202,30 @@ def build_route(
         cu_seqlens=provenance,
         cu_seqlens_version=None if provenance is None else provenance._version,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class GatheredOrder:
+    """Row maps between the RANK-MAJOR concatenation of every rank's zigzag shard (what an
+    all-gather or a sequence all-to-all produces) and the natural order of the packed batch."""
+
+    natural_rows: torch.Tensor  # natural[i] = rank_major[natural_rows[i]]
+    rank_major_rows: torch.Tensor  # rank_major[j] = natural[rank_major_rows[j]]
+    local_rows: int  # T / W
+
+    def own_rows(self, cp_rank: int) -> torch.Tensor:
+        """Natural-order ids of the rows ``cp_rank`` holds, in its local (zigzag) order."""
+        return self.rank_major_rows[cp_rank * self.local_rows : (cp_rank + 1) * self.local_rows]
+
+
+def gathered_zigzag_order(cu_seqlens: CuSeqlens, cp_size: int, device: torch.device | str) -> GatheredOrder:
+    """Host-built (no sync when ``cu_seqlens`` is a host copy) maps for a gathered zigzag batch."""
+    cu = validated_boundaries(cu_seqlens, cp_size, 0, "zigzag")
+    device = torch.device(device)
+    local_rows = int(cu[-1]) // cp_size
+    seg = layout_segments(cu, cp_size, "zigzag")
+    lengths = np.diff(np.append(seg.start, int(cu[-1])))
+    natural = _expand(seg.rank * local_rows + seg.local_start, lengths)
+    by_rank = np.lexsort((seg.local_start, seg.rank))  # rank-major order of the segments
+    rank_major = _expand(seg.start[by_rank], lengths[by_rank])
+    return GatheredOrder(_upload(natural, device), _upload(rank_major, device), local_rows)
