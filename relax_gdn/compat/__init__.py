@@ -1,0 +1,1 @@
+"""Compatibility shims (applied explicitly, never on import)."""

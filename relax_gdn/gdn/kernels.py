@@ -1,0 +1,124 @@
+"""Kernel backends for the GDN core: FLA's Triton kernels on CUDA, the pure-torch reference on CPU.
+
+Both take the same :class:`ScanRows` description of the rows they get, so the layer is written
+once. ``ScanRows.cp_group`` set means "these rows are this rank's CONTIGUOUS slice of the packed
+batch described by the GLOBAL boundaries": the conv halo and the recurrent state then cross
+rank boundaries (FLA's CP context on GPU, differentiable collectives in the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from relax_gdn.gdn import reference
+
+KERNEL_BACKENDS = ("auto", "fla", "torch")
+
+
+@dataclass(eq=False)
+class ScanRows:
+    """Packed boundaries of the rows handed to the kernels (``None``: unpacked batch rows)."""
+
+    cu_host: torch.Tensor | None  # int64, CPU
+    cu_device: torch.Tensor | None  # int64, on the activations' device
+    cp_group: dist.ProcessGroup | None = None  # chunkwise CP: rows are a contiguous slice
+    conv_kernel_size: int = 4
+    _fla_context: object = field(default=None, repr=False)
+
+
+class GDNKernels(Protocol):
+    name: str
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ScanRows) -> torch.Tensor:
+        """SiLU(depthwise causal conv) of ``x [B, S, D]`` with ``weight [D, Wc]``."""
+
+    def scan(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        rows: ScanRows, use_qk_l2norm: bool,
+    ) -> torch.Tensor:
+        """Gated delta rule output ``[B, S, HV, V]`` (q, k ``[B, S, H, K]``, GVA when HV > H)."""
+
+
+class TorchKernels:
+    """Pure-torch reference (CPU or any device): exact, slow, autograd-differentiable."""
+
+    name = "torch"
+
+    def conv(self, x, weight, bias, rows):
+        if rows.cp_group is not None:
+            y, _ = reference.cp_causal_conv1d(
+                x, weight, bias, cu_seqlens_global=rows.cu_host, group=rows.cp_group, activation="silu"
+            )
+        else:
+            y, _ = reference.causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=rows.cu_host)
+        return y
+
+    def scan(self, q, k, v, g, beta, rows, use_qk_l2norm):
+        if rows.cp_group is not None:
+            o, _ = reference.cp_gated_delta_rule(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                cu_seqlens_global=rows.cu_host, group=rows.cp_group,
+            )
+        else:
+            o, _ = reference.gated_delta_rule_chunked(
+                q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=rows.cu_host
+            )
+        return o
+
+
+class FlaKernels:
+    """FLA 0.6 Triton kernels; chunkwise CP through ``fla.ops.cp.build_cp_context``.
+
+    Host copies of the boundaries are always passed (``cu_seqlens_cpu``) so FLA never copies
+    them back from the device.
+    """
+
+    name = "fla"
+
+    def __init__(self) -> None:
+        from fla.modules.convolution import causal_conv1d
+        from fla.ops.cp import build_cp_context
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        self._conv, self._scan, self._build_cp_context = causal_conv1d, chunk_gated_delta_rule, build_cp_context
+
+    def _context(self, rows: ScanRows):
+        if rows._fla_context is None:  # once per micro-batch: ScanRows is cached per micro-batch
+            rows._fla_context = self._build_cp_context(
+                rows.cu_device, rows.cp_group, conv1d_kernel_size=rows.conv_kernel_size,
+                cu_seqlens_cpu=rows.cu_host,
+            )
+        return rows._fla_context
+
+    def _where(self, rows: ScanRows) -> dict:
+        if rows.cp_group is not None:
+            return {"cp_context": self._context(rows)}
+        if rows.cu_device is None:
+            return {}
+        return {"cu_seqlens": rows.cu_device, "cu_seqlens_cpu": rows.cu_host}
+
+    def conv(self, x, weight, bias, rows):
+        y, _ = self._conv(x=x, weight=weight, bias=bias, activation="silu", **self._where(rows))
+        return y
+
+    def scan(self, q, k, v, g, beta, rows, use_qk_l2norm):
+        o, _ = self._scan(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=use_qk_l2norm, **self._where(rows),
+        )
+        return o
+
+
+def select_kernels(backend: str, device: torch.device) -> GDNKernels:
+    """``auto``: FLA on CUDA, the torch reference elsewhere."""
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown gdn.kernel_backend {backend!r}: use one of {KERNEL_BACKENDS}")
+    if backend == "auto":
+        backend = "fla" if device.type == "cuda" else "torch"
+    if backend == "fla" and device.type != "cuda":
+        raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got device {device}; use torch or auto")
+    return FlaKernels() if backend == "fla" else TorchKernels()

@@ -1,0 +1,275 @@
+"""Megatron-Core's ``GatedDeltaNet`` with a context-parallel mode chosen by configuration.
+
+Same parameters and state_dict as ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` in every
+mode (checkpoints move freely between modes); only ``forward`` differs. Per micro-batch:
+
+* the CP group comes from ``relax_gdn.parallel.resolve_cp_group`` (static or dynamic CP);
+* the packed boundaries are checked once (``resolve_cu_seqlens``), routes and row maps are built
+  once (``get_route`` / ``per_micro_batch``), all from host copies: zero host syncs per layer;
+* CP = 1 means no conversion and no collective in any mode.
+
+Modes (LAYOUTS.md §4):
+
+``headwise``   all-to-all from the zigzag sequence split to a head split, every rank scans the
+               whole sequence for 1/W of the heads, all-to-all back (Megatron-Core's scheme).
+``chunkwise``  zigzag -> contiguous swap, conv + scan of the contiguous slice with ALL heads,
+               recurrent state and conv halo passed between ranks, contiguous -> zigzag swap.
+               Without sequence parallelism the swap moves the hidden states BEFORE in_proj
+               (4096 wide for Qwen3.5) instead of its 12352-wide output.
+``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
+               its own rows (needs whole-layer recompute when training: memory grows with T).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.ssm.gated_delta_net.common import (
+    GatedDeltaNetSubmodules,
+    _build_head_perm_for_split_sections,
+    tensor_a2a_cp2hp,
+    tensor_a2a_hp2cp,
+)
+from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from relax_gdn.gdn.kernels import ScanRows, select_kernels
+from relax_gdn.layout import (
+    CP_LAYOUT_PAIR,
+    ROUTE_STRATEGIES,
+    gathered_zigzag_order,
+    get_route,
+    per_micro_batch,
+    resolve_cu_seqlens,
+    swap_layout,
+)
+from relax_gdn.layout.collectives import all_gather_stacked
+from relax_gdn.parallel import CPGroup, resolve_cp_group
+
+from relax_gdn.gdn import CP_MODES
+
+
+def check_gdn_cp_config(
+    config: TransformerConfig, cp_mode: str, tp_size: int, max_cp_size: int, route_strategy: str = "lazy_cache",
+    training: bool = True,
+) -> None:
+    """Refuse impossible combinations before anything is built; messages name the setting to fix."""
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"unknown gdn.cp_mode {cp_mode!r}: use one of {CP_MODES}")
+    if route_strategy not in ROUTE_STRATEGIES:
+        raise ValueError(f"unknown gdn.route {route_strategy!r}: use one of {ROUTE_STRATEGIES}")
+    heads = {"linear_num_key_heads": config.linear_num_key_heads, "linear_num_value_heads": config.linear_num_value_heads}
+    for name, n in heads.items():
+        if n % tp_size:
+            raise ValueError(f"{name}={n} is not divisible by tensor parallel size parallel.tp={tp_size}")
+        if cp_mode == "headwise" and n % (tp_size * max_cp_size):
+            raise ValueError(
+                f"gdn.cp_mode=headwise splits heads over TP x CP but {name}={n} is not divisible by "
+                f"tp x cp = {tp_size} x {max_cp_size}; use gdn.cp_mode=chunkwise (needs heads % tp only) "
+                "or a smaller parallel.cp"
+            )
+    if cp_mode == "chunkwise" and config.deterministic_mode and max_cp_size > 1:
+        raise ValueError(
+            "gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels; turn off deterministic mode "
+            "or use gdn.cp_mode=headwise"
+        )
+    if cp_mode == "all_gather" and training and max_cp_size > 1 and config.recompute_granularity != "full":
+        raise ValueError(
+            "gdn.cp_mode=all_gather recomputes the whole sequence on every rank, so its activations grow "
+            f"with the global length: it needs recompute.granularity=full (got {config.recompute_granularity})"
+        )
+
+
+def _head_share(param: torch.Tensor, sections: list[int], parts: int, part: int) -> torch.Tensor:
+    """Rows of ``param`` (dim 0) for head group ``part`` of ``parts`` in each section."""
+    if parts == 1:
+        return param
+    return torch.cat([s.chunk(parts)[part] for s in param.split(sections)])
+
+
+class CPGatedDeltaNet(GatedDeltaNet):
+    """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: GatedDeltaNetSubmodules,
+        *args,
+        cp_mode: str = "chunkwise",
+        route_strategy: str = "lazy_cache",
+        kernel_backend: str = "auto",
+        max_cp_size: int | None = None,
+        training: bool = True,
+        **kwargs,
+    ):
+        super().__init__(config, submodules, *args, **kwargs)
+        check_gdn_cp_config(
+            config, cp_mode, self.tp_size, max_cp_size or self.cp_size, route_strategy, training=training
+        )
+        self.cp_mode, self.route_strategy, self.kernel_backend = cp_mode, route_strategy, kernel_backend
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inference_context=None,
+        packed_seq_params: PackedSeqParams | None = None,
+        sequence_len_offset: int | None = None,
+        *,
+        inference_params=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("GDN inference is not supported (same as Megatron-Core 0.19.2)")
+        cp = resolve_cp_group(packed_seq_params, self.pg_collection.cp)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if not packed:
+            if cp.size > 1:
+                raise ValueError(
+                    f"GDN with CP={cp.size} needs packed (thd) micro-batches; pack the data "
+                    "(data.packing) or run with parallel.cp=1"
+                )
+            return self._forward_local(hidden_states, None)
+        if hidden_states.shape[1] != 1:
+            raise ValueError(f"packed (thd) input must have batch 1, got hidden_states {tuple(hidden_states.shape)}")
+        seq_len = hidden_states.shape[0] * self.sp_size * cp.size
+        resolved = resolve_cu_seqlens(packed_seq_params, seq_len, cp.size)
+        if cp.size == 1:
+            return self._forward_local(hidden_states, self._rows(packed_seq_params, resolved, None))
+        if self.cp_mode == "chunkwise":
+            return self._forward_chunkwise(hidden_states, packed_seq_params, resolved, cp)
+        if self.cp_mode == "headwise":
+            return self._forward_headwise(hidden_states, packed_seq_params, resolved, cp)
+        if torch.is_grad_enabled() and self.config.recompute_granularity != "full":
+            raise ValueError(
+                "gdn.cp_mode=all_gather with gradients needs whole-layer recompute: set "
+                f"recompute.granularity=full (got {self.config.recompute_granularity})"
+            )
+        return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
+
+    def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
+        """Kernel-side boundaries, built once per micro-batch (and FLA's CP context with them)."""
+        device = resolved.cu_seqlens.device
+
+        def build() -> ScanRows:
+            host = torch.from_numpy(resolved.host)
+            return ScanRows(
+                cu_host=host,
+                cu_device=host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device),
+                cp_group=cp_group,
+                conv_kernel_size=self.conv_kernel_dim,
+            )
+
+        key = (id(cp_group), str(device))  # the group objects live as long as the run
+        return per_micro_batch(psp, "gdn_scan_rows", key, (resolved.cu_seqlens,), build)
+
+    def _forward_local(self, hidden_states, rows: ScanRows | None):
+        qkvzba, _ = self.in_proj(hidden_states)
+        return self.out_proj(self._core(qkvzba, rows, parts=1, part=0))
+
+    def _forward_chunkwise(self, hidden_states, psp, resolved, cp: CPGroup):
+        route = get_route(
+            psp, resolved.cu_seqlens, cp.size, cp.rank, *CP_LAYOUT_PAIR,
+            strategy=self.route_strategy, device=hidden_states.device,
+        )
+        if self.sp_size == 1:  # projections are per token: swap the narrower input instead
+            qkvzba, _ = self.in_proj(swap_layout(hidden_states, route, cp.group))
+        else:
+            qkvzba, _ = self.in_proj(hidden_states)
+            qkvzba = swap_layout(qkvzba, route, cp.group)
+        core = self._core(qkvzba, self._rows(psp, resolved, cp.group), parts=1, part=0)
+        return self.out_proj(swap_layout(core, route.reverse(), cp.group))
+
+    def _gathered_order(self, psp, resolved, cp: CPGroup):
+        device = resolved.cu_seqlens.device
+        return per_micro_batch(
+            psp, "gathered_zigzag_order", (cp.size, str(device)), (resolved.cu_seqlens,),
+            lambda: gathered_zigzag_order(resolved.host, cp.size, device),
+        )
+
+    def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
+        qkvzba, _ = self.in_proj(hidden_states)
+        # Group each section's heads by destination rank so ONE all-to-all does every section.
+        head_perm = _build_head_perm_for_split_sections(
+            tuple(self.in_proj_split_sections), cp.size, qkvzba.device
+        )
+        qkvzba = tensor_a2a_cp2hp(
+            qkvzba.index_select(-1, head_perm), seq_dim=0, head_dim=-1, cp_group=cp.group,
+            undo_attention_load_balancing=False,
+        )
+        order = self._gathered_order(psp, resolved, cp)
+        qkvzba = qkvzba.index_select(0, order.natural_rows)
+        core = self._core(qkvzba, self._rows(psp, resolved, None), parts=cp.size, part=cp.rank)
+        core = core.index_select(0, order.rank_major_rows)
+        norm_out = tensor_a2a_hp2cp(
+            core, seq_dim=0, head_dim=-1, cp_group=cp.group, redo_attention_load_balancing=False
+        )
+        return self.out_proj(norm_out)
+
+    def _forward_all_gather(self, hidden_states, psp, resolved, cp: CPGroup):
+        qkvzba, _ = self.in_proj(hidden_states)
+        order = self._gathered_order(psp, resolved, cp)
+        gathered = all_gather_stacked(qkvzba, cp.group).flatten(0, 1)  # rank-major [T, 1, D]
+        core = self._core(gathered.index_select(0, order.natural_rows), self._rows(psp, resolved, None), 1, 0)
+        return self.out_proj(core.index_select(0, order.own_rows(cp.rank)))
+
+    # ------------------------------------------------------------------ the math, any split
+
+    def _core(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
+        """conv -> gated delta rule -> gated norm for the heads of share ``part`` of ``parts``.
+
+        ``qkvzba [S, B, D/parts]`` (sections q, k, v, z, beta, alpha, each 1/parts of this TP
+        rank's heads); returns ``[S, B, v_dim/(tp*parts)]``.
+        """
+        seq, batch, _ = qkvzba.shape
+        qk, v_dim, hv = self.qk_dim_local_tp // parts, self.v_dim_local_tp // parts, self.num_v_heads_local_tp // parts
+        x = qkvzba.transpose(0, 1)  # [B, S, D]
+        qkv, gate, beta, alpha = torch.split(x, [2 * qk + v_dim, v_dim, hv, hv], dim=-1)
+
+        conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        weight = _head_share(self.conv1d.weight, conv_sections, parts, part).squeeze(1)
+        bias = _head_share(self.conv1d.bias, conv_sections, parts, part) if self.conv_bias else None
+        kernels = select_kernels(self.kernel_backend, qkvzba.device)
+        qkv = kernels.conv(qkv.contiguous(), weight, bias, rows or ScanRows(None, None))
+
+        query, key, value = torch.split(qkv, [qk, qk, v_dim], dim=-1)
+        query = query.reshape(batch, seq, -1, self.key_head_dim)
+        key = key.reshape(batch, seq, -1, self.key_head_dim)
+        value = value.reshape(batch, seq, -1, self.value_head_dim)
+        a_log = _head_share(self.A_log, [self.A_log.shape[0]], parts, part)
+        dt_bias = _head_share(self.dt_bias, [self.dt_bias.shape[0]], parts, part)
+        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())  # fp32, as Megatron-Core
+        # GVA is native in both backends (value head j reads key head j // (HV/H)), and q/k are
+        # L2-normalised inside the kernel: no repeat_interleave or separate l2norm pass.
+        out = kernels.scan(
+            query.contiguous(), key.contiguous(), value.contiguous(), g.contiguous(),
+            beta.sigmoid().contiguous(), rows or ScanRows(None, None), self.use_qk_l2norm,
+        )
+        norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
+        return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+
+def gdn_cp_layer_spec(
+    cp_mode: str, route_strategy: str = "lazy_cache", kernel_backend: str = "auto", training: bool = True,
+    max_cp_size: int | None = None, in_proj=None, out_norm=None, out_proj=None,
+) -> ModuleSpec:
+    """A ModuleSpec for the CP-mode GDN (local Megatron-Core linears and norm unless given)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return ModuleSpec(
+        module=CPGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=in_proj or ColumnParallelLinear,
+            out_norm=out_norm or WrappedTorchNorm,
+            out_proj=out_proj or RowParallelLinear,
+        ),
+        params={
+            "cp_mode": cp_mode, "route_strategy": route_strategy, "kernel_backend": kernel_backend,
+            "training": training, "max_cp_size": max_cp_size,
+        },
+    )

@@ -1,0 +1,510 @@
+"""Core attention for packed (THD) micro-batches sharded zigzag across CP ranks, without Transformer
+Engine: a drop-in for ``SelfAttentionSubmodules.core_attention``.
+
+Megatron-Core's local ``DotProductAttention`` refuses CP and packed input. Here every rank holds
+chunks ``r`` and ``2W-1-r`` of every document (LAYOUTS.md §1), so:
+
+1. All-gather K and V over the CP group (one collective; its backward is a reduce-scatter SUM).
+2. Each local query attends to the keys of its own document up to its own GLOBAL position.
+
+Two interchangeable kernels do step 2, chosen by :func:`attend_zigzag_shard`:
+
+* ``sdpa`` (reference, any device/dtype): dense masked ``scaled_dot_product_attention`` over all
+  gathered keys, mask ``doc_start(q) <= pos(k) <= pos(q)`` (= same document and causal).
+  O(T/W x T) memory; exact.
+* ``varlen`` (CUDA, fp16/bf16): ``torch.nn.attention.varlen.varlen_attn`` with causal masking.
+  Each (document, local chunk) is one query segment whose keys are the document's gathered keys
+  from its start to the END of that chunk. Flash attention aligns the causal mask bottom-right
+  when a segment has fewer queries than keys, so query ``i`` of a chunk of ``c`` tokens sees
+  ``k_len - c + i + 1`` keys: exactly the document prefix up to its own global position.
+  Queries and outputs stay in local storage order; only keys/values are copied into segments.
+
+Everything the kernels need (gather order, positions, segment boundaries) is host integer work on
+the global boundaries, done once per micro-batch and cached on its ``PackedSeqParams`` with the
+same provenance rule as the layout routes (``relax_gdn.layout.per_micro_batch``); with the data
+side's host copy of ``cu_seqlens`` attached, a forward issues no device->host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+
+from relax_gdn.layout import (
+    GatheredOrder,
+    gathered_zigzag_order,
+    per_micro_batch,
+    resolve_cu_seqlens,
+    validated_boundaries,
+)
+from relax_gdn.layout.collectives import all_gather_stacked
+from relax_gdn.layout.partition import CuSeqlens
+from relax_gdn.parallel import resolve_cp_group
+
+try:  # torch >= 2.9; its signature differs between versions: see varlen_unsupported_reason
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch build
+    varlen_attn = None
+
+ATTENTION_BACKENDS = ("auto", "varlen", "sdpa")
+"""``auto``: ``varlen`` where it applies (CUDA, fp16/bf16, head dim <= 256), else ``sdpa``."""
+
+_PLAN_CACHE_NAME = "zigzag_attention_plan"
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's rows of ``x`` (dim 0), concatenated in rank order; the backward reduce-scatters
+    (SUM) the gradient. A group of one (or none) returns ``x`` itself, with no collective."""
+    if group is None or group.size() == 1:
+        return x
+    return all_gather_stacked(x, group).flatten(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-micro-batch plan (host integer work, uploaded once)
+# ---------------------------------------------------------------------------------------------
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(range(s, s + n))`` over the runs, as one int64 array."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+def _upload(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type == "cuda":  # pinned + non_blocking: queued on the stream, the host does not wait
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@dataclass(frozen=True)
+class DenseIndex:
+    """What the dense (``sdpa``) kernel masks with: key ``j`` is visible to query ``i`` iff
+    ``q_start[i] <= k_pos[j] <= q_pos[i]`` (same document, not in the future)."""
+
+    q_pos: torch.Tensor  # [T/W] global position of each local query
+    q_start: torch.Tensor  # [T/W] global start of its document
+    k_pos: torch.Tensor  # [T] global position of each gathered (rank-major) key
+
+
+@dataclass(frozen=True)
+class VarlenSegments:
+    """What the ``varlen`` kernel runs: segment ``s`` has queries ``cu_q[s]:cu_q[s+1]`` (local
+    rows) and keys ``cu_k[s]:cu_k[s+1]`` of ``gathered.index_select(0, key_rows)``."""
+
+    cu_q: torch.Tensor  # int32 [S+1]
+    cu_k: torch.Tensor  # int32 [S+1]
+    key_rows: torch.Tensor | None  # None: the (un-gathered, W = 1) keys are the segments as they are
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagAttentionPlan:
+    """Index tensors for one rank's zigzag shard of one packed micro-batch.
+
+    Built from host boundaries; each kernel's part is uploaded to ``device`` on first use and then
+    kept, so a cached plan serves every attention layer and recompute of the micro-batch.
+    """
+
+    cu_seqlens: np.ndarray  # validated global boundaries (host)
+    cp_size: int
+    cp_rank: int
+    device: torch.device
+    order: GatheredOrder  # rank-major <-> natural row maps of the gathered batch (device)
+
+    @property
+    def total_rows(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def local_rows(self) -> int:
+        return self.total_rows // self.cp_size
+
+    def _documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, length) of every non-empty document (repeated boundaries are empty slots)."""
+        lengths = np.diff(self.cu_seqlens)
+        keep = lengths > 0
+        return self.cu_seqlens[:-1][keep], lengths[keep]
+
+    @functools.cached_property
+    def dense(self) -> DenseIndex:
+        starts, lengths = self._documents()
+        # A rank holds L/W rows of every document, stored document by document.
+        q_start = np.repeat(starts, lengths // self.cp_size)
+        return DenseIndex(
+            q_pos=self.order.own_rows(self.cp_rank),
+            q_start=_upload(q_start, torch.long, self.device),
+            k_pos=self.order.rank_major_rows,
+        )
+
+    @functools.cached_property
+    def varlen(self) -> VarlenSegments:
+        world, rank = self.cp_size, self.cp_rank
+        starts, lengths = self._documents()
+        if world == 1:  # one segment per document; the keys are the local keys as they are
+            q_lens = k_lens = lengths
+            key_rows = None
+        else:
+            chunk = lengths // (2 * world)
+            # Local chunk 0 is global chunk r, local chunk 1 is global chunk 2W-1-r; each sees the
+            # document's keys from its start to the end of that chunk.
+            q_lens = np.stack([chunk, chunk], axis=1).reshape(-1)
+            k_lens = np.stack([(rank + 1) * chunk, (2 * world - rank) * chunk], axis=1).reshape(-1)
+            key_ids = _upload(_expand(np.repeat(starts, 2), k_lens), torch.long, self.device)
+            key_rows = self.order.natural_rows.index_select(0, key_ids)  # natural -> rank-major row
+        zero = np.zeros(1, dtype=np.int64)
+        return VarlenSegments(
+            cu_q=_upload(np.concatenate([zero, np.cumsum(q_lens)]), torch.int32, self.device),
+            cu_k=_upload(np.concatenate([zero, np.cumsum(k_lens)]), torch.int32, self.device),
+            key_rows=key_rows,
+            max_q=int(q_lens.max()) if q_lens.size else 0,
+            max_k=int(k_lens.max()) if k_lens.size else 0,
+        )
+
+
+def build_zigzag_attention_plan(
+    cu_seqlens: CuSeqlens,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device | str | None = None,
+    *,
+    order: GatheredOrder | None = None,
+) -> ZigzagAttentionPlan:
+    """Plan for rank ``cp_rank`` of ``cp_size`` on global boundaries ``cu_seqlens`` (pass a HOST
+    copy to avoid a sync). ``order``: the batch's ``gathered_zigzag_order`` if already built.
+    Raises ``ValueError`` on boundaries the zigzag layout cannot split."""
+    cu = validated_boundaries(cu_seqlens, cp_size, cp_rank, "zigzag")
+    if device is None:
+        device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    if order is None:
+        order = gathered_zigzag_order(cu, cp_size, device)
+    return ZigzagAttentionPlan(cu_seqlens=cu, cp_size=cp_size, cp_rank=cp_rank, device=device, order=order)
+
+
+def zigzag_attention_plan(
+    packed_seq_params: PackedSeqParams, local_rows: int, cp_size: int, cp_rank: int, device: torch.device
+) -> ZigzagAttentionPlan:
+    """The plan for this micro-batch, built once and cached on ``packed_seq_params``.
+
+    Boundaries are the padded ones if set, else the actual ones, checked (q == kv, last boundary ==
+    ``local_rows * cp_size``, 2W divisibility) by the same once-per-micro-batch resolver as GDN.
+    The gathered order is cached under the name and key the GDN layer uses, so both share it.
+    """
+    psp = packed_seq_params
+    resolved = resolve_cu_seqlens(psp, local_rows * cp_size, cp_size)
+    depends_on = (resolved.cu_seqlens,)
+
+    def build() -> ZigzagAttentionPlan:
+        order = per_micro_batch(
+            psp, "gathered_zigzag_order", (cp_size, str(device)), depends_on,
+            lambda: gathered_zigzag_order(resolved.host, cp_size, device),
+        )
+        return build_zigzag_attention_plan(resolved.host, cp_size, cp_rank, device, order=order)
+
+    return per_micro_batch(psp, _PLAN_CACHE_NAME, (cp_size, cp_rank, str(device)), depends_on, build)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_unsupported_reason(query: torch.Tensor) -> str | None:
+    """Why the ``varlen`` kernel cannot run on ``query`` (None when it can)."""
+    if varlen_attn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    if query.device.type != "cuda":
+        return f"it needs CUDA tensors, got {query.device}"
+    if query.dtype not in _VARLEN_DTYPES:
+        return f"flash attention needs float16 or bfloat16, got {query.dtype}"
+    head_dim = query.shape[-1]
+    if head_dim > 256 or head_dim % 8:
+        return f"flash attention needs head_dim <= 256 and a multiple of 8, got {head_dim}"
+    params = _varlen_parameters()
+    if "window_size" not in params and "is_causal" not in params:
+        return "this torch's varlen_attn takes neither is_causal nor window_size"
+    return None
+
+
+def _choose_backend(backend: str, query: torch.Tensor) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: use one of {ATTENTION_BACKENDS}")
+    if backend == "sdpa":
+        return backend
+    reason = varlen_unsupported_reason(query)
+    if reason is None:
+        return "varlen"
+    if backend == "varlen":
+        raise ValueError(f"attention backend 'varlen' cannot run here: {reason}; use 'sdpa' or 'auto'")
+    return "sdpa"
+
+
+def _dense_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+    index = plan.dense
+    k_pos = index.k_pos[None, :]
+    mask = (k_pos >= index.q_start[:, None]) & (k_pos <= index.q_pos[:, None])  # [T/W, T]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, T/W, D]
+        k_all.transpose(0, 1).unsqueeze(0),  # [1, Hkv, T, D]
+        v_all.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_all.shape[1],
+    )
+    return out[0].transpose(0, 1)  # [T/W, Hq, D]
+
+
+def _varlen_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+    seg = plan.varlen
+    if seg.key_rows is None:
+        k, v = k_all.contiguous(), v_all.contiguous()
+    else:
+        k, v = k_all.index_select(0, seg.key_rows), v_all.index_select(0, seg.key_rows)
+    q = q.contiguous()
+    params = _varlen_parameters()
+    kwargs = {}
+    if "is_causal" in params:  # older signature
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)  # causal, bottom-right aligned (see the module docstring)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel's own scale is 1/sqrt(D)
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # torch 2.11
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def attend_zigzag_shard(
+    query: torch.Tensor,
+    key_all: torch.Tensor,
+    value_all: torch.Tensor,
+    plan: ZigzagAttentionPlan,
+    *,
+    softmax_scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Per-rank core: this rank's zigzag queries ``[T/W, Hq, D]`` against EVERY rank's keys and
+    values, rank-major ``[T, Hkv, D]`` (what :func:`all_gather_rows` returns). Returns
+    ``[T/W, Hq, D]`` in local order. ``backend``: one of :data:`ATTENTION_BACKENDS`."""
+    if query.dim() != 3 or key_all.dim() != 3 or value_all.shape[:2] != key_all.shape[:2]:
+        raise ValueError(
+            "attend_zigzag_shard expects query [T/W, Hq, D] and key/value [T, Hkv, D], got "
+            f"{tuple(query.shape)}, {tuple(key_all.shape)}, {tuple(value_all.shape)}"
+        )
+    if query.shape[0] != plan.local_rows or key_all.shape[0] != plan.total_rows:
+        raise ValueError(
+            f"the plan (cu_seqlens[-1]={plan.total_rows}, cp_size={plan.cp_size}) expects "
+            f"{plan.local_rows} local query rows and {plan.total_rows} gathered key rows, got "
+            f"{query.shape[0]} and {key_all.shape[0]}; was it built for this micro-batch?"
+        )
+    if query.shape[1] % key_all.shape[1]:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key_all.shape[1]})"
+        )
+    if query.device != plan.device:
+        raise ValueError(f"query is on {query.device} but the plan's index tensors are on {plan.device}")
+    backend = _choose_backend(backend, query)
+    if plan.total_rows == 0:
+        return query.clone()
+    if backend == "varlen":
+        return _varlen_attention(query, key_all, value_all, plan, softmax_scale)
+    return _dense_attention(query, key_all, value_all, plan, softmax_scale)
+
+
+def zigzag_cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: ZigzagAttentionPlan,
+    cp_group: dist.ProcessGroup | None,
+    *,
+    softmax_scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of this rank's zigzag shard ``[T/W, H, D]`` (q, k, v) within documents,
+    by global position: all-gather K/V over ``cp_group``, then :func:`attend_zigzag_shard`."""
+    world = 1 if cp_group is None else cp_group.size()
+    if world != plan.cp_size:
+        raise ValueError(f"the plan is for cp_size={plan.cp_size} but the CP group has {world} ranks")
+    if plan.cp_size == 1 or plan.total_rows == 0:  # every rank agrees: no collective at all
+        return attend_zigzag_shard(query, key, value, plan, softmax_scale=softmax_scale, backend=backend)
+    if key.shape == value.shape:  # one collective for both
+        kv = all_gather_rows(torch.stack((key, value), dim=1), cp_group)
+        key_all, value_all = kv[:, 0], kv[:, 1]
+    else:
+        key_all, value_all = all_gather_rows(key, cp_group), all_gather_rows(value, cp_group)
+    return attend_zigzag_shard(query, key_all, value_all, plan, softmax_scale=softmax_scale, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Megatron-Core module
+# ---------------------------------------------------------------------------------------------
+
+
+class CPDotProductAttention(MegatronModule):
+    """``core_attention`` for ``SelfAttention`` that handles packed THD input sharded zigzag over
+    CP (any CP size, including dynamic CP through ``PackedSeqParams.cp_group``), and plain causal
+    ``sbhd`` input without CP. Same constructor and forward as Megatron-Core's
+    ``DotProductAttention``, plus ``backend`` (one of :data:`ATTENTION_BACKENDS`).
+
+    ``cp_comm_type`` is accepted and ignored: K/V always travel by one all-gather.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        backend: str = "auto",
+    ):
+        super().__init__(config=config)
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}: use one of {ATTENTION_BACKENDS}")
+        self.backend = backend
+        if attention_type != "self":
+            raise ValueError(f"CPDotProductAttention does self-attention only, got attention_type={attention_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"CPDotProductAttention has no attention dropout (got {dropout}); "
+                "set TransformerConfig.attention_dropout=0.0"
+            )
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"CPDotProductAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ValueError(
+                f"CPDotProductAttention has no sliding-window attention (window_size={config.window_size})"
+            )
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.tp_group = getattr(pg_collection, "tp", None)
+        tp_size = 1 if self.tp_group is None else self.tp_group.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # apply_query_key_layer_scaling divides the scale by layer_number and the fused softmax
+        # multiplies it back (an fp16 overflow guard), so the effective scale is this one.
+        if softmax_scale is None:  # SelfAttention passes config.softmax_scale; direct callers may not
+            softmax_scale = config.softmax_scale
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """THD: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``.
+        SBHD: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``."""
+        if attention_bias is not None:
+            raise ValueError("CPDotProductAttention does not take attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        cp = resolve_cp_group(packed_seq_params, getattr(self.pg_collection, "cp", None))
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if mask_type not in _CAUSAL_TYPES:
+                raise ValueError(f"packed (thd) attention is causal within documents; got attn_mask_type={mask_type}")
+            if query.dim() != 3:
+                raise ValueError(f"packed (thd) query must be [t, heads, dim], got shape {tuple(query.shape)}")
+            plan = zigzag_attention_plan(packed_seq_params, query.shape[0], cp.size, cp.rank, query.device)
+            out = zigzag_cp_attention(
+                query, key, value, plan, cp.group, softmax_scale=self.softmax_scale, backend=self.backend
+            )
+            return out.flatten(1)  # [t, np * hn]
+        if cp.size != 1:
+            raise ValueError(
+                f"CPDotProductAttention needs packed (thd) input for context parallelism (cp_size={cp.size}); "
+                "pass PackedSeqParams(qkv_format='thd', cu_seqlens_q=...) or use CP = 1"
+            )
+        return self._sbhd_attention(query, key, value, attention_mask, mask_type)
+
+    def _sbhd_attention(self, query, key, value, attention_mask, mask_type) -> torch.Tensor:
+        if query.dim() != 4:
+            raise ValueError(f"sbhd query must be [s, b, heads, dim], got shape {tuple(query.shape)}")
+        causal = mask_type in _CAUSAL_TYPES
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be boolean (True = masked out), got {attention_mask.dtype}")
+            mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
+            if causal:
+                sq, sk = query.shape[0], key.shape[0]
+                mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril()
+                causal = False
+        out = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3),  # [b, np, s, hn]
+            key.permute(1, 2, 0, 3),
+            value.permute(1, 2, 0, 3),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=query.shape[2] != key.shape[2],
+        )
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "CPDotProductAttention",
+    "DenseIndex",
+    "VarlenSegments",
+    "ZigzagAttentionPlan",
+    "all_gather_rows",
+    "attend_zigzag_shard",
+    "build_zigzag_attention_plan",
+    "varlen_unsupported_reason",
+    "zigzag_attention_plan",
+    "zigzag_cp_attention",
+]

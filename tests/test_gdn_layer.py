@@ -1,0 +1,132 @@
+"""relax_gdn.gdn.layer on CPU: every CP mode at W = 2 and 4 equals W = 1 (fwd and bwd), dynamic
+CP across micro-batches, state_dict compatibility, configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+TOL = 1e-4  # fp32: outputs/input grads absolute, parameter grads relative to their max
+
+
+def _parity_cases(world_size: int):
+    import torch.distributed as dist
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from tests import gdn_harness as h
+
+    apply_cpu_shims()
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.group.WORLD
+    single = h.self_group()
+    config = h.tiny_config()
+    torch.manual_seed(0)
+    reference = h.build_gdn(config, single, single)
+    # nonzero A_log/dt_bias/conv so every parameter matters
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(h.PACKED[-1], 1, config.hidden_size)
+    weight = torch.randn(h.PACKED[-1], 1, config.hidden_size)
+    ref = h.reference_run(reference, x, weight, h.packed_params(h.PACKED, "cpu"))
+
+    results = {}
+    for mode in ("chunkwise", "headwise", "all_gather"):
+        for strategy in ("lazy_cache", "prebuild"):
+            layer = h.build_gdn(config, world, single, mode, route_strategy=strategy)
+            layer.load_state_dict(reference.state_dict())
+            psp = h.packed_params(h.PACKED, "cpu")
+            got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
+            results[(mode, strategy)] = max(h.max_errors(ref, got, got[3]).values())
+
+    # dynamic CP: one module sees W = 4 -> 2 -> 1 -> 4 (or 2 -> 1 -> 2) in consecutive micro-batches
+    pairs = [dist.new_group(list(range(s, s + 2))) for s in range(0, world_size, 2)]
+    my_pair = pairs[rank // 2]
+    for mode in ("chunkwise", "headwise"):
+        layer = h.build_gdn(config, world, single, mode, max_cp_size=world_size)
+        layer.load_state_dict(reference.state_dict())
+        errs = []
+        for size, group in ((world_size, None), (2, my_pair), (1, single), (world_size, None)):
+            psp = h.packed_params(h.PACKED, "cpu", cp_group=group, local_cp_size=size if group else None)
+            sub_rank = dist.get_rank(group) if group is not None else rank
+            got = h.cp_run(layer, x, weight, psp, size, sub_rank, group or world)
+            errs.append(max(h.max_errors(ref, got, got[3]).values()))
+        results[(mode, "dynamic")] = max(errs)
+
+    # a document whose length is not a multiple of 2W is refused before any communication
+    layer = h.build_gdn(config, world, single, "chunkwise")
+    bad = [0, 2 * world_size + 2, 8 * world_size]
+    try:
+        layer(torch.randn(bad[-1] // world_size, 1, config.hidden_size), None, packed_seq_params=h.packed_params(bad, "cpu"))
+        results["bad_lengths"] = "no error"
+    except ValueError as e:
+        results["bad_lengths"] = 0.0 if f"sequence 0 has length {2 * world_size + 2}" in str(e) else str(e)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_mode_matches_single_rank(world_size):
+    per_rank = run_distributed(_parity_cases, world_size, world_size)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 9
+        bad = {k: v for k, v in results.items() if not v < TOL}
+        assert not bad, f"rank {rank}: max errors {bad}"
+
+
+def _single_process_checks():
+    """Everything that needs only a group of one: state_dict, errors, CP = 1 without collectives."""
+    import torch.distributed as dist
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from tests import gdn_harness as h
+
+    apply_cpu_shims()
+    world = dist.group.WORLD
+    config = h.tiny_config()
+    outcome = {}
+    torch.manual_seed(0)
+    layers = {m: h.build_gdn(config, world, world, m) for m in ("headwise", "chunkwise", "all_gather")}
+    for m in ("chunkwise", "all_gather"):  # checkpoints move freely between modes
+        layers[m].load_state_dict(layers["headwise"].state_dict())
+    shapes = {m: {k: getattr(v, "shape", v) for k, v in l.state_dict().items()} for m, l in layers.items()}
+    outcome["same_state_dict"] = shapes["headwise"] == shapes["chunkwise"] == shapes["all_gather"]
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+
+    stock = layers["chunkwise"].state_dict()
+    outcome["stock_keys"] = isinstance(layers["chunkwise"], GatedDeltaNet) and "in_proj.weight" in stock
+
+    # CP = 1 runs no collective in any mode: a group-less all-gather would raise
+    x = torch.randn(h.PACKED[-1], 1, config.hidden_size)
+    psp = h.packed_params(h.PACKED, "cpu")
+    outs = [layers[m](x, None, packed_seq_params=psp)[0] for m in layers]
+    outcome["cp1_modes_agree"] = all(torch.equal(outs[0], o) for o in outs[1:])
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    outcome["unknown_mode"] = error(lambda: h.build_gdn(config, world, world, "ringwise"))
+    outcome["headwise_heads"] = error(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
+    outcome["chunkwise_deterministic"] = error(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
+    outcome["all_gather_recompute"] = error(lambda: h.build_gdn(h.tiny_config(recompute_granularity=None, recompute_method=None, recompute_num_layers=None), world, world, "all_gather", max_cp_size=2))
+    outcome["dynamic_incomplete"] = error(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", local_cp_size=2)))
+    outcome["dynamic_mismatch"] = error(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", cp_group=world, local_cp_size=2)))
+    outcome["wrong_total"] = error(lambda: layers["chunkwise"](x[:80], None, packed_seq_params=psp))
+    return outcome
+
+
+def test_state_dict_cp1_and_errors():
+    (outcome,) = run_distributed(_single_process_checks, 1)
+    assert outcome["same_state_dict"] and outcome["stock_keys"] and outcome["cp1_modes_agree"]
+    assert "unknown gdn.cp_mode 'ringwise'" in outcome["unknown_mode"]
+    assert "linear_num_key_heads=2" in outcome["headwise_heads"] and "chunkwise" in outcome["headwise_heads"]
+    assert "deterministic" in outcome["chunkwise_deterministic"]
+    assert "recompute.granularity=full" in outcome["all_gather_recompute"]
+    assert "local_cp_size=2" in outcome["dynamic_incomplete"]
+    assert "local_cp_size=2" in outcome["dynamic_mismatch"] and "1 ranks" in outcome["dynamic_mismatch"]
+    assert "cu_seqlens[-1]=160" in outcome["wrong_total"] and "80" in outcome["wrong_total"]
