@@ -106,3 +106,53 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def per_token_route_on_device(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
+    """The baseline executed where the seed ran it: on the device, per call, with the host syncs
+    (``int(cu[-1])``, nonzero, boolean indexing, ``.tolist()``) that data-dependent shapes force.
+    Returns a :class:`relax_gdn.layout.Route` so the layer can use it unchanged."""
+    from relax_gdn.layout import Route
+
+    total = int(cu[-1])
+    owner = torch.empty(total, dtype=torch.long, device=cu.device)
+    position = torch.empty(total, dtype=torch.long, device=cu.device)
+    for d in range(cp_size):
+        ids = per_token_indices_on(cu, cp_size, d, target)
+        owner[ids] = d
+        position[ids] = torch.arange(ids.numel(), device=cu.device)
+    mine = per_token_indices_on(cu, cp_size, cp_rank, source)
+    dest = owner[mine]
+    keep = (dest == cp_rank).nonzero().squeeze(1)
+    order = torch.argsort(dest * total + position[mine], stable=True)
+    remote = order[dest[order] != cp_rank]
+    send_splits = torch.bincount(dest, minlength=cp_size).tolist()
+    recv_blocks, recv_splits = [], []
+    for s in range(cp_size):
+        if s == cp_rank:
+            recv_splits.append(keep.numel())
+            continue
+        ids = per_token_indices_on(cu, cp_size, s, source)
+        block = position[ids[owner[ids] == cp_rank]]
+        recv_blocks.append(block)
+        recv_splits.append(block.numel())
+    return Route(
+        send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
+        keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
+        recv_rows=torch.cat(recv_blocks), local_rows=total // cp_size, cp_size=cp_size, cp_rank=cp_rank,
+        source=source, target=target, device=cu.device,
+    )
+
+
+def per_token_indices_on(cu: torch.Tensor, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
+    """:func:`per_token_indices` on ``cu``'s device (host syncs included)."""
+    cu = cu.long()
+    total = int(cu[-1])
+    ids = torch.arange(total, device=cu.device)
+    if layout == "contiguous":
+        part = total // cp_size
+        return ids[cp_rank * part : (cp_rank + 1) * part]
+    seq = torch.bucketize(ids, cu[1:], right=True)
+    pos = ids - cu[seq]
+    chunk = pos // ((cu[seq + 1] - cu[seq]) // (2 * cp_size))
+    return ids[(chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)]

@@ -1,0 +1,190 @@
+"""One GDN layer at Qwen3.5-9B shapes, CP 2: every mode side by side (fwd+bwd, bf16, TP 1).
+
+    torchrun --nproc-per-node 2 -m relax_gdn.bench.gdn_layer [--iters 10]
+
+Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank (CUDA events,
+warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
+Variants: chunkwise with the cached route; chunkwise with the route rebuilt per call the
+per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps);
+headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
+in training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
+plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MICRO_BATCHES = {
+    "16k, 4 docs": [3000, 5192, 3808, 4384],
+    "16k, 16 x 1k docs": [1024] * 16,
+    "64k, 3 docs": [20000, 24000, 21536],
+    "64k, 1 doc": [65536],
+}
+
+
+def qwen35_gdn_config():
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=4096, num_attention_heads=16, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, normalization="RMSNorm", params_dtype=torch.bfloat16, bf16=True,
+        activation_func=F.silu, recompute_granularity="full", recompute_method="uniform",
+        recompute_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def host_syncs(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def main() -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from relax_gdn.bench.routes import per_token_route_on_device
+    from relax_gdn.gdn import layer as gdn_layer
+    from relax_gdn.layout import attach_host_cu_seqlens, thd_rank_indices
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--only", default=None, help="comma-separated micro-batch names")
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    world = dist.group.WORLD
+    single = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    device = torch.device("cuda", rank)
+    mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    config = qwen35_gdn_config()
+
+    def make(mode, cp_group, stock=False):
+        spec = gdn_layer.gdn_cp_layer_spec(mode, max_cp_size=2)
+        if stock:
+            spec = ModuleSpec(module=GatedDeltaNet, submodules=spec.submodules)
+        pgs = ProcessGroupCollection(tp=single, cp=cp_group)
+        return build_module(spec, config=config, layer_number=1, pg_collection=pgs).to(device)
+
+    layers = {
+        "chunkwise": make("chunkwise", world),
+        "headwise": make("headwise", world),
+        "headwise (stock MCore)": make("headwise", world, stock=True),
+        "all_gather": make("all_gather", world),
+        "single GPU": make("chunkwise", single),
+    }
+    state = layers["chunkwise"].state_dict()
+    for layer in layers.values():
+        layer.load_state_dict(state)
+
+    def packed(cu):
+        t = torch.tensor(cu, dtype=torch.int32, device=device)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
+                              cu_seqlens_kv_padded=t, max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
+                              max_seqlen_kv=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)))
+        attach_host_cu_seqlens(psp, t, cu)  # the data side has the host copy: zero syncs
+        return psp
+
+    table = []
+    names = args.only.split(",") if args.only else list(MICRO_BATCHES)
+    for name in names:
+        docs = MICRO_BATCHES[name]
+        cu = [0]
+        for d in docs:
+            cu.append(cu[-1] + d)
+        total = cu[-1]
+        torch.manual_seed(0)
+        x_full = torch.randn(total, 1, config.hidden_size, device=device, dtype=torch.bfloat16)
+        dy_full = torch.randn_like(x_full)
+        ids = thd_rank_indices(cu, 2, rank, "zigzag").to(device)
+        x_local, dy_local = x_full[ids].contiguous(), dy_full[ids].contiguous()
+        psp = packed(cu)
+
+        def step(layer, x, dy, p):
+            def run():
+                xx = x.detach().requires_grad_(True)
+                out, _ = layer(xx, None, packed_seq_params=p)
+                out.backward(dy)
+            return run
+
+        row = {}
+        for label in ("chunkwise", "headwise", "headwise (stock MCore)", "all_gather"):
+            fn = step(layers[label], x_local, dy_local, psp)
+            row[label] = (median_ms(fn, args.iters), host_syncs(fn))
+
+        real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
+
+        def per_token_get_route(psp_, cu_, cp_size, cp_rank, source, target, strategy, device):
+            return per_token_route_on_device(cu_, cp_size, cp_rank, source, target)
+
+        gdn_layer.get_route = per_token_get_route
+        try:
+            fn = step(layers["chunkwise"], x_local, dy_local, psp)
+            row["chunkwise, per-token route per call"] = (median_ms(fn, args.iters), host_syncs(fn))
+        finally:
+            gdn_layer.get_route = real_get_route
+
+        single_ms = median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
+        buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
+        out = torch.empty_like(buf)
+
+        def four_swaps():
+            for _ in range(4):
+                dist.all_to_all_single(out, buf)
+
+        a2a_ms = median_ms(four_swaps, args.iters)
+        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0)
+        row["single GPU, whole micro-batch"] = (single_ms, None)
+        table.append((name, row))
+
+    if rank == 0:
+        print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
+        order = ["chunkwise", "chunkwise, per-token route per call", "headwise", "headwise (stock MCore)",
+                 "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch"]
+        for name, row in table:
+            stock = row["headwise (stock MCore)"][0]
+            print(f"\n{name}")
+            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11}")
+            for label in order:
+                ms, syncs = row[label]
+                print(f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode vs the single-rank torch
+reference (fp32 and bf16), and zero host syncs in steady-state chunkwise and headwise calls."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+CU = [0, 192, 192, 704, 768, 1280]
+TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}  # max error / max |reference|
+
+
+def _count_syncs(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def _gpu_cases():
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from tests import gdn_harness as h
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    device = torch.device("cuda", rank)
+    mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    single = h.self_group()
+    dims = dict(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=64, use_cpu_initialization=False)
+    reference = h.build_gdn(h.tiny_config(**dims), single, single, kernel_backend="torch").to(device)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    torch.manual_seed(0)
+    x = torch.randn(CU[-1], 1, 128, device=device)
+    weight = torch.randn_like(x)
+    ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
+    scale = {"out": ref[0].abs().max().item(), "dx": ref[1].abs().max().item()}
+    results, syncs = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        for mode in ("chunkwise", "headwise", "all_gather"):
+            layer = h.build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
+            layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+            psp = h.packed_params(CU, device)
+            got = h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU)
+            got = (got[0].float(), got[1].float(), {k: g.float() for k, g in got[2].items()}, got[3])
+            errors = h.max_errors(ref, got, got[3])
+            errors["out"] /= scale["out"]
+            errors["dx"] /= scale["dx"]
+            results[(mode, str(dtype))] = max(errors.values())
+            if mode != "all_gather" and dtype == torch.bfloat16:
+                ids = got[3]
+
+                def call():
+                    xx = x[ids].to(dtype).requires_grad_(True)
+                    out, _ = layer(xx, None, packed_seq_params=psp)
+                    out.backward(weight[ids].to(dtype))
+
+                syncs[mode] = _count_syncs(call)  # steady state: routes/checks cached
+                syncs[mode + " (new micro-batch)"] = _count_syncs(
+                    lambda: layer(x[ids].to(dtype), None, packed_seq_params=h.packed_params(CU, device))[0].sum().backward()
+                )
+    return results, syncs
+
+
+def test_fla_modes_match_reference_and_are_sync_free():
+    per_rank = run_distributed(_gpu_cases, 2, backend="nccl")
+    for rank, (results, syncs) in enumerate(per_rank):
+        print(f"rank {rank}: max relative errors {results}; host syncs {syncs}")
+        bad = {k: v for k, v in results.items() if not v < TOLERANCE[getattr(torch, k[1].split('.')[-1])]}
+        assert not bad, f"rank {rank}: {bad}"
+        assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs
