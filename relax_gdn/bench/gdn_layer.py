@@ -83,7 +83,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--only", default=None, help="comma-separated micro-batch names")
+    parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -121,7 +121,7 @@ def main() -> None:
         return psp
 
     table = []
-    names = args.only.split(",") if args.only else list(MICRO_BATCHES)
+    names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
         docs = MICRO_BATCHES[name]
         cu = [0]
