@@ -85,6 +85,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
     args = parser.parse_args()
+    if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
