@@ -3,11 +3,10 @@ reference (fp32 and bf16), and zero host syncs in steady-state chunkwise and hea
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
+from relax_gdn.bench.timing import count_host_syncs
 from tests.distributed import run_distributed
 
 pytestmark = [
@@ -17,18 +16,6 @@ pytestmark = [
 
 CU = [0, 192, 192, 704, 768, 1280]
 TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}  # max error / max |reference|
-
-
-def _count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def _gpu_cases():
@@ -72,8 +59,8 @@ def _gpu_cases():
                     out, _ = layer(xx, None, packed_seq_params=psp)
                     out.backward(weight[ids].to(dtype))
 
-                syncs[mode] = _count_syncs(call)  # steady state: routes/checks cached
-                syncs[mode + " (new micro-batch)"] = _count_syncs(
+                syncs[mode] = count_host_syncs(call)  # steady state: routes/checks cached
+                syncs[mode + " (new micro-batch)"] = count_host_syncs(
                     lambda: layer(x[ids].to(dtype), None, packed_seq_params=h.packed_params(CU, device))[0].sum().backward()
                 )
     return results, syncs

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 
 MICRO_BATCHES = {
     "16k, 4 docs": [3000, 5192, 3808, 4384],
@@ -42,34 +42,6 @@ def qwen35_gdn_config():
     )
 
 
-def median_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
-def host_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
-
-
 def main() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -77,7 +49,7 @@ def main() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    from relax_gdn.bench.routes import per_token_route_on_device
+    from relax_gdn.bench.routes import per_token_route
     from relax_gdn.gdn import layer as gdn_layer
     from relax_gdn.layout import attach_host_cu_seqlens, thd_rank_indices
 
@@ -149,21 +121,21 @@ def main() -> None:
         row = {}
         for label in ("chunkwise", "headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
-            row[label] = (median_ms(fn, args.iters), host_syncs(fn))
+            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
         def per_token_get_route(psp_, cu_, cp_size, cp_rank, source, target, strategy, device):
-            return per_token_route_on_device(cu_, cp_size, cp_rank, source, target)
+            return per_token_route(cu_, cp_size, cp_rank, source, target)
 
         gdn_layer.get_route = per_token_get_route
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
-            row["chunkwise, per-token route per call"] = (median_ms(fn, args.iters), host_syncs(fn))
+            row["chunkwise, per-token route per call"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
         finally:
             gdn_layer.get_route = real_get_route
 
-        single_ms = median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
+        single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)
 
@@ -171,7 +143,7 @@ def main() -> None:
             for _ in range(4):
                 dist.all_to_all_single(out, buf)
 
-        a2a_ms = median_ms(four_swaps, args.iters)
+        a2a_ms = cuda_median_ms(four_swaps, args.iters)
         row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0)
         row["single GPU, whole micro-batch"] = (single_ms, None)
         table.append((name, row))

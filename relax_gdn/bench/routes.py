@@ -23,38 +23,18 @@ from relax_gdn.layout import build_route
 
 
 def per_token_indices(cu: torch.Tensor, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
-    """Global token ids of one rank, computed per token (the baseline's partition step)."""
+    """Global token ids of one rank, computed per token on ``cu``'s device (the baseline's partition
+    step; on a GPU ``int(cu[-1])`` and the boolean index are host syncs)."""
+    cu = cu.long()
     total = int(cu[-1])
-    ids = torch.arange(total)
+    ids = torch.arange(total, device=cu.device)
     if layout == "contiguous":
         part = total // cp_size
         return ids[cp_rank * part : (cp_rank + 1) * part]
     seq = torch.bucketize(ids, cu[1:], right=True)
     pos = ids - cu[seq]
     chunk = pos // ((cu[seq + 1] - cu[seq]) // (2 * cp_size))
-    mask = (chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)
-    return ids[mask.nonzero().squeeze(1)]
-
-
-def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
-    total = int(cu[-1])
-    owner = torch.empty(total, dtype=torch.long)
-    position = torch.empty(total, dtype=torch.long)
-    for d in range(cp_size):
-        ids = per_token_indices(cu, cp_size, d, target)
-        owner[ids] = d
-        position[ids] = torch.arange(ids.numel())
-    mine = per_token_indices(cu, cp_size, cp_rank, source)
-    dest = owner[mine]
-    send_rows = torch.argsort(dest * total + position[mine], stable=True)
-    send_splits = torch.bincount(dest, minlength=cp_size).tolist()
-    recv_blocks, recv_splits = [], []
-    for s in range(cp_size):
-        ids = per_token_indices(cu, cp_size, s, source)
-        block = position[ids[(owner[ids] == cp_rank).nonzero().squeeze(1)]]
-        recv_blocks.append(block)
-        recv_splits.append(block.numel())
-    return send_rows, send_splits, torch.cat(recv_blocks), recv_splits
+    return ids[(chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)]
 
 
 def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Generator) -> list[int]:
@@ -104,24 +84,21 @@ def main() -> None:
         )
 
 
-if __name__ == "__main__":
-    main()
 
-
-def per_token_route_on_device(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
-    """The baseline executed where the seed ran it: on the device, per call, with the host syncs
-    (``int(cu[-1])``, nonzero, boolean indexing, ``.tolist()``) that data-dependent shapes force.
-    Returns a :class:`relax_gdn.layout.Route` so the layer can use it unchanged."""
+def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
+    """The baseline route, per token, on ``cu``'s device. On a GPU this is the seed's naive path
+    with its host syncs (``int(cu[-1])``, nonzero, boolean indexing, ``.tolist()``); it returns a
+    :class:`relax_gdn.layout.Route` so the layer can use it unchanged."""
     from relax_gdn.layout import Route
 
     total = int(cu[-1])
     owner = torch.empty(total, dtype=torch.long, device=cu.device)
     position = torch.empty(total, dtype=torch.long, device=cu.device)
     for d in range(cp_size):
-        ids = per_token_indices_on(cu, cp_size, d, target)
+        ids = per_token_indices(cu, cp_size, d, target)
         owner[ids] = d
         position[ids] = torch.arange(ids.numel(), device=cu.device)
-    mine = per_token_indices_on(cu, cp_size, cp_rank, source)
+    mine = per_token_indices(cu, cp_size, cp_rank, source)
     dest = owner[mine]
     keep = (dest == cp_rank).nonzero().squeeze(1)
     order = torch.argsort(dest * total + position[mine], stable=True)
@@ -132,7 +109,7 @@ def per_token_route_on_device(cu: torch.Tensor, cp_size: int, cp_rank: int, sour
         if s == cp_rank:
             recv_splits.append(keep.numel())
             continue
-        ids = per_token_indices_on(cu, cp_size, s, source)
+        ids = per_token_indices(cu, cp_size, s, source)
         block = position[ids[owner[ids] == cp_rank]]
         recv_blocks.append(block)
         recv_splits.append(block.numel())
@@ -144,15 +121,5 @@ def per_token_route_on_device(cu: torch.Tensor, cp_size: int, cp_rank: int, sour
     )
 
 
-def per_token_indices_on(cu: torch.Tensor, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
-    """:func:`per_token_indices` on ``cu``'s device (host syncs included)."""
-    cu = cu.long()
-    total = int(cu[-1])
-    ids = torch.arange(total, device=cu.device)
-    if layout == "contiguous":
-        part = total // cp_size
-        return ids[cp_rank * part : (cp_rank + 1) * part]
-    seq = torch.bucketize(ids, cu[1:], right=True)
-    pos = ids - cu[seq]
-    chunk = pos // ((cu[seq + 1] - cu[seq]) // (2 * cp_size))
-    return ids[(chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)]
+if __name__ == "__main__":
+    main()

@@ -11,38 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
-
-
-def cuda_median_ms(fn, iters: int = 30, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
-def count_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        fn()
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def main() -> None:
@@ -63,13 +37,17 @@ def main() -> None:
 
     x = torch.randn(args.rows, args.width, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(x)
-    bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x))
+    bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x), iters=30, warmup=5)
     rows = [("bare all_to_all_single", bare, 0)]
     for name, cu in packings.items():
         route = build_route(cu, world, rank, "zigzag", "contiguous", device=device)
         back = route.reverse()
         for label, r in ((f"{name} zigzag->contiguous", route), (f"{name} contiguous->zigzag", back)):
-            rows.append((label, cuda_median_ms(lambda r=r: swap_layout(x, r, None)), count_syncs(lambda r=r: swap_layout(x, r, None))))
+            rows.append((
+                label,
+                cuda_median_ms(lambda r=r: swap_layout(x, r, None), iters=30, warmup=5),
+                count_host_syncs(lambda r=r: swap_layout(x, r, None)),
+            ))
     if rank == 0:
         gb = x.numel() * x.element_size() / 1e9
         print(f"\nswap of {args.rows} x {args.width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
