@@ -102,14 +102,56 @@ def naive(q, k, v, cu, scale):
 # ---------------------------------------------------------------------------------------------
 
 
+def _self_attention(tp_group, cp_group):
+    """Megatron-Core's SelfAttention with Qwen3.5's output gate and this core (local linears)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    spec = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=ModuleSpec(module=CPDotProductAttention, params={"backend": "sdpa"}),
+            linear_proj=RowParallelLinear,
+        ),
+    )
+    cfg = config(attention_output_gate=True, use_cpu_initialization=True, add_bias_linear=False)
+    pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
+    return build_module(spec, config=cfg, layer_number=1, pg_collection=pgs)
+
+
+def _layer_run(layer, x, weight, psp, grad_group=None):
+    """Output, input grad and parameter grads (summed over ``grad_group``) of the layer."""
+    import torch.distributed as dist
+
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x, None, packed_seq_params=psp)
+    (out * weight).sum().backward()
+    grads = []
+    for p in layer.parameters():
+        if grad_group is not None:
+            dist.all_reduce(p.grad, group=grad_group)
+        grads.append(p.grad)
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
 def _cp_cases():
     import torch.distributed as dist
 
+    from relax_gdn.compat.cpu import apply_cpu_shims
+
+    apply_cpu_shims()  # for the SelfAttention parameters
     torch.set_num_threads(1)
     rank = dist.get_rank()
     world = dist.group.WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    my_pair = pairs[rank // 2]
+    singles = [dist.new_group([j]) for j in range(dist.get_world_size())]
+    my_pair, single = pairs[rank // 2], singles[rank]
+    torch.manual_seed(0)
+    ref_layer = _self_attention(single, single)
     errors = {}
     for w, group in ((4, None), (2, my_pair)):
         r = rank if group is None else group.rank()
@@ -121,13 +163,30 @@ def _cp_cases():
             psp = packed(cu, group, w if group is not None else None, host_copy=i == 0)
             got = run(core(world), q[ids], k[ids], v[ids], weight[ids], psp)
             errors[(w, i)] = max((g - x[ids]).abs().max().item() for g, x in zip(got, ref))
+
+        # the whole Megatron-Core attention layer (projections, output gate) around this core
+        cu = packings(w)[0]
+        x = torch.randn(cu[-1], 1, HEADS * DIM)
+        weight = torch.randn(cu[-1], 1, HEADS * DIM)
+        ref_out, ref_dx, ref_grads = _layer_run(ref_layer, x, weight, packed(cu))
+        layer = _self_attention(single, world)
+        layer.load_state_dict(ref_layer.state_dict())
+        ids = thd_rank_indices(cu, w, r, "zigzag")
+        psp = packed(cu, group, w if group is not None else None)
+        out, dx, grads = _layer_run(layer, x[ids], weight[ids], psp, group or world)
+        errors[(w, "self_attention")] = max(
+            [(out - ref_out[ids]).abs().max().item(), (dx - ref_dx[ids]).abs().max().item()]
+            + [((g - rg).abs().max() / rg.abs().max()).item() for g, rg in zip(grads, ref_grads)]
+        )
     return errors
 
 
 def test_cp_equals_single_rank_on_gloo():
+    """W = 4 on the world and W = 2 on pairs, in one spawn: outputs and q/k/v gradients of the
+    core, and the whole SelfAttention layer around it, equal W = 1 on the full packed batch."""
     per_rank = run_distributed(_cp_cases, 4)
     for rank, errors in enumerate(per_rank):
-        assert len(errors) == 4
+        assert len(errors) == 6
         for case, err in errors.items():
             assert err < TOL, (rank, case, err)
 
@@ -186,7 +245,9 @@ def test_every_rank_of_a_simulated_group(w):
         for r in range(w):
             ids = thd_rank_indices(cu, w, r, "zigzag")
             plan = build_zigzag_attention_plan(cu, w, r)
-            dense = attend_zigzag_shard(q[ids], k[gathered], v[gathered], plan, softmax_scale=scale, backend="sdpa")
+            dense = attend_zigzag_shard(
+                q[ids], k[gathered], v[gathered], plan, softmax_scale=scale, backend="sdpa"
+            )
             torch.testing.assert_close(dense, ref[ids], atol=TOL, rtol=0)
             emulated = _emulated_varlen(q[ids], k[gathered], v[gathered], plan, scale)
             torch.testing.assert_close(emulated, ref[ids], atol=TOL, rtol=0)
@@ -275,7 +336,8 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="local_cp_size"):
         core()(q, k, v, None, packed_seq_params=packed([0, 16], _FakeGroup(2), local_cp_size=4))
     with pytest.raises(ValueError, match="needs packed \\(thd\\) input"):
-        core(_FakeGroup(2))(q.view(16, 1, HEADS, DIM), k.view(16, 1, GROUPS, DIM), v.view(16, 1, GROUPS, DIM), None)
+        sbhd = (q.view(16, 1, HEADS, DIM), k.view(16, 1, GROUPS, DIM), v.view(16, 1, GROUPS, DIM))
+        core(_FakeGroup(2))(*sbhd, None)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         core()(q[:, :3], k, v, None, packed_seq_params=packed([0, 16]))
     with pytest.raises(ValueError, match="\\[t, heads, dim\\]"):
@@ -289,4 +351,5 @@ def test_bad_input_raises_value_error():
     with pytest.raises(ValueError, match="attention_dropout=0.0"):
         core(config=config(attention_dropout=0.1))
     with pytest.raises(ValueError, match="self-attention"):
-        CPDotProductAttention(config(), 1, AttnMaskType.causal, "cross", pg_collection=ProcessGroupCollection(tp=None, cp=None))
+        pgs = ProcessGroupCollection(tp=None, cp=None)
+        CPDotProductAttention(config(), 1, AttnMaskType.causal, "cross", pg_collection=pgs)

@@ -198,6 +198,8 @@ def build_zigzag_attention_plan(
     if device is None:
         device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # compare equal to the tensors' device
+        device = torch.device("cuda", torch.cuda.current_device())
     if order is None:
         order = gathered_zigzag_order(cu, cp_size, device)
     return ZigzagAttentionPlan(cu_seqlens=cu, cp_size=cp_size, cp_rank=cp_rank, device=device, order=order)
@@ -381,7 +383,18 @@ class CPDotProductAttention(MegatronModule):
     ``sbhd`` input without CP. Same constructor and forward as Megatron-Core's
     ``DotProductAttention``, plus ``backend`` (one of :data:`ATTENTION_BACKENDS`).
 
-    ``cp_comm_type`` is accepted and ignored: K/V always travel by one all-gather.
+    ``cp_comm_type`` is accepted and ignored: K/V always travel by one all-gather. The output gate
+    (``attention_output_gate``), projections and RoPE stay in ``SelfAttention``.
+
+    In a spec::
+
+        SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=CPDotProductAttention,  # or, pinning the kernel:
+            # ModuleSpec(module=CPDotProductAttention, params={"backend": "sdpa"}),
+            linear_proj=RowParallelLinear,
+            ...
+        )
     """
 
     def __init__(
@@ -405,7 +418,9 @@ class CPDotProductAttention(MegatronModule):
             raise ValueError(f"unknown attention backend {backend!r}: use one of {ATTENTION_BACKENDS}")
         self.backend = backend
         if attention_type != "self":
-            raise ValueError(f"CPDotProductAttention does self-attention only, got attention_type={attention_type!r}")
+            raise ValueError(
+                f"CPDotProductAttention does self-attention only, got attention_type={attention_type!r}"
+            )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(
@@ -413,7 +428,9 @@ class CPDotProductAttention(MegatronModule):
                 "set TransformerConfig.attention_dropout=0.0"
             )
         if config.softmax_type != "vanilla":
-            raise ValueError(f"CPDotProductAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+            raise ValueError(
+                f"CPDotProductAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise ValueError(
                 f"CPDotProductAttention has no sliding-window attention (window_size={config.window_size})"
@@ -455,9 +472,13 @@ class CPDotProductAttention(MegatronModule):
         cp = resolve_cp_group(packed_seq_params, getattr(self.pg_collection, "cp", None))
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if mask_type not in _CAUSAL_TYPES:
-                raise ValueError(f"packed (thd) attention is causal within documents; got attn_mask_type={mask_type}")
+                raise ValueError(
+                    f"packed (thd) attention is causal within documents; got attn_mask_type={mask_type}"
+                )
             if query.dim() != 3:
-                raise ValueError(f"packed (thd) query must be [t, heads, dim], got shape {tuple(query.shape)}")
+                raise ValueError(
+                    f"packed (thd) query must be [t, heads, dim], got shape {tuple(query.shape)}"
+                )
             plan = zigzag_attention_plan(packed_seq_params, query.shape[0], cp.size, cp.rank, query.device)
             out = zigzag_cp_attention(
                 query, key, value, plan, cp.group, softmax_scale=self.softmax_scale, backend=self.backend
@@ -465,7 +486,8 @@ class CPDotProductAttention(MegatronModule):
             return out.flatten(1)  # [t, np * hn]
         if cp.size != 1:
             raise ValueError(
-                f"CPDotProductAttention needs packed (thd) input for context parallelism (cp_size={cp.size}); "
+                "CPDotProductAttention needs packed (thd) input for context parallelism "
+                f"(cp_size={cp.size}); "
                 "pass PackedSeqParams(qkv_format='thd', cu_seqlens_q=...) or use CP = 1"
             )
         return self._sbhd_attention(query, key, value, attention_mask, mask_type)
@@ -477,7 +499,9 @@ class CPDotProductAttention(MegatronModule):
         mask = None
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
-                raise ValueError(f"attention_mask must be boolean (True = masked out), got {attention_mask.dtype}")
+                raise ValueError(
+                    f"attention_mask must be boolean (True = masked out), got {attention_mask.dtype}"
+                )
             mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
             if causal:
                 sq, sk = query.shape[0], key.shape[0]
