@@ -8,6 +8,7 @@ rank boundaries (FLA's CP context on GPU, differentiable collectives in the refe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,11 +115,16 @@ class FlaKernels:
 
 
 def select_kernels(backend: str, device: torch.device) -> GDNKernels:
-    """``auto``: FLA on CUDA, the torch reference elsewhere."""
+    """``auto``: FLA on CUDA, the torch reference elsewhere (one stateless instance per choice)."""
+    return _kernels(backend, device.type)
+
+
+@functools.cache
+def _kernels(backend: str, device_type: str) -> GDNKernels:
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"unknown gdn.kernel_backend {backend!r}: use one of {KERNEL_BACKENDS}")
     if backend == "auto":
-        backend = "fla" if device.type == "cuda" else "torch"
-    if backend == "fla" and device.type != "cuda":
-        raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got device {device}; use torch or auto")
+        backend = "fla" if device_type == "cuda" else "torch"
+    if backend == "fla" and device_type != "cuda":
+        raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto")
     return FlaKernels() if backend == "fla" else TorchKernels()

@@ -39,16 +39,24 @@ from relax_gdn.gdn.kernels import ScanRows, select_kernels
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
     ROUTE_STRATEGIES,
-    gathered_zigzag_order,
+    cached_gathered_zigzag_order,
     get_route,
     per_micro_batch,
     resolve_cu_seqlens,
     swap_layout,
 )
-from relax_gdn.layout.collectives import all_gather_stacked
+from relax_gdn.layout.collectives import all_gather_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
 from relax_gdn.gdn import CP_MODES
+
+
+def _check_all_gather_recompute(config: TransformerConfig) -> None:
+    if config.recompute_granularity != "full":
+        raise ValueError(
+            "gdn.cp_mode=all_gather recomputes the whole sequence on every rank, so its activations grow "
+            f"with the global length: training needs recompute.granularity=full (got {config.recompute_granularity})"
+        )
 
 
 def check_gdn_cp_config(
@@ -75,11 +83,8 @@ def check_gdn_cp_config(
             "gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels; turn off deterministic mode "
             "or use gdn.cp_mode=headwise"
         )
-    if cp_mode == "all_gather" and training and max_cp_size > 1 and config.recompute_granularity != "full":
-        raise ValueError(
-            "gdn.cp_mode=all_gather recomputes the whole sequence on every rank, so its activations grow "
-            f"with the global length: it needs recompute.granularity=full (got {config.recompute_granularity})"
-        )
+    if cp_mode == "all_gather" and training and max_cp_size > 1:
+        _check_all_gather_recompute(config)
 
 
 def _head_share(param: torch.Tensor, sections: list[int], parts: int, part: int) -> torch.Tensor:
@@ -144,11 +149,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
             return self._forward_chunkwise(hidden_states, packed_seq_params, resolved, cp)
         if self.cp_mode == "headwise":
             return self._forward_headwise(hidden_states, packed_seq_params, resolved, cp)
-        if torch.is_grad_enabled() and self.config.recompute_granularity != "full":
-            raise ValueError(
-                "gdn.cp_mode=all_gather with gradients needs whole-layer recompute: set "
-                f"recompute.granularity=full (got {self.config.recompute_granularity})"
-            )
+        if torch.is_grad_enabled():
+            _check_all_gather_recompute(self.config)
         return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
 
     def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
@@ -184,13 +186,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
         core = self._core(qkvzba, self._rows(psp, resolved, cp.group), parts=1, part=0)
         return self.out_proj(swap_layout(core, route.reverse(), cp.group))
 
-    def _gathered_order(self, psp, resolved, cp: CPGroup):
-        device = resolved.cu_seqlens.device
-        return per_micro_batch(
-            psp, "gathered_zigzag_order", (cp.size, str(device)), (resolved.cu_seqlens,),
-            lambda: gathered_zigzag_order(resolved.host, cp.size, device),
-        )
-
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
         qkvzba, _ = self.in_proj(hidden_states)
         # Group each section's heads by destination rank so ONE all-to-all does every section.
@@ -201,7 +196,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
             qkvzba.index_select(-1, head_perm), seq_dim=0, head_dim=-1, cp_group=cp.group,
             undo_attention_load_balancing=False,
         )
-        order = self._gathered_order(psp, resolved, cp)
+        order = cached_gathered_zigzag_order(psp, resolved, cp.size, resolved.cu_seqlens.device)
         qkvzba = qkvzba.index_select(0, order.natural_rows)
         core = self._core(qkvzba, self._rows(psp, resolved, None), parts=cp.size, part=cp.rank)
         core = core.index_select(0, order.rank_major_rows)
@@ -212,8 +207,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
 
     def _forward_all_gather(self, hidden_states, psp, resolved, cp: CPGroup):
         qkvzba, _ = self.in_proj(hidden_states)
-        order = self._gathered_order(psp, resolved, cp)
-        gathered = all_gather_stacked(qkvzba, cp.group).flatten(0, 1)  # rank-major [T, 1, D]
+        order = cached_gathered_zigzag_order(psp, resolved, cp.size, resolved.cu_seqlens.device)
+        gathered = all_gather_rows(qkvzba, cp.group)  # rank-major [T, 1, D]
         core = self._core(gathered.index_select(0, order.natural_rows), self._rows(psp, resolved, None), 1, 0)
         return self.out_proj(core.index_select(0, order.own_rows(cp.rank)))
 
@@ -234,7 +229,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         weight = _head_share(self.conv1d.weight, conv_sections, parts, part).squeeze(1)
         bias = _head_share(self.conv1d.bias, conv_sections, parts, part) if self.conv_bias else None
         kernels = select_kernels(self.kernel_backend, qkvzba.device)
-        qkv = kernels.conv(qkv.contiguous(), weight, bias, rows or ScanRows(None, None))
+        rows = rows or ScanRows(None, None)
+        qkv = kernels.conv(qkv.contiguous(), weight, bias, rows)
 
         query, key, value = torch.split(qkv, [qk, qk, v_dim], dim=-1)
         query = query.reshape(batch, seq, -1, self.key_head_dim)
@@ -247,7 +243,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
         # L2-normalised inside the kernel: no repeat_interleave or separate l2norm pass.
         out = kernels.scan(
             query.contiguous(), key.contiguous(), value.contiguous(), g.contiguous(),
-            beta.sigmoid().contiguous(), rows or ScanRows(None, None), self.use_qk_l2norm,
+            beta.sigmoid().contiguous(), rows, self.use_qk_l2norm,
         )
         norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
         return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()

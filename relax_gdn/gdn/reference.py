@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relax_gdn.layout.collectives import all_gather_stacked
+from relax_gdn.layout.collectives import all_gather_rows, all_gather_stacked
 
 __all__ = [
     "ContiguousShard",
@@ -526,7 +526,7 @@ def cp_causal_conv1d(
 
     part = shard.stop - shard.start
     tail = min(part, halo_len)
-    tails = all_gather_stacked(x[0, part - tail :], group).flatten(0, 1)  # [W * tail, D]
+    tails = all_gather_rows(x[0, part - tail :], group)  # [W * tail, D]
     # Rank j's tail sits at padded[halo_len + j*tail:]; the halo_len rows before rank r's own tail
     # are the last halo_len global rows before this slice (zeros before the stream start). Slicing
     # rather than branching keeps every rank in the autograd graph of the all-gather, whose

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.layout.partition import host_boundaries, validated_boundaries
-from relax_gdn.layout.route import Route, build_route
+from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order
 
 if TYPE_CHECKING:  # the layout package needs only the fields, not Megatron-Core's import cost
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -229,3 +229,14 @@ def _resolve(packed_seq_params: PackedSeqParams, seq_len: int, cp_size: int) -> 
     validated_boundaries(host_q, cp_size, 0, "zigzag")
     lengths = np.diff(host_q)
     return ResolvedCuSeqlens(cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0)
+
+
+def cached_gathered_zigzag_order(
+    packed_seq_params: PackedSeqParams, resolved: ResolvedCuSeqlens, cp_size: int, device: torch.device
+) -> GatheredOrder:
+    """``gathered_zigzag_order`` once per micro-batch, shared by every layer that gathers the
+    zigzag shards (GDN headwise / all_gather, CP attention)."""
+    return per_micro_batch(
+        packed_seq_params, "gathered_zigzag_order", (cp_size, str(device)), (resolved.cu_seqlens,),
+        lambda: gathered_zigzag_order(resolved.host, cp_size, device),
+    )

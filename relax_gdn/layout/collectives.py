@@ -35,3 +35,11 @@ class _AllGather(torch.autograd.Function):
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``x`` stacked on a new leading dim (rank order); gradients are summed back."""
     return _AllGather.apply(x, group)
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's rows of ``x`` (dim 0), concatenated in rank order; the backward reduce-scatters
+    (SUM) the gradient. A group of one (or none) returns ``x`` itself, with no collective."""
+    if group is None or group.size() == 1:
+        return x
+    return all_gather_stacked(x, group).flatten(0, 1)

@@ -116,14 +116,15 @@ class Route:
         return self if self.source == source else self.reverse()
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``concat(range(s, s + n))`` over the runs, vectorised."""
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(range(s, s + n))`` over the runs, vectorised (int64)."""
     offsets = np.cumsum(lengths) - lengths
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    host = torch.from_numpy(rows)
+def upload_rows(rows: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host integers to ``device`` without making the host wait for the device."""
+    host = torch.from_numpy(np.ascontiguousarray(rows)).to(dtype)
     if device.type == "cuda":
         # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
         return host.pin_memory().to(device, non_blocking=True)
@@ -139,7 +140,7 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows
     first = int(starts[0])
     if np.array_equal(starts, first + np.cumsum(lengths) - lengths):
         return slice(first, first + total)
-    return _upload(_expand(starts, lengths), device)
+    return upload_rows(expand_runs(starts, lengths), device)
 
 
 def build_route(
@@ -225,7 +226,7 @@ def gathered_zigzag_order(cu_seqlens: CuSeqlens, cp_size: int, device: torch.dev
     local_rows = int(cu[-1]) // cp_size
     seg = layout_segments(cu, cp_size, "zigzag")
     lengths = np.diff(np.append(seg.start, int(cu[-1])))
-    natural = _expand(seg.rank * local_rows + seg.local_start, lengths)
+    natural = expand_runs(seg.rank * local_rows + seg.local_start, lengths)
     by_rank = np.lexsort((seg.local_start, seg.rank))  # rank-major order of the segments
-    rank_major = _expand(seg.start[by_rank], lengths[by_rank])
-    return GatheredOrder(_upload(natural, device), _upload(rank_major, device), local_rows)
+    rank_major = expand_runs(seg.start[by_rank], lengths[by_rank])
+    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows)

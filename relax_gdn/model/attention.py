@@ -46,13 +46,15 @@ from megatron.core.utils import divide
 
 from relax_gdn.layout import (
     GatheredOrder,
+    cached_gathered_zigzag_order,
     gathered_zigzag_order,
     per_micro_batch,
     resolve_cu_seqlens,
     validated_boundaries,
 )
-from relax_gdn.layout.collectives import all_gather_stacked
+from relax_gdn.layout.collectives import all_gather_rows
 from relax_gdn.layout.partition import CuSeqlens
+from relax_gdn.layout.route import expand_runs, upload_rows
 from relax_gdn.parallel import resolve_cp_group
 
 try:  # torch >= 2.9; its signature differs between versions: see varlen_unsupported_reason
@@ -68,33 +70,9 @@ _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Every rank's rows of ``x`` (dim 0), concatenated in rank order; the backward reduce-scatters
-    (SUM) the gradient. A group of one (or none) returns ``x`` itself, with no collective."""
-    if group is None or group.size() == 1:
-        return x
-    return all_gather_stacked(x, group).flatten(0, 1)
-
-
 # ---------------------------------------------------------------------------------------------
 # The per-micro-batch plan (host integer work, uploaded once)
 # ---------------------------------------------------------------------------------------------
-
-
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``concat(range(s, s + n))`` over the runs, as one int64 array."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
-
-
-def _upload(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-    if device.type == "cuda":  # pinned + non_blocking: queued on the stream, the host does not wait
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 @dataclass(frozen=True)
@@ -154,7 +132,7 @@ class ZigzagAttentionPlan:
         q_start = np.repeat(starts, lengths // self.cp_size)
         return DenseIndex(
             q_pos=self.order.own_rows(self.cp_rank),
-            q_start=_upload(q_start, torch.long, self.device),
+            q_start=upload_rows(q_start, self.device, torch.long),
             k_pos=self.order.rank_major_rows,
         )
 
@@ -171,12 +149,12 @@ class ZigzagAttentionPlan:
             # document's keys from its start to the end of that chunk.
             q_lens = np.stack([chunk, chunk], axis=1).reshape(-1)
             k_lens = np.stack([(rank + 1) * chunk, (2 * world - rank) * chunk], axis=1).reshape(-1)
-            key_ids = _upload(_expand(np.repeat(starts, 2), k_lens), torch.long, self.device)
+            key_ids = upload_rows(expand_runs(np.repeat(starts, 2), k_lens), self.device, torch.long)
             key_rows = self.order.natural_rows.index_select(0, key_ids)  # natural -> rank-major row
         zero = np.zeros(1, dtype=np.int64)
         return VarlenSegments(
-            cu_q=_upload(np.concatenate([zero, np.cumsum(q_lens)]), torch.int32, self.device),
-            cu_k=_upload(np.concatenate([zero, np.cumsum(k_lens)]), torch.int32, self.device),
+            cu_q=upload_rows(np.concatenate([zero, np.cumsum(q_lens)]), self.device, torch.int32),
+            cu_k=upload_rows(np.concatenate([zero, np.cumsum(k_lens)]), self.device, torch.int32),
             key_rows=key_rows,
             max_q=int(q_lens.max()) if q_lens.size else 0,
             max_k=int(k_lens.max()) if k_lens.size else 0,
@@ -219,10 +197,7 @@ def zigzag_attention_plan(
     depends_on = (resolved.cu_seqlens,)
 
     def build() -> ZigzagAttentionPlan:
-        order = per_micro_batch(
-            psp, "gathered_zigzag_order", (cp_size, str(device)), depends_on,
-            lambda: gathered_zigzag_order(resolved.host, cp_size, device),
-        )
+        order = cached_gathered_zigzag_order(psp, resolved, cp_size, device)
         return build_zigzag_attention_plan(resolved.host, cp_size, cp_rank, device, order=order)
 
     return per_micro_batch(psp, _PLAN_CACHE_NAME, (cp_size, cp_rank, str(device)), depends_on, build)
