@@ -124,7 +124,9 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def upload_rows(rows: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Host integers to ``device`` without making the host wait for the device."""
-    host = torch.from_numpy(np.ascontiguousarray(rows)).to(dtype)
+    host = torch.from_numpy(np.ascontiguousarray(rows))
+    if host.dtype != dtype:
+        host = host.to(dtype)
     if device.type == "cuda":
         # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
         return host.pin_memory().to(device, non_blocking=True)
@@ -134,12 +136,11 @@ def upload_rows(rows: np.ndarray, device: torch.device, dtype: torch.dtype = tor
 def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows:
     """``concat(range(s, s + n))`` over the runs: a slice when the runs chain into one range
     (decided on the runs, before anything is expanded), else a device index tensor."""
-    total = int(lengths.sum())
-    if total == 0:
+    if starts.size == 0:  # runs are never empty, so no runs means no rows
         return slice(0, 0)
-    first = int(starts[0])
-    if np.array_equal(starts, first + np.cumsum(lengths) - lengths):
-        return slice(first, first + total)
+    ends = starts + lengths
+    if (starts[1:] == ends[:-1]).all():
+        return slice(int(starts[0]), int(ends[-1]))
     return upload_rows(expand_runs(starts, lengths), device)
 
 
