@@ -7,7 +7,7 @@ PYTHON ?= python3.12
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-gpu bench-routes clean
+.PHONY: setup run test test-gpu gpu-check bench-routes clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"need Python >= 3.12, got {sys.version}"'
@@ -34,3 +34,17 @@ bench-routes: run
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Everything the GPU host must check before an issue is resolved, in one command (2 GPUs):
+#   make gpu-check PY=python OUT=/some/dir
+# Each step has its own time limit and log under $(OUT); a hang dumps every thread's stack.
+OUT ?= outputs/gpu-check
+GPU_STEP = RELAX_GDN_HANG_DUMP_S=$(1) TRITON_PRINT_AUTOTUNING=1 timeout $$(( $(1) + 15 )) $(2) > $(OUT)/$(3).txt 2>&1; echo "$(3): exit $$?" | tee -a $(OUT)/summary.txt
+gpu-check:
+	mkdir -p $(OUT)
+	-$(call GPU_STEP,45,$(PY) -m pytest -q -s -m gpu tests/test_layout_gpu.py,test_layout_gpu)
+	-$(call GPU_STEP,45,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.swap,bench_swap)
+	-$(call GPU_STEP,170,$(PY) -m pytest -q -s -m gpu tests/test_gdn_layer_gpu.py,test_gdn_layer_gpu)
+	-$(call GPU_STEP,170,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.gdn_layer,bench_gdn_layer)
+	-$(call GPU_STEP,70,$(PY) -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py,test_cp_attention_gpu)
+	cat $(OUT)/summary.txt

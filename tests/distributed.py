@@ -30,6 +30,10 @@ def _worker(
     import torch.distributed as dist
 
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -42,6 +42,7 @@ def _gpu_cases():
     for dtype in (torch.float32, torch.bfloat16):
         config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
         for mode in ("chunkwise", "headwise", "all_gather"):
+            print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
             layer = h.build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
             layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
             psp = h.packed_params(CU, device)

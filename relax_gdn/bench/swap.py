@@ -1,10 +1,13 @@
 """Swap cost on GPUs: zigzag<->contiguous with a prebuilt route vs a bare all-to-all of the same bytes.
 
-    torchrun --nproc-per-node 2 -m relax_gdn.bench.swap [--rows 8192 --width 12352]
+    torchrun --nproc-per-node 2 -m relax_gdn.bench.swap [--rows 8192 --widths 12352,4096]
 
-Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer). The bare
-all-to-all sends equal splits of the same tensor with no pack or scatter: the floor a swap can
-reach. Host syncs inside the swaps are counted with torch.cuda.set_sync_debug_mode("warn").
+Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer, 4096 = its
+hidden width, which chunkwise swaps without sequence parallelism). The bare all-to-all sends equal
+splits of the same tensor with no pack or scatter: the floor a swap can reach. Both transports of
+``swap_layout`` run side by side: ``all_to_all`` (pack, one all_to_all_single, scatter) and
+``runs`` (batched sends/receives straight from/into row ranges). Host syncs inside the swaps are
+counted with torch.cuda.set_sync_debug_mode("warn").
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import torch.distributed as dist
 
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
+from relax_gdn.layout.swap import SWAP_TRANSPORTS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=8192, help="rows per rank")
-    parser.add_argument("--width", type=int, default=12352)
+    parser.add_argument("--widths", default="12352,4096")
+    parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -33,28 +38,30 @@ def main() -> None:
     unit = 2 * world
     docs = [3000, 5192, 3808] if total == 16384 else [total // 4, total // 2]
     docs = [d // unit * unit for d in docs]
-    packings = {"multi-doc": [0, *torch.tensor(docs).cumsum(0).tolist(), total], "single-doc": [0, total]}
+    packings = {
+        "multi-doc": [0, *torch.tensor(docs).cumsum(0).tolist(), total],
+        "single-doc": [0, total],
+        "64 docs": torch.arange(0, total + 1, total // 64).tolist(),
+    }
+    routes = {name: build_route(cu, world, rank, "zigzag", "contiguous", device=device) for name, cu in packings.items()}
 
-    x = torch.randn(args.rows, args.width, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(x)
-    bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x), iters=30, warmup=5)
-    rows = [("bare all_to_all_single", bare, 0)]
-    for name, cu in packings.items():
-        route = build_route(cu, world, rank, "zigzag", "contiguous", device=device)
-        back = route.reverse()
-        for label, r in ((f"{name} zigzag->contiguous", route), (f"{name} contiguous->zigzag", back)):
-            rows.append((
-                label,
-                cuda_median_ms(lambda r=r: swap_layout(x, r, None), iters=30, warmup=5),
-                count_host_syncs(lambda r=r: swap_layout(x, r, None)),
-            ))
-    if rank == 0:
-        gb = x.numel() * x.element_size() / 1e9
-        print(f"\nswap of {args.rows} x {args.width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
-              f"{torch.cuda.get_device_name()}")
-        print(f"{'variant':<36} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
-        for label, ms, syncs in rows:
-            print(f"{label:<36} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
+    for width in (int(w) for w in args.widths.split(",")):
+        x = torch.randn(args.rows, width, device=device, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x), iters=args.iters, warmup=5)
+        rows = [("bare all_to_all_single", "", bare, 0)]
+        for name, route in routes.items():
+            for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
+                for transport in SWAP_TRANSPORTS:
+                    fn = lambda r=r, t=transport: swap_layout(x, r, None, transport=t)  # noqa: E731
+                    rows.append((f"{name} {direction}", transport, cuda_median_ms(fn, args.iters, 5), count_host_syncs(fn)))
+        if rank == 0:
+            gb = x.numel() * x.element_size() / 1e9
+            print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
+                  f"{torch.cuda.get_device_name()}")
+            print(f"{'variant':<32} {'transport':<11} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
+            for label, transport, ms, syncs in rows:
+                print(f"{label:<32} {transport:<11} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
     dist.destroy_process_group()
 
 
