@@ -1,5 +1,11 @@
-"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode vs the single-rank torch
-reference (fp32 and bf16), and zero host syncs in steady-state chunkwise and headwise calls."""
+"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode in bf16 vs the single-rank
+fp32 torch reference, and zero host syncs in steady-state chunkwise and headwise calls.
+
+Head counts and head dims are Qwen3.5-9B's (16 QK / 32 V heads x 128): FLA autotunes per head
+shape and dtype (minutes per shape on a fresh machine), so the test tunes exactly the kernels
+the layer benchmark and training use; with ``TRITON_CACHE_AUTOTUNING=1`` they tune once. fp32 is
+left out for the same reason: FLA training runs in bf16.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ pytestmark = [
 ]
 
 CU = [0, 192, 192, 704, 768, 1280]
-TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 5e-2}  # max error / max |reference|
+TOLERANCE = 5e-2  # bf16 vs the fp32 reference: max error / max |reference|
+HIDDEN = 256
 
 
 def _gpu_cases():
@@ -28,18 +35,21 @@ def _gpu_cases():
     device = torch.device("cuda", rank)
     mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     single = h.self_group()
-    dims = dict(hidden_size=128, linear_key_head_dim=64, linear_value_head_dim=64, use_cpu_initialization=False)
+    dims = dict(
+        hidden_size=HIDDEN, num_attention_heads=16, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, use_cpu_initialization=False,
+    )
     reference = h.build_gdn(h.tiny_config(**dims), single, single, kernel_backend="torch").to(device)
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.1 * torch.randn_like(p))
     torch.manual_seed(0)
-    x = torch.randn(CU[-1], 1, 128, device=device)
+    x = torch.randn(CU[-1], 1, HIDDEN, device=device)
     weight = torch.randn_like(x)
     ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
     scale = {"out": ref[0].abs().max().item(), "dx": ref[1].abs().max().item()}
     results, syncs = {}, {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.bfloat16,):
         config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
         for mode in ("chunkwise", "headwise", "all_gather"):
             print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
@@ -71,6 +81,6 @@ def test_fla_modes_match_reference_and_are_sync_free():
     per_rank = run_distributed(_gpu_cases, 2, backend="nccl")
     for rank, (results, syncs) in enumerate(per_rank):
         print(f"rank {rank}: max relative errors {results}; host syncs {syncs}")
-        bad = {k: v for k, v in results.items() if not v < TOLERANCE[getattr(torch, k[1].split('.')[-1])]}
+        bad = {k: v for k, v in results.items() if not v < TOLERANCE}
         assert not bad, f"rank {rank}: {bad}"
         assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs

@@ -4,7 +4,7 @@
 
 Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank (CUDA events,
 warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
-Variants: chunkwise with the cached route (swap transport all_to_all, and runs); chunkwise with the route rebuilt per call the
+Variants: chunkwise with the cached route; chunkwise with the route rebuilt per call the
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps);
 headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
 in training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,11 +123,7 @@ def main() -> None:
         for label in ("chunkwise", "headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
             row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
-            print(f"[rank {rank}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
-        layers["chunkwise"].swap_transport = "runs"
-        fn = step(layers["chunkwise"], x_local, dy_local, psp)
-        row["chunkwise, runs transport"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
-        layers["chunkwise"].swap_transport = "all_to_all"
+            print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
@@ -155,7 +152,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = ["chunkwise", "chunkwise, runs transport", "chunkwise, per-token route per call", "headwise", "headwise (stock MCore)",
+        order = ["chunkwise", "chunkwise, per-token route per call", "headwise", "headwise (stock MCore)",
                  "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch"]
         for name, row in table:
             stock = row["headwise (stock MCore)"][0]
