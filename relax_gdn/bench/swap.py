@@ -4,9 +4,7 @@
 
 Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer, 4096 = its
 hidden width, which chunkwise swaps without sequence parallelism). The bare all-to-all sends equal
-splits of the same tensor with no pack or scatter: the floor a swap can reach. Both transports of
-``swap_layout`` run side by side: ``all_to_all`` (pack, one all_to_all_single, scatter) and
-``runs`` (batched sends/receives straight from/into row ranges). Host syncs inside the swaps are
+splits of the same tensor with no pack or scatter: the floor a swap can reach. Host syncs inside the swaps are
 counted with torch.cuda.set_sync_debug_mode("warn").
 """
 
@@ -20,7 +18,6 @@ import torch.distributed as dist
 
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
-from relax_gdn.layout.swap import SWAP_TRANSPORTS
 
 
 def main() -> None:
@@ -49,19 +46,18 @@ def main() -> None:
         x = torch.randn(args.rows, width, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(x)
         bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x), iters=args.iters, warmup=5)
-        rows = [("bare all_to_all_single", "", bare, 0)]
+        rows = [("bare all_to_all_single", bare, 0)]
         for name, route in routes.items():
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
-                for transport in SWAP_TRANSPORTS:
-                    fn = lambda r=r, t=transport: swap_layout(x, r, None, transport=t)  # noqa: E731
-                    rows.append((f"{name} {direction}", transport, cuda_median_ms(fn, args.iters, 5), count_host_syncs(fn)))
+                fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
+                rows.append((f"{name} {direction}", cuda_median_ms(fn, args.iters, 5), count_host_syncs(fn)))
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
                   f"{torch.cuda.get_device_name()}")
-            print(f"{'variant':<32} {'transport':<11} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
-            for label, transport, ms, syncs in rows:
-                print(f"{label:<32} {transport:<11} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
+            print(f"{'variant':<32} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
+            for label, ms, syncs in rows:
+                print(f"{label:<32} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.gdn import reference
+from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
 
 KERNEL_BACKENDS = ("auto", "fla", "torch")
 
@@ -80,12 +81,13 @@ class FlaKernels:
 
     name = "fla"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         from fla.modules.convolution import causal_conv1d
         from fla.ops.cp import build_cp_context
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         self._conv, self._scan, self._build_cp_context = causal_conv1d, chunk_gated_delta_rule, build_cp_context
+        use_bundled_fla_configs(device)
 
     def _context(self, rows: ScanRows):
         if rows._fla_context is None:  # once per micro-batch: ScanRows is cached per micro-batch
@@ -120,11 +122,11 @@ def select_kernels(backend: str, device: torch.device) -> GDNKernels:
 
 
 @functools.cache
-def _kernels(backend: str, device_type: str) -> GDNKernels:
+def _kernels(backend: str, device_type: str) -> GDNKernels:  # noqa: D103 - see select_kernels
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"unknown gdn.kernel_backend {backend!r}: use one of {KERNEL_BACKENDS}")
     if backend == "auto":
         backend = "fla" if device_type == "cuda" else "torch"
     if backend == "fla" and device_type != "cuda":
         raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto")
-    return FlaKernels() if backend == "fla" else TorchKernels()
+    return FlaKernels(torch.device(device_type)) if backend == "fla" else TorchKernels()

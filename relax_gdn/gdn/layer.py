@@ -39,7 +39,6 @@ from relax_gdn.gdn.kernels import ScanRows, select_kernels
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
     ROUTE_STRATEGIES,
-    SWAP_TRANSPORTS,
     cached_gathered_zigzag_order,
     get_route,
     per_micro_batch,
@@ -108,7 +107,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
         kernel_backend: str = "auto",
         max_cp_size: int | None = None,
         training: bool = True,
-        swap_transport: str = "all_to_all",
         **kwargs,
     ):
         super().__init__(config, submodules, *args, **kwargs)
@@ -116,9 +114,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
             config, cp_mode, self.tp_size, max_cp_size or self.cp_size, route_strategy, training=training
         )
         self.cp_mode, self.route_strategy, self.kernel_backend = cp_mode, route_strategy, kernel_backend
-        if swap_transport not in SWAP_TRANSPORTS:
-            raise ValueError(f"unknown swap_transport {swap_transport!r}: use one of {SWAP_TRANSPORTS}")
-        self.swap_transport = swap_transport
 
     # ------------------------------------------------------------------ forward
 
@@ -183,14 +178,13 @@ class CPGatedDeltaNet(GatedDeltaNet):
             psp, resolved.cu_seqlens, cp.size, cp.rank, *CP_LAYOUT_PAIR,
             strategy=self.route_strategy, device=hidden_states.device,
         )
-        transport = self.swap_transport
         if self.sp_size == 1:  # projections are per token: swap the narrower input instead
-            qkvzba, _ = self.in_proj(swap_layout(hidden_states, route, cp.group, transport=transport))
+            qkvzba, _ = self.in_proj(swap_layout(hidden_states, route, cp.group))
         else:
             qkvzba, _ = self.in_proj(hidden_states)
-            qkvzba = swap_layout(qkvzba, route, cp.group, transport=transport)
+            qkvzba = swap_layout(qkvzba, route, cp.group)
         core = self._core(qkvzba, self._rows(psp, resolved, cp.group), parts=1, part=0)
-        return self.out_proj(swap_layout(core, route.reverse(), cp.group, transport=transport))
+        return self.out_proj(swap_layout(core, route.reverse(), cp.group))
 
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -258,7 +252,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
 def gdn_cp_layer_spec(
     cp_mode: str, route_strategy: str = "lazy_cache", kernel_backend: str = "auto", training: bool = True,
     max_cp_size: int | None = None, in_proj=None, out_norm=None, out_proj=None,
-    swap_transport: str = "all_to_all",
 ) -> ModuleSpec:
     """A ModuleSpec for the CP-mode GDN (local Megatron-Core linears and norm unless given)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -273,6 +266,6 @@ def gdn_cp_layer_spec(
         ),
         params={
             "cp_mode": cp_mode, "route_strategy": route_strategy, "kernel_backend": kernel_backend,
-            "training": training, "max_cp_size": max_cp_size, "swap_transport": swap_transport,
+            "training": training, "max_cp_size": max_cp_size,
         },
     )

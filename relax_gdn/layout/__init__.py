@@ -19,13 +19,12 @@ from relax_gdn.layout.cache import (
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
 from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order, rows_as_tensor
-from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_layout
+from relax_gdn.layout.swap import swap_layout
 
 __all__ = [
     "CP_LAYOUT_PAIR",
     "LAYOUTS",
     "ROUTE_STRATEGIES",
-    "SWAP_TRANSPORTS",
     "ResolvedCuSeqlens",
     "GatheredOrder",
     "Route",

@@ -68,11 +68,6 @@ class Route:
     device: torch.device
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_version: int | None = None
-    # The same wire rows as runs (peer, first local row, length), for the run-wise transport that
-    # sends from and receives into row ranges directly. Runs of one (sender, receiver) pair are in
-    # global order on both sides, so the i-th send to a peer matches its i-th receive.
-    send_runs: tuple[tuple[int, int, int], ...] = ()
-    recv_runs: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def is_identity(self) -> bool:
@@ -81,12 +76,13 @@ class Route:
         its peers enter."""
         return self.cp_size == 1 or self.source == self.target or self.local_rows == 0
 
-    @property
+    # cached: a swap runs several times per layer and micro-batch; its host time is on the clock
+    @functools.cached_property
     def wire_send_splits(self) -> list[int]:
         """Split sizes of the all-to-all: own-rank rows never go on the wire."""
         return [0 if d == self.cp_rank else n for d, n in enumerate(self.send_splits)]
 
-    @property
+    @functools.cached_property
     def wire_recv_splits(self) -> list[int]:
         return [0 if s == self.cp_rank else n for s, n in enumerate(self.recv_splits)]
 
@@ -100,8 +96,6 @@ class Route:
             send_rows=self.recv_rows,
             recv_rows=self.send_rows,
             local_rows=self.local_rows,
-            send_runs=self.recv_runs,
-            recv_runs=self.send_runs,
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
             source=self.target,
@@ -149,10 +143,6 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows
     if (starts[1:] == ends[:-1]).all():
         return slice(int(starts[0]), int(ends[-1]))
     return upload_rows(expand_runs(starts, lengths), device)
-
-
-def _runs(peer: np.ndarray, row: np.ndarray, length: np.ndarray) -> tuple[tuple[int, int, int], ...]:
-    return tuple(zip(peer.tolist(), row.tolist(), length.tolist()))
 
 
 def build_route(
@@ -207,8 +197,6 @@ def build_route(
         send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
         recv_rows=_rows(tgt_row[incoming], run_len[incoming], device),
         local_rows=total // cp_size,
-        send_runs=_runs(tgt_rank[outgoing], src_row[outgoing], run_len[outgoing]),
-        recv_runs=_runs(src_rank[incoming], tgt_row[incoming], run_len[incoming]),
         cp_size=cp_size,
         cp_rank=cp_rank,
         source=source,

@@ -23,16 +23,17 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
     return dtype not in _GLOO_NATIVE and dist.get_backend(group) == "gloo"
 
 
-SWAP_TRANSPORTS = ("all_to_all", "runs")
-
-
-def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str) -> torch.Tensor:
+def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     x = x.contiguous()
-    if transport == "runs":
-        return _exchange_runs(x, route, group)
     send = take_rows(x, route.send_rows)
-    recv = x.new_empty((sum(route.wire_recv_splits), *x.shape[1:]))
+    out = x.new_empty((route.local_rows, *x.shape[1:]))
+    # Received rows that form one range of the output land there directly: no scatter pass.
+    recv_in_place = isinstance(route.recv_rows, slice)
+    if recv_in_place:
+        recv = out[route.recv_rows]
+    else:
+        recv = x.new_empty((sum(route.wire_recv_splits), *x.shape[1:]))
     wire_send, wire_recv = send, recv
     if _needs_byte_transport(x.dtype, group):
         wire_send, wire_recv = send.view(torch.uint8), recv.view(torch.uint8)
@@ -46,28 +47,10 @@ def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, tr
         group=group,
         async_op=True,
     )
-    out = x.new_empty((route.local_rows, *x.shape[1:]))
     put_rows(out, route.keep_target, take_rows(x, route.keep_source))
     work.wait()
-    put_rows(out, route.recv_rows, recv)
-    return out
-
-
-def _exchange_runs(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The same move with no pack and no scatter: one batched send per outgoing run straight from
-    its rows of ``x``, one receive per incoming run straight into its rows of the output."""
-    out = x.new_empty((route.local_rows, *x.shape[1:]))
-    wire_x, wire_out = x, out
-    if _needs_byte_transport(x.dtype, group):
-        wire_x, wire_out = x.view(torch.uint8), out.view(torch.uint8)
-    ops = [dist.P2POp(dist.isend, wire_x[row : row + n], group=group, group_peer=peer)
-           for peer, row, n in route.send_runs]
-    ops += [dist.P2POp(dist.irecv, wire_out[row : row + n], group=group, group_peer=peer)
-            for peer, row, n in route.recv_runs]
-    works = dist.batch_isend_irecv(ops) if ops else []
-    put_rows(out, route.keep_target, take_rows(x, route.keep_source))
-    for work in works:
-        work.wait()
+    if not recv_in_place:
+        put_rows(out, route.recv_rows, recv)
     return out
 
 
@@ -75,18 +58,17 @@ class _SwapLayout(torch.autograd.Function):
     """Forward moves rows along the route; backward moves gradients along its mirror."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str) -> torch.Tensor:
-        ctx.route, ctx.group, ctx.transport = route, group, transport
-        return _exchange(x, route, group, transport)
+    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.route, ctx.group = route, group
+        return _exchange(x, route, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.route.reverse(), ctx.group, ctx.transport), None, None, None
+        return _exchange(grad, ctx.route.reverse(), ctx.group), None, None
 
 
 def swap_layout(
-    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0,
-    transport: str = "all_to_all",
+    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0
 ) -> torch.Tensor:
     """Convert ``x`` (this rank's rows in ``route.source`` layout along ``seq_dim``) to ``route.target``.
 
@@ -104,11 +86,9 @@ def swap_layout(
             f"swap_layout: x is on {x.device} but the route's row lists are on {route.device}; "
             "build (or get_route) the route for the device of the activations"
         )
-    if transport not in SWAP_TRANSPORTS:
-        raise ValueError(f"swap_layout: unknown transport {transport!r}; use one of {SWAP_TRANSPORTS}")
     if route.is_identity:
         return x
     if seq_dim % x.dim() == 0:
-        return _SwapLayout.apply(x, route, cp_group, transport)
-    moved = _SwapLayout.apply(x.movedim(seq_dim, 0), route, cp_group, transport)
+        return _SwapLayout.apply(x, route, cp_group)
+    moved = _SwapLayout.apply(x.movedim(seq_dim, 0), route, cp_group)
     return moved.movedim(0, seq_dim)

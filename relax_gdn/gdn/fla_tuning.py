@@ -1,0 +1,39 @@
+"""FLA kernel configs tuned on the GPUs this repo is measured on, used instead of autotuning.
+
+FLA autotunes each kernel per head shape and dtype on first use: about 2-3 minutes per shape per
+process on an H200 (measured 2026-11-29), paid by every rank of every job before step 1. The
+tuned winners live in ``fla_configs/<GPU name>/`` (made with ``relax_gdn.bench.fla_configs`` from
+Triton's autotuning cache of the GDN GPU test and layer benchmark at Qwen3.5-9B head shapes) and
+are loaded through FLA's own config cache (``FLA_CONFIG_DIR`` + ``FLA_CACHE_MODE``) in ``fuzzy``
+mode: an exact key wins, otherwise a key differing only in numbers (head counts per TP/CP share,
+lengths) reuses a tuned config, and a kernel with no file autotunes as usual. A user who sets
+either variable keeps full control.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_CONFIG_ROOT = Path(__file__).parent / "fla_configs"
+
+
+def use_bundled_fla_configs(device: torch.device) -> Path | None:
+    """Point FLA at the bundled configs for ``device``'s GPU model; the directory used, or None."""
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
+        return None
+    from fla.ops.utils import cache as fla_cache
+
+    config_dir = BUNDLED_CONFIG_ROOT / fla_cache.sanitize_gpu_name(torch.cuda.get_device_name(device))
+    if not config_dir.is_dir():
+        return None
+    os.environ["FLA_CONFIG_DIR"] = str(config_dir)
+    # FLA reads FLA_CACHE_MODE once at import (already done by now); the directory at every lookup.
+    fla_cache.FLA_CACHE_MODE = fla_cache.FlaCacheMode.FUZZY
+    logger.info("FLA kernels use the tuned configs in %s (FLA_CACHE_MODE=fuzzy)", config_dir)
+    return config_dir
