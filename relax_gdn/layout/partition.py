@@ -59,7 +59,7 @@ def host_boundaries(cu_seqlens: CuSeqlens) -> np.ndarray:
         raise ValueError("rule 'cu_seqlens has at least one boundary' broken: cu_seqlens is empty")
     if cu[0] != 0:
         raise ValueError(f"rule 'cu_seqlens[0] == 0' broken: cu_seqlens[0]={int(cu[0])}")
-    steps = np.diff(cu)
+    steps = cu[1:] - cu[:-1]
     if (steps < 0).any():
         i = int(np.argmax(steps < 0))
         raise ValueError(
@@ -74,7 +74,7 @@ def check_divisible(cu: np.ndarray, cp_size: int, layout: str) -> None:
     if cp_size == 1:
         return
     if layout == "zigzag":
-        lengths = np.diff(cu)
+        lengths = cu[1:] - cu[:-1]
         bad = np.nonzero(lengths % (2 * cp_size))[0]
         if bad.size:
             i = int(bad[0])
@@ -140,7 +140,7 @@ def layout_segments(cu: np.ndarray, cp_size: int, layout: str) -> Segments:
         part = total // cp_size
         ranks = np.arange(cp_size, dtype=np.int64)
         return Segments(start=ranks * part, rank=ranks, local_start=np.zeros(cp_size, dtype=np.int64))
-    lengths = np.diff(cu)
+    lengths = cu[1:] - cu[:-1]
     keep = lengths > 0  # repeated boundaries are empty padding slots
     seq_start, chunk = cu[:-1][keep], lengths[keep] // (2 * cp_size)
     j = np.arange(2 * cp_size, dtype=np.int64)  # natural chunk index within a sequence
