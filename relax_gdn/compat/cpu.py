@@ -33,6 +33,12 @@ def apply_cpu_shims() -> None:
     assert hasattr(mcore_random, "initialize_rng_tracker")
     mcore_random.initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=True, force_reset=True)
 
+    # Full recompute (activation checkpointing) saves and restores the CUDA RNG state around the
+    # recomputed forward; there is none without a GPU, and no dropout runs in CPU jobs.
+    assert hasattr(mcore_random, "_get_cuda_rng_state") and hasattr(mcore_random, "_set_cuda_rng_state")
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
     # jit_fuser = torch.compile: ~20 s of Inductor + gcc per process on 2 cores for no benefit.
     from torch import _dynamo
 

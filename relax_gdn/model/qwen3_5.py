@@ -1,0 +1,582 @@
+"""Qwen3.5 (text) on Megatron-Core 0.19.2: presets, layer specs, and the model.
+
+One place decides the presets (:data:`PRESETS`); :func:`qwen3_5_config` turns one into a
+``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (QWEN3_5.md):
+
+* 3 GDN layers then 1 full-attention layer, repeated (``linear_attention_freq=4``);
+* GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` with the chosen ``cp_mode``;
+* attention has GQA, QK-norm, a sigmoid output gate and partial RoPE (64 of 256 dims, θ=1e7);
+* zero-centred RMSNorm ``x̂·(1+w)`` everywhere except the GDN gated output norm (plain ``x̂·w``);
+* SwiGLU MLP, no biases, untied input embedding and output layer.
+
+Spec providers: ``"te"`` takes Megatron-Core's Transformer Engine block spec for experimental
+attention variants and substitutes the CP-mode GDN, the output norm and the RoPE handling;
+``"local"`` (no Transformer Engine) builds the same layers from Megatron-Core's own linears, the
+CP + THD attention core :class:`~relax_gdn.model.attention.CPDotProductAttention` and
+:class:`~relax_gdn.model.norms.RMSNorm`. ``"auto"`` picks ``te`` where it imports.
+
+RoPE by per-token positions: Megatron-Core's packed (THD) RoPE derives each token's position
+from ``cu_seqlens`` with ``.tolist()``/``.item()`` (host syncs in every attention layer) and its
+own static CP group (wrong under dynamic CP). Here the model turns the micro-batch's
+``position_ids`` (global positions within each document, already zigzag-sharded by the data side)
+into per-token rotary angles once, and :class:`Qwen3_5SelfAttention` applies them token by token:
+correct for any sharding, no host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
+from relax_gdn.model.attention import ATTENTION_BACKENDS, CPDotProductAttention
+from relax_gdn.model.norms import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+SPEC_PROVIDERS = ("auto", "local", "te")
+"""``auto``: Transformer Engine specs where ``transformer_engine`` imports, else local specs."""
+
+MODEL_ATTENTION_BACKENDS = ("auto", "te") + tuple(b for b in ATTENTION_BACKENDS if b != "auto")
+"""Core attention of the full-attention layers. ``te``: Transformer Engine's
+``TEDotProductAttention`` (``te`` specs only); ``varlen``/``sdpa``: :class:`CPDotProductAttention`
+with that kernel; ``auto``: ``te`` with ``te`` specs, else ``CPDotProductAttention(backend="auto")``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Qwen3_5Preset:
+    """Shapes of one Qwen3.5 variant: ``config`` are ``TransformerConfig`` fields, the rest are
+    what ``GPTModel`` needs besides the config."""
+
+    name: str
+    config: dict = field(repr=False)
+    vocab_size: int = 248_320
+    max_sequence_length: int = 262_144
+    rotary_percent: float = 0.25
+    rotary_base: float = 10_000_000.0
+
+
+def _qwen3_5_shapes(**shapes) -> dict:
+    """Everything Qwen3.5 fixes, plus the given shapes."""
+    return dict(
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        layernorm_zero_centered_gamma=True,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        rotary_interleaved=False,  # NeoX rotate-half
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,  # layers 3, 7, ... (0-based) are full attention
+        linear_conv_kernel_dim=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        **shapes,
+    )
+
+
+_NINE_B_WIDTHS = dict(
+    hidden_size=4096,
+    ffn_hidden_size=12288,
+    num_attention_heads=16,
+    num_query_groups=4,
+    kv_channels=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+)
+
+PRESETS: dict[str, Qwen3_5Preset] = {
+    "qwen3_5_9b": Qwen3_5Preset("qwen3_5_9b", _qwen3_5_shapes(num_layers=32, **_NINE_B_WIDTHS)),
+    # one 3:1 block at full width: what fits a 2-GPU benchmark
+    "qwen3_5_9b_reduced": Qwen3_5Preset(
+        "qwen3_5_9b_reduced", _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS)
+    ),
+    # trains on CPU in seconds; keeps GQA (4 Q / 2 KV heads), the gate, partial RoPE (4 of 16
+    # dims), the 3:1 pattern and GVA (8 value heads = 2 x 4 key heads; headwise works up to
+    # TP x CP = 4)
+    "qwen3_5_tiny": Qwen3_5Preset(
+        "qwen3_5_tiny",
+        _qwen3_5_shapes(
+            num_layers=4,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=16,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+        vocab_size=256,
+        max_sequence_length=4096,
+    ),
+}
+
+
+def qwen3_5_preset(preset: str | Qwen3_5Preset) -> Qwen3_5Preset:
+    """The preset named ``preset`` (one of :data:`PRESETS`); a preset object is returned as is."""
+    if isinstance(preset, Qwen3_5Preset):
+        return preset
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Qwen3.5 preset {preset!r}: use one of {tuple(PRESETS)}")
+    return PRESETS[preset]
+
+
+def qwen3_5_config(preset: str | Qwen3_5Preset = "qwen3_5_9b", **overrides) -> TransformerConfig:
+    """``TransformerConfig`` of ``preset`` with ``overrides`` (any ``TransformerConfig`` field:
+    ``tensor_model_parallel_size``, ``sequence_parallel``, ``bf16``/``params_dtype``,
+    ``recompute_granularity``, ``num_layers``, ...). The vocabulary size and maximum sequence
+    length are on the preset (:func:`qwen3_5_preset`)."""
+    kwargs = dict(qwen3_5_preset(preset).config)
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    if unknown:
+        raise ValueError(f"qwen3_5_config: {unknown} are not TransformerConfig fields")
+    # the provider "auto" would pick; build_qwen3_5_model re-aligns it with the provider it uses
+    have_te = transformer_engine_import_error() is None
+    kwargs["transformer_impl"] = "transformer_engine" if have_te else "local"
+    kwargs.update(overrides)
+    if kwargs.get("pipeline_model_parallel_size", 1) > 1:
+        raise ValueError(_PP_MESSAGE.format(pp=kwargs["pipeline_model_parallel_size"]))
+    return TransformerConfig(**kwargs)
+
+
+_PP_MESSAGE = (
+    "pipeline parallelism is not supported for Qwen3.5 here (pipeline_model_parallel_size={pp}); "
+    "use parallel.pp=1 and scale with TP / CP / DP"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec provider
+# ---------------------------------------------------------------------------------------------
+
+_logged_choices: set[tuple[str, str]] = set()
+
+
+@functools.cache
+def transformer_engine_import_error() -> str | None:
+    """Why ``transformer_engine`` does not import here (None when it does); asked once."""
+    try:
+        import transformer_engine  # noqa: F401
+
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken TE install fails in many ways
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def resolve_spec_provider(spec_provider: str = "auto") -> str:
+    """``"te"`` or ``"local"`` for the request ``spec_provider`` (one of :data:`SPEC_PROVIDERS`);
+    the choice is logged once per process."""
+    if spec_provider not in SPEC_PROVIDERS:
+        raise ValueError(f"unknown spec_provider {spec_provider!r}: use one of {SPEC_PROVIDERS}")
+    if spec_provider == "local":
+        chosen, why = "local", "requested"
+    else:
+        te_error = transformer_engine_import_error()
+        if spec_provider == "te" and te_error is not None:
+            raise ValueError(
+                f"spec_provider='te' needs Transformer Engine, which does not import here ({te_error}); "
+                "install transformer_engine or use spec_provider='local' (or 'auto')"
+            )
+        chosen = "te" if te_error is None else "local"
+        if spec_provider == "te":
+            why = "requested"
+        else:
+            why = "transformer_engine imports" if te_error is None else f"no transformer_engine ({te_error})"
+    if (spec_provider, chosen) not in _logged_choices:
+        _logged_choices.add((spec_provider, chosen))
+        logger.info("Qwen3.5 spec provider: %s (spec_provider=%r: %s)", chosen, spec_provider, why)
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE by per-token positions
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenRotaryEmbedding(RotaryEmbedding):
+    """Megatron-Core's ``RotaryEmbedding`` (same frequencies) evaluated at given positions."""
+
+    def for_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Rotary angles ``[s, b, 1, rot_dim]`` for ``position_ids [b, s]`` (any integer positions;
+        the layout Megatron-Core's ``apply_rotary_pos_emb`` takes for ``[s, b, h, d]`` input)."""
+        if position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}")
+        if self.inv_freq.device != position_ids.device:  # once: built on CPU, used on the GPU
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        positions = position_ids.t().to(self.inv_freq.dtype)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = positions.unsqueeze(-1) * self.inv_freq  # [s, b, rot_dim / 2]
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.unsqueeze(2)
+
+
+class Qwen3_5SelfAttention(SelfAttention):
+    """``SelfAttention`` whose ``rotary_pos_emb`` holds per-TOKEN angles ``[s, b, 1, rot_dim]``
+    (from :meth:`TokenRotaryEmbedding.for_positions`), applied to q and k right after the QK-norm,
+    before any packing logic; Megatron-Core's own RoPE step is skipped."""
+
+    _token_rotary: torch.Tensor | None = None
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, *args, **kwargs):
+        if isinstance(rotary_pos_emb, tuple):
+            raise ValueError("Qwen3_5SelfAttention takes one per-token rotary tensor, not a (q, k) pair")
+        self._token_rotary = rotary_pos_emb
+        try:
+            return super().forward(
+                hidden_states, attention_mask, key_value_states, inference_context, None, *args, **kwargs
+            )
+        finally:
+            self._token_rotary = None
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        freqs = self._token_rotary
+        if freqs is None:
+            return out
+        if not split_qkv:
+            raise ValueError("per-token RoPE needs split q/k/v; turn off fused_single_qkv_rope")
+        query, key, *rest = out
+        if freqs.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"per-token rotary angles cover {freqs.shape[0]} tokens but the query has {query.shape[0]}; "
+                "position_ids must be [batch, local tokens] of this rank's shard"
+            )
+        cp = self.pg_collection.cp  # unused by the [s, b, h, d] path; avoids a parallel_state lookup
+        query = apply_rotary_pos_emb(query, freqs, config=self.config, cp_group=cp)
+        key = apply_rotary_pos_emb(key, freqs, config=self.config, cp_group=cp)
+        return (query, key, *rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+# ---------------------------------------------------------------------------------------------
+
+
+def _core_attention_spec(provider: str, attention_backend: str, te_core):
+    if attention_backend not in MODEL_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention_backend {attention_backend!r}: use one of {MODEL_ATTENTION_BACKENDS}"
+        )
+    if attention_backend == "te" and provider != "te":
+        raise ValueError(
+            "attention_backend='te' needs Transformer Engine specs (spec_provider='te'); "
+            "use attention_backend='auto', 'varlen' or 'sdpa' with local specs"
+        )
+    if attention_backend == "te" or (attention_backend == "auto" and provider == "te"):
+        return te_core
+    return ModuleSpec(module=CPDotProductAttention, params={"backend": attention_backend})
+
+
+def _gdn_output_norm_spec(tp_group) -> ModuleSpec:
+    # HF's Qwen3_5RMSNormGated: plain weight (init 1) whatever layernorm_zero_centered_gamma says
+    return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group})
+
+
+def _local_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerBlockSubmodules:
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+
+    attention = ModuleSpec(
+        module=Qwen3_5SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=_core_attention_spec("local", attention_backend, None),
+            linear_proj=RowParallelLinear,
+            q_layernorm=RMSNorm,  # zero-centred per config
+            k_layernorm=RMSNorm,
+        ),
+    )
+    gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
+    mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
+    layers = [
+        ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=RMSNorm,
+                self_attention=gdn if is_gdn else attention,
+                self_attn_bda=get_bias_dropout_add,
+                pre_mlp_layernorm=RMSNorm,
+                mlp=mlp,
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
+        for is_gdn in get_linear_attention_pattern(config)
+    ]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _te_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerBlockSubmodules:
+    """Megatron-Core's TE block spec with the CP-mode GDN, its plain output norm and the per-token
+    RoPE attention substituted (TE norms take ``layernorm_zero_centered_gamma`` from the config)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
+
+    block = get_transformer_block_with_experimental_attention_variant_spec(config)
+    layers = []
+    for layer in block.layer_specs:
+        attn = layer.submodules.self_attention
+        if isinstance(attn.module, type) and issubclass(attn.module, GatedDeltaNet):
+            new_attn = gdn_spec_for(attn.submodules.in_proj, attn.submodules.out_proj)
+            new_attn.metainfo = dict(attn.metainfo)
+        elif isinstance(attn.module, type) and issubclass(attn.module, SelfAttention):
+            core = _core_attention_spec("te", attention_backend, attn.submodules.core_attention)
+            new_attn = ModuleSpec(
+                module=Qwen3_5SelfAttention,
+                params=dict(attn.params),
+                submodules=dataclasses.replace(attn.submodules, core_attention=core),
+                metainfo=dict(attn.metainfo),
+            )
+        else:
+            raise ValueError(f"unexpected attention module {attn.module} in Megatron-Core's TE block spec")
+        layers.append(
+            dataclasses.replace(
+                layer, submodules=dataclasses.replace(layer.submodules, self_attention=new_attn)
+            )
+        )
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def qwen3_5_block_spec(
+    config: TransformerConfig,
+    *,
+    spec_provider: str = "auto",
+    cp_mode: str = "chunkwise",
+    route_strategy: str = "lazy_cache",
+    kernel_backend: str = "auto",
+    attention_backend: str = "auto",
+    max_cp_size: int | None = None,
+    training: bool = True,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+) -> TransformerBlockSubmodules:
+    """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm.
+
+    ``tp_group``: the tensor-parallel group (for the GDN output norm's gradient sum; None reads
+    Megatron-Core's ``parallel_state``). ``config.transformer_impl`` must match the provider
+    (:func:`build_qwen3_5_model` sees to it).
+    """
+    provider = resolve_spec_provider(spec_provider)
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def gdn_spec_for(in_proj, out_proj) -> ModuleSpec:
+        return gdn_cp_layer_spec(
+            cp_mode, route_strategy, kernel_backend, training, max_cp_size,
+            in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group), out_proj=out_proj,
+        )
+
+    if provider == "te":
+        return _te_block_spec(config, gdn_spec_for, attention_backend)
+    return _local_block_spec(config, gdn_spec_for, attention_backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+class Qwen3_5Model(GPTModel):
+    """``GPTModel`` whose RoPE follows ``position_ids`` token by token (see the module docstring).
+
+    Megatron-Core's own position embedding is off (``position_embedding_type="none"``); the
+    rotary angles for the micro-batch are computed once in ``_preprocess`` from ``position_ids``
+    and handed to every attention layer.
+    """
+
+    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
+                 rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection, **kwargs):
+        super().__init__(
+            config=config,
+            transformer_layer_spec=transformer_layer_spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="none",
+            rotary_percent=rotary_percent,
+            rotary_base=rotary_base,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
+        self.rotary_pos_emb = TokenRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=rotary_base,
+            use_cpu_initialization=True,  # moved to the positions' device on first use
+            cp_group=pg_collection.cp,
+        )
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        if kwargs.get("inference_context") is not None:
+            raise NotImplementedError("Qwen3.5 here is for training: GDN has no inference path")
+        if position_ids is None:
+            raise ValueError(
+                "Qwen3.5 needs position_ids [batch, local tokens] (global positions within each "
+                "document, sharded like input_ids) for its rotary embedding"
+            )
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        return (out[0], self.rotary_pos_emb.for_positions(position_ids), *out[2:])
+
+
+def _process_groups(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
+    if pg_collection is None:
+        return ProcessGroupCollection.use_mpu_process_groups()
+    missing = [name for name in ("tp", "cp", "pp", "embd") if getattr(pg_collection, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"pg_collection lacks {missing}: GPTModel needs tp, cp, pp (size 1) and embd groups; "
+            "build them with torch.distributed.new_group or pass pg_collection=None after "
+            "parallel_state.initialize_model_parallel(...)"
+        )
+    return pg_collection
+
+
+def _ensure_global_memory_buffer() -> None:
+    # Sequence-parallel all-gathers write into Megatron-Core's global buffer, which
+    # initialize_model_parallel creates; with explicit process groups nobody has.
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def build_qwen3_5_model(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    pg_collection: ProcessGroupCollection | None = None,
+    cp_mode: str = "chunkwise",
+    route_strategy: str = "lazy_cache",
+    kernel_backend: str = "auto",
+    attention_backend: str = "auto",
+    spec_provider: str = "auto",
+    max_cp_size: int | None = None,
+    training: bool = True,
+    rotary_percent: float = 0.25,
+    rotary_base: float = 10_000_000.0,
+    parallel_output: bool = True,
+) -> Qwen3_5Model:
+    """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
+
+    ``pg_collection``: explicit groups (``tp``, ``cp``, ``pp`` of size 1, ``embd``); None uses
+    Megatron-Core's ``parallel_state``. ``cp_mode``/``route_strategy``/``kernel_backend``/
+    ``max_cp_size``/``training``: the GDN layers' (``relax_gdn.gdn.layer``); ``attention_backend``:
+    one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`.
+    Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
+    returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels).
+    """
+    pgs = _process_groups(pg_collection)
+    pp_size = pgs.pp.size()
+    if pp_size > 1 or config.pipeline_model_parallel_size > 1:
+        raise ValueError(_PP_MESSAGE.format(pp=max(pp_size, config.pipeline_model_parallel_size)))
+    tp_size = pgs.tp.size()
+    if config.tensor_model_parallel_size != tp_size:
+        raise ValueError(
+            f"config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the TP group has "
+            f"{tp_size} ranks; pass tensor_model_parallel_size={tp_size} to qwen3_5_config"
+        )
+    if config.sequence_parallel and tp_size == 1:
+        raise ValueError("sequence_parallel=True needs tensor parallelism (tp > 1); turn it off for tp=1")
+    # Fail before building anything on a GDN setting that cannot work.
+    check_gdn_cp_config(config, cp_mode, tp_size, max_cp_size or pgs.cp.size(), route_strategy, training)
+    if config.sequence_parallel:
+        _ensure_global_memory_buffer()
+    provider = resolve_spec_provider(spec_provider)
+    impl = "transformer_engine" if provider == "te" else "local"
+    aligned = {"transformer_impl": impl}
+    if provider == "te":
+        # TEDotProductAttention joins its CP group only when config.context_parallel_size > 1.
+        # (Not on the local path: there Megatron-Core's config check would demand GDN heads
+        # divisible by TP x CP, which only headwise needs.)
+        aligned["context_parallel_size"] = pgs.cp.size()
+    if any(getattr(config, k) != v for k, v in aligned.items()):
+        config = dataclasses.replace(config, **aligned)
+    spec = qwen3_5_block_spec(
+        config, spec_provider=provider, cp_mode=cp_mode, route_strategy=route_strategy,
+        kernel_backend=kernel_backend, attention_backend=attention_backend, max_cp_size=max_cp_size,
+        training=training, tp_group=pgs.tp,
+    )
+    return Qwen3_5Model(
+        config, spec, vocab_size, max_sequence_length,
+        rotary_percent=rotary_percent, rotary_base=rotary_base, pg_collection=pgs,
+        parallel_output=parallel_output,
+    )
+
+
+def build_qwen3_5_preset_model(
+    preset: str | Qwen3_5Preset, config: TransformerConfig | None = None, **kwargs
+) -> Qwen3_5Model:
+    """:func:`build_qwen3_5_model` with the vocabulary, sequence length and RoPE of ``preset``
+    (``config`` defaults to ``qwen3_5_config(preset)``); ``kwargs`` override any of them."""
+    p = qwen3_5_preset(preset)
+    defaults = dict(
+        vocab_size=p.vocab_size, max_sequence_length=p.max_sequence_length,
+        rotary_percent=p.rotary_percent, rotary_base=p.rotary_base,
+    )
+    return build_qwen3_5_model(config if config is not None else qwen3_5_config(p), **{**defaults, **kwargs})
+
+
+__all__ = [
+    "MODEL_ATTENTION_BACKENDS",
+    "PRESETS",
+    "Qwen3_5Model",
+    "Qwen3_5Preset",
+    "Qwen3_5SelfAttention",
+    "SPEC_PROVIDERS",
+    "TokenRotaryEmbedding",
+    "build_qwen3_5_model",
+    "build_qwen3_5_preset_model",
+    "qwen3_5_block_spec",
+    "qwen3_5_config",
+    "qwen3_5_preset",
+    "resolve_spec_provider",
+    "transformer_engine_import_error",
+]

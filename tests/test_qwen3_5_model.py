@@ -1,0 +1,437 @@
+"""relax_gdn.model.qwen3_5 on CPU: the tiny Qwen3.5 over CP = 2 (every GDN mode, and chunkwise under
+dynamic CP) and over TP = 2 x CP = 2 (SP on and off) equals TP = CP = 1 on the same weights and
+packed batch (per-token loss and every parameter gradient), packing leaks nothing across
+documents, the 9B preset has the published shapes, RoPE by per-token positions equals
+Megatron-Core's THD RoPE, configuration errors, and the spec-provider choice.
+
+All process-group cases run in ONE spawn of 4 gloo processes (imports cost ~15 s per process here).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+# fp32, absolute, per token: ~1e-5 relative to losses of ~5.5 (measured <= 1.1e-5 in chunkwise,
+# whose CP scan passes state between ranks; <= 6e-6 in the other modes)
+LOSS_TOL = 5e-5
+# fp32, relative to the tensor's max |g| (the GDN layer tests' bound). Measured: <= 3.1e-5 for every
+# gradient but the GDN decay parameters (A_log, dt_bias), which reach ~1e-4 in chunkwise mode:
+# their gradient is a sum of reverse cumulative sums over the sequence that largely cancel, so it
+# amplifies rounding the most (reordering the documents of the pack alone moves it by ~1e-6).
+GRAD_TOL, DECAY_GRAD_TOL = 1e-4, 3e-4
+
+
+def _tolerance(name: str) -> float:
+    if name == "loss":
+        return LOSS_TOL
+    return DECAY_GRAD_TOL if name.endswith(("A_log", "dt_bias")) else GRAD_TOL
+
+# 2*CP = 4 divides every document: short ones, an empty padding slot, and a long one that spans
+# every rank's zigzag chunks (and several ranks' contiguous slices in chunkwise mode)
+CU = [0, 12, 12, 16, 56, 64]
+MODES = ("headwise", "chunkwise", "all_gather")
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers run inside the worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    total = CU[-1]
+    tokens = torch.randint(0, vocab, (1, total), generator=g)
+    labels = torch.randint(0, vocab, (1, total), generator=g)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(CU, CU[1:])])[None]
+    return tokens, labels, positions
+
+
+def _build(config, tp, cp, single, mode="chunkwise", **kwargs):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from relax_gdn.model import build_qwen3_5_preset_model
+
+    pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
+    return build_qwen3_5_preset_model(
+        "qwen3_5_tiny", config, pg_collection=pgs, cp_mode=mode, attention_backend="sdpa",
+        kernel_backend="torch", **kwargs,
+    )
+
+
+def _run(model, tokens, labels, positions, cu, ids=None, cp_group=None):
+    """Per-token loss and parameter gradients of ``sum(loss)`` on the rows ``ids`` of the batch
+    (``cp_group``: a dynamic-CP group carried by the micro-batch)."""
+    from tests.gdn_harness import packed_params
+
+    if ids is not None:
+        tokens, labels, positions = tokens[:, ids], labels[:, ids], positions[:, ids]
+    dynamic = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": cp_group.size()}
+    psp = packed_params(cu, "cpu", **dynamic)
+    loss = model(tokens, positions, None, labels=labels, packed_seq_params=psp)
+    loss.sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _finalize_grads(model, grads, config, tp_group, cp_group):
+    """What Megatron-Core's DDP + finalize_model_grads do: sum over CP (part of the data-parallel
+    reduction), and over TP for norms whose gradient is partial there (sequence-parallel inputs,
+    QK-norms over a TP share of the heads)."""
+    import torch.distributed as dist
+
+    for name, param in model.named_parameters():
+        g = grads[name]
+        if cp_group.size() > 1:
+            dist.all_reduce(g, group=cp_group)
+        partial_over_tp = (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+            "q_layernorm" in name or "k_layernorm" in name
+        )
+        if tp_group.size() > 1 and partial_over_tp:
+            dist.all_reduce(g, group=tp_group)
+    return grads
+
+
+def _tp_sections(name: str, config) -> list[int] | None:
+    """Fused weights whose every section is split over TP separately (dim 0)."""
+    qk = config.linear_num_key_heads * config.linear_key_head_dim
+    v = config.linear_num_value_heads * config.linear_value_head_dim
+    hv = config.linear_num_value_heads
+    if name.endswith("self_attention.in_proj.weight"):
+        return [qk, qk, v, v, hv, hv]
+    if name.endswith("conv1d.weight"):
+        return [qk, qk, v]
+    if name.endswith("linear_fc1.weight"):
+        return [config.ffn_hidden_size] * 2
+    return None
+
+
+def _tp_shard(name, full, param, config, tp_size, tp_rank):
+    """This TP rank's share of a TP = 1 tensor, laid out like ``param``."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    sections = _tp_sections(name, config)
+    if sections is not None:
+        assert dim == 0
+        return torch.cat([s.chunk(tp_size, 0)[tp_rank] for s in full.split(sections, 0)])
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+def _errors(ref_loss, ref_grads, loss, grads, ids, shard=lambda n, g: g) -> dict[str, float]:
+    """Per-token loss: max absolute error. Gradients: max absolute error over this rank's share,
+    relative to the max |g| of the WHOLE tensor (a TP share may hold only heads whose gradient
+    nearly cancels, which would inflate a share-relative error)."""
+    errors = {"loss": (loss - ref_loss[:, ids]).abs().max().item()}
+    for n, g in ref_grads.items():
+        expect = shard(n, g)
+        assert grads[n].shape == expect.shape, (n, grads[n].shape, expect.shape)
+        errors[n] = (grads[n] - expect).abs().max().item() / max(g.abs().max().item(), 1e-12)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# the one spawn: 4 ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_cases():
+    import torch.distributed as dist
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+
+    apply_cpu_shims()
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    # every rank creates every group, in the same order
+    singles = [dist.new_group([r]) for r in range(4)]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # CP = 2 replicas; later the TP groups
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the CP groups under TP = 2
+    single, pair = singles[rank], pairs[rank // 2]
+    vocab = qwen3_5_preset("qwen3_5_tiny").vocab_size
+    tokens, labels, positions = _batch(vocab)
+
+    torch.manual_seed(0)
+    base = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
+    reference = _build(base, single, single, single)
+    with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    state = reference.state_dict()
+    ref_loss, ref_grads = _run(reference, tokens, labels, positions, CU)
+    results = {}
+
+    # CP = 2 (pairs of ranks), TP = 1, every GDN mode
+    cp_rank = pair.rank()
+    ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
+    for mode in MODES:
+        recompute = FULL_RECOMPUTE if mode == "all_gather" else {}
+        config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **recompute)
+        model = _build(config, single, pair, single, mode)
+        model.load_state_dict(state)
+        loss, grads = _run(model, tokens, labels, positions, CU, ids)
+        grads = _finalize_grads(model, grads, config, single, pair)
+        results[("cp2", mode)] = _errors(ref_loss, ref_grads, loss, grads, ids)
+
+    # dynamic CP: the model's static CP group is all 4 ranks, the micro-batch runs on a pair
+    # (PackedSeqParams.cp_group / local_cp_size), as relax_gdn.parallel hands it out
+    model = _build(base, single, dist.group.WORLD, single, "chunkwise", max_cp_size=4)
+    model.load_state_dict(state)
+    loss, grads = _run(model, tokens, labels, positions, CU, ids, cp_group=pair)
+    grads = _finalize_grads(model, grads, base, single, pair)
+    results[("cp2", "chunkwise", "dynamic")] = _errors(ref_loss, ref_grads, loss, grads, ids)
+
+    # TP = 2 x CP = 2: TP groups {0,1},{2,3}; CP groups {0,2},{1,3}
+    tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
+    tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
+    ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
+    for mode, sp in (("chunkwise", False), ("chunkwise", True), ("headwise", True), ("all_gather", False)):
+        config = qwen3_5_config(
+            "qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2, sequence_parallel=sp,
+            **(FULL_RECOMPUTE if mode == "all_gather" else {}),
+        )
+        model = _build(config, tp_group, cp_group, single, mode)
+        params = dict(model.named_parameters())
+
+        def shard(name, full, params=params, config=config):
+            return _tp_shard(name, full, params[name], config, 2, tp_rank)
+
+        model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
+        loss, grads = _run(model, tokens, labels, positions, CU, ids)
+        grads = _finalize_grads(model, grads, config, tp_group, cp_group)
+        results[("tp2cp2", mode, f"sp={sp}")] = _errors(ref_loss, ref_grads, loss, grads, ids, shard)
+
+    if rank == 0:  # packing leaks nothing: each document alone gives the same per-token loss
+        from tests.gdn_harness import packed_params
+
+        whole = reference(tokens, positions, None, labels=labels, packed_seq_params=packed_params(CU, "cpu"))
+        leak = 0.0
+        for a, b in zip(CU, CU[1:]):
+            if a == b:
+                continue
+            alone = reference(
+                tokens[:, a:b], positions[:, a:b], None, labels=labels[:, a:b],
+                packed_seq_params=packed_params([0, b - a], "cpu"),
+            )
+            leak = max(leak, (alone - whole[:, a:b]).abs().max().item())
+        results["packed_vs_alone"] = {"loss": leak}
+    if rank == 1:  # the 9B preset on the meta device: parameter counts of QWEN3_5.md
+        results["counts"] = _nine_b_counts(single)
+    if rank == 2:
+        results["errors"] = _configuration_errors(single)
+    if rank == 3:
+        results["spec_provider"] = _spec_provider_choice()
+        results["rope"] = _rope_against_megatron(config=base)
+    return results
+
+
+def _nine_b_counts(single) -> dict[str, int]:
+    from relax_gdn.model import qwen3_5_config
+
+    config = qwen3_5_config("qwen3_5_9b", use_cpu_initialization=True, perform_initialization=False)
+    with torch.device("meta"):
+        model = _build_9b(config, single)
+    layers = model.decoder.layers
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    kinds = [type(layer.self_attention).__name__ for layer in layers]
+    return {
+        "total": count(model),
+        "gdn": count(layers[0].self_attention),
+        "attention": count(layers[3].self_attention),
+        "mlp": count(layers[0].mlp),
+        "attention_layers": [i for i, k in enumerate(kinds) if k == "Qwen3_5SelfAttention"],
+        "gdn_layers": sum(k == "CPGatedDeltaNet" for k in kinds),
+        "tied": int(model.share_embeddings_and_output_weights),
+    }
+
+
+def _build_9b(config, single):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from relax_gdn.model import build_qwen3_5_preset_model
+
+    pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
+    return build_qwen3_5_preset_model("qwen3_5_9b", config, pg_collection=pgs)
+
+
+def _configuration_errors(single) -> dict[str, str | None]:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from relax_gdn.model import build_qwen3_5_model, qwen3_5_config
+
+    pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
+    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def build(cfg=config, groups=pgs, **kwargs):
+        return build_qwen3_5_model(
+            cfg, vocab_size=256, max_sequence_length=64, pg_collection=groups, **kwargs
+        )
+
+    tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
+    return {
+        "pp": error(lambda: qwen3_5_config("qwen3_5_tiny", pipeline_model_parallel_size=2)),
+        "te_specs": error(lambda: build(spec_provider="te")),
+        "te_attention": error(lambda: build(spec_provider="local", attention_backend="te")),
+        "tp_mismatch": error(lambda: build(tp2)),
+        "all_gather": error(lambda: build(cp_mode="all_gather", max_cp_size=2)),
+        "missing_groups": error(lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))),
+        "no_positions": error(lambda: build()(torch.zeros(1, 8, dtype=torch.long), None, None)),
+    }
+
+
+def _spec_provider_choice() -> dict:
+    from relax_gdn.model import qwen3_5 as q
+
+    outcome = {"te_imports": q.transformer_engine_import_error() is None}
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    q.logger.addHandler(handler)
+    q.logger.setLevel(logging.INFO)
+    q._logged_choices.clear()
+    outcome["choices"] = [q.resolve_spec_provider(p) for p in ("auto", "auto", "local")]
+    outcome["logged"] = [m for m in records if "spec provider" in m]
+    for name, fn in {
+        "te": lambda: q.resolve_spec_provider("te"),
+        "unknown": lambda: q.resolve_spec_provider("tex"),
+        "preset": lambda: q.qwen3_5_config("qwen3_5_4b"),
+        "field": lambda: q.qwen3_5_config("qwen3_5_tiny", hidden_sise=8),
+    }.items():
+        try:
+            fn()
+            outcome[name] = None
+        except ValueError as e:
+            outcome[name] = str(e)
+    return outcome
+
+
+class _FakeCPGroup:
+    """Rank and size, all Megatron-Core's THD RoPE asks of its CP group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _rope_against_megatron(config) -> dict[int, float]:
+    """Per-token RoPE from zigzag-sharded positions vs Megatron-Core's own THD RoPE (which splits
+    each document's positions for its static CP group itself), on every rank of CP = 1, 2, 4."""
+    from megatron.core.models.common.embeddings.rope_utils import (
+        _apply_rotary_pos_emb_thd,
+        apply_rotary_pos_emb,
+    )
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import TokenRotaryEmbedding
+
+    cu = [0, 16, 16, 24, 64, 72]  # multiples of 2*4
+    kwargs = dict(
+        kv_channels=config.kv_channels, rotary_percent=0.25, rotary_base=1e7, use_cpu_initialization=True
+    )
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    theirs = RotaryEmbedding(**kwargs, cp_group=_FakeCPGroup(1, 0))(longest, packed_seq=True)
+    ours = TokenRotaryEmbedding(**kwargs, cp_group=_FakeCPGroup(1, 0))
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
+    x = torch.randn(cu[-1], 4, config.kv_channels, generator=torch.Generator().manual_seed(3))
+    errors = {}
+    for cp in (1, 2, 4):
+        worst = 0.0
+        for r in range(cp):
+            ids = thd_rank_indices(cu, cp, r, "zigzag")
+            expect = _apply_rotary_pos_emb_thd(x[ids], torch.tensor(cu), theirs, cp_group=_FakeCPGroup(cp, r))
+            got = apply_rotary_pos_emb(
+                x[ids].unsqueeze(1), ours.for_positions(positions[ids][None]), config=config,
+                cp_group=_FakeCPGroup(cp, r),
+            ).squeeze(1)
+            assert torch.equal(got[..., 4:], x[ids][..., 4:])  # partial: 4 of 16 dims rotate
+            worst = max(worst, (got - expect).abs().max().item())
+        errors[cp] = worst
+    return errors
+
+
+@pytest.fixture(scope="module")
+def model_results():
+    return run_distributed(_model_cases, 4)
+
+
+def test_cp2_every_mode_and_dynamic_cp_match_single_rank(model_results):
+    for rank, results in enumerate(model_results):
+        for mode in MODES + (("chunkwise", "dynamic"),):
+            errors = results[("cp2", mode) if isinstance(mode, str) else ("cp2", *mode)]
+            assert len(errors) > 40  # loss + every parameter
+            bad = {k: v for k, v in errors.items() if not v < _tolerance(k)}
+            assert not bad, (rank, mode, bad)
+
+
+def test_tp2_cp2_with_and_without_sp_matches_single_rank(model_results):
+    for rank, results in enumerate(model_results):
+        cases = [k for k in results if isinstance(k, tuple) and k[0] == "tp2cp2"]
+        assert len(cases) == 4
+        for case in cases:
+            bad = {k: v for k, v in results[case].items() if not v < _tolerance(k)}
+            assert not bad, (rank, case, bad)
+
+
+def test_packed_documents_do_not_leak(model_results):
+    assert model_results[0]["packed_vs_alone"]["loss"] < LOSS_TOL
+
+
+def test_nine_b_preset_shapes(model_results):
+    counts = model_results[1]["counts"]
+    assert abs(counts["total"] - 8.954e9) < 0.5e6, counts  # QWEN3_5.md: 8.954 B
+    assert round(counts["gdn"] / 1e6, 2) == 67.40
+    assert round(counts["attention"] / 1e6, 2) == 58.72
+    assert round(counts["mlp"] / 1e6, 2) == 150.99
+    assert counts["attention_layers"] == list(range(3, 32, 4)) and counts["gdn_layers"] == 24
+    assert counts["tied"] == 0
+
+
+def test_configuration_errors(model_results):
+    errors = model_results[2]["errors"]
+    assert "pipeline_model_parallel_size=2" in errors["pp"] and "parallel.pp=1" in errors["pp"]
+    if not model_results[3]["spec_provider"]["te_imports"]:
+        assert "spec_provider='te' needs Transformer Engine" in errors["te_specs"]
+    assert "attention_backend='te'" in errors["te_attention"]
+    assert "tensor_model_parallel_size=2" in errors["tp_mismatch"] and "1 ranks" in errors["tp_mismatch"]
+    assert "recompute.granularity=full" in errors["all_gather"]
+    assert "lacks ['pp', 'embd']" in errors["missing_groups"]
+    assert "position_ids" in errors["no_positions"]
+
+
+def test_spec_provider_auto_is_local_without_te_and_te_refuses(model_results):
+    outcome = model_results[3]["spec_provider"]
+    if outcome["te_imports"]:
+        pytest.skip("Transformer Engine imports here")
+    assert outcome["choices"] == ["local", "local", "local"]
+    assert len(outcome["logged"]) == 2 and "no transformer_engine" in outcome["logged"][0]  # once per choice
+    assert "spec_provider='te' needs Transformer Engine" in outcome["te"]
+    assert "spec_provider='local'" in outcome["te"]
+    assert "unknown spec_provider 'tex'" in outcome["unknown"]
+    assert "unknown Qwen3.5 preset 'qwen3_5_4b'" in outcome["preset"]
+    assert "['hidden_sise'] are not TransformerConfig fields" in outcome["field"]
+
+
+def test_token_rope_equals_megatron_thd_rope(model_results):
+    errors = model_results[3]["rope"]
+    assert set(errors) == {1, 2, 4} and max(errors.values()) < 1e-6, errors
