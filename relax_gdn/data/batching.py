@@ -1,0 +1,286 @@
+"""Dynamic batching: samples -> global batches -> packed micro-batches -> this rank's CP shard.
+
+Three steps, each deterministic from the sample order so every rank computes the same answer
+without communication:
+
+1. :func:`global_batches`: a seeded shuffle per epoch, cut into global batches of
+   ``global_batch_size`` samples.
+2. :func:`plan_micro_batches`: split one global batch over DP ranks into micro-batches whose
+   padded token count fits ``train.max_tokens_per_gpu x cp`` (first-fit-decreasing by length,
+   then tokens balanced over DP ranks with the SAME number of micro-batches on every rank).
+3. :func:`make_micro_batch`: pack one micro-batch, pad each document to a multiple of ``2·cp``,
+   build the GLOBAL padded ``cu_seqlens`` (device tensor + host copy) and cut every per-token
+   tensor to this CP rank's zigzag shard (LAYOUTS.md §1).
+
+Loss accounting: a label position belongs to exactly one document and each global position
+to exactly one CP rank's shard, and each sample to exactly one DP rank's micro-batch, so summing
+``loss_mask`` over all CP and DP ranks counts every loss token once. ``MicroBatch.num_loss_tokens``
+is that count for the whole micro-batch; the loop divides the summed per-token loss of a step by
+the step's global total.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from relax_gdn.data.sample import Sample, check_sample
+from relax_gdn.layout import ROUTE_STRATEGIES, attach_host_cu_seqlens, prebuild_routes, thd_rank_indices
+from relax_gdn.layout.partition import check_cp
+
+if TYPE_CHECKING:  # importing Megatron-Core costs seconds; only make_micro_batch needs it
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class MicroBatch:
+    """This rank's zigzag shard of one packed micro-batch."""
+
+    tokens: torch.Tensor  # [1, t_local] int64
+    labels: torch.Tensor  # [1, t_local] int64: next token of the same document; pad_id where none
+    loss_mask: torch.Tensor  # [1, t_local] float32: 1 where the label counts; 0 on padding/prompt/doc ends
+    position_ids: torch.Tensor  # [1, t_local] int64: GLOBAL position within its (padded) document
+    packed_seq_params: PackedSeqParams  # thd; cu_seqlens(_padded) = global padded boundaries (one tensor)
+    num_loss_tokens: int  # loss tokens of the WHOLE micro-batch (all CP ranks)
+    num_real_tokens: int  # non-padding tokens of the whole micro-batch
+    num_samples: int
+    cp_size: int
+    seq_lengths: list[int]  # unpadded document lengths (FLOPs: sum L^2 / sum L)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Global tokens the model processes, padding included (this rank holds 1/cp of them)."""
+        return self.tokens.shape[1] * self.cp_size
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_max_tokens_per_gpu(max_tokens_per_gpu) -> int:
+    """``train.max_tokens_per_gpu`` must be an even integer >= 2.
+
+    Why even: every document is padded to a multiple of ``2·cp``, so a micro-batch holds a whole
+    number of ``2·cp`` units; with an even value the limit ``max_tokens_per_gpu·cp`` is itself a
+    whole number of units, and each rank's share (total / cp) never exceeds ``max_tokens_per_gpu``.
+    """
+    if not _is_int(max_tokens_per_gpu) or max_tokens_per_gpu < 2 or max_tokens_per_gpu % 2:
+        hint = ""
+        if _is_int(max_tokens_per_gpu) and max_tokens_per_gpu >= 2:
+            hint = f" (e.g. {max_tokens_per_gpu + 1})"
+        raise ValueError(
+            f"train.max_tokens_per_gpu={max_tokens_per_gpu!r} must be an even integer >= 2{hint}: it is the "
+            "per-GPU token budget of a micro-batch, and documents are padded to multiples of 2*cp"
+        )
+    return int(max_tokens_per_gpu)
+
+
+def _check_positive_int(name: str, value) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    return int(value)
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """``length`` rounded up to a multiple of ``2·cp_size`` (the zigzag split needs 2·cp chunks)."""
+    unit = 2 * cp_size
+    return -(-length // unit) * unit
+
+
+def _split_in_two(items: list[int], padded: list[int]) -> tuple[list[int], list[int]]:
+    """Split a bin's samples into two bins of balanced tokens (longest first, to the lighter half)."""
+    halves, loads = ([], []), [0, 0]
+    for i in sorted(items, key=lambda i: (-padded[i], i)):
+        side = 0 if loads[0] <= loads[1] else 1
+        halves[side].append(i)
+        loads[side] += padded[i]
+    return halves
+
+
+def plan_micro_batches(
+    samples: list[Sample], *, max_tokens_per_gpu: int, cp_size: int, dp_size: int = 1
+) -> list[list[list[Sample]]]:
+    """Deterministic plan ``[dp_rank][micro_batch_index] -> samples`` for one global batch.
+
+    * Capacity: each micro-batch's padded total (every document padded to a multiple of
+      ``2·cp_size``) is <= ``max_tokens_per_gpu * cp_size``, i.e. <= ``max_tokens_per_gpu`` per rank.
+    * Packing: samples sorted by padded length (longest first, ties by position), first-fit-
+      decreasing into micro-batches.
+    * Equal counts: every DP rank gets the same number of micro-batches (DDP's gradient sync and
+      accumulation must match). When the count is not a multiple of ``dp_size``, the micro-batch
+      with the most samples is split in two (balanced by tokens) until it is. Only if no
+      micro-batch can be split (fewer samples than needed) is an EMPTY micro-batch ``[]`` added;
+      :func:`make_micro_batch` turns it into a padding-only micro-batch without loss tokens.
+    * Balance: micro-batches go, heaviest first, to the DP rank with the fewest tokens so far
+      among those with room; each rank's list is ordered heaviest first.
+    * Within a micro-batch, samples keep their order in ``samples``.
+
+    Every sample appears exactly once. A sample longer than the capacity raises ``ValueError``.
+    """
+    max_tokens_per_gpu = check_max_tokens_per_gpu(max_tokens_per_gpu)
+    cp_size = _check_positive_int("cp_size (parallel.cp)", cp_size)
+    dp_size = _check_positive_int("dp_size", dp_size)
+    capacity = max_tokens_per_gpu * cp_size
+    padded = []
+    for s in samples:
+        check_sample(s)
+        p = padded_length(len(s), cp_size)
+        if p > capacity:
+            raise ValueError(
+                f"sample {s.sample_id} has {len(s)} tokens ({p} after padding to a multiple of "
+                f"2*cp={2 * cp_size}), above the micro-batch limit train.max_tokens_per_gpu * cp = "
+                f"{max_tokens_per_gpu} * {cp_size} = {capacity}: raise train.max_tokens_per_gpu or "
+                f"parallel.cp, or drop over-long samples at the source (data.max_sample_tokens <= {capacity})"
+            )
+        padded.append(p)
+
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: (-padded[i], i)):
+        for b, load in enumerate(loads):
+            if load + padded[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += padded[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(padded[i])
+
+    target = max(dp_size, -(-len(bins) // dp_size) * dp_size)
+    while len(bins) < target:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins += [[] for _ in range(target - len(bins))]
+            loads += [0] * (target - len(loads))
+            break
+        b = max(splittable, key=lambda b: (len(bins[b]), loads[b], -b))
+        first, second = _split_in_two(bins[b], padded)
+        bins[b], loads[b] = first, sum(padded[i] for i in first)
+        bins.append(second)
+        loads.append(sum(padded[i] for i in second))
+
+    per_rank = len(bins) // dp_size
+    assignment: list[list[int]] = [[] for _ in range(dp_size)]
+    rank_loads = [0] * dp_size
+    for b in sorted(range(len(bins)), key=lambda b: (-loads[b], min(bins[b], default=len(samples)), b)):
+        open_ranks = [r for r in range(dp_size) if len(assignment[r]) < per_rank]
+        rank = min(open_ranks, key=lambda r: (rank_loads[r], r))
+        assignment[rank].append(b)
+        rank_loads[rank] += loads[b]
+    return [[[samples[i] for i in sorted(bins[b])] for b in assignment[rank]] for rank in range(dp_size)]
+
+
+def make_micro_batch(
+    samples: list[Sample], *, cp_size: int, cp_rank: int, device: torch.device | str, pad_id: int,
+    route_strategy: str = "lazy_cache", cp_group: dist.ProcessGroup | None = None,
+) -> MicroBatch:
+    """Pack ``samples`` (in order) into this CP rank's zigzag shard.
+
+    Each document is padded at its end to a multiple of ``2·cp_size`` (the padding belongs to the
+    document's span in ``cu_seqlens``: causal attention keeps it out of the real tokens, and it
+    carries no loss). ``cu_seqlens_q/kv`` and their ``_padded`` twins are ONE int32 device tensor
+    of global padded boundaries, with its host copy attached (``attach_host_cu_seqlens``) so no
+    layer needs a device->host sync. With ``route_strategy="prebuild"`` and ``cp_size > 1`` the
+    zigzag<->contiguous route (one object serves both directions) is built here; ``cp_group``,
+    when given, must have ``cp_size`` ranks with this process at ``cp_rank``.
+    An empty ``samples`` gives a padding-only micro-batch of ``2·cp_size`` tokens, no loss.
+    """
+    check_cp(cp_size, cp_rank)
+    if route_strategy not in ROUTE_STRATEGIES:
+        raise ValueError(
+            f"unknown route strategy {route_strategy!r}: use one of {ROUTE_STRATEGIES} (gdn.route)"
+        )
+    if not _is_int(pad_id) or pad_id < 0:
+        raise ValueError(f"pad_id={pad_id!r} must be a non-negative token id (the tokenizer's pad_id)")
+    group_shape = None if cp_group is None else (dist.get_world_size(cp_group), dist.get_rank(cp_group))
+    if group_shape is not None and group_shape != (cp_size, cp_rank):
+        raise ValueError(
+            f"cp_group has {group_shape[0]} ranks with this process at {group_shape[1]}, "
+            f"but cp_size={cp_size}, cp_rank={cp_rank}: pass the CP group this micro-batch runs on"
+        )
+    for s in samples:
+        check_sample(s)
+
+    lengths = [len(s) for s in samples]
+    padded = [padded_length(n, cp_size) for n in lengths] or [2 * cp_size]
+    total = sum(padded)
+    tokens = np.full(total, pad_id, dtype=np.int64)
+    labels = np.full(total, pad_id, dtype=np.int64)
+    loss_mask = np.zeros(total, dtype=np.float32)
+    start = 0
+    for sample, n, p in zip(samples, lengths, padded):
+        ids = np.asarray(sample.input_ids, dtype=np.int64)
+        tokens[start:start + n] = ids
+        labels[start:start + n - 1] = ids[1:]  # the document's last token has no label in the document
+        loss_mask[start:start + n - 1] = np.asarray(sample.loss_mask[: n - 1], dtype=np.float32)
+        start += p
+    if samples and tokens.min() < 0:
+        raise ValueError("negative token id in a sample: token ids must be in [0, vocab_size)")
+    cu_host = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+    # Positions restart at 0 in every document; its padding continues them.
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_host[:-1], padded)
+    index = thd_rank_indices(cu_host, cp_size, cp_rank, "zigzag")
+
+    def shard(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values)[index].unsqueeze(0).to(device)
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(cu_host, dtype=torch.int32, device=device)
+    max_seqlen = max(padded)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
+    attach_host_cu_seqlens(params, cu, cu_host)
+    if route_strategy == "prebuild" and cp_size > 1:
+        prebuild_routes(params, cp_group, cp_size=cp_size, cp_rank=cp_rank)
+    return MicroBatch(
+        tokens=shard(tokens), labels=shard(labels), loss_mask=shard(loss_mask),
+        position_ids=shard(position_ids),
+        packed_seq_params=params, num_loss_tokens=int(loss_mask.sum()), num_real_tokens=sum(lengths),
+        num_samples=len(samples), cp_size=cp_size, seq_lengths=lengths,
+    )
+
+
+def global_batches(
+    dataset_samples: list[Sample], global_batch_size: int, seed: int, epoch: int = 0, *,
+    drop_last: bool = True,
+) -> list[list[Sample]]:
+    """One epoch's global batches: a permutation seeded by ``(seed, epoch)`` cut into batches of
+    ``global_batch_size`` samples. Same arguments -> same batches on every rank. The incomplete
+    last batch is dropped unless ``drop_last=False``."""
+    global_batch_size = _check_positive_int("global_batch_size", global_batch_size)
+    if not _is_int(seed) or not _is_int(epoch) or epoch < 0:
+        raise ValueError(f"seed={seed!r} and epoch={epoch!r} must be integers (epoch >= 0)")
+    n = len(dataset_samples)
+    if drop_last and n < global_batch_size:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is larger than the dataset ({n} samples): lower the "
+            "global batch size or use more data"
+        )
+    order = np.random.default_rng([abs(int(seed)), int(int(seed) < 0), int(epoch)]).permutation(n)
+    stop = n - n % global_batch_size if drop_last else n
+    starts = range(0, stop, global_batch_size)
+    return [[dataset_samples[i] for i in order[b:b + global_batch_size]] for b in starts]
+
+
+def global_batch_at_step(
+    dataset_samples: list[Sample], global_batch_size: int, seed: int, step: int
+) -> tuple[int, list[Sample]]:
+    """The global batch of training step ``step`` (0-based) over repeated epochs, and its epoch:
+    lets a resumed run continue exactly where it stopped without replaying the data."""
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"step={step!r} must be an integer >= 0")
+    per_epoch = len(dataset_samples) // _check_positive_int("global_batch_size", global_batch_size)
+    if per_epoch == 0:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is larger than the dataset "
+            f"({len(dataset_samples)} samples): lower the global batch size or use more data"
+        )
+    epoch, index = divmod(step, per_epoch)
+    return epoch, global_batches(dataset_samples, global_batch_size, seed, epoch)[index]
