@@ -1,5 +1,20 @@
 """Process groups and the per-micro-batch CP group decision."""
 
 from relax_gdn.parallel.cp_group import CPGroup, resolve_cp_group
+from relax_gdn.parallel.dynamic_cp import (
+    DynamicCPGroups,
+    DynamicCPPlan,
+    cp_sizes,
+    plan_dynamic_cp,
+    plan_dynamic_cp_over_dp,
+)
 
-__all__ = ["CPGroup", "resolve_cp_group"]
+__all__ = [
+    "CPGroup",
+    "DynamicCPGroups",
+    "DynamicCPPlan",
+    "cp_sizes",
+    "plan_dynamic_cp",
+    "plan_dynamic_cp_over_dp",
+    "resolve_cp_group",
+]
