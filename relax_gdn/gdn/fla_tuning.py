@@ -8,6 +8,10 @@ are loaded through FLA's own config cache (``FLA_CONFIG_DIR`` + ``FLA_CACHE_MODE
 mode: an exact key wins, otherwise a key differing only in numbers (head counts per TP/CP share,
 lengths) reuses a tuned config, and a kernel with no file autotunes as usual. A user who sets
 either variable keeps full control.
+
+Not covered: FLA's CP kernels (``chunk_cp_*``) use Triton's plain ``triton.autotune``, which FLA's
+config cache never consults; they tune on first use (~1 minute each on an H200). Keep Triton's
+own results with ``TRITON_CACHE_AUTOTUNING=1`` and a persistent ``TRITON_CACHE_DIR`` per node.
 """
 
 from __future__ import annotations
