@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from relax_gdn.layout.route import Route, put_rows, take_rows
 
@@ -25,6 +26,12 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
 
 def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
+    # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
+    with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
+        return _exchange_rows(x, route, group)
+
+
+def _exchange_rows(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
     x = x.contiguous()
     send = take_rows(x, route.send_rows)
     out = x.new_empty((route.local_rows, *x.shape[1:]))
