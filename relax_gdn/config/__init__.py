@@ -1,0 +1,37 @@
+"""The run configuration: typed dataclasses, validation, and (only here) the Hydra/OmegaConf bridge."""
+
+from relax_gdn.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    DynamicCPConfig,
+    GDNConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    RunConfig,
+    TrainConfig,
+    WandbConfig,
+    run_config_from_dict,
+)
+from relax_gdn.config.validate import ConfigError, ParallelDims, validate
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DynamicCPConfig",
+    "GDNConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ParallelDims",
+    "RecomputeConfig",
+    "RunConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "run_config_from_dict",
+    "validate",
+]

@@ -1,0 +1,183 @@
+"""Where step records go: console (rank 0, with a progress bar), a JSONL file per run, W&B.
+
+Only global rank 0 logs. A W&B failure (import, init, log, finish) never stops training: it is
+warned about once and W&B is switched off for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("relax_gdn.train")
+
+
+def run_tags(cfg) -> list[str]:
+    """Tags that say what a run compares: mode, route, CP, TP, model, recompute (+ the user's)."""
+    p = cfg.parallel
+    tags = [
+        f"mode:{cfg.gdn.cp_mode}", f"route:{cfg.gdn.route}", f"cp:{p.cp}", f"tp:{p.tp}",
+        f"model:{cfg.model.preset}", f"recompute:{cfg.recompute.granularity}",
+        f"max_tokens_per_gpu:{cfg.train.max_tokens_per_gpu}",
+    ]
+    if p.sp:
+        tags.append("sp")
+    if p.dynamic_cp.enabled:
+        tags.append(f"dynamic_cp:{p.dynamic_cp.max_cp}")
+    return tags + [t for t in cfg.logging.wandb.tags if t not in tags]
+
+
+def default_run_name(cfg) -> str:
+    """``<model>-<mode>-<route>-tp<tp>-cp<cp>[-dcp<max>]-rc<recompute>`` unless ``run_name`` is set."""
+    if cfg.run_name:
+        return cfg.run_name
+    p = cfg.parallel
+    name = f"{cfg.model.preset}-{cfg.gdn.cp_mode}-{cfg.gdn.route}-tp{p.tp}{'sp' if p.sp else ''}-cp{p.cp}"
+    if p.dynamic_cp.enabled:
+        name += f"-dcp{p.dynamic_cp.max_cp}"
+    return name + f"-rc{cfg.recompute.granularity}-mt{cfg.train.max_tokens_per_gpu}"
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+class ConsoleLogger:
+    """A one-line progress bar per step (carriage return on a TTY, else plain lines)."""
+
+    def __init__(self, total_steps: int, every: int = 1, stream=None):
+        self.total = total_steps
+        self.every = every
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if step % self.every and step != self.total:
+            return
+        width = 24
+        done = int(width * step / max(self.total, 1))
+        bar = "#" * done + "." * (width - done)
+        mfu = "" if record.get("mfu") is None else f" mfu {record['mfu']:.3f}"
+        line = (f"[{bar}] step {step}/{self.total} loss {_fmt(record['loss'])} grad_norm "
+                f"{_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} {record['tokens_per_s']:.0f} tok/s"
+                f" {record['tflops_per_gpu']:.3g} TFLOP/s/gpu{mfu} {record['step_time_s']:.2f} s")
+        end = "\n" if (not self.tty or step == self.total) else "\r"
+        self.stream.write(("\r" if self.tty else "") + line + end)
+        self.stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger:
+    """``metrics.jsonl`` in the run directory: one JSON object per step, flushed each line."""
+
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean, sort_keys=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class WandbLogger:
+    """W&B in ``online``/``offline`` mode; every call is guarded: a failure warns ONCE and turns W&B
+    off, training goes on."""
+
+    def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any]):
+        self.run = None
+        self._failed = False
+        w = cfg.logging.wandb
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=w.project, entity=w.entity, group=w.group or f"{cfg.model.preset}",
+                name=w.name or default_run_name(cfg), tags=run_tags(cfg), config=config_dict, mode=w.mode,
+                dir=os.environ.get("WANDB_DIR") or str(run_dir), reinit="finish_previous",
+            )
+        except Exception as e:  # noqa: BLE001 - any W&B problem must not stop training
+            self._fail("init", e)
+
+    def _fail(self, what: str, error: Exception) -> None:
+        if not self._failed:
+            warnings.warn(f"W&B {what} failed ({type(error).__name__}: {error}); continuing without W&B",
+                          RuntimeWarning, stacklevel=3)
+            logger.warning("W&B %s failed (%s: %s); continuing without W&B", what, type(error).__name__, error)
+        self._failed = True
+        self.run = None
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None
+
+    @property
+    def run_dir(self) -> str | None:
+        return None if self.run is None else getattr(self.run, "dir", None)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({f"train/{k}": v for k, v in record.items() if k != "step" and v is not None},
+                         step=record["step"])
+        except Exception as e:  # noqa: BLE001
+            self._fail("log", e)
+
+    def close(self) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.finish()
+        except Exception as e:  # noqa: BLE001
+            self._fail("finish", e)
+
+
+class RunLoggers:
+    """All sinks of rank 0 (non-zero ranks get an empty one)."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    @classmethod
+    def create(cls, cfg, run_dir: Path | None, *, is_rank0: bool, config_dict: dict[str, Any],
+               append: bool = False) -> "RunLoggers":
+        if not is_rank0:
+            return cls([])
+        sinks: list = []
+        if cfg.logging.console:
+            sinks.append(ConsoleLogger(cfg.train.steps, cfg.logging.log_every))
+        if cfg.logging.jsonl and run_dir is not None:
+            sinks.append(JsonlLogger(Path(run_dir) / "metrics.jsonl", append=append))
+        if cfg.logging.wandb.mode != "disabled":
+            sinks.append(WandbLogger(cfg, Path(run_dir) if run_dir else Path.cwd(), config_dict))
+        return cls(sinks)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def wandb(self) -> WandbLogger | None:
+        return next((s for s in self.sinks if isinstance(s, WandbLogger)), None)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

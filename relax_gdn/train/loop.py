@@ -1,0 +1,385 @@
+"""The training loop: read it top to bottom (nanoGPT style).
+
+1. validate the config (nothing built yet), pick the device, load + tokenize the data (a bad
+   source fails here, before any process group, model or file exists);
+2. process groups: ``parallel_state.initialize_model_parallel(tp, cp)``, DP = world / (tp·cp);
+3. model (``build_qwen3_5_model``), gradient sync + optimizer + warm-up/cosine schedule, resume;
+4. per step: the step's global batch (a pure function of seed and step), packed into
+   micro-batches for this DP rank, sharded for this CP rank (dynamic CP: each micro-batch at its
+   own CP size d, split over the CP group's sub-groups of size d, ``relax_gdn.parallel.dynamic_cp``); gradient
+   accumulation with the loss
+   ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``; optimizer step;
+   metrics; logging; checkpoint.
+
+Loss normalisation: every loss token of the global batch counts once across CP and DP. The
+count is known on every rank without a collective: the global batch and its split are computed
+identically on all ranks (``relax_gdn.data``), so it is ``Σ sample.num_loss_tokens`` over the
+global batch. Gradients are then SUMMED over DP × CP (Megatron's ``calculate_per_token_loss``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relax_gdn.config import ParallelDims, RunConfig, validate
+from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
+from relax_gdn.train.flops import ModelShape
+from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
+from relax_gdn.train.metrics import MetricsProcessor, StepTimer
+
+logger = logging.getLogger("relax_gdn.train")
+
+
+@dataclass
+class TrainResult:
+    records: list[dict[str, Any]]  # one per step run here, identical on every rank
+    run_dir: Path | None
+    checkpoints: list[Path] = field(default_factory=list)
+    start_step: int = 0  # steps already done when this run started (resume)
+    wandb_dir: str | None = None  # rank 0: the W&B run's files directory, when W&B ran
+
+
+# ---------------------------------------------------------------------------------------------
+# setup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def select_device(cfg: RunConfig) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but CUDA is not available here; use train.device=auto or cpu")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
+    if cfg.train.precision == "bf16" and device.type != "cuda":
+        raise ValueError("train.precision=bf16 needs CUDA (the CPU path trains in fp32); use train.precision=auto "
+                         "or fp32 on CPU")
+    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+
+
+def load_data(cfg: RunConfig):
+    """(tokenizer, dataset): errors name the data.* key to fix."""
+    from relax_gdn.data import load_sft_dataset, load_tokenizer, synthetic_math_dataset
+
+    d = cfg.data
+    tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
+    if d.source == "synthetic":
+        dataset = synthetic_math_dataset(
+            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=d.max_sample_tokens,
+            max_steps=d.synthetic_max_steps, min_steps=1,
+        )
+    else:
+        if not d.path or not Path(d.path).exists():
+            raise FileNotFoundError(f"data.path={d.path!r} does not exist (data.source={d.source})")
+        dataset = load_sft_dataset(
+            d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
+            max_sample_tokens=d.max_sample_tokens, max_samples=d.num_samples, format=d.source,
+        )
+    if len(dataset) < cfg.train.global_batch_size:
+        raise ValueError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
+                         f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
+    return tokenizer, dataset
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device) -> bool:
+    """Join torchrun's group (env://), or make a one-process group; True when created here."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return True
+
+
+def env_world_size() -> int:
+    """World size before any process group exists (what ``validate`` needs)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def recompute_overrides(granularity: str) -> dict[str, Any]:
+    """``recompute.granularity`` -> TransformerConfig fields."""
+    if granularity == "full":  # every layer recomputed as a whole (what all_gather CP needs)
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if granularity == "selective":  # Megatron-Core's default selective set (core attention)
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity=None)
+
+
+def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
+    # Hydra names the run directory from the clock on every rank; rank 0's name wins.
+    box = [str(run_dir) if run_dir is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] is not None else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+# ---------------------------------------------------------------------------------------------
+
+
+def run_training(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+    """Train ``cfg`` (already validated or not: validated again here, before anything is built).
+
+    ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
+    checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
+    Uses the initialized default process group, else makes a one-process one.
+    """
+    dims = validate(cfg, env_world_size())
+    device = select_device(cfg)
+    bf16 = select_bf16(cfg, device)
+    tokenizer, dataset = load_data(cfg)
+    if device.type == "cpu":
+        from relax_gdn.compat.cpu import apply_cpu_shims
+
+        apply_cpu_shims()
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    created_group = init_distributed(device)
+    from megatron.core import parallel_state
+
+    try:
+        run_dir = _broadcast_run_dir(Path(run_dir) if run_dir is not None else None)
+        return _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir)
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+
+    tconfig = qwen3_5_config(
+        cfg.model.preset,
+        tensor_model_parallel_size=dims.tp,
+        sequence_parallel=cfg.parallel.sp,
+        use_cpu_initialization=device.type == "cpu",
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        deterministic_mode=cfg.train.deterministic,
+        calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
+        **recompute_overrides(cfg.recompute.granularity),
+    )
+    max_cp = cfg.effective_max_cp
+    model = build_qwen3_5_preset_model(
+        cfg.model.preset, tconfig, vocab_size=vocab_size, cp_mode=cfg.gdn.cp_mode, route_strategy=cfg.gdn.route,
+        kernel_backend=cfg.gdn.kernel_backend, attention_backend=cfg.model.attention_backend,
+        spec_provider=cfg.model.spec_provider, max_cp_size=max_cp, training=True,
+    )
+    if device.type == "cuda":
+        model.cuda(device)
+    if cfg.model.hf_checkpoint:
+        from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
+
+        load_hf_checkpoint(model, cfg.model.hf_checkpoint)
+    return tconfig, model
+
+
+def _dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups, max_tokens_per_gpu: int):
+    """Dynamic CP (LAYOUTS.md §5) on top of the static plan: micro-batch ``i`` of every DP rank runs
+    at one CP size ``d`` (the MAX over DP ranks), its samples split over the CP group's sub-groups
+    of size ``d``. Returns this rank's ``(samples, d, rank in sub-group, sub-group)`` list, the
+    step's padded tokens and ``{d: packed micro-batches run at CP size d}`` for the whole step."""
+    from relax_gdn.data import padded_length
+    from relax_gdn.parallel import plan_dynamic_cp_over_dp
+
+    lengths = [[[len(s) for s in mb] for mb in mbs] for mbs in plan]
+    cp_plans = plan_dynamic_cp_over_dp(lengths, max_tokens_per_gpu=max_tokens_per_gpu, max_cp=groups.max_cp)
+    mine = []
+    for samples, cp_plan in zip(plan[dp_rank], cp_plans[dp_rank]):
+        d = cp_plan.cp_size
+        mine.append(([samples[j] for j in cp_plan.samples_for(cp_rank)], d, groups.rank_in(d), groups.group(d)))
+    padded_tokens, counts = 0, {}
+    for mbs, plans in zip(plan, cp_plans):
+        for samples, cp_plan in zip(mbs, plans):
+            padded_tokens += sum(padded_length(len(s), cp_plan.cp_size) for s in samples)
+            counts[str(cp_plan.cp_size)] = counts.get(str(cp_plan.cp_size), 0) + len(cp_plan.partitions)
+    return mine, padded_tokens, dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
+def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
+    from relax_gdn.model import qwen3_5_preset
+
+    if cfg.model.hf_checkpoint:  # the checkpoint's embedding decides
+        vocab = qwen3_5_preset(cfg.model.preset).vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's {vocab}")
+        return vocab
+    # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead serves every TP <= 8 with
+    # the SAME vocabulary, so runs that differ only in TP start from identical weights.
+    multiple = 128 * max(8, tp)
+    return -(-tokenizer.vocab_size // multiple) * multiple
+
+
+def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
+    from megatron.core import parallel_state
+
+    from relax_gdn.data import global_batch_at_step, make_micro_batch, padded_length, plan_micro_batches
+
+    rank = dist.get_rank()
+    is_rank0 = rank == 0
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    seed_everything(cfg.train.seed)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, context_parallel_size=dims.cp, create_gloo_process_groups=False,
+    )
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.train.seed)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_group = parallel_state.get_context_parallel_group()
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dynamic_cp = cfg.parallel.dynamic_cp.enabled
+    if dynamic_cp:
+        from relax_gdn.parallel import DynamicCPGroups
+
+        dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
+
+    vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
+    tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
+    if device.type == "cuda":
+        from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
+
+        core_model = model
+        if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(tconfig, model)
+        model, optimizer = build_megatron_ddp_and_optimizer(model, tconfig, cfg, bf16=bf16)
+        model.broadcast_params()  # every DP replica starts from rank 0's weights
+    else:
+        from relax_gdn.train.optimizer import CPUGradSyncOptimizer
+
+        optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=dp_cp_group, tp_group=tp_group,
+                                         sequence_parallel=cfg.parallel.sp)
+        core_model = model
+    from relax_gdn.train.optimizer import build_scheduler
+
+    scheduler = build_scheduler(optimizer, cfg)
+    key = ResumeKey(world_size=dims.world_size, tp=dims.tp, cp=dims.cp, seed=cfg.train.seed,
+                    global_batch_size=cfg.train.global_batch_size, num_samples=len(dataset))
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = load_checkpoint(cfg.checkpoint.resume, model=core_model, optimizer=optimizer,
+                                     scheduler=scheduler, key=key)
+        if start_step >= cfg.train.steps:
+            raise ValueError(f"checkpoint.resume is at step {start_step}, not below train.steps={cfg.train.steps}")
+    checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
+    if checkpoint_root is None and (cfg.checkpoint.every_steps or cfg.checkpoint.save_final):
+        raise ValueError("checkpoints requested (checkpoint.every_steps / save_final) but there is neither a run "
+                         "directory nor checkpoint.dir")
+
+    config_dict = {**cfg.to_dict(), "derived": {"world_size": dims.world_size, "dp": dims.dp, "device": str(device),
+                                               "bf16": bf16, "vocab_size": vocab_size, "run_name": default_run_name(cfg),
+                                               "tags": run_tags(cfg), "num_samples": len(dataset),
+                                               "data_skips": dataset.counts.as_dict()}}
+    if is_rank0 and run_dir is not None:
+        from relax_gdn.config.hydra_io import save_run_config
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, run_dir)
+    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict)
+    if is_rank0:
+        n_params = sum(p.numel() for p in core_model.parameters())
+        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
+                    default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, device,
+                    "bf16" if bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
+
+    metrics = MetricsProcessor(ModelShape.from_transformer_config(tconfig, vocab_size), dims.world_size, device)
+    records: list[dict[str, Any]] = []
+    checkpoints: list[Path] = []
+    result = TrainResult(records=records, run_dir=run_dir, checkpoints=checkpoints, start_step=start_step)
+    try:
+        model.train()
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            timer = StepTimer()
+            epoch, batch = global_batch_at_step(dataset.samples, cfg.train.global_batch_size, cfg.train.seed, step - 1)
+            # this rank's micro-batches: (samples, CP size, rank in that CP group, the group)
+            plan = plan_micro_batches(batch, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, cp_size=dims.cp,
+                                      dp_size=dims.dp)
+            if dynamic_cp:
+                mine, padded_tokens, cp_size_counts = _dynamic_cp_micro_batches(
+                    plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
+            else:
+                mine = [(samples, dims.cp, cp_rank, cp_group) for samples in plan[dp_rank]]
+                padded_tokens = sum(padded_length(len(s), dims.cp) for s in batch)
+            global_loss_tokens = sum(s.num_loss_tokens for s in batch)
+            optimizer.zero_grad()
+            scheduler.step(1)  # the rate of THIS step (see build_scheduler)
+            lr = float(optimizer.param_groups[0]["lr"])
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for samples, mb_cp_size, mb_cp_rank, mb_cp_group in mine:
+                mb = make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
+                                      pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group)
+                if dynamic_cp:  # the layers find this micro-batch's group here (resolve_cp_group)
+                    mb.packed_seq_params.cp_group = mb_cp_group
+                    mb.packed_seq_params.local_cp_size = mb_cp_size
+                per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                                  packed_seq_params=mb.packed_seq_params)
+                mb_loss = (per_token.float() * mb.loss_mask).sum()
+                (mb_loss / max(global_loss_tokens, 1)).backward()
+                loss_sum += mb_loss.detach()
+            updated, grad_norm = optimizer.step()
+            dist.all_reduce(loss_sum, group=dp_cp_group)
+            loss = loss_sum.item() / max(global_loss_tokens, 1)  # waits for the GPU: ends the timed step
+            step_time = timer.elapsed()
+            record = metrics.record(
+                step=step, loss=loss, grad_norm=grad_norm, lr=lr, seq_lengths=[len(s) for s in batch],
+                loss_tokens=global_loss_tokens, padded_tokens=padded_tokens,
+                num_micro_batches=len(mine), epoch=epoch, step_time_s=step_time,
+            ).as_dict()
+            if dynamic_cp:
+                record["cp_sizes"] = cp_size_counts  # micro-batches per CP size, whole step
+            if not updated:
+                record["skipped_update"] = True
+            records.append(record)
+            loggers.log(record)
+            every = cfg.checkpoint.every_steps
+            last = step == cfg.train.steps
+            # every N steps, and at the end whenever periodic saves are on (or save_final asks)
+            if checkpoint_root is not None and ((every and step % every == 0)
+                                                or (last and (every or cfg.checkpoint.save_final))):
+                checkpoints.append(save_checkpoint(checkpoint_root, step, model=core_model, optimizer=optimizer,
+                                                   scheduler=scheduler, key=key))
+        wandb = loggers.wandb()
+        result.wandb_dir = wandb.run_dir if wandb is not None else None
+    finally:
+        loggers.close()
+    return result

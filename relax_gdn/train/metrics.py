@@ -1,0 +1,94 @@
+"""Per-step metrics in one place (torchtitan's metrics processor): throughput, TFLOP/s, MFU, memory.
+
+Conventions (QWEN3_5.md): ``tokens`` are REAL (non-padding) tokens of the global batch;
+``tokens_per_s`` divides them by the step's wall time; ``tflops_per_gpu`` and ``mfu`` use
+Megatron-Core's FLOPs accounting (the headline), ``mfu_relax`` the Relax/verl one (embedding
+counted as a GEMM). MFU is null where the accelerator's peak is unknown (CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from relax_gdn.train.flops import ModelShape, peak_tflops, step_flops
+
+REQUIRED_RECORD_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu")
+
+
+@dataclass
+class StepRecord:
+    """One JSONL line. ``step`` is 1-based (the number of optimizer steps done)."""
+
+    step: int
+    loss: float
+    grad_norm: float | None
+    lr: float
+    tokens: int  # real tokens of the global batch
+    tokens_per_s: float
+    mfu: float | None  # Megatron-Core accounting / dense BF16 peak
+    mfu_relax: float | None
+    tflops_per_gpu: float
+    step_time_s: float
+    loss_tokens: int
+    padded_tokens: int  # tokens the model processed, padding included
+    num_micro_batches: int  # run by this rank (rank 0's count in the JSONL)
+    num_samples: int
+    epoch: int
+    peak_mem_gb: float | None  # GPU only
+    host_syncs: int | None  # not cheaply countable: null
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        extra = record.pop("extra")
+        record.update(extra)
+        return record
+
+
+class StepTimer:
+    """Wall time of a step; on CUDA the caller's loss ``.item()`` already waits for the GPU."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+class MetricsProcessor:
+    """Turns what the loop measured into a :class:`StepRecord`."""
+
+    def __init__(self, shape: ModelShape, world_size: int, device: torch.device):
+        self.shape = shape
+        self.world_size = world_size
+        self.device = device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.peak_tflops = peak_tflops(name)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def record(self, *, step: int, loss: float, grad_norm: float | None, lr: float, seq_lengths: list[int],
+               loss_tokens: int, padded_tokens: int, num_micro_batches: int, epoch: int,
+               step_time_s: float) -> StepRecord:
+        tokens = int(sum(seq_lengths))
+        flops, flops_relax = step_flops(self.shape, seq_lengths)
+        seconds = max(step_time_s, 1e-9)
+        tflops_per_gpu = flops / seconds / self.world_size / 1e12
+        tflops_relax = flops_relax / seconds / self.world_size / 1e12
+        peak_mem = None
+        if self.device.type == "cuda":
+            peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**30
+        mfu = tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
+        mfu_relax = tflops_relax / self.peak_tflops if self.peak_tflops else None
+        return StepRecord(
+            step=step, loss=loss, grad_norm=None if grad_norm is None or math.isnan(grad_norm) else grad_norm,
+            lr=lr, tokens=tokens, tokens_per_s=tokens / seconds, mfu=mfu, mfu_relax=mfu_relax,
+            tflops_per_gpu=tflops_per_gpu, step_time_s=step_time_s, loss_tokens=loss_tokens,
+            padded_tokens=padded_tokens, num_micro_batches=num_micro_batches, num_samples=len(seq_lengths),
+            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=None,
+        )

@@ -1,0 +1,204 @@
+"""Gradient synchronisation, optimizer, clipping and the LR schedule, behind one small interface.
+
+On CUDA (the real runs): Megatron-Core's ``DistributedDataParallel`` (fp32 gradient buffers, one
+reduce-scatter per step) and ``get_megatron_optimizer`` with the distributed optimizer (Adam,
+clipping by the global grad norm, bf16 params with fp32 main params).
+
+On CPU (tests, the demo): Megatron-Core 0.19.2 cannot run either piece without a GPU. Its DDP
+grad sync calls ``torch.cuda.current_stream()`` (``param_and_grad_buffer.start_grad_sync``) and
+every ``MegatronOptimizer`` allocates ``torch.tensor(..., device='cuda')`` in ``__init__`` and in
+``clip_grads`` — patching those would be patching the optimizer itself. The nearest working
+equivalent is used instead, with the same semantics: gradients SUMMED over the data-parallel x
+context-parallel group (``calculate_per_token_loss``: the loss is already divided by the global
+loss-token count), TP-partial gradients (sequence-parallel norms, QK-norms) summed over TP as
+Megatron-Core's ``finalize_model_grads`` does, the grad norm over non-duplicated parameters
+reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
+``torch.optim.AdamW`` (what Megatron-Core itself falls back to without TE/Apex) with Megatron's
+no-weight-decay rule for biases and 1-D parameters. Both paths use Megatron-Core's
+``OptimizerParamScheduler`` for warm-up + cosine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from relax_gdn.config import RunConfig
+
+
+def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    # Megatron-Core's default rule (optimizer/__init__.py: biases and 1-D params get no decay)
+    return name.endswith(".bias") or param.dim() == 1
+
+
+class CPUGradSyncOptimizer:
+    """The CPU stand-in for Megatron-Core DDP + MegatronOptimizer (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, *, dp_cp_group, tp_group, sequence_parallel: bool):
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        self.model = model
+        self.dp_cp_group = dp_cp_group
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.clip_grad = cfg.optim.clip_grad
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._norm_params = [p for _, p in self.named_params if param_is_not_tensor_parallel_duplicate(p)]
+        decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
+        no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=False)
+        for _, p in self.named_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _finish_grad_sync(self) -> None:
+        params = [p for _, p in self.named_params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if dist.get_world_size(self.dp_cp_group) > 1:
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_cp_group)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        if dist.get_world_size(self.tp_group) > 1:
+            partial = [p.grad for n, p in self.named_params
+                       if (self.sequence_parallel and getattr(p, "sequence_parallel", False))
+                       or "q_layernorm" in n or "k_layernorm" in n]
+            if partial:
+                flat = _flatten_dense_tensors(partial)
+                dist.all_reduce(flat, group=self.tp_group)
+                for g, synced in zip(partial, _unflatten_dense_tensors(flat, partial)):
+                    g.copy_(synced)
+
+    def _grad_norm(self) -> float:
+        local = torch.zeros((), dtype=torch.float64)
+        for p in self._norm_params:
+            local += p.grad.double().pow(2).sum()
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(local, group=self.tp_group)
+        return math.sqrt(local.item())
+
+    def step(self) -> tuple[bool, float]:
+        """Sync gradients, clip, update; returns (updated, grad norm before clipping)."""
+        self._finish_grad_sync()
+        norm = self._grad_norm()
+        if not math.isfinite(norm):
+            return False, norm
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                for _, p in self.named_params:
+                    p.grad.mul_(coeff)
+        self.optimizer.step()
+        return True, norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "cpu_adamw", "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "cpu_adamw":
+            raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses the CPU AdamW path")
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class MegatronOptimizerAdapter:
+    """Megatron-Core DDP + distributed optimizer (CUDA)."""
+
+    def __init__(self, ddp_model, optimizer):
+        self.model = ddp_model
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        updated, grad_norm, _ = self.optimizer.step()
+        return bool(updated), float("nan") if grad_norm is None else float(grad_norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"kind": "megatron", "optimizer": self.optimizer.state_dict()}
+        # the distributed optimizer keeps its fp32 main params and Adam moments in per-rank shards,
+        # which state_dict() leaves out: save this rank's shards as they are (same world/TP/CP on
+        # resume). get_megatron_optimizer may return a ChainedOptimizer: one shard per member.
+        state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in self._members()
+                                if hasattr(opt, "get_parameter_state_dp_reshardable")]
+        return state
+
+    def _members(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "megatron":
+            raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses Megatron's optimizer")
+        self.optimizer.load_state_dict(state["optimizer"])
+        members = [opt for opt in self._members() if hasattr(opt, "load_parameter_state_from_dp_reshardable")]
+        if len(members) != len(state["param_state"]):
+            raise ValueError(f"checkpoint has {len(state['param_state'])} optimizer shards, this run {len(members)}")
+        for opt, shard in zip(members, state["param_state"]):
+            opt.load_parameter_state_from_dp_reshardable(shard)
+
+
+def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):
+    """(DDP-wrapped model, adapter) on CUDA."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+        check_for_nan_in_grad=True, average_in_collective=False,
+    )
+    ddp = DistributedDataParallel(transformer_config, ddp_config, model)
+    o = cfg.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+            adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True,
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+    )
+    return ddp, MegatronOptimizerAdapter(ddp, optimizer)
+
+
+def build_scheduler(optimizer, cfg: RunConfig):
+    """Megatron-Core's ``OptimizerParamScheduler``: linear warm-up from 0, then ``optim.schedule``
+    down to ``optim.min_lr``, reached at step ``optim.decay_steps`` (default: ``train.steps``).
+
+    The loop advances it by one BEFORE each optimizer step, so step s (1-based) uses the rate of
+    step s: the first step does not waste a zero learning rate and the last one uses ``min_lr``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optim
+    decay_steps = o.decay_steps or cfg.train.steps
+    decay_steps = max(decay_steps, o.warmup_steps + 1)  # the scheduler needs warmup < decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=o.schedule, start_wd=o.weight_decay,
+        end_wd=o.weight_decay, wd_incr_steps=max(cfg.train.steps, 1), wd_incr_style="constant",
+    )

@@ -1,0 +1,301 @@
+"""relax_gdn.train end to end on CPU (gloo): the tiny demo trains (world 1 and world 2 with CP 2),
+the loss falls, metrics.jsonl has the required fields, W&B offline writes a run directory and a
+W&B failure does not stop training, step 1 with CP 2 (every GDN mode) equals CP 1 (and DP 2) on
+the same samples, a resumed run repeats the uninterrupted one, and bad input fails before step 1
+with nothing written.
+
+One spawn per world size (imports cost ~15 s per process on 2 cores); cases run inside it and
+return plain records that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from relax_gdn.config import ConfigError, RunConfig, run_config_from_dict
+from tests.distributed import run_distributed
+
+MODES = ("headwise", "chunkwise", "all_gather")
+EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
+
+
+def _cfg(**dotted) -> RunConfig:
+    """A small demo config (short synthetic problems, small batches) with ``a__b=value`` overrides."""
+    base = dict(
+        train__steps=4, train__global_batch_size=8, train__max_tokens_per_gpu=1024,
+        data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
+        optim__warmup_steps=1, logging__console=False,
+    )
+    values = RunConfig().to_dict()
+    for key, value in {**base, **dotted}.items():
+        node = values
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node[p]
+        assert leaf in node, key
+        node[leaf] = value
+    return run_config_from_dict(values)
+
+
+def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -> RunConfig:
+    return _cfg(train__steps=1, parallel__cp=cp, gdn__cp_mode=mode, gdn__route=route,
+                recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False)
+
+
+def _step(record: dict) -> dict:
+    return {k: record[k] for k in ("loss", "grad_norm", "tokens", "loss_tokens")}
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the spawned processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _single_process_cases(tmp: str) -> dict:
+    import os
+    import warnings
+
+    import torch
+
+    from relax_gdn.train.loop import run_training
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    out = {}
+
+    # 1. the demo: 20 steps, JSONL, W&B offline into a temporary directory (no network)
+    os.environ["WANDB_DIR"] = str(tmp / "wandb")
+    os.environ["WANDB_SILENT"] = "true"
+    (tmp / "wandb").mkdir()
+    demo = _cfg(train__steps=20, optim__warmup_steps=2,
+                logging__wandb=dict(mode="offline", project="relax-gdn-test", entity=None, group=None,
+                                    tags=["test"], name=None))
+    result = run_training(demo, tmp / "demo")
+    out["demo"] = result.records
+    out["demo_files"] = sorted(p.name for p in (tmp / "demo").iterdir())
+    out["wandb_runs"] = sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))
+
+    # 2. W&B init raises: training goes on, one warning
+    import wandb
+
+    def broken_init(*args, **kwargs):
+        raise RuntimeError("no W&B today")
+
+    original, wandb.init = wandb.init, broken_init
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            failing = _cfg(train__steps=2, logging__wandb=dict(mode="online", project="p", entity=None, group=None,
+                                                                 tags=[], name=None))
+            out["wandb_broken"] = run_training(failing, tmp / "wandb_broken").records
+        out["wandb_warnings"] = [str(w.message) for w in caught if "W&B" in str(w.message)]
+    finally:
+        wandb.init = original
+
+    # 3. the CP = 1 reference of the equality test
+    out["cp1"] = run_training(_equality_cfg(1), None).records
+
+    # 4. resume: 4 steps with a checkpoint at 2; then from step 2 to 4
+    full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full")
+    out["full"] = full.records
+    out["checkpoints"] = [str(p) for p in full.checkpoints]
+    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed")
+    out["resumed"] = resumed.records
+    out["resumed_start"] = resumed.start_step
+    return out
+
+
+def _two_process_cases(tmp: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from relax_gdn.train.loop import run_training
+
+    torch.set_num_threads(1)
+    out = {}
+    for mode in MODES:
+        out[mode] = run_training(_equality_cfg(2, mode), None).records
+    out["chunkwise_prebuild"] = run_training(_equality_cfg(2, "chunkwise", "prebuild"), None).records
+    out["dp2"] = run_training(_equality_cfg(1), None).records  # CP 1 on 2 processes: DP 2
+    # dynamic CP <= 2: samples up to 256 tokens run on one rank (CP 1), longer ones on both (CP 2)
+    out["dynamic"] = run_training(_cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
+                                       parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False),
+                                  None).records
+    run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
+    out["cp2_demo"] = run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    return tmp, run_distributed(_single_process_cases, 1, str(tmp))[0]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair")
+    return tmp, run_distributed(_two_process_cases, 2, str(tmp))
+
+
+def test_demo_loss_is_finite_and_falls(single):
+    records = single[1]["demo"]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert all(r["grad_norm"] is not None and math.isfinite(r["grad_norm"]) for r in records)
+    # warm-up then cosine down to min_lr at the last step
+    lrs = [r["lr"] for r in records]
+    assert lrs[0] < lrs[1] and lrs[-1] == pytest.approx(3e-4) and max(lrs) == pytest.approx(3e-3)
+
+
+def test_jsonl_and_config_written_by_the_run(single):
+    tmp, out = single
+    assert out["demo_files"] == ["config.yaml", "metrics.jsonl"]
+    lines = (tmp / "demo" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 20
+    for line, record in zip(lines, out["demo"]):
+        parsed = json.loads(line)
+        for key in ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu"):
+            assert key in parsed, key
+        assert parsed["mfu"] is None  # no known peak on CPU
+        assert parsed["tokens"] > 0 and parsed["tokens_per_s"] > 0 and parsed["tflops_per_gpu"] > 0
+        assert parsed["loss"] == record["loss"]
+    from relax_gdn.config.hydra_io import load_run_config
+
+    assert load_run_config(tmp / "demo" / "config.yaml").train.steps == 20
+
+
+def test_wandb_offline_writes_a_run_directory(single):
+    assert single[1]["wandb_runs"], "no offline-run-* directory under WANDB_DIR"
+
+
+def test_wandb_failure_does_not_stop_training(single):
+    out = single[1]
+    assert [r["step"] for r in out["wandb_broken"]] == [1, 2]
+    assert len(out["wandb_warnings"]) == 1 and "no W&B today" in out["wandb_warnings"][0]
+
+
+def test_two_processes_cp2_demo_trains(pair):
+    tmp, ranks = pair
+    for out in ranks:
+        losses = [r["loss"] for r in out["cp2_demo"]]
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert ranks[0]["cp2_demo"] == ranks[1]["cp2_demo"] or all(
+        a["loss"] == b["loss"] for a, b in zip(ranks[0]["cp2_demo"], ranks[1]["cp2_demo"]))
+    assert len((tmp / "cp2_demo" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("case", [*MODES, "chunkwise_prebuild", "dp2", "dynamic"])
+def test_step1_cp2_equals_cp1(single, pair, case):
+    reference = _step(single[1]["cp1"][0])
+    for rank, out in enumerate(pair[1]):
+        got = _step(out[case][0])
+        assert got["tokens"] == reference["tokens"] and got["loss_tokens"] == reference["loss_tokens"]
+        for key in ("loss", "grad_norm"):
+            assert got[key] == pytest.approx(reference[key], rel=EQ_TOL), (case, rank, key, got, reference)
+
+
+def test_dynamic_cp_uses_both_cp_sizes(pair):
+    for out in pair[1]:
+        sizes = out["dynamic"][0]["cp_sizes"]
+        assert set(sizes) == {"1", "2"} and all(n > 0 for n in sizes.values()), sizes
+
+
+def test_resume_repeats_the_uninterrupted_run(single):
+    out = single[1]
+    assert len(out["checkpoints"]) == 2 and out["checkpoints"][0].endswith("step_000002")
+    assert out["resumed_start"] == 2
+    assert [r["step"] for r in out["resumed"]] == [3, 4]
+    for a, b in zip(out["full"][2:], out["resumed"]):
+        assert (a["loss"], a["grad_norm"], a["lr"], a["tokens"]) == (b["loss"], b["grad_norm"], b["lr"], b["tokens"])
+
+
+# --------------------------------------------------------------------- bad input (no process group)
+
+
+def test_missing_data_file_fails_before_anything_is_written(tmp_path):
+    from relax_gdn.train.loop import run_training
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(data__source="jsonl", data__path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="data.path="):
+        run_training(cfg, run_dir)
+    assert not run_dir.exists()
+
+
+def test_unusable_data_file_fails_before_anything_is_written(tmp_path):
+    from relax_gdn.train.loop import run_training
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n{\"question\": \"no prompt field\"}\n")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="no usable record"):
+        run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir)
+    assert not run_dir.exists()
+
+
+def test_impossible_config_fails_before_anything_is_written(tmp_path):
+    from relax_gdn.train.loop import run_training
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"world size 1 is not divisible by parallel.tp x parallel.cp"):
+        run_training(_cfg(parallel__cp=2), run_dir)
+    with pytest.raises(ConfigError, match="parallel.sp=true needs parallel.tp > 1") as info:
+        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir)
+    assert "data.num_samples=3 is below train.global_batch_size=7" in str(info.value)  # all at once
+    assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------- names, tags, W&B log failure
+
+
+def test_run_name_and_tags_say_what_is_compared():
+    from relax_gdn.train.loggers import default_run_name, run_tags
+
+    cfg = _cfg(gdn__cp_mode="headwise", parallel__cp=2, gdn__route="prebuild")
+    assert default_run_name(cfg) == "qwen3_5_tiny-headwise-prebuild-tp1-cp2-rcnone-mt1024"
+    assert {"mode:headwise", "route:prebuild", "cp:2", "tp:1", "model:qwen3_5_tiny", "recompute:none"} <= set(
+        run_tags(cfg))
+    assert default_run_name(_cfg(run_name="mine")) == "mine"
+
+
+def test_wandb_log_failure_warns_once_and_training_logging_goes_on(tmp_path, monkeypatch):
+    import wandb
+
+    from relax_gdn.train.loggers import RunLoggers
+
+    class BrokenRun:
+        dir = str(tmp_path)
+
+        def log(self, *args, **kwargs):
+            raise ConnectionError("W&B is down")
+
+        def finish(self):
+            raise ConnectionError("W&B is down")
+
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.update(kwargs) or BrokenRun())
+    cfg = _cfg(logging__wandb=dict(mode="offline", project="p", entity=None, group=None, tags=["x"], name=None))
+    loggers = RunLoggers.create(cfg, tmp_path, is_rank0=True, config_dict=cfg.to_dict())
+    record = {"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 10, "tokens_per_s": 5.0, "mfu": None,
+              "tflops_per_gpu": 0.1, "step_time_s": 2.0}
+    with pytest.warns(RuntimeWarning, match="W&B log failed") as caught:
+        loggers.log(record)
+        loggers.log({**record, "step": 2})
+        loggers.close()
+    assert len([w for w in caught if "W&B" in str(w.message)]) == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # the other sinks went on
+    assert seen["mode"] == "offline" and seen["config"]["gdn"]["cp_mode"] == "chunkwise" and "x" in seen["tags"]
+
+

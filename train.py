@@ -1,0 +1,49 @@
+"""Hydra entry point: ``python train.py [overrides]`` or ``torchrun --nproc-per-node N train.py [overrides]``.
+
+Thin on purpose: compose -> typed config -> validate (before any process group or model) -> train.
+The default (no overrides) is the embedded CPU demo; see conf/config.yaml for the groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+# Only global rank 0 writes the run directory: other torchrun ranks tell Hydra to write no
+# .hydra/ files and no job log (they learn rank 0's run directory from it after init).
+if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
+    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                 "hydra.run.dir=."]
+
+log = logging.getLogger("train")
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> float | None:
+    from relax_gdn.config import ConfigError, validate
+    from relax_gdn.config.hydra_io import run_config_from_hydra
+    from relax_gdn.train.loop import env_world_size, run_training
+
+    try:
+        cfg = run_config_from_hydra(hydra_cfg)
+        validate(cfg, env_world_size())
+    except ConfigError as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None
+    run_dir = HydraConfig.get().runtime.output_dir if int(os.environ.get("RANK", "0")) == 0 else None
+    result = run_training(cfg, run_dir)
+    if result.records and int(os.environ.get("RANK", "0")) == 0:
+        first, last = result.records[0], result.records[-1]
+        log.info("done: %d steps, loss %.4f -> %.4f, %.0f tok/s (last step); outputs in %s",
+                 len(result.records), first["loss"], last["loss"], last["tokens_per_s"], result.run_dir)
+        return last["loss"]  # what a Hydra sweeper would optimise
+    return None
+
+
+if __name__ == "__main__":
+    main()
