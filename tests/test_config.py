@@ -58,6 +58,7 @@ RULES = [
     (dict(train__global_batch_size=3), 2, ["train.global_batch_size=3", "data-parallel size 2"]),
     (dict(train__max_tokens_per_gpu=0), 1, ["train.max_tokens_per_gpu=0", "even"]),
     (dict(train__max_tokens_per_gpu=511), 1, ["train.max_tokens_per_gpu=511", "even"]),
+    (dict(logging__profile_steps=[3, 1]), 1, ["logging.profile_steps=[3, 1]", "first <= last"]),
     (dict(train__max_tokens_per_gpu=256, data__max_sample_tokens=512), 1,
      ["data.max_sample_tokens=512", "train.max_tokens_per_gpu x parallel.cp"]),
     (dict(gdn__cp_mode="ringwise"), 1, ["gdn.cp_mode='ringwise'"]),

@@ -106,6 +106,27 @@ def _single_process_cases(tmp: str) -> dict:
     resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed")
     out["resumed"] = resumed.records
     out["resumed_start"] = resumed.start_step
+
+    # 5. SIGUSR1 arrives while step 2 is logged: the run checkpoints after step 3 and stops; the
+    #    profiler traces steps 1-2 meanwhile
+    import signal
+
+    from relax_gdn.train import loggers as loggers_module
+
+    original_log = loggers_module.RunLoggers.log
+
+    def log_then_signal(self, record):
+        original_log(self, record)
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    loggers_module.RunLoggers.log = log_then_signal
+    try:
+        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted")
+    finally:
+        loggers_module.RunLoggers.log = original_log
+    out["preempted"] = (preempted.preempted_at, [Path(p).name for p in preempted.checkpoints], len(preempted.records))
+    out["traces"] = sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())
     return out
 
 
@@ -212,6 +233,14 @@ def test_dynamic_cp_uses_both_cp_sizes(pair):
         assert set(sizes) == {"1", "2"} and all(n > 0 for n in sizes.values()), sizes
 
 
+def test_sigusr1_checkpoints_and_stops_after_the_current_step(single):
+    assert single[1]["preempted"] == (3, ["step_000003"], 3)
+
+
+def test_profile_window_writes_a_trace_per_rank(single):
+    assert single[1]["traces"] == ["rank0_steps1-2.json"]
+
+
 def test_resume_repeats_the_uninterrupted_run(single):
     out = single[1]
     assert len(out["checkpoints"]) == 2 and out["checkpoints"][0].endswith("step_000002")
@@ -299,3 +328,13 @@ def test_wandb_log_failure_warns_once_and_training_logging_goes_on(tmp_path, mon
     assert seen["mode"] == "offline" and seen["config"]["gdn"]["cp_mode"] == "chunkwise" and "x" in seen["tags"]
 
 
+
+
+def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
+    from relax_gdn.data import Sample
+    from relax_gdn.train.loop import check_samples_fit
+
+    cfg = _cfg(parallel__cp=2, train__max_tokens_per_gpu=256)
+    check_samples_fit([Sample([1] * 512, [True] * 512, 0)], cfg)  # 512 = 256 x 2: fits exactly
+    with pytest.raises(ValueError, match=r"sample 7: 513 tokens.*data.max_sample_tokens=512"):
+        check_samples_fit([Sample([1] * 513, [True] * 513, 7)], cfg)

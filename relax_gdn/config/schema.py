@@ -108,6 +108,7 @@ class LoggingConfig:
     log_every: int = 1
     jsonl: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile_steps: list[int] | None = None  # [first, last]: torch profiler traces per rank for these steps
 
 
 @dataclass

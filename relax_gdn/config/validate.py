@@ -117,6 +117,15 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         add("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP ranks); "
             "set parallel.sp=false or parallel.tp >= 2")
 
+    # --- profiling window ------------------------------------------------------------------
+    window = cfg.logging.profile_steps
+    if window is not None:
+        ok = (isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_int(v) for v in window)
+              and 1 <= window[0] <= window[1])
+        if not ok:
+            add(f"logging.profile_steps={window!r} must be null or [first, last] with 1 <= first <= last "
+                "(steps to trace with the torch profiler), e.g. logging.profile_steps=[10,12]")
+
     # --- dynamic CP -------------------------------------------------------------------------
     dyn = par.dynamic_cp
     if dyn.enabled and sizes_ok:

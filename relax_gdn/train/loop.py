@@ -47,6 +47,7 @@ class TrainResult:
     checkpoints: list[Path] = field(default_factory=list)
     start_step: int = 0  # steps already done when this run started (resume)
     wandb_dir: str | None = None  # rank 0: the W&B run's files directory, when W&B ran
+    preempted_at: int | None = None  # the step after which SIGTERM/SIGUSR1 stopped the run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +92,84 @@ def load_data(cfg: RunConfig):
     if len(dataset) < cfg.train.global_batch_size:
         raise ValueError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
                          f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
+    check_samples_fit(dataset.samples, cfg)
     return tokenizer, dataset
+
+
+def check_samples_fit(samples, cfg: RunConfig) -> None:
+    """Every sample must fit one micro-batch at the largest CP size, checked before step 1 (not
+    as an error or an OOM at whatever step first draws it). Skipping them instead is the data
+    side's job: ``data.max_sample_tokens`` drops and counts them at load time."""
+    from relax_gdn.data import padded_length
+
+    cp = cfg.parallel.cp  # with dynamic CP, max_cp == cp
+    capacity = cfg.train.max_tokens_per_gpu * cp
+    too_long = [s for s in samples if padded_length(len(s), cp) > capacity]
+    if too_long:
+        worst = max(too_long, key=len)
+        raise ValueError(
+            f"{len(too_long)} samples do not fit one micro-batch of train.max_tokens_per_gpu x parallel.cp = "
+            f"{cfg.train.max_tokens_per_gpu} x {cp} = {capacity} tokens (e.g. sample {worst.sample_id}: {len(worst)} "
+            f"tokens): set data.max_sample_tokens={capacity} to skip them (counted in the run log), or raise "
+            "train.max_tokens_per_gpu / parallel.cp"
+        )
+
+
+class PreemptionRequest:
+    """SIGTERM / SIGUSR1 (SLURM preemption, ``scancel --signal``) ask for a checkpoint and a clean
+    exit after the current step; the handlers only set a flag, the loop acts on it."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class ProfileWindow:
+    """``logging.profile_steps=[first, last]``: a torch profiler trace per rank over those steps,
+    written to ``<trace_dir>/rank<r>_steps<first>-<last>.json`` (layout swaps show up as
+    ``relax_gdn.swap`` ranges)."""
+
+    def __init__(self, steps: list[int] | None, trace_dir: Path | None, rank: int, device: torch.device):
+        self.first, self.last = (steps or (0, -1))
+        self.trace_dir, self.rank, self.device = trace_dir, rank, device
+        self._profiler = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.first and self.trace_dir is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
+
+    def after_step(self, step: int) -> Path | None:
+        if self._profiler is None or step != self.last:
+            return None
+        self._profiler.__exit__(None, None, None)
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        path = self.trace_dir / f"rank{self.rank}_steps{self.first}-{self.last}.json"
+        self._profiler.export_chrome_trace(str(path))
+        self._profiler = None
+        return path
 
 
 def _free_port() -> int:
@@ -326,9 +404,13 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
     records: list[dict[str, Any]] = []
     checkpoints: list[Path] = []
     result = TrainResult(records=records, run_dir=run_dir, checkpoints=checkpoints, start_step=start_step)
+    preemption = PreemptionRequest()
+    trace_root = run_dir / "traces" if run_dir is not None else None  # no run directory: no traces
+    profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, rank, device)
     try:
         model.train()
         for step in range(start_step + 1, cfg.train.steps + 1):
+            profile_window.before_step(step)
             timer = StepTimer()
             epoch, batch = global_batch_at_step(dataset.samples, cfg.train.global_batch_size, cfg.train.seed, step - 1)
             # this rank's micro-batches: (samples, CP size, rank in that CP group, the group)
@@ -357,8 +439,12 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
                 (mb_loss / max(global_loss_tokens, 1)).backward()
                 loss_sum += mb_loss.detach()
             updated, grad_norm = optimizer.step()
-            dist.all_reduce(loss_sum, group=dp_cp_group)
-            loss = loss_sum.item() / max(global_loss_tokens, 1)  # waits for the GPU: ends the timed step
+            # One collective and one host read per step carry the loss (summed over DP x CP; TP ranks
+            # hold the same value, hence / tp) and whether any rank was asked to stop.
+            stats = torch.stack((loss_sum / dims.tp, torch.tensor(float(preemption.requested), device=device)))
+            dist.all_reduce(stats)
+            loss_total, stop_requested = stats.tolist()  # waits for the GPU: ends the timed step
+            loss = loss_total / max(global_loss_tokens, 1)
             step_time = timer.elapsed()
             record = metrics.record(
                 step=step, loss=loss, grad_norm=grad_norm, lr=lr, seq_lengths=[len(s) for s in batch],
@@ -371,15 +457,27 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
                 record["skipped_update"] = True
             records.append(record)
             loggers.log(record)
+            trace = profile_window.after_step(step)
+            if trace is not None and is_rank0:
+                logger.info("profiler traces of steps %s written to %s", cfg.logging.profile_steps, trace.parent)
             every = cfg.checkpoint.every_steps
             last = step == cfg.train.steps
-            # every N steps, and at the end whenever periodic saves are on (or save_final asks)
-            if checkpoint_root is not None and ((every and step % every == 0)
+            # every N steps, at the end whenever periodic saves are on (or save_final asks), and
+            # when preempted (SIGTERM / SIGUSR1 on any rank)
+            if checkpoint_root is not None and ((every and step % every == 0) or stop_requested
                                                 or (last and (every or cfg.checkpoint.save_final))):
                 checkpoints.append(save_checkpoint(checkpoint_root, step, model=core_model, optimizer=optimizer,
                                                    scheduler=scheduler, key=key))
+            if stop_requested and not last:
+                result.preempted_at = step
+                if is_rank0:
+                    logger.warning("stop requested (SIGTERM/SIGUSR1): stopped after step %d%s", step,
+                                   f", checkpoint {checkpoints[-1]}" if checkpoint_root is not None else
+                                   " without a checkpoint (no run directory or checkpoint.dir)")
+                break
         wandb = loggers.wandb()
         result.wandb_dir = wandb.run_dir if wandb is not None else None
     finally:
+        preemption.restore()
         loggers.close()
     return result
