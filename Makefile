@@ -19,9 +19,12 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 
 setup: $(VENV)/.installed
 
-# Until train.py lands (issue 5), the main job is the route benchmark.
+# The embedded demo: the tiny Qwen3.5 on the synthetic SFT set, 2 processes with CP 2 chunkwise
+# (gloo on CPU, NCCL on GPUs); the run directory under outputs/runs/ gets the resolved config,
+# metrics.jsonl, a checkpoint and an offline W&B run.
 run: setup
-	$(PY) -m relax_gdn.bench.routes
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 train.py parallel.cp=2 gdn.cp_mode=chunkwise \
+		checkpoint.save_final=true logging.wandb.mode=offline $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q
@@ -30,7 +33,9 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
-bench-routes: run
+# The route-build benchmark (CPU): interval intersection vs the per-token baseline.
+bench-routes: setup
+	$(PY) -m relax_gdn.bench.routes
 
 clean:
 	rm -rf $(VENV) .pytest_cache
