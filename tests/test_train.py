@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from relax_gdn.config import ConfigError, RunConfig, run_config_from_dict
+from relax_gdn.config import ConfigError, RunConfig
+from tests.test_config import _cfg as config_with
 from tests.distributed import run_distributed
 
 MODES = ("headwise", "chunkwise", "all_gather")
@@ -30,15 +31,7 @@ def _cfg(**dotted) -> RunConfig:
         data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
         optim__warmup_steps=1, logging__console=False,
     )
-    values = RunConfig().to_dict()
-    for key, value in {**base, **dotted}.items():
-        node = values
-        *parents, leaf = key.split("__")
-        for p in parents:
-            node = node[p]
-        assert leaf in node, key
-        node[leaf] = value
-    return run_config_from_dict(values)
+    return config_with(**{**base, **dotted})
 
 
 def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -> RunConfig:
