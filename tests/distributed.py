@@ -17,6 +17,16 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
+def value_error_message(fn: Callable[[], Any]) -> str | None:
+    """``str`` of the ``ValueError`` that ``fn()`` raises, None if it returns: a picklable outcome
+    for a check that runs inside a rank and is asserted in the parent."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, value_error_message
 
 TOL = 1e-4  # fp32: outputs/input grads absolute, parameter grads relative to their max
 
@@ -103,20 +103,13 @@ def _single_process_checks():
     outs = [layers[m](x, None, packed_seq_params=psp)[0] for m in layers]
     outcome["cp1_modes_agree"] = all(torch.equal(outs[0], o) for o in outs[1:])
 
-    def error(fn):
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return None
-
-    outcome["unknown_mode"] = error(lambda: h.build_gdn(config, world, world, "ringwise"))
-    outcome["headwise_heads"] = error(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
-    outcome["chunkwise_deterministic"] = error(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
-    outcome["all_gather_recompute"] = error(lambda: h.build_gdn(h.tiny_config(recompute_granularity=None, recompute_method=None, recompute_num_layers=None), world, world, "all_gather", max_cp_size=2))
-    outcome["dynamic_incomplete"] = error(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", local_cp_size=2)))
-    outcome["dynamic_mismatch"] = error(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", cp_group=world, local_cp_size=2)))
-    outcome["wrong_total"] = error(lambda: layers["chunkwise"](x[:80], None, packed_seq_params=psp))
+    outcome["unknown_mode"] = value_error_message(lambda: h.build_gdn(config, world, world, "ringwise"))
+    outcome["headwise_heads"] = value_error_message(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
+    outcome["chunkwise_deterministic"] = value_error_message(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
+    outcome["all_gather_recompute"] = value_error_message(lambda: h.build_gdn(h.tiny_config(recompute_granularity=None, recompute_method=None, recompute_num_layers=None), world, world, "all_gather", max_cp_size=2))
+    outcome["dynamic_incomplete"] = value_error_message(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", local_cp_size=2)))
+    outcome["dynamic_mismatch"] = value_error_message(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", cp_group=world, local_cp_size=2)))
+    outcome["wrong_total"] = value_error_message(lambda: layers["chunkwise"](x[:80], None, packed_seq_params=psp))
     return outcome
 
 

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, value_error_message
 
 # fp32, absolute, per token: ~1e-5 relative to losses of ~5.5 (measured <= 1.1e-5 in chunkwise,
 # whose CP scan passes state between ranks; <= 6e-6 in the other modes)
@@ -270,13 +270,6 @@ def _configuration_errors(single) -> dict[str, str | None]:
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
 
-    def error(fn):
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return None
-
     def build(cfg=config, groups=pgs, **kwargs):
         return build_qwen3_5_model(
             cfg, vocab_size=256, max_sequence_length=64, pg_collection=groups, **kwargs
@@ -284,13 +277,13 @@ def _configuration_errors(single) -> dict[str, str | None]:
 
     tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
     return {
-        "pp": error(lambda: qwen3_5_config("qwen3_5_tiny", pipeline_model_parallel_size=2)),
-        "te_specs": error(lambda: build(spec_provider="te")),
-        "te_attention": error(lambda: build(spec_provider="local", attention_backend="te")),
-        "tp_mismatch": error(lambda: build(tp2)),
-        "all_gather": error(lambda: build(cp_mode="all_gather", max_cp_size=2)),
-        "missing_groups": error(lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))),
-        "no_positions": error(lambda: build()(torch.zeros(1, 8, dtype=torch.long), None, None)),
+        "pp": value_error_message(lambda: qwen3_5_config("qwen3_5_tiny", pipeline_model_parallel_size=2)),
+        "te_specs": value_error_message(lambda: build(spec_provider="te")),
+        "te_attention": value_error_message(lambda: build(spec_provider="local", attention_backend="te")),
+        "tp_mismatch": value_error_message(lambda: build(tp2)),
+        "all_gather": value_error_message(lambda: build(cp_mode="all_gather", max_cp_size=2)),
+        "missing_groups": value_error_message(lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))),
+        "no_positions": value_error_message(lambda: build()(torch.zeros(1, 8, dtype=torch.long), None, None)),
     }
 
 

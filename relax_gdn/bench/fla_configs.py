@@ -14,17 +14,11 @@ head counts or lengths). Tune once, convert, ship the directory with the job:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
 
 _TRITON_SUFFIX = ".autotune.json"
-
-
-def _key_hash(key: list) -> str:
-    # FLA looks entries up by this hash of the JSON-serialised tuning key (fla.ops.utils.cache).
-    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
 
 def _best(configs_timings: list) -> dict:
@@ -37,12 +31,14 @@ def _best(configs_timings: list) -> dict:
 
 def convert(triton_cache_dirs: list[Path], out_dir: Path) -> dict[str, int]:
     """Write one ``<kernel>.json`` per kernel found; return the number of entries per kernel."""
+    from fla.ops.utils.cache import AutotuneKey  # FLA looks entries up by its own key hash
+
     entries: dict[str, dict[str, dict]] = defaultdict(dict)
     for cache_dir in triton_cache_dirs:
         for path in sorted(cache_dir.rglob(f"*{_TRITON_SUFFIX}")):
             record = json.loads(path.read_text())
             key = record["key"]
-            entries[path.name[: -len(_TRITON_SUFFIX)]][_key_hash(key)] = {
+            entries[path.name[: -len(_TRITON_SUFFIX)]][AutotuneKey.key_hash(key)] = {
                 "autotune_key": key, "config": _best(record["configs_timings"]),
             }
     if not entries:
