@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from relax_gdn.data.sample import Sample, check_sample
 from relax_gdn.layout import ROUTE_STRATEGIES, attach_host_cu_seqlens, prebuild_routes, thd_rank_indices
-from relax_gdn.layout.partition import check_cp
+from relax_gdn.layout.partition import check_cp, padded_length
 
 if TYPE_CHECKING:  # importing Megatron-Core costs seconds; only make_micro_batch needs it
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -83,12 +83,6 @@ def _check_positive_int(name: str, value) -> int:
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1")
     return int(value)
-
-
-def padded_length(length: int, cp_size: int) -> int:
-    """``length`` rounded up to a multiple of ``2·cp_size`` (the zigzag split needs 2·cp chunks)."""
-    unit = 2 * cp_size
-    return -(-length // unit) * unit
 
 
 def _split_in_two(items: list[int], padded: list[int]) -> tuple[list[int], list[int]]:

@@ -69,6 +69,13 @@ def host_boundaries(cu_seqlens: CuSeqlens) -> np.ndarray:
     return cu
 
 
+def padded_length(length: int, cp_size: int) -> int:
+    """``length`` rounded up to a multiple of ``2·cp_size``: what a document occupies once padded
+    for the zigzag split into 2·cp chunks (rule of §1)."""
+    unit = 2 * cp_size
+    return -(-length // unit) * unit
+
+
 def check_divisible(cu: np.ndarray, cp_size: int, layout: str) -> None:
     """The divisibility a layout needs: zigzag cuts every sequence in 2W chunks, contiguous cuts T in W."""
     if cp_size == 1:

@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-
-def _padded(length: int, cp_size: int) -> int:
-    """A document's rows once padded to a multiple of ``2 * cp_size`` (LAYOUTS.md §1)."""
-    unit = 2 * cp_size
-    return -(-length // unit) * unit
+from relax_gdn.layout.partition import padded_length
 
 
 def _check_power_of_two(max_cp: int) -> None:
@@ -62,13 +58,13 @@ def _balanced_partitions(lengths: list[int], parts: int, cp_size: int) -> list[l
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         p = min(range(parts), key=lambda p: (loads[p], p))
         members[p].append(i)
-        loads[p] += _padded(lengths[i], cp_size)
+        loads[p] += padded_length(lengths[i], cp_size)
     return [sorted(m) for m in members]
 
 
 def _fits(partitions: list[list[int]], lengths: list[int], cp_size: int, max_tokens_per_gpu: int) -> bool:
     capacity = max_tokens_per_gpu * cp_size
-    return all(sum(_padded(lengths[i], cp_size) for i in p) <= capacity for p in partitions)
+    return all(sum(padded_length(lengths[i], cp_size) for i in p) <= capacity for p in partitions)
 
 
 def plan_dynamic_cp(
@@ -84,7 +80,7 @@ def plan_dynamic_cp(
     if not lengths:  # an empty (padding-only) micro-batch: every rank idles at full CP
         return DynamicCPPlan(cp_size=max_cp, partitions=((),))
     longest = max(lengths)
-    if _padded(longest, max_cp) > max_tokens_per_gpu * max_cp:
+    if padded_length(longest, max_cp) > max_tokens_per_gpu * max_cp:
         raise ValueError(
             f"a sample of {longest} tokens does not fit even at the largest CP size: "
             f"train.max_tokens_per_gpu * parallel.dynamic_cp.max_cp = {max_tokens_per_gpu} * {max_cp} = "
@@ -102,7 +98,7 @@ def plan_dynamic_cp(
         if _fits(partitions, lengths, d, max_tokens_per_gpu):
             return DynamicCPPlan(cp_size=d, partitions=tuple(tuple(p) for p in partitions))
     # d = max_cp is a single partition holding everything; the caller planned it to fit
-    if sum(_padded(n, max_cp) for n in lengths) > max_tokens_per_gpu * max_cp:
+    if sum(padded_length(n, max_cp) for n in lengths) > max_tokens_per_gpu * max_cp:
         raise ValueError(
             f"micro-batch of {len(lengths)} samples ({sum(lengths)} tokens) exceeds "
             f"train.max_tokens_per_gpu * max_cp = {max_tokens_per_gpu * max_cp} rows: plan micro-batches "
