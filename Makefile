@@ -7,7 +7,7 @@ PYTHON ?= python3.12
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-gpu gpu-check bench-routes clean
+.PHONY: setup run test test-gpu gpu-check gpu-check-train bench-routes clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"need Python >= 3.12, got {sys.version}"'
@@ -54,4 +54,13 @@ gpu-check:
 	-$(call GPU_STEP,600,$(PY) -m pytest -q -s -m gpu tests/test_gdn_layer_gpu.py,test_gdn_layer_gpu)
 	-$(call GPU_STEP,600,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.gdn_layer,bench_gdn_layer)
 	-$(call GPU_STEP,70,$(PY) -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py,test_cp_attention_gpu)
+	cat $(OUT)/summary.txt
+
+# The model and the training loop on 2 GPUs: reduced 9B CP 2 vs CP 1 in every mode, dynamic vs
+# static CP 2 in bf16, resume, and training throughput of the CP variants side by side.
+gpu-check-train:
+	mkdir -p $(OUT)
+	-$(call GPU_STEP,200,$(PY) -m pytest -q -s -m gpu tests/test_qwen3_5_model_gpu.py,test_qwen3_5_model_gpu)
+	-$(call GPU_STEP,220,$(PY) -m pytest -q -s -m gpu tests/test_train_gpu.py,test_train_gpu)
+	-$(call GPU_STEP,120,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.train_cp $(BENCH_TRAIN_ARGS),bench_train_cp)
 	cat $(OUT)/summary.txt

@@ -15,16 +15,8 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def _cfg(**dotted) -> RunConfig:
-    """The default (demo) config with ``a.b.c=value`` overrides."""
-    values = RunConfig().to_dict()
-    for key, value in dotted.items():
-        node = values
-        *parents, leaf = key.split("__")
-        for p in parents:
-            node = node[p]
-        assert leaf in node, key
-        node[leaf] = value
-    return run_config_from_dict(values)
+    """The default (demo) config with ``a__b__c=value`` overrides."""
+    return RunConfig().with_overrides({key.replace("__", "."): value for key, value in dotted.items()})
 
 
 def _problems(cfg: RunConfig, world: int) -> str:
@@ -99,6 +91,15 @@ def test_unknown_keys_in_a_dict_are_refused():
     values["parallel"]["pp"] = 2
     with pytest.raises(ValueError, match=r"unknown config key\(s\) parallel.pp"):
         run_config_from_dict(values)
+
+
+def test_dotted_overrides_set_nested_keys_and_refuse_unknown_ones():
+    cfg = RunConfig().with_overrides({"train.steps": 7, "parallel.dynamic_cp.max_cp": 4})
+    assert cfg.train.steps == 7 and cfg.parallel.dynamic_cp.max_cp == 4 and RunConfig().train.steps != 7
+    with pytest.raises(ValueError, match=r"unknown config key 'train.stpes'"):
+        RunConfig().with_overrides({"train.stpes": 7})
+    with pytest.raises(ValueError, match=r"'train.steps.x'.*train.steps is not a group"):
+        RunConfig().with_overrides({"train.steps.x": 7})
 
 
 # ------------------------------------------------------------------------------------- Hydra

@@ -107,7 +107,9 @@ def _gpu_cases(spec_provider: str):
             model.zero_grad(set_to_none=True)
 
         syncs[mode] = count_host_syncs(step)  # steady state: routes, plans and checks cached
-        syncs[mode + " (new micro-batch)"] = count_host_syncs(lambda: step(packed_params(CU, device)))
+        where: dict = {}
+        syncs[mode + " (new micro-batch)"] = count_host_syncs(lambda: step(packed_params(CU, device)), where)
+        syncs[mode + " (new micro-batch) at"] = where
         del model
         torch.cuda.empty_cache()
     return results, syncs

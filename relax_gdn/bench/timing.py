@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import statistics
-import warnings
 
 import torch
 import torch.distributed as dist
+
+from relax_gdn.train.metrics import HostSyncCounter
 
 
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
@@ -27,14 +28,12 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def count_host_syncs(fn) -> int:
-    """Host<->device synchronisations during ``fn()``, as ``set_sync_debug_mode("warn")`` sees them."""
+def count_host_syncs(fn, where: dict | None = None) -> int:
+    """Host<->device synchronisations during ``fn()``, as ``set_sync_debug_mode("warn")`` sees them;
+    ``where`` (optional) receives ``{"file:line": count}``."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    with HostSyncCounter(enabled=True) as counter:
+        fn()
+    if where is not None:
+        where.update(counter.locations)
+    return counter.count

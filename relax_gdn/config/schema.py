@@ -135,6 +135,23 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def with_overrides(self, overrides: dict[str, Any]) -> "RunConfig":
+        """A copy with dotted-key overrides (``{"train.steps": 3, "parallel.dynamic_cp.enabled": True}``),
+        for code that builds runs without Hydra (benchmarks, tests); an unknown key names itself."""
+        values = self.to_dict()
+        for key, value in overrides.items():
+            node = values
+            *parents, leaf = key.split(".")
+            for i, part in enumerate(parents):
+                if not isinstance(node.get(part), dict):
+                    raise ValueError(f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group")
+                node = node[part]
+            if leaf not in node:
+                raise ValueError(f"unknown config key {key!r}; known under {'.'.join(parents) or 'the root'}: "
+                                 f"{sorted(node)}")
+            node[leaf] = value
+        return run_config_from_dict(values)
+
     @property
     def effective_max_cp(self) -> int:
         """The largest CP group a micro-batch can run on (what head splits must divide)."""

@@ -35,7 +35,7 @@ from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
-from relax_gdn.train.metrics import MetricsProcessor, StepTimer
+from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, StepTimer
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -60,7 +60,10 @@ def select_device(cfg: RunConfig) -> torch.device:
     if want == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device=cuda but CUDA is not available here; use train.device=auto or cpu")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        # torchrun sets LOCAL_RANK; a caller that made the process group itself has already
+        # chosen this process's GPU with torch.cuda.set_device
+        local_rank = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -407,6 +410,7 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
     preemption = PreemptionRequest()
     trace_root = run_dir / "traces" if run_dir is not None else None  # no run directory: no traces
     profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, rank, device)
+    host_syncs = HostSyncCounter(enabled=device.type == "cuda")  # in forward + backward only
     try:
         model.train()
         for step in range(start_step + 1, cfg.train.steps + 1):
@@ -427,16 +431,18 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
             scheduler.step(1)  # the rate of THIS step (see build_scheduler)
             lr = float(optimizer.param_groups[0]["lr"])
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            host_syncs.reset()
             for samples, mb_cp_size, mb_cp_rank, mb_cp_group in mine:
                 mb = make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
                                       pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group)
                 if dynamic_cp:  # the layers find this micro-batch's group here (resolve_cp_group)
                     mb.packed_seq_params.cp_group = mb_cp_group
                     mb.packed_seq_params.local_cp_size = mb_cp_size
-                per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                                  packed_seq_params=mb.packed_seq_params)
-                mb_loss = (per_token.float() * mb.loss_mask).sum()
-                (mb_loss / max(global_loss_tokens, 1)).backward()
+                with host_syncs:
+                    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                                      packed_seq_params=mb.packed_seq_params)
+                    mb_loss = (per_token.float() * mb.loss_mask).sum()
+                    (mb_loss / max(global_loss_tokens, 1)).backward()
                 loss_sum += mb_loss.detach()
             updated, grad_norm = optimizer.step()
             # One collective and one host read per step carry the loss (summed over DP x CP; TP ranks
@@ -450,7 +456,11 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
                 step=step, loss=loss, grad_norm=grad_norm, lr=lr, seq_lengths=[len(s) for s in batch],
                 loss_tokens=global_loss_tokens, padded_tokens=padded_tokens,
                 num_micro_batches=len(mine), epoch=epoch, step_time_s=step_time,
+                host_syncs=host_syncs.count if host_syncs.enabled else None,
             ).as_dict()
+            if host_syncs.count and is_rank0 and step <= start_step + 2:  # where (first steps only)
+                logger.info("step %d: %d host syncs in forward+backward, at %s", step, host_syncs.count,
+                            dict(host_syncs.locations.most_common(8)))
             if dynamic_cp:
                 record["cp_sizes"] = cp_size_counts  # micro-batches per CP size, whole step
             if not updated:

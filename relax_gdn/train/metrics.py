@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,7 +42,7 @@ class StepRecord:
     num_samples: int
     epoch: int
     peak_mem_gb: float | None  # GPU only
-    host_syncs: int | None  # not cheaply countable: null
+    host_syncs: int | None  # in this rank's forward + backward passes (GPU; null on CPU)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -48,6 +50,52 @@ class StepRecord:
         extra = record.pop("extra")
         record.update(extra)
         return record
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+class HostSyncCounter:
+    """Counts host<->device synchronisations inside ``with counter:`` blocks, as torch's sync debug
+    mode ("warn") reports them, and where they happened (``file:line`` of the Python caller).
+
+    A no-op off CUDA. Other warnings raised inside the block are shown after it, each distinct one
+    once per counter (the block has to record every warning to see the sync ones)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.count = 0
+        self.locations: Counter[str] = Counter()
+        self._shown: set[tuple] = set()
+        self._catch = None
+
+    def reset(self) -> None:
+        self.count = 0
+        self.locations.clear()
+
+    def __enter__(self) -> "HostSyncCounter":
+        if self.enabled:
+            self._catch = warnings.catch_warnings(record=True)
+            self._caught = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        for w in self._caught:
+            if SYNC_WARNING in str(w.message):
+                self.count += 1
+                self.locations[f"{w.filename}:{w.lineno}"] += 1
+            else:
+                key = (w.category, str(w.message), w.filename, w.lineno)
+                if key not in self._shown:
+                    self._shown.add(key)
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        self._caught = None
 
 
 class StepTimer:
@@ -74,7 +122,7 @@ class MetricsProcessor:
 
     def record(self, *, step: int, loss: float, grad_norm: float | None, lr: float, seq_lengths: list[int],
                loss_tokens: int, padded_tokens: int, num_micro_batches: int, epoch: int,
-               step_time_s: float) -> StepRecord:
+               step_time_s: float, host_syncs: int | None = None) -> StepRecord:
         tokens = int(sum(seq_lengths))
         flops, flops_relax = step_flops(self.shape, seq_lengths)
         seconds = max(step_time_s, 1e-9)
@@ -90,5 +138,5 @@ class MetricsProcessor:
             lr=lr, tokens=tokens, tokens_per_s=tokens / seconds, mfu=mfu, mfu_relax=mfu_relax,
             tflops_per_gpu=tflops_per_gpu, step_time_s=step_time_s, loss_tokens=loss_tokens,
             padded_tokens=padded_tokens, num_micro_batches=num_micro_batches, num_samples=len(seq_lengths),
-            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=None,
+            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=host_syncs,
         )

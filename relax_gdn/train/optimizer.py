@@ -145,7 +145,7 @@ class MegatronOptimizerAdapter:
         # the distributed optimizer keeps its fp32 main params and Adam moments in per-rank shards,
         # which state_dict() leaves out: save this rank's shards as they are (same world/TP/CP on
         # resume). get_megatron_optimizer may return a ChainedOptimizer: one shard per member.
-        state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in self._members()
+        state["param_state"] = [_loadable(opt.get_parameter_state_dp_reshardable()) for opt in self._members()
                                 if hasattr(opt, "get_parameter_state_dp_reshardable")]
         return state
 
@@ -161,6 +161,20 @@ class MegatronOptimizerAdapter:
             raise ValueError(f"checkpoint has {len(state['param_state'])} optimizer shards, this run {len(members)}")
         for opt, shard in zip(members, state["param_state"]):
             opt.load_parameter_state_from_dp_reshardable(shard)
+
+
+def _loadable(param_state: dict) -> dict:
+    """Megatron-Core 0.19.2's ``load_parameter_state_from_dp_reshardable`` drops bucket elements
+    whose ``padding`` flag is set, a flag that only its dist-checkpointing wrapper
+    (``sharded_param_state_dp_reshardable``) adds; the raw ``get_parameter_state_dp_reshardable``
+    returns parameter elements only, without the flag (KeyError on load). Mark them as what they are."""
+    for key, per_dtype in param_state.items():
+        if isinstance(key, int):  # buffer index -> {dtype: [bucket: [element, ...]]}
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for element in bucket:
+                        element.setdefault("padding", False)
+    return param_state
 
 
 def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):
