@@ -184,18 +184,19 @@ def test_unusable_sources_raise_naming_path_field_and_fix(tmp_path):
         load_sft_dataset(_write_jsonl(tmp_path / "d.txt", GOOD), BYTE)
 
 
-def test_saved_datasets_directory_needs_the_datasets_package(tmp_path):
-    try:
-        import datasets
-    except ImportError:
-        (tmp_path / "saved").mkdir()
-        (tmp_path / "saved" / "dataset_info.json").write_text("{}")
-        with pytest.raises(ValueError, match="`datasets` package is not installed"):
-            load_sft_dataset(tmp_path / "saved", BYTE)
-        return
+def test_saved_datasets_directory_is_read(tmp_path):
+    import datasets
+
     datasets.Dataset.from_list(GOOD + BROKEN[:1]).save_to_disk(str(tmp_path / "saved"))
     data = load_sft_dataset(tmp_path / "saved", BYTE)
     assert data.counts.kept == 2 and data.counts.skipped["missing_field"] == 1
+    # a saved DatasetDict: the split is chosen by data.split
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GOOD[:1]), "test": datasets.Dataset.from_list(GOOD)}
+                         ).save_to_disk(str(tmp_path / "splits"))
+    assert load_sft_dataset(tmp_path / "splits", BYTE).counts.kept == 1
+    assert load_sft_dataset(tmp_path / "splits", BYTE, split="test").counts.kept == 2
+    with pytest.raises(ValueError, match=r"has splits \['train', 'test'\], not 'validation'.*data.split"):
+        load_sft_dataset(tmp_path / "splits", BYTE, split="validation")
 
 
 # ---------------------------------------------------------------- synthetic sets

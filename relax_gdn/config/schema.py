@@ -60,6 +60,7 @@ class DataConfig:
     path: str | None = None
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
+    split: str = "train"  # hf_disk: the split of a saved DatasetDict
     tokenizer: str = "embedded"
     max_sample_tokens: int | None = 512
     num_samples: int | None = 2048  # synthetic: set size; files: read at most this many (None: all)

@@ -88,13 +88,8 @@ def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[object]:
 
 
 def _hf_disk_records(path: Path, fields: tuple[str, str], split: str) -> Iterator[object]:
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ValueError(
-            f"data source {str(path)!r} is a `datasets` save_to_disk directory, but the `datasets` package "
-            "is not installed: install it (pip install datasets) or convert the data to parquet/jsonl"
-        ) from exc
+    import datasets  # imported here: it takes seconds, and only this format needs it
+
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

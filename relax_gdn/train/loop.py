@@ -91,6 +91,7 @@ def load_data(cfg: RunConfig):
         dataset = load_sft_dataset(
             d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
             max_sample_tokens=d.max_sample_tokens, max_samples=d.num_samples, format=d.source,
+            split=d.split,
         )
     if len(dataset) < cfg.train.global_batch_size:
         raise ValueError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
