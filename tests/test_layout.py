@@ -329,3 +329,23 @@ def test_resolver_rules_raise(q, kv, seq_len, w, match):
 
 def test_layout_names_are_public():
     assert LAYOUTS == ("zigzag", "contiguous")
+
+
+@pytest.mark.parametrize(
+    "dtype, shape",
+    [(torch.bfloat16, (10, 1, 12352)), (torch.bfloat16, (10, 6)), (torch.float32, (10, 3)), (torch.int16, (10, 5)),
+     (torch.float64, (10, 2)), (torch.bool, (10, 16))],
+)
+def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
+    from relax_gdn.layout.route import _as_wide_rows, put_rows, take_rows
+
+    base = (torch.randn(shape[0] + 1, *shape[1:]) * 100).to(dtype)
+    for x in (base[:-1], base[1:]):  # storage offset 0 and one row in
+        rows = torch.tensor([3, 1, 7, 7, 0])
+        assert torch.equal(take_rows(x, rows), x.index_select(0, rows))
+        out, ref = torch.zeros_like(x), torch.zeros_like(x)
+        put_rows(out, torch.tensor([5, 2, 9]), x[:3])
+        ref.index_copy_(0, torch.tensor([5, 2, 9]), x[:3])
+        assert torch.equal(out, ref)
+    row_bytes = base[0].numel() * base.element_size()
+    assert (_as_wide_rows(base).dtype == torch.complex128) == (row_bytes % 16 == 0 and base.element_size() < 16)

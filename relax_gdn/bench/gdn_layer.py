@@ -8,7 +8,13 @@ Variants: chunkwise with the cached route; chunkwise with the route rebuilt per 
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps);
 headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
 in training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
-plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16).
+plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16). A last
+column times one GPU on HALF the micro-batch (the first documents up to T/2): the fixed per-call
+costs that "half the one-GPU time" leaves out.
+
+``--profile`` then profiles chunkwise and the one-GPU half micro-batch (torch profiler, rank 0):
+per call, the wall time, the GPU busy time (union of kernel intervals), the kernel count, and the
+kernels with the most GPU time; ``--trace-dir`` also writes chrome traces.
 """
 
 from __future__ import annotations
@@ -43,6 +49,41 @@ def qwen35_gdn_config():
     )
 
 
+def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) -> str:
+    """Where one call's time goes on this rank (see the module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    per_name: dict[str, list[float]] = {}
+    for e in kernels:
+        acc = per_name.setdefault(e.name, [0, 0.0])
+        acc[0] += 1
+        acc[1] += e.time_range.elapsed_us()
+    lines = [f"    wall {wall_ms:.2f} ms/call, GPU busy {busy / 1e3 / iters:.2f} ms/call, "
+             f"{len(kernels) / iters:.0f} kernels/call"]
+    for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"    {us / 1e3 / iters:7.3f} ms {count / iters:5.1f}x  {name[:110]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -57,6 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
+    parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
+    parser.add_argument("--trace-dir", default=None)
     args = parser.parse_args()
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
@@ -138,6 +181,12 @@ def main() -> None:
             gdn_layer.get_route = real_get_route
 
         single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
+        half_cu = [c for c in cu if c <= total // 2]
+        if half_cu[-1] < total // 2:
+            half_cu.append(total // 2)  # the document that crosses T/2 is cut there
+        half = total // 2
+        half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed(half_cu))
+        row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None)
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)
 
@@ -149,11 +198,22 @@ def main() -> None:
         row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0)
         row["single GPU, whole micro-batch"] = (single_ms, None)
         table.append((name, row))
+        if args.profile:
+            trace = (lambda v: os.path.join(args.trace_dir, f"{name}-{v}-rank{rank}.json".replace(" ", "_").replace(",", ""))
+                     ) if args.trace_dir else (lambda v: None)
+            report = {
+                "chunkwise": profile_call(step(layers["chunkwise"], x_local, dy_local, psp), trace=trace("chunkwise")),
+                "one GPU, half micro-batch": profile_call(half_step, trace=trace("half")),
+            }
+            if rank == 0:
+                for label, text in report.items():
+                    print(f"\n[profile] {name}: {label}\n{text}", flush=True)
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
         order = ["chunkwise", "chunkwise, per-token route per call", "headwise", "headwise (stock MCore)",
-                 "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch"]
+                 "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
+                 "one GPU, half micro-batch"]
         for name, row in table:
             stock = row["headwise (stock MCore)"][0]
             print(f"\n{name}")

@@ -5,7 +5,10 @@
 Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer, 4096 = its
 hidden width, which chunkwise swaps without sequence parallelism). The bare all-to-all sends equal
 splits of the same tensor with no pack or scatter: the floor a swap can reach. Host syncs inside the swaps are
-counted with torch.cuda.set_sync_debug_mode("warn").
+counted with torch.cuda.set_sync_debug_mode("warn"). A second table times the swap's scatter
+kernels alone (no NCCL, so no transfer noise): every scattered row list of the multi-document
+routes (``put_rows`` into index rows), as 16-byte words (what the swap does) and as 2-byte
+elements (``relax_gdn.layout.route.WIDE_ROW_COPIES = False``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,31 @@ import torch.distributed as dist
 
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
+from relax_gdn.layout import route as route_module
+from relax_gdn.layout.route import put_rows
+
+
+def _scatter_kernels(x: torch.Tensor, routes: dict, iters: int) -> dict[str, tuple[float, float]]:
+    """(16-byte words, 2-byte elements) ms of each scattered index row list of the routes."""
+    out = torch.empty_like(x)
+    timings = {}
+    for name, route in routes.items():
+        for r in (route, route.reverse()):
+            for field in ("keep_target", "recv_rows"):
+                rows = getattr(r, field)
+                if isinstance(rows, slice):
+                    continue
+                values = x[: len(rows)].contiguous()
+                row = []
+                for wide in (True, False):
+                    route_module.WIDE_ROW_COPIES = wide
+                    try:  # rank-local work: ranks may have different numbers of index row lists
+                        row.append(cuda_median_ms(lambda rows=rows: put_rows(out, rows, values), iters, 5,
+                                                  align_ranks=False))
+                    finally:
+                        route_module.WIDE_ROW_COPIES = True
+                timings[f"{name} {r.source}->{r.target} {field} ({len(rows)})"] = tuple(row)
+    return timings
 
 
 def main() -> None:
@@ -51,6 +79,7 @@ def main() -> None:
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
                 fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
                 rows.append((f"{name} {direction}", cuda_median_ms(fn, args.iters, 5), count_host_syncs(fn)))
+
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
@@ -58,6 +87,12 @@ def main() -> None:
             print(f"{'variant':<32} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
             for label, ms, syncs in rows:
                 print(f"{label:<32} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
+        kernels = _scatter_kernels(x, routes, args.iters)
+        if rank == 0:
+            print(f"\nscatter kernels of the swaps (rank 0), width {width}: median ms")
+            print(f"{'row list':<48} {'16-byte words':>14} {'2-byte elements':>16}")
+            for label, (wide, narrow) in kernels.items():
+                print(f"{label:<48} {wide:>14.3f} {narrow:>16.3f}")
     dist.destroy_process_group()
 
 

@@ -10,13 +10,15 @@ import torch.distributed as dist
 from relax_gdn.train.metrics import HostSyncCounter
 
 
-def cuda_median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median of ``iters`` timed calls (CUDA events, ranks aligned by a barrier), after warm-up."""
+def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, align_ranks: bool = True) -> float:
+    """Median of ``iters`` timed calls (CUDA events; ranks aligned by a barrier before each call
+    unless ``align_ranks=False``, for rank-local work that ranks may run a different number of
+    times), after warm-up."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(iters):
-        if dist.is_initialized():
+        if align_ranks and dist.is_initialized():
             dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

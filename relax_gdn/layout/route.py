@@ -27,9 +27,36 @@ def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
+# ``index_copy_`` moves one ELEMENT per thread: scattering bf16 rows as 16-byte words needs 8x
+# fewer threads and index computations, measured 2.1x faster on H200 for 4096 x 12352 bf16 rows
+# (``python -m relax_gdn.bench.swap``; ``index_select`` is as fast either way, so gathers stay
+# plain). Rows move as raw bytes, so any dtype of the same width works: complex128 is just
+# torch's 16-byte element, nothing reads it as a number.
+_WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
+WIDE_ROW_COPIES = True  # False: element-wise scatters (the benchmark's A/B switch)
+
+
+def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, rows on dim 0) viewed as ``[rows, words]`` of the widest element that
+    divides a row's bytes and the storage offset; ``t`` itself when none does."""
+    if not WIDE_ROW_COPIES or t.dim() == 0 or not t.is_contiguous():
+        return t
+    row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+    offset_bytes = t.storage_offset() * t.element_size()
+    for wide in _WIDE_DTYPES:
+        size = wide.itemsize
+        if size > t.element_size() and row_bytes and row_bytes % size == 0 and offset_bytes % size == 0:
+            return t.reshape(t.shape[0], -1).view(wide)
+    return t
+
+
 def put_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
     if isinstance(rows, slice):
         out[rows].copy_(values)
+        return
+    wide_out, wide_values = _as_wide_rows(out), _as_wide_rows(values.contiguous())
+    if wide_out is not out and wide_values.dtype == wide_out.dtype:
+        wide_out.index_copy_(0, rows, wide_values)
     else:
         out.index_copy_(0, rows, values)
 
