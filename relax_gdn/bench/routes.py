@@ -45,14 +45,21 @@ def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Gener
     return (np.concatenate([[0], cuts, [units]]) * unit).tolist()
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
+def paired_medians(fast, slow, rounds: int, fast_per_round: int = 10) -> tuple[float, float]:
+    """Median seconds of ``fast()`` and ``slow()``, timed interleaved (each round: ``slow`` once,
+    ``fast`` ``fast_per_round`` times) so that both see the same machine: on a shared 2-core VM
+    the speed drifts by up to 2x over seconds, which skews a ratio of back-to-back medians."""
+    fast(), slow()  # warm-up
+    fast_samples, slow_samples = [], []
+    for _ in range(rounds):
         start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        slow()
+        slow_samples.append(time.perf_counter() - start)
+        for _ in range(fast_per_round):
+            start = time.perf_counter()
+            fast()
+            fast_samples.append(time.perf_counter() - start)
+    return statistics.median(fast_samples), statistics.median(slow_samples)
 
 
 def main() -> None:
@@ -69,14 +76,14 @@ def main() -> None:
         cu_list = random_packing(total, num_seqs, cp_size, rng)
         cu = torch.tensor(cu_list)
         rank = cp_size - 1  # the last rank receives from everyone in zigzag->contiguous
-        repeats = 5 if total * cp_size > 2**18 else 20
-        interval = median_seconds(lambda: build_route(cu_list, cp_size, rank, "zigzag", "contiguous"), 50)
-        per_token = median_seconds(
+        rounds = 10 if total * cp_size > 2**18 else 30
+        interval, per_token = paired_medians(
+            lambda: build_route(cu_list, cp_size, rank, "zigzag", "contiguous"),
             lambda: (
                 per_token_route(cu, cp_size, rank, "zigzag", "contiguous"),
                 per_token_route(cu, cp_size, rank, "contiguous", "zigzag"),
             ),
-            repeats,
+            rounds,
         )
         print(
             f"{total:>6} {num_seqs:>5} {cp_size:>2} | {interval * 1e3:>17.3f} ms | "

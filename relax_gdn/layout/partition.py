@@ -13,6 +13,8 @@ global intervals, which is what the route builder intersects.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -143,21 +145,30 @@ class Segments:
 def layout_segments(cu: np.ndarray, cp_size: int, layout: str) -> Segments:
     """Interval description of ``layout`` for validated host boundaries ``cu`` (all ranks at once)."""
     total = int(cu[-1])
+    j, owner, second, ranks = _zigzag_chunk_constants(cp_size)
     if layout == "contiguous" or cp_size == 1:  # with one rank both layouts are the identity
-        part = total // cp_size
-        ranks = np.arange(cp_size, dtype=np.int64)
-        return Segments(start=ranks * part, rank=ranks, local_start=np.zeros(cp_size, dtype=np.int64))
-    lengths = cu[1:] - cu[:-1]
-    keep = lengths > 0  # repeated boundaries are empty padding slots
-    seq_start, chunk = cu[:-1][keep], lengths[keep] // (2 * cp_size)
-    j = np.arange(2 * cp_size, dtype=np.int64)  # natural chunk index within a sequence
-    owner = np.minimum(j, 2 * cp_size - 1 - j)  # chunk j lives on rank min(j, 2W-1-j)
-    second_half = (j >= cp_size).astype(np.int64)  # ... as its first or second local chunk
-    # Each rank holds L_i / W rows of every sequence, so sequence i starts at cu_i / W locally.
-    start = seq_start[:, None] + j[None, :] * chunk[:, None]
-    local = seq_start[:, None] // cp_size + second_half[None, :] * chunk[:, None]
+        return Segments(start=ranks * (total // cp_size), rank=ranks, local_start=np.zeros(cp_size, dtype=np.int64))
+    seq_start, lengths = cu[:-1], cu[1:] - cu[:-1]
+    if not lengths.all():  # repeated boundaries are empty padding slots
+        keep = lengths > 0
+        seq_start, lengths = seq_start[keep], lengths[keep]
+    chunk = (lengths // (2 * cp_size))[:, None]
+    # Chunk j of a sequence lives on rank owner[j] as its first or second (second[j]) local chunk;
+    # each rank holds L_i / W rows of every sequence, so sequence i starts at cu_i / W locally.
     return Segments(
-        start=start.reshape(-1),
-        rank=np.broadcast_to(owner, start.shape).reshape(-1),
-        local_start=local.reshape(-1),
+        start=(seq_start[:, None] + j * chunk).ravel(),
+        rank=np.tile(owner, seq_start.size),
+        local_start=((seq_start // cp_size)[:, None] + second * chunk).ravel(),
     )
+
+
+@functools.cache
+def _zigzag_chunk_constants(cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(natural chunk index j = 0..2W-1, the rank holding chunk j = min(j, 2W-1-j), 1 where chunk j
+    is its rank's second local chunk, ranks 0..W-1): shared by every route build of this W, since
+    a route's host time is its count of numpy calls. Read-only."""
+    j = np.arange(2 * cp_size, dtype=np.int64)
+    constants = (j, np.minimum(j, 2 * cp_size - 1 - j), (j >= cp_size).astype(np.int64), j[:cp_size].copy())
+    for a in constants:
+        a.flags.writeable = False
+    return constants

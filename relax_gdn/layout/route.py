@@ -158,7 +158,7 @@ def upload_rows(rows: np.ndarray, device: torch.device, dtype: torch.dtype = tor
     if device.type == "cuda":
         # pinned + non_blocking: the upload is queued on the stream, the host does not wait.
         return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return host if device.type == "cpu" else host.to(device)
 
 
 def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows:
@@ -224,8 +224,8 @@ def build_route(
     send_splits[cp_rank] = recv_splits[cp_rank] = run_len[kept].sum()
 
     return Route(
-        send_splits=tuple(int(n) for n in send_splits),
-        recv_splits=tuple(int(n) for n in recv_splits),
+        send_splits=tuple(send_splits.astype(np.int64).tolist()),
+        recv_splits=tuple(recv_splits.astype(np.int64).tolist()),
         keep_source=_rows(src_row[kept], run_len[kept], device),
         keep_target=_rows(tgt_row[kept], run_len[kept], device),
         send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
