@@ -190,8 +190,24 @@ def test_jsonl_and_config_written_by_the_run(single):
     assert load_run_config(tmp / "demo" / "config.yaml").train.steps == 20
 
 
-def test_wandb_offline_writes_a_run_directory(single):
-    assert single[1]["wandb_runs"], "no offline-run-* directory under WANDB_DIR"
+def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
+    from tests.wandb_records import offline_run_records
+
+    tmp, out = single
+    (run_dir,) = out["wandb_runs"]  # one offline-run-* directory under WANDB_DIR
+    records = offline_run_records(tmp / run_dir)
+    history = records["history"]
+    assert len(history) == 20
+    for row, logged in zip(history, out["demo"]):
+        for key in ("loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tflops_per_gpu", "step_time_s"):
+            assert f"train/{key}" in row, (key, sorted(row))
+        assert json.loads(row["_step"]) == logged["step"]
+        assert json.loads(row["train/loss"]) == pytest.approx(logged["loss"], rel=1e-12)
+    run = records["run"]
+    assert run.project == "relax-gdn-test" and {"test", "mode:chunkwise", "route:lazy_cache"} <= set(run.tags), run.tags
+    assert run.display_name.startswith("qwen3_5_tiny-chunkwise-lazy_cache-tp1-cp1")
+    config_keys = {item.key for item in run.config.update}
+    assert {"model", "gdn", "parallel", "train", "optim", "derived"} <= config_keys, config_keys
 
 
 def test_wandb_failure_does_not_stop_training(single):
