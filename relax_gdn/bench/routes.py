@@ -45,16 +45,19 @@ def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Gener
     return (np.concatenate([[0], cuts, [units]]) * unit).tolist()
 
 
-def paired_medians(fast, slow, rounds: int, fast_per_round: int = 10) -> tuple[float, float]:
-    """Median seconds of ``fast()`` and ``slow()``, timed interleaved (each round: ``slow`` once,
-    ``fast`` ``fast_per_round`` times) so that both see the same machine: on a shared 2-core VM
-    the speed drifts by up to 2x over seconds, which skews a ratio of back-to-back medians."""
+def paired_medians(fast, slow, rounds: int, fast_per_round: int = 20, fast_warmup: int = 3) -> tuple[float, float]:
+    """Median seconds of ``fast()`` and ``slow()``, timed interleaved so that both see the same
+    machine (this shared 2-core VM drifts by up to 2x in speed over seconds, which skews a ratio
+    of back-to-back medians): each round runs ``slow`` once, then ``fast`` ``fast_warmup`` times
+    untimed (the slow call leaves caches and the allocator cold) and ``fast_per_round`` times timed."""
     fast(), slow()  # warm-up
     fast_samples, slow_samples = [], []
     for _ in range(rounds):
         start = time.perf_counter()
         slow()
         slow_samples.append(time.perf_counter() - start)
+        for _ in range(fast_warmup):
+            fast()
         for _ in range(fast_per_round):
             start = time.perf_counter()
             fast()

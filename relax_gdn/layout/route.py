@@ -172,6 +172,17 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows
     return upload_rows(expand_runs(starts, lengths), device)
 
 
+def _locate(run_start: np.ndarray, segments, cp_size: int, total: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, local row) of every run start in ``layout``: arithmetic for contiguous (rank r holds
+    ``[r T/W, (r+1) T/W)``), a sorted lookup in the interval list otherwise."""
+    if layout == "contiguous" or cp_size == 1:
+        part = total // cp_size
+        rank = run_start // part
+        return rank, run_start - rank * part
+    i = np.searchsorted(segments.start, run_start, side="right") - 1
+    return segments.rank[i], segments.local_start[i] + (run_start - segments.start[i])
+
+
 def build_route(
     cu_seqlens: CuSeqlens,
     cp_size: int,
@@ -206,19 +217,18 @@ def build_route(
     run_len[:-1] = run_start[1:] - run_start[:-1]
     if run_len.size:
         run_len[-1] = total - run_start[-1]
-    si = np.searchsorted(src.start, run_start, side="right") - 1
-    ti = np.searchsorted(tgt.start, run_start, side="right") - 1
-    src_rank, tgt_rank = src.rank[si], tgt.rank[ti]
-    src_row = src.local_start[si] + run_start - src.start[si]
-    tgt_row = tgt.local_start[ti] + run_start - tgt.start[ti]
+    src_rank, src_row = _locate(run_start, src, cp_size, total, source)
+    tgt_rank, tgt_row = _locate(run_start, tgt, cp_size, total, target)
 
     # Runs are in global order, which is also target-row (and source-row) order within a rank,
     # so a stable sort by the peer rank yields peer-major, target-row-minor order on both sides.
-    kept = (src_rank == cp_rank) & (tgt_rank == cp_rank)
-    outgoing = np.nonzero((src_rank == cp_rank) & ~kept)[0]
-    outgoing = outgoing[np.argsort(tgt_rank[outgoing], kind="stable")]
-    incoming = np.nonzero((tgt_rank == cp_rank) & ~kept)[0]
-    incoming = incoming[np.argsort(src_rank[incoming], kind="stable")]
+    from_me, to_me = src_rank == cp_rank, tgt_rank == cp_rank
+    kept = from_me & to_me
+    outgoing = np.nonzero(from_me & ~to_me)[0]
+    incoming = np.nonzero(to_me & ~from_me)[0]
+    if cp_size > 2:  # with two ranks every moved run has the same peer: already in order
+        outgoing = outgoing[np.argsort(tgt_rank[outgoing], kind="stable")]
+        incoming = incoming[np.argsort(src_rank[incoming], kind="stable")]
     send_splits = np.bincount(tgt_rank[outgoing], weights=run_len[outgoing], minlength=cp_size)
     recv_splits = np.bincount(src_rank[incoming], weights=run_len[incoming], minlength=cp_size)
     send_splits[cp_rank] = recv_splits[cp_rank] = run_len[kept].sum()
