@@ -5,7 +5,11 @@
 Rows per rank x width bf16 (12352 = the qkvzba width of a Qwen3.5-9B GDN layer, 4096 = its
 hidden width, which chunkwise swaps without sequence parallelism). The bare all-to-all sends equal
 splits of the same tensor with no pack or scatter: the floor a swap can reach. Host syncs inside the swaps are
-counted with torch.cuda.set_sync_debug_mode("warn"). A second table times the swap's scatter
+counted with torch.cuda.set_sync_debug_mode("warn"). Two timings per variant: the latency of one
+call (ranks aligned, GPU idle before it: the host's launch work is on the clock) and the time per
+call of ``--pipelined`` calls issued back to back (the host runs ahead of the GPU, as in a model's
+forward/backward, so what remains is the GPU's own cost); each is compared with the bare
+all-to-all timed the same way. A second table times the swap's scatter
 kernels alone (no NCCL, so no transfer noise): every scattered row list of the multi-document
 routes (``put_rows`` into index rows), as 16-byte words (what the swap does) and as 2-byte
 elements (``relax_gdn.layout.route.WIDE_ROW_COPIES = False``).
@@ -53,6 +57,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192, help="rows per rank")
     parser.add_argument("--widths", default="12352,4096")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--pipelined", type=int, default=8, help="calls back to back per pipelined sample")
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -73,20 +78,30 @@ def main() -> None:
     for width in (int(w) for w in args.widths.split(",")):
         x = torch.randn(args.rows, width, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(x)
-        bare = cuda_median_ms(lambda: dist.all_to_all_single(out, x), iters=args.iters, warmup=5)
-        rows = [("bare all_to_all_single", bare, 0)]
+        k = args.pipelined
+
+        def timings(fn):
+            """(latency ms, pipelined ms per call)"""
+            def repeated():
+                for _ in range(k):
+                    fn()
+            return cuda_median_ms(fn, args.iters, 5), cuda_median_ms(repeated, args.iters, 2) / k
+
+        bare = timings(lambda: dist.all_to_all_single(out, x))
+        rows = [("bare all_to_all_single", *bare, 0)]
         for name, route in routes.items():
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
                 fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
-                rows.append((f"{name} {direction}", cuda_median_ms(fn, args.iters, 5), count_host_syncs(fn)))
+                rows.append((f"{name} {direction}", *timings(fn), count_host_syncs(fn)))
 
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
-                  f"{torch.cuda.get_device_name()}")
-            print(f"{'variant':<32} {'median ms':>10} {'vs bare':>8} {'host syncs':>10}")
-            for label, ms, syncs in rows:
-                print(f"{label:<32} {ms:>10.3f} {ms / bare:>7.2f}x {syncs:>10}")
+                  f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back")
+            print(f"{'variant':<32} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} {'host syncs':>10}")
+            for label, latency, pipelined, syncs in rows:
+                print(f"{label:<32} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
+                      f"{pipelined / bare[1]:>7.2f}x {syncs:>10}")
         kernels = _scatter_kernels(x, routes, args.iters)
         if rank == 0:
             print(f"\nscatter kernels of the swaps (rank 0), width {width}: median ms")
