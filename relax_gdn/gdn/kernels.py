@@ -30,6 +30,7 @@ class ScanRows:
     cp_group: dist.ProcessGroup | None = None  # chunkwise CP: rows are a contiguous slice
     conv_kernel_size: int = 4
     _fla_context: object = field(default=None, repr=False)
+    _fla_chunk_indices: torch.Tensor | None = field(default=None, repr=False)
 
 
 class GDNKernels(Protocol):
@@ -76,10 +77,13 @@ class FlaKernels:
     """FLA 0.6 Triton kernels; chunkwise CP through ``fla.ops.cp.build_cp_context``.
 
     Host copies of the boundaries are always passed (``cu_seqlens_cpu``) so FLA never copies
-    them back from the device.
+    them back from the device, and so is the chunk index both the conv and the scan need: FLA
+    would build it from the host copy and copy it to the GPU from pageable memory, a host sync
+    per new micro-batch; built here once per micro-batch and uploaded pinned + non_blocking.
     """
 
     name = "fla"
+    chunk_size = 64  # FLA's default for the gated delta rule and the causal conv alike
 
     def __init__(self, device: torch.device) -> None:
         from fla.modules.convolution import causal_conv1d
@@ -97,12 +101,23 @@ class FlaKernels:
             )
         return rows._fla_context
 
+    def _chunk_indices(self, rows: ScanRows, cu_device: torch.Tensor, cu_host: torch.Tensor) -> torch.Tensor:
+        if rows._fla_chunk_indices is None:  # once per micro-batch, like the context
+            from fla.ops.utils import prepare_chunk_indices
+
+            host = prepare_chunk_indices(cu_host, self.chunk_size)  # host in, host out: no device read
+            rows._fla_chunk_indices = host.to(cu_device.dtype).pin_memory().to(cu_device.device, non_blocking=True)
+        return rows._fla_chunk_indices
+
     def _where(self, rows: ScanRows) -> dict:
         if rows.cp_group is not None:
-            return {"cp_context": self._context(rows)}
+            context = self._context(rows)  # the scan and conv run on its LOCAL boundaries
+            return {"cp_context": context,
+                    "chunk_indices": self._chunk_indices(rows, context.cu_seqlens, context.cu_seqlens_cpu)}
         if rows.cu_device is None:
             return {}
-        return {"cu_seqlens": rows.cu_device, "cu_seqlens_cpu": rows.cu_host}
+        return {"cu_seqlens": rows.cu_device, "cu_seqlens_cpu": rows.cu_host,
+                "chunk_indices": self._chunk_indices(rows, rows.cu_device, rows.cu_host)}
 
     def conv(self, x, weight, bias, rows):
         y, _ = self._conv(x=x, weight=weight, bias=bias, activation="silu", **self._where(rows))
