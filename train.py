@@ -28,6 +28,7 @@ def main(hydra_cfg: DictConfig) -> float | None:
     from relax_gdn.config import ConfigError, validate
     from relax_gdn.config.hydra_io import run_config_from_hydra
     from relax_gdn.train.loop import env_world_size, run_training
+    from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
 
     try:
         cfg = run_config_from_hydra(hydra_cfg)
@@ -41,6 +42,9 @@ def main(hydra_cfg: DictConfig) -> float | None:
         first, last = result.records[0], result.records[-1]
         log.info("done: %d steps, loss %.4f -> %.4f, %.0f tok/s (last step); outputs in %s",
                  len(result.records), first["loss"], last["loss"], last["tokens_per_s"], result.run_dir)
+        histogram = cp_size_histogram(result.records)
+        if histogram:  # dynamic CP
+            log.info("micro-batches per CP size over the run: %s", format_cp_sizes(histogram))
         return last["loss"]  # what a Hydra sweeper would optimise
     return None
 

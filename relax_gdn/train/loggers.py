@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.train.metrics import format_cp_sizes
+
 logger = logging.getLogger("relax_gdn.train")
 
 
@@ -74,6 +76,8 @@ class ConsoleLogger:
         line = (f"[{bar}] step {step}/{self.total} loss {_fmt(record['loss'])} grad_norm "
                 f"{_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} {record['tokens_per_s']:.0f} tok/s"
                 f" {record['tflops_per_gpu']:.3g} TFLOP/s/gpu{mfu} {record['step_time_s']:.2f} s")
+        if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
+            line += f" [{format_cp_sizes(record['cp_sizes'])}]"
         end = "\n" if (not self.tty or step == self.total) else "\r"
         self.stream.write(("\r" if self.tty else "") + line + end)
         self.stream.flush()

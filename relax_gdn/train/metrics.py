@@ -52,6 +52,20 @@ class StepRecord:
         return record
 
 
+def cp_size_histogram(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Micro-batches (sub-group partitions) per CP size over ``records`` (dynamic CP runs), the
+    seed's "CP1 x 8, CP2 x 41, CP4 x 7"; empty for static CP."""
+    total: dict[str, int] = {}
+    for record in records:
+        for d, n in record.get("cp_sizes", {}).items():
+            total[d] = total.get(d, 0) + n
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
+
+
+def format_cp_sizes(histogram: dict[str, int]) -> str:
+    return ", ".join(f"CP{d} x {n}" for d, n in histogram.items())
+
+
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
