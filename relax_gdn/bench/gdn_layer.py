@@ -181,10 +181,10 @@ def main() -> None:
             gdn_layer.get_route = real_get_route
 
         single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
-        half_cu = [c for c in cu if c <= total // 2]
-        if half_cu[-1] < total // 2:
-            half_cu.append(total // 2)  # the document that crosses T/2 is cut there
         half = total // 2
+        half_cu = [c for c in cu if c <= half]
+        if half_cu[-1] < half:
+            half_cu.append(half)  # the document that crosses T/2 is cut there
         half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed(half_cu))
         row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None)
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)

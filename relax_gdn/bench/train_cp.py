@@ -40,6 +40,7 @@ def main() -> None:
 
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import init_distributed, run_training, select_device
+    from relax_gdn.train.metrics import cp_size_histogram
 
     base = RunConfig().with_overrides({
         "model.preset": args.preset, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
@@ -53,10 +54,8 @@ def main() -> None:
     for variant in args.variants.split(","):
         records = run_training(base.with_overrides(_variant_overrides(variant, world)), None).records
         timed = records[args.skip:] or records
-        histogram: dict[str, int] = {}
-        for r in timed:
-            for d, n in r.get("cp_sizes", {str(world): r["num_micro_batches"]}).items():
-                histogram[d] = histogram.get(d, 0) + n
+        # static CP: every micro-batch ran at CP = world
+        histogram = cp_size_histogram(timed) or {str(world): sum(r["num_micro_batches"] for r in timed)}
         rows.append(dict(
             variant=variant, tok_s=statistics.median(r["tokens_per_s"] for r in timed),
             step_s=statistics.median(r["step_time_s"] for r in timed),

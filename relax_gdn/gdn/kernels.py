@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from relax_gdn.gdn import reference
 from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
+from relax_gdn.layout.route import upload_rows
 
 KERNEL_BACKENDS = ("auto", "fla", "torch")
 
@@ -106,7 +107,7 @@ class FlaKernels:
             from fla.ops.utils import prepare_chunk_indices
 
             host = prepare_chunk_indices(cu_host, self.chunk_size)  # host in, host out: no device read
-            rows._fla_chunk_indices = host.to(cu_device.dtype).pin_memory().to(cu_device.device, non_blocking=True)
+            rows._fla_chunk_indices = upload_rows(host.numpy(), cu_device.device, cu_device.dtype)
         return rows._fla_chunk_indices
 
     def _where(self, rows: ScanRows) -> dict:

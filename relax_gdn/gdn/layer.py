@@ -46,6 +46,7 @@ from relax_gdn.layout import (
     swap_layout,
 )
 from relax_gdn.layout.collectives import all_gather_rows
+from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
 from relax_gdn.gdn import CP_MODES
@@ -158,10 +159,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
         device = resolved.cu_seqlens.device
 
         def build() -> ScanRows:
-            host = torch.from_numpy(resolved.host)
             return ScanRows(
-                cu_host=host,
-                cu_device=host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device),
+                cu_host=torch.from_numpy(resolved.host),
+                cu_device=upload_rows(resolved.host, device),
                 cp_group=cp_group,
                 conv_kernel_size=self.conv_kernel_dim,
             )

@@ -145,7 +145,7 @@ class MegatronOptimizerAdapter:
         # the distributed optimizer keeps its fp32 main params and Adam moments in per-rank shards,
         # which state_dict() leaves out: save this rank's shards as they are (same world/TP/CP on
         # resume). get_megatron_optimizer may return a ChainedOptimizer: one shard per member.
-        state["param_state"] = [_loadable(opt.get_parameter_state_dp_reshardable()) for opt in self._members()
+        state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in self._members()
                                 if hasattr(opt, "get_parameter_state_dp_reshardable")]
         return state
 
@@ -160,7 +160,7 @@ class MegatronOptimizerAdapter:
         if len(members) != len(state["param_state"]):
             raise ValueError(f"checkpoint has {len(state['param_state'])} optimizer shards, this run {len(members)}")
         for opt, shard in zip(members, state["param_state"]):
-            opt.load_parameter_state_from_dp_reshardable(shard)
+            opt.load_parameter_state_from_dp_reshardable(_loadable(shard))
 
 
 def _loadable(param_state: dict) -> dict:
