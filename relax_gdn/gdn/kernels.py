@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from relax_gdn.gdn import reference
+from relax_gdn.gdn import fla_cp_summaries, reference
 from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
 from relax_gdn.layout.route import upload_rows
 
@@ -81,6 +81,7 @@ class FlaKernels:
     them back from the device, and so is the chunk index both the conv and the scan need: FLA
     would build it from the host copy and copy it to the GPU from pageable memory, a host sync
     per new micro-batch; built here once per micro-batch and uploaded pinned + non_blocking.
+    FLA's CP pre-pass skips the transition summaries no rank reads (``fla_cp_summaries``).
     """
 
     name = "fla"
@@ -93,6 +94,7 @@ class FlaKernels:
 
         self._conv, self._scan, self._build_cp_context = causal_conv1d, chunk_gated_delta_rule, build_cp_context
         use_bundled_fla_configs(device)
+        fla_cp_summaries.install()  # CP pre-pass without the transition summaries no rank reads
 
     def _context(self, rows: ScanRows):
         if rows._fla_context is None:  # once per micro-batch: ScanRows is cached per micro-batch

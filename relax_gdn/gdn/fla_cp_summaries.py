@@ -1,0 +1,192 @@
+"""Skip the CP transition summaries of FLA 0.6.0 that no rank reads (gated delta rule, contiguous CP).
+
+Before its scan, FLA's CP forward has every rank but the last summarise its LAST local segment
+as ``[h | M]`` (``chunk_cp_fwd_kernel_h``): ``h`` is the state the segment leaves when entered
+with zero, ``M`` (K x K per head) what the segment does to the state it is entered with. Later
+ranks merge the summaries as ``h_out = M @ h_in + h``, starting from ``h_in = 0`` at the rank
+where the sequence begins. So ``M`` is read only when this rank lies strictly inside one
+sequence (it neither starts nor ends there). Everywhere else -- at CP = 2 always -- FLA
+computes ``M`` and multiplies it by zero, or never reads it.
+
+It is the expensive half: the ``M`` column blocks compose a K x K product per 64-token chunk in
+TF32x3 while the ``h`` blocks do K x 64 products in bf16, and the next rank waits for the kernel
+(5.2 ms of a 64k-token single-document CP-2 layer call on H200, ``bench.gdn_layer --profile``).
+The backward mirrors it for the FIRST local segment (``chunk_cp_bwd_kernel_dh``, ``[dh | dM]``;
+``dM``, read under the same condition).
+
+When ``M`` is provably unread this launches FLA's own kernel over the ``h`` column blocks only
+(same kernel, same autotuned config, a smaller grid) and leaves ``M`` zero; every other case --
+and the zigzag layout and CUDA-graph paths -- goes to FLA unchanged. It replaces two names in
+``fla.ops.gated_delta_rule.chunk`` and is installed explicitly (``install``), after checking the
+FLA version and that the names are FLA's originals.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+FLA_VERSION = "0.6.0"  # the launch geometry below is FLA 0.6.0's ``chunk_cp_fwd_h`` / ``chunk_cp_bwd_dh``
+_PATCHED_MODULE = "fla.ops.gated_delta_rule.chunk"
+_FWD_NAME = "chunk_gated_delta_rule_fwd_h_pre_process"
+_BWD_NAME = "chunk_gated_delta_rule_bwd_dhu_pre_process"
+
+
+def transition_is_read(context) -> bool:
+    """Does another rank read this rank's M (forward) or dM (backward)? Only if the rank lies
+    strictly inside one sequence: a chain's first rank meets a zero state, and a rank where the
+    sequence ends or starts sends its other segments' summaries, not this one's."""
+    return context.num_seqs == 1 and not context.is_first_rank and not context.is_last_rank
+
+
+def _skippable(context, use_graph: bool) -> bool:
+    # Only FLA's contiguous, eager branch is re-expressed here; the rest stays FLA's.
+    return context is not None and context.group is not None and context.layout == "contiguous" and not use_graph
+
+
+def _value_blocks(K: int) -> int:
+    return 32 if K <= 64 else 64  # FLA's BV; the h (dh) blocks are the first cdiv(V, BV) of its grid
+
+
+def _fwd_h_columns(k, w, u, hm, g, cu_seqlens, chunk_size: int) -> None:
+    """FLA's ``chunk_cp_fwd_h`` for a gated delta rule (v aliases u), h column blocks only."""
+    import triton
+    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_kernel_h
+
+    _, T, H, K = k.shape
+    HV, V = u.shape[2:]
+    BV = _value_blocks(K)
+    chunk_cp_fwd_kernel_h[(triton.cdiv(V, BV), HV)](
+        k=k, v=u, w=w, g=g, gk=None, bg=None, u=u, hm=hm, cu_seqlens=cu_seqlens, T=T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, BK=triton.next_power_of_2(K), MULTI_SEQS=False,
+    )
+
+
+def _bwd_dh_columns(q, k, w, do, dv, dhm, g, scale, cu_seqlens, chunk_size: int) -> None:
+    """FLA's ``chunk_cp_bwd_dh`` for a gated delta rule, dh column blocks only."""
+    import triton
+    from fla.ops.cp.chunk_bwd import chunk_cp_bwd_kernel_dh
+
+    _, T, H, K = q.shape
+    HV, V = do.shape[2:]
+    BV = _value_blocks(K)
+    chunk_cp_bwd_kernel_dh[(triton.cdiv(V, BV), HV)](
+        q=q, k=k, w=w, g=g, gk=None, do=do, dhm=dhm, dv=dv, cu_seqlens=cu_seqlens, scale=scale, T=T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, BK=triton.next_power_of_2(K), USE_BG=False,
+    )
+
+
+def _state_zeros(like: torch.Tensor, n: int, HV: int, K: int, V: int, state_v_first: bool) -> torch.Tensor:
+    return like.new_zeros(n, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
+
+
+def _make_fwd(original):
+    signature = inspect.signature(original)
+
+    def fwd_h_pre_process(*args, **kwargs):
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        context = p["context"]
+        if (not _skippable(context, p["use_graph"]) or transition_is_read(context)
+                or p["gk"] is not None or p["bg"] is not None or p["v"] is not None):
+            return original(*args, **kwargs)
+        from fla.ops.cp.chunk_merge import chunk_cp_merge
+        from fla.ops.cp.comm import all_gather_into_tensor
+
+        k, u, cu_seqlens = p["k"], p["u"], p["cu_seqlens"]
+        assert p["initial_state"] is None, "When enable CP, the provided initial_state must be None."
+        K, (HV, V) = k.shape[-1], u.shape[2:]
+        hm = k.new_zeros(HV, K, V + K, dtype=torch.float32)  # M stays zero: nobody reads it
+        initial_state = _state_zeros(k, len(cu_seqlens) - 1, HV, K, V, p["state_v_first"])
+        if not context.is_last_rank:
+            _fwd_h_columns(k, p["w"], u, hm, p["g"], cu_seqlens[-2:], p["chunk_size"])
+        ag_hm, _ = all_gather_into_tensor(hm, group=context.group)
+        if not context.is_first_rank:
+            chunk_cp_merge(
+                h=initial_state[0], ag_hm=ag_hm, num_ranks=context.pre_num_ranks,
+                rank=dist.get_rank(group=context.group), state_v_first=p["state_v_first"],
+                forward=True, h_seq_idx=None, use_graph=False,
+            )
+        return initial_state
+
+    fwd_h_pre_process.relax_gdn_original = original
+    return fwd_h_pre_process
+
+
+def _make_bwd(original):
+    signature = inspect.signature(original)
+
+    def bwd_dhu_pre_process(*args, **kwargs):
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        context = p["context"]
+        if (not _skippable(context, p["use_graph"]) or transition_is_read(context)
+                or p["gk"] is not None or p["bg"] is not None):
+            return original(*args, **kwargs)
+        from fla.ops.cp.chunk_merge import chunk_cp_merge
+        from fla.ops.cp.comm import all_gather_into_tensor
+
+        q, do, cu_seqlens = p["q"], p["do"], p["cu_seqlens"]
+        assert p["dht"] is None, "When enable CP, the provided dht must be None."
+        K, (HV, V) = q.shape[-1], do.shape[2:]
+        dhm = q.new_zeros(HV, K, V + K, dtype=torch.float32)  # dM stays zero: nobody reads it
+        dht = _state_zeros(q, len(cu_seqlens) - 1, HV, K, V, p["state_v_first"])
+        if not context.is_first_rank:
+            _bwd_dh_columns(q, p["k"], p["w"], do, p["dv"], dhm, p["g"], p["scale"], cu_seqlens[:2],
+                            p["chunk_size"])
+        ag_dhm, _ = all_gather_into_tensor(dhm, group=context.group)
+        if not context.is_last_rank:
+            chunk_cp_merge(
+                h=dht[-1], ag_hm=ag_dhm, num_ranks=context.post_num_ranks,
+                rank=dist.get_rank(group=context.group), state_v_first=p["state_v_first"],
+                forward=False, h_seq_idx=None, use_graph=False,
+            )
+        return dht, None
+
+    bwd_dhu_pre_process.relax_gdn_original = original
+    return bwd_dhu_pre_process
+
+
+def install() -> None:
+    """Route FLA's gated-delta-rule CP pre-processing through the versions above (idempotent)."""
+    import importlib
+
+    import fla
+
+    if fla.__version__ != FLA_VERSION:
+        raise RuntimeError(
+            f"relax_gdn.gdn.fla_cp_summaries re-launches FLA {FLA_VERSION}'s CP summary kernels, but FLA "
+            f"{fla.__version__} is installed: install flash-linear-attention=={FLA_VERSION} (pyproject.toml)"
+        )
+    from fla.ops.cp import chunk_delta_h
+
+    chunk = importlib.import_module(_PATCHED_MODULE)
+    for name, make in ((_FWD_NAME, _make_fwd), (_BWD_NAME, _make_bwd)):
+        current = getattr(chunk, name)
+        if getattr(current, "relax_gdn_original", None) is not None:
+            continue  # already installed
+        if current is not getattr(chunk_delta_h, name):
+            raise RuntimeError(f"{_PATCHED_MODULE}.{name} is not FLA's own function; something else replaced it")
+        setattr(chunk, name, make(current))
+
+
+def installed() -> bool:
+    import importlib
+
+    chunk = importlib.import_module(_PATCHED_MODULE)
+    return all(getattr(getattr(chunk, n), "relax_gdn_original", None) is not None for n in (_FWD_NAME, _BWD_NAME))
+
+
+def uninstall() -> None:
+    """Back to FLA's own pre-processing (the benchmark's A/B switch)."""
+    import importlib
+
+    chunk = importlib.import_module(_PATCHED_MODULE)
+    for name in (_FWD_NAME, _BWD_NAME):
+        original = getattr(getattr(chunk, name), "relax_gdn_original", None)
+        if original is not None:
+            setattr(chunk, name, original)
