@@ -66,6 +66,7 @@ def _gpu_cases(dtype: torch.dtype):
         errors["out"] /= scale["out"]
         errors["dx"] /= scale["dx"]
         results[(mode, str(dtype))] = max(errors.values())
+        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}", flush=True)
         if mode == "chunkwise":
             assert fla_cp_summaries.installed()
             fla_cp_summaries.uninstall()
