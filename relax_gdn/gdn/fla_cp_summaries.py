@@ -83,72 +83,67 @@ def _state_zeros(like: torch.Tensor, n: int, HV: int, K: int, V: int, state_v_fi
 
 
 def _make_fwd(original):
-    signature = inspect.signature(original)
-
-    def fwd_h_pre_process(*args, **kwargs):
-        a = signature.bind(*args, **kwargs)
-        a.apply_defaults()
-        p = a.arguments
-        context = p["context"]
-        if (not _skippable(context, p["use_graph"]) or transition_is_read(context)
-                or p["gk"] is not None or p["bg"] is not None or p["v"] is not None):
-            return original(*args, **kwargs)
+    def fwd_h_pre_process(k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64, state_v_first=False,
+                          cu_seqlens=None, initial_state=None, context=None, use_graph=False):
+        if (not _skippable(context, use_graph) or transition_is_read(context)
+                or gk is not None or bg is not None or v is not None):
+            return original(k=k, w=w, u=u, g=g, gk=gk, bg=bg, v=v, chunk_size=chunk_size,
+                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                            context=context, use_graph=use_graph)
         from fla.ops.cp.chunk_merge import chunk_cp_merge
         from fla.ops.cp.comm import all_gather_into_tensor
 
-        k, u, cu_seqlens = p["k"], p["u"], p["cu_seqlens"]
-        assert p["initial_state"] is None, "When enable CP, the provided initial_state must be None."
+        assert initial_state is None, "When enable CP, the provided initial_state must be None."
         K, (HV, V) = k.shape[-1], u.shape[2:]
         hm = k.new_zeros(HV, K, V + K, dtype=torch.float32)  # M stays zero: nobody reads it
-        initial_state = _state_zeros(k, len(cu_seqlens) - 1, HV, K, V, p["state_v_first"])
+        initial_state = _state_zeros(k, len(cu_seqlens) - 1, HV, K, V, state_v_first)
         if not context.is_last_rank:
-            _fwd_h_columns(k, p["w"], u, hm, p["g"], cu_seqlens[-2:], p["chunk_size"])
+            _fwd_h_columns(k, w, u, hm, g, cu_seqlens[-2:], chunk_size)
         ag_hm, _ = all_gather_into_tensor(hm, group=context.group)
         if not context.is_first_rank:
             chunk_cp_merge(
                 h=initial_state[0], ag_hm=ag_hm, num_ranks=context.pre_num_ranks,
-                rank=dist.get_rank(group=context.group), state_v_first=p["state_v_first"],
+                rank=dist.get_rank(group=context.group), state_v_first=state_v_first,
                 forward=True, h_seq_idx=None, use_graph=False,
             )
         return initial_state
 
-    fwd_h_pre_process.relax_gdn_original = original
     return fwd_h_pre_process
 
 
 def _make_bwd(original):
-    signature = inspect.signature(original)
-
-    def bwd_dhu_pre_process(*args, **kwargs):
-        a = signature.bind(*args, **kwargs)
-        a.apply_defaults()
-        p = a.arguments
-        context = p["context"]
-        if (not _skippable(context, p["use_graph"]) or transition_is_read(context)
-                or p["gk"] is not None or p["bg"] is not None):
-            return original(*args, **kwargs)
+    def bwd_dhu_pre_process(q, k, w, do, dv, g=None, gk=None, bg=None, scale=None, state_v_first=False,
+                            cu_seqlens=None, dht=None, initial_state=None, context=None, chunk_size=64,
+                            use_graph=False):
+        if (not _skippable(context, use_graph) or transition_is_read(context)
+                or gk is not None or bg is not None):
+            return original(q=q, k=k, w=w, do=do, dv=dv, g=g, gk=gk, bg=bg, scale=scale,
+                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, dht=dht,
+                            initial_state=initial_state, context=context, chunk_size=chunk_size,
+                            use_graph=use_graph)
         from fla.ops.cp.chunk_merge import chunk_cp_merge
         from fla.ops.cp.comm import all_gather_into_tensor
 
-        q, do, cu_seqlens = p["q"], p["do"], p["cu_seqlens"]
-        assert p["dht"] is None, "When enable CP, the provided dht must be None."
+        assert dht is None, "When enable CP, the provided dht must be None."
         K, (HV, V) = q.shape[-1], do.shape[2:]
         dhm = q.new_zeros(HV, K, V + K, dtype=torch.float32)  # dM stays zero: nobody reads it
-        dht = _state_zeros(q, len(cu_seqlens) - 1, HV, K, V, p["state_v_first"])
+        dht = _state_zeros(q, len(cu_seqlens) - 1, HV, K, V, state_v_first)
         if not context.is_first_rank:
-            _bwd_dh_columns(q, p["k"], p["w"], do, p["dv"], dhm, p["g"], p["scale"], cu_seqlens[:2],
-                            p["chunk_size"])
+            _bwd_dh_columns(q, k, w, do, dv, dhm, g, scale, cu_seqlens[:2], chunk_size)
         ag_dhm, _ = all_gather_into_tensor(dhm, group=context.group)
         if not context.is_last_rank:
             chunk_cp_merge(
                 h=dht[-1], ag_hm=ag_dhm, num_ranks=context.post_num_ranks,
-                rank=dist.get_rank(group=context.group), state_v_first=p["state_v_first"],
+                rank=dist.get_rank(group=context.group), state_v_first=state_v_first,
                 forward=False, h_seq_idx=None, use_graph=False,
             )
         return dht, None
 
-    bwd_dhu_pre_process.relax_gdn_original = original
     return bwd_dhu_pre_process
+
+
+def _parameters(fn) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
 def install() -> None:
@@ -171,7 +166,13 @@ def install() -> None:
             continue  # already installed
         if current is not getattr(chunk_delta_h, name):
             raise RuntimeError(f"{_PATCHED_MODULE}.{name} is not FLA's own function; something else replaced it")
-        setattr(chunk, name, make(current))
+        replacement = make(current)
+        # Same parameters as FLA's, so every call FLA makes is understood (checked once, here,
+        # instead of binding arguments on every call).
+        if _parameters(replacement) != _parameters(current):
+            raise RuntimeError(f"FLA's {name} signature changed: {inspect.signature(current)}")
+        replacement.relax_gdn_original = current
+        setattr(chunk, name, replacement)
 
 
 def installed() -> bool:
