@@ -1,5 +1,4 @@
-"""relax_gdn.layout on NCCL (2 GPUs): token-exact swaps, gradients, and zero host syncs, under
-each transport (p2p and all-to-all, forced)."""
+"""relax_gdn.layout on NCCL (2 GPUs): token-exact swaps, gradients, and zero host syncs."""
 
 from __future__ import annotations
 
@@ -18,42 +17,32 @@ def _nccl_swap_cases():
     import torch.distributed as dist
 
     from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
-    from relax_gdn.layout import swap as swap_module
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     failures = []
     torch.manual_seed(0)  # every rank draws the same global data
-    cases = [
-        (transport, cu, source, target)
-        for transport in ("p2p", "all_to_all")
-        for cu in ([0, 16384], [0, 3000, 5192 + 3000, 16384 - 4384, 16384], [0, 4, 4, 64, 1024])
-        for source, target in (("zigzag", "contiguous"), ("contiguous", "zigzag"))
-    ]
-    for transport, cu, source, target in cases:
-        swap_module.SWAP_TRANSPORT = transport
-        route = build_route(cu, 2, rank, source, target, device=device)
-        if swap_module._uses_p2p(route) != (transport == "p2p"):  # W = 2: every route is p2p-ready
-            failures.append((transport, cu, source, "transport not taken"))
-        src_ids = thd_rank_indices(cu, 2, rank, source).to(device)
-        tgt_ids = thd_rank_indices(cu, 2, rank, target).to(device)
-        for dtype in (torch.float32, torch.bfloat16):
-            data = torch.randn(cu[-1], 3, 16, device=device).to(dtype)
-            x = data[src_ids].requires_grad_(True)
-            weight = torch.randn_like(data)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
-            y = swap_layout(x, route, None)
-            (y * weight[tgt_ids]).sum().backward()
-            back = swap_layout(y.detach(), route.reverse(), None)
-            torch.cuda.set_sync_debug_mode("default")
-            ok = (
-                torch.equal(y, data[tgt_ids])
-                and torch.equal(back, data[src_ids])
-                and torch.equal(x.grad, weight[src_ids])
-            )
-            if not ok:
-                failures.append((transport, cu, source, str(dtype)))
-    swap_module.SWAP_TRANSPORT = "auto"
+    for cu in ([0, 16384], [0, 3000, 5192 + 3000, 16384 - 4384, 16384], [0, 4, 4, 64, 1024]):
+        for source, target in (("zigzag", "contiguous"), ("contiguous", "zigzag")):
+            route = build_route(cu, 2, rank, source, target, device=device)
+            src_ids = thd_rank_indices(cu, 2, rank, source).to(device)
+            tgt_ids = thd_rank_indices(cu, 2, rank, target).to(device)
+            for dtype in (torch.float32, torch.bfloat16):
+                data = torch.randn(cu[-1], 3, 16, device=device).to(dtype)
+                x = data[src_ids].requires_grad_(True)
+                weight = torch.randn_like(data)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
+                y = swap_layout(x, route, None)
+                (y * weight[tgt_ids]).sum().backward()
+                back = swap_layout(y.detach(), route.reverse(), None)
+                torch.cuda.set_sync_debug_mode("default")
+                ok = (
+                    torch.equal(y, data[tgt_ids])
+                    and torch.equal(back, data[src_ids])
+                    and torch.equal(x.grad, weight[src_ids])
+                )
+                if not ok:
+                    failures.append((cu, source, str(dtype)))
     return failures
 
 

@@ -13,12 +13,6 @@ all-to-all timed the same way. A second table times the swap's scatter
 kernels alone (no NCCL, so no transfer noise): every scattered row list of the multi-document
 routes (``put_rows`` into index rows), as 16-byte words (what the swap does) and as 2-byte
 elements (``relax_gdn.layout.route.WIDE_ROW_COPIES = False``).
-
-Every swap is timed under both transports, forced (``relax_gdn.layout.swap.SWAP_TRANSPORT``):
-``[p2p]`` sends each piece (a row range contiguous on both sides) with its own point-to-point op
-and no pack or scatter, ``[all_to_all]`` packs, runs one ``all_to_all_single`` and scatters. The
-``pieces`` column is the route's most pieces between one pair of ranks, ``auto`` marks the
-transport the default rule picks (p2p up to ``MAX_P2P_PIECES_PER_PAIR`` pieces per pair).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ import torch.distributed as dist
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
 from relax_gdn.layout import route as route_module
-from relax_gdn.layout import swap as swap_module
 from relax_gdn.layout.route import put_rows
 
 
@@ -59,13 +52,8 @@ def _scatter_kernels(x: torch.Tensor, routes: dict, iters: int) -> dict[str, tup
     return timings
 
 
-def _transport(route) -> str:
-    """The transport a swap along ``route`` takes under the current ``SWAP_TRANSPORT``."""
-    return "p2p" if swap_module._uses_p2p(route) else "all_to_all"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=8192, help="rows per rank")
     parser.add_argument("--widths", default="12352,4096")
     parser.add_argument("--iters", type=int, default=30)
@@ -100,30 +88,20 @@ def main() -> None:
             return cuda_median_ms(fn, args.iters, 5), cuda_median_ms(repeated, args.iters, 2) / k
 
         bare = timings(lambda: dist.all_to_all_single(out, x))
-        rows = [("bare all_to_all_single", *bare, 0, "", "")]
+        rows = [("bare all_to_all_single", *bare, 0)]
         for name, route in routes.items():
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
-                auto = _transport(r)
-                for forced in ("p2p", "all_to_all"):
-                    swap_module.SWAP_TRANSPORT = forced
-                    try:
-                        used = _transport(r)  # forced p2p falls back when the route is not p2p-ready
-                        fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
-                        rows.append((f"{name} {direction} [{used}]", *timings(fn), count_host_syncs(fn),
-                                     r.max_pieces_per_pair, "<-" if used == auto else ""))
-                    finally:
-                        swap_module.SWAP_TRANSPORT = "auto"
+                fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
+                rows.append((f"{name} {direction}", *timings(fn), count_host_syncs(fn)))
 
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
-                  f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back; "
-                  f"auto = p2p up to {swap_module.MAX_P2P_PIECES_PER_PAIR} pieces per pair")
-            print(f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} "
-                  f"{'host syncs':>10} {'pieces':>6} {'auto':>4}")
-            for label, latency, pipelined, syncs, pieces, auto in rows:
-                print(f"{label:<46} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
-                      f"{pipelined / bare[1]:>7.2f}x {syncs:>10} {pieces:>6} {auto:>4}")
+                  f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back")
+            print(f"{'variant':<32} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} {'host syncs':>10}")
+            for label, latency, pipelined, syncs in rows:
+                print(f"{label:<32} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
+                      f"{pipelined / bare[1]:>7.2f}x {syncs:>10}")
         kernels = _scatter_kernels(x, routes, args.iters)
         if rank == 0:
             print(f"\nscatter kernels of the swaps (rank 0), width {width}: median ms")

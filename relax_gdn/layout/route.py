@@ -4,9 +4,7 @@ Both layouts tile the global rows ``[0, T)`` with a few intervals per rank. Cutt
 every interval start of both layouts gives elementary runs that lie in exactly one source interval
 and one target interval, so each run knows (source rank, source row, target rank, target row).
 Everything is host integer work on O(W * #sequences) runs; only the final row lists are expanded
-to O(T / W) and copied to the device once. Intervals that continue each other in a rank's storage
-are merged first, so every run is as long as it can be while contiguous on both sides: the moved
-runs are also the pieces of the point-to-point transport (``swap.py``).
+to O(T / W) and copied to the device once.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from relax_gdn.layout.partition import CuSeqlens, Segments, layout_segments, validated_boundaries
+from relax_gdn.layout.partition import CuSeqlens, layout_segments, validated_boundaries
 
 
 Rows = slice | torch.Tensor
@@ -80,14 +78,6 @@ class Route:
     arrive in order and one scatter (``recv_rows``) places them. Row selections that are one
     contiguous range are slices: zero-copy views, no gather or scatter kernel.
     ``reverse()`` gives the mirror route (target -> source) sharing the same tensors.
-
-    The same moves, as pieces for the point-to-point transport: a piece is a row range that is
-    contiguous in the sender's source storage AND in the receiver's target storage (a moved run:
-    runs are cut only where one side's storage breaks), so it travels from a view of the input
-    straight into a view of the output, with no gather or scatter. Sender and receiver list
-    a pair's pieces in the same (global) order with the same lengths, which is how point-to-point
-    messages between two ranks are matched. ``max_pieces_per_pair`` and ``p2p_ready`` are facts of
-    the global runs, identical on every rank, so every rank picks the same transport.
     """
 
     send_splits: tuple[int, ...]  # rows this rank's source sends to each rank (own rank included)
@@ -105,12 +95,6 @@ class Route:
     device: torch.device
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_version: int | None = None
-    # Point-to-point transport (host ints). The defaults describe a route without pieces (one
-    # built by hand, like the per-token baseline): it always takes the all-to-all.
-    send_pieces: tuple[tuple[int, int, int], ...] = ()  # (destination, source row, rows), destination-major
-    recv_pieces: tuple[tuple[int, int, int], ...] = ()  # (source, target row, rows), source-major
-    max_pieces_per_pair: int = 0  # most pieces any rank sends to any other (same on all ranks)
-    p2p_ready: bool = False  # every rank sends AND receives at least one piece (same on all ranks)
 
     @property
     def is_identity(self) -> bool:
@@ -146,10 +130,6 @@ class Route:
             device=self.device,
             cu_seqlens=self.cu_seqlens,
             cu_seqlens_version=self.cu_seqlens_version,
-            send_pieces=self.recv_pieces,
-            recv_pieces=self.send_pieces,
-            max_pieces_per_pair=self.max_pieces_per_pair,
-            p2p_ready=self.p2p_ready,
         )
 
     def reverse(self) -> Route:
@@ -203,35 +183,6 @@ def _locate(run_start: np.ndarray, segments, cp_size: int, total: int, layout: s
     return segments.rank[i], segments.local_start[i] + (run_start - segments.start[i])
 
 
-def _coarsened(segments: Segments) -> Segments:
-    """``segments`` without the interval starts where nothing breaks: an interval that continues
-    the one before it in the same rank's storage is merged into it. Runs cut at the remaining
-    starts of both layouts are then the largest ranges that are contiguous on both sides, which
-    is what the p2p transport sends as one piece; the row lists come out the same (zigzag: a
-    sequence's two middle chunks, and on rank 0 one sequence's last chunk with the next one's
-    first, are such continuations)."""
-    if segments.start.size < 2:
-        return segments
-    length = segments.start[1:] - segments.start[:-1]
-    continues = (segments.rank[1:] == segments.rank[:-1]) & (
-        segments.local_start[1:] == segments.local_start[:-1] + length
-    )
-    keep = np.concatenate(([True], ~continues))
-    return Segments(start=segments.start[keep], rank=segments.rank[keep], local_start=segments.local_start[keep])
-
-
-def _p2p_facts(src_rank: np.ndarray, tgt_rank: np.ndarray, cp_size: int) -> tuple[int, bool]:
-    """(most pieces between one ordered pair of ranks, whether every rank sends AND receives a
-    piece), from every rank's runs, so the same on all ranks. Python on the W x W counts: cheaper
-    than more numpy calls at this size."""
-    counts = np.bincount(src_rank * cp_size + tgt_rank, minlength=cp_size * cp_size).tolist()
-    per_pair = [counts[s * cp_size : (s + 1) * cp_size] for s in range(cp_size)]  # [sender][receiver]
-    for rank in range(cp_size):
-        per_pair[rank][rank] = 0  # kept runs: no pieces
-    max_pieces = max(map(max, per_pair))
-    return max_pieces, max_pieces > 0 and all(map(any, per_pair)) and all(map(any, zip(*per_pair)))
-
-
 def build_route(
     cu_seqlens: CuSeqlens,
     cp_size: int,
@@ -254,11 +205,8 @@ def build_route(
     device = torch.device(device)
     total = int(cu[-1])
 
-    # Contiguous intervals are one per rank: nothing to merge there.
     src = layout_segments(cu, cp_size, source)
     tgt = layout_segments(cu, cp_size, target)
-    src = src if source == "contiguous" else _coarsened(src)
-    tgt = tgt if target == "contiguous" else _coarsened(tgt)
     # Elementary runs start at every interval start of either layout. A sort plus a neighbour
     # test is several times cheaper than np.union1d's hashing at these sizes (host time is
     # the whole cost of a route).
@@ -281,20 +229,17 @@ def build_route(
     if cp_size > 2:  # with two ranks every moved run has the same peer: already in order
         outgoing = outgoing[np.argsort(tgt_rank[outgoing], kind="stable")]
         incoming = incoming[np.argsort(src_rank[incoming], kind="stable")]
-    send_to, send_len, send_start = tgt_rank[outgoing], run_len[outgoing], src_row[outgoing]
-    recv_from, recv_len, recv_start = src_rank[incoming], run_len[incoming], tgt_row[incoming]
-    send_splits = np.bincount(send_to, weights=send_len, minlength=cp_size)
-    recv_splits = np.bincount(recv_from, weights=recv_len, minlength=cp_size)
+    send_splits = np.bincount(tgt_rank[outgoing], weights=run_len[outgoing], minlength=cp_size)
+    recv_splits = np.bincount(src_rank[incoming], weights=run_len[incoming], minlength=cp_size)
     send_splits[cp_rank] = recv_splits[cp_rank] = run_len[kept].sum()
-    max_pieces_per_pair, p2p_ready = _p2p_facts(src_rank, tgt_rank, cp_size)
 
     return Route(
         send_splits=tuple(send_splits.astype(np.int64).tolist()),
         recv_splits=tuple(recv_splits.astype(np.int64).tolist()),
         keep_source=_rows(src_row[kept], run_len[kept], device),
         keep_target=_rows(tgt_row[kept], run_len[kept], device),
-        send_rows=_rows(send_start, send_len, device),
-        recv_rows=_rows(recv_start, recv_len, device),
+        send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
+        recv_rows=_rows(tgt_row[incoming], run_len[incoming], device),
         local_rows=total // cp_size,
         cp_size=cp_size,
         cp_rank=cp_rank,
@@ -303,11 +248,6 @@ def build_route(
         device=device,
         cu_seqlens=provenance,
         cu_seqlens_version=None if provenance is None else provenance._version,
-        # every moved run is a piece (runs are maximal, see _coarsened), already in pair order
-        send_pieces=tuple(zip(send_to.tolist(), send_start.tolist(), send_len.tolist())),
-        recv_pieces=tuple(zip(recv_from.tolist(), recv_start.tolist(), recv_len.tolist())),
-        max_pieces_per_pair=max_pieces_per_pair,
-        p2p_ready=p2p_ready,
     )
 
 
