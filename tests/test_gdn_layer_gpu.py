@@ -66,7 +66,9 @@ def _gpu_cases(dtype: torch.dtype):
         errors["out"] /= scale["out"]
         errors["dx"] /= scale["dx"]
         results[(mode, str(dtype))] = max(errors.values())
-        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}", flush=True)
+        worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
+        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
+              flush=True)
         if mode == "chunkwise":
             assert fla_cp_summaries.installed()
             fla_cp_summaries.uninstall()
