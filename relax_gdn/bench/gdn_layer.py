@@ -6,8 +6,8 @@ Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank 
 warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``);
-chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps);
-headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
+chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
+headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
 in training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
 plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16). A last
 column times one GPU on HALF the micro-batch (the first documents up to T/2): the fixed per-call
