@@ -36,8 +36,9 @@ _BWD_NAME = "chunk_gated_delta_rule_bwd_dhu_pre_process"
 
 def transition_is_read(context) -> bool:
     """Does another rank read this rank's M (forward) or dM (backward)? Only if the rank lies
-    strictly inside one sequence: a chain's first rank meets a zero state, and a rank where the
-    sequence ends or starts sends its other segments' summaries, not this one's."""
+    strictly inside one sequence, neither starting nor ending it. Forward: if the last local
+    segment starts here, the merge enters it with zero; if it ends here, FLA sends no summary.
+    The backward mirrors this for the first local segment."""
     return context.num_seqs == 1 and not context.is_first_rank and not context.is_last_rank
 
 
