@@ -36,6 +36,12 @@ FP32_GATE_PARAMS = ("A_log", "dt_bias")
 HIDDEN = 256
 
 
+def _paired(got, other) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, this run's tensor, the other run's) for the output, the input grad and every
+    parameter grad of two ``cp_run`` results."""
+    return [("out", got[0], other[0]), ("dx", got[1], other[1])] + [(k, got[2][k], other[2][k]) for k in other[2]]
+
+
 def _gpu_cases(dtype: torch.dtype):
     import torch.distributed as dist
     from megatron.core.tensor_parallel import random as mcore_random
@@ -86,9 +92,7 @@ def _gpu_cases(dtype: torch.dtype):
                 stock = h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
             finally:
                 fla_cp_summaries.install()
-            pairs = [("out", got[0], stock[0]), ("dx", got[1], stock[1])]
-            pairs += [(k, got[2][k], stock[2][k]) for k in stock[2]]
-            identical = {k: torch.equal(a, b.float()) for k, a, b in pairs}
+            identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
         if mode != "all_gather":
             ids = got[3]
 
@@ -108,10 +112,8 @@ def _gpu_cases(dtype: torch.dtype):
     # (the single-rank computation), quantity by quantity, relative to its largest value.
     whole = runs["all_gather"]
     for mode in ("chunkwise", "headwise"):
-        got = runs[mode]
-        pairs = [("out", got[0], whole[0]), ("dx", got[1], whole[1])]
-        pairs += [(k, got[2][k], whole[2][k]) for k in whole[2]]
-        diffs = {k: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for k, a, b in pairs}
+        diffs = {k: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                 for k, a, b in _paired(runs[mode], whole)}
         results[(mode, "vs all_gather")] = max(diffs.values())
     return results, syncs, identical
 

@@ -7,9 +7,10 @@ warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") o
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``);
 chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
-headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs
-in training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
-plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16). A last
+headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather
+(layer only: the whole-layer recompute it needs in training is not timed here); and the ideal:
+half the single-GPU time of the whole micro-batch plus a bare all-to-all of the bytes chunkwise
+swaps (4 swaps of T/2 x hidden bf16). A last
 column times one GPU on HALF the micro-batch (the first documents up to T/2): the fixed per-call
 costs that "half the one-GPU time" leaves out.
 
@@ -220,8 +221,8 @@ def main() -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = ["chunkwise", "chunkwise, FLA's full CP summaries", "chunkwise, per-token route per call", "headwise", "headwise (stock MCore)",
-                 "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
+        order = ["chunkwise", "chunkwise, FLA's full CP summaries", "chunkwise, per-token route per call",
+                 "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
                  "one GPU, half micro-batch"]
         for name, row in table:
             stock = row["headwise (stock MCore)"][0]
