@@ -53,6 +53,7 @@ gpu-check:
 	-$(call GPU_STEP,45,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.swap,bench_swap)
 	-$(call GPU_STEP,600,$(PY) -m pytest -q -s -m gpu tests/test_gdn_layer_gpu.py,test_gdn_layer_gpu)
 	-$(call GPU_STEP,600,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.gdn_layer,bench_gdn_layer)
+	-$(call GPU_STEP,120,$(PY) -m relax_gdn.bench.gdn_precision,bench_gdn_precision)
 	-$(call GPU_STEP,70,$(PY) -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py,test_cp_attention_gpu)
 	cat $(OUT)/summary.txt
 

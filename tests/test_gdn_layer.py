@@ -123,3 +123,14 @@ def test_state_dict_cp1_and_errors():
     assert "local_cp_size=2" in outcome["dynamic_incomplete"]
     assert "local_cp_size=2" in outcome["dynamic_mismatch"] and "1 ranks" in outcome["dynamic_mismatch"]
     assert "cu_seqlens[-1]=160" in outcome["wrong_total"] and "80" in outcome["wrong_total"]
+
+
+def test_fla_fp32_gradient_caveat_covers_fp32_on_hopper_only():
+    # The measured problem (relax_gdn.bench.gdn_precision): FLA's fp32 backward on an H200.
+    from relax_gdn.gdn.kernels import fla_fp32_gradient_caveat
+
+    message = fla_fp32_gradient_caveat(torch.float32, (9, 0))
+    assert message and "bf16" in message and "gdn.kernel_backend=torch" in message
+    assert fla_fp32_gradient_caveat(torch.bfloat16, (9, 0)) is None  # bf16: within 1 % of fp64
+    assert fla_fp32_gradient_caveat(torch.float32, (8, 0)) is None  # not measured: no claim
+    assert fla_fp32_gradient_caveat(torch.float32, (10, 0)) is None

@@ -39,16 +39,19 @@ MICRO_BATCHES = {
 }
 
 
-def qwen35_gdn_config():
+def qwen35_gdn_config(**overrides):
+    """One Qwen3.5-9B GDN layer's config (bf16 unless overridden)."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    kwargs = dict(
         num_layers=1, hidden_size=4096, num_attention_heads=16, linear_num_key_heads=16,
         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, normalization="RMSNorm", params_dtype=torch.bfloat16, bf16=True,
         activation_func=F.silu, recompute_granularity="full", recompute_method="uniform",
         recompute_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
     )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
 
 
 def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) -> str:

@@ -9,6 +9,7 @@ rank boundaries (FLA's CP context on GPU, differentiable collectives in the refe
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +21,36 @@ from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
 from relax_gdn.layout.route import upload_rows
 
 KERNEL_BACKENDS = ("auto", "fla", "torch")
+
+logger = logging.getLogger(__name__)
+
+
+def fla_fp32_gradient_caveat(dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
+    """What is known to be wrong with FLA's gradients for activations of ``dtype`` on a GPU of
+    compute ``capability``; None where nothing is.
+
+    Measured on H200 (``python -m relax_gdn.bench.gdn_precision``, 2026-11-30): in fp32 the
+    gated delta rule's backward misses an fp64 reference by 46 % (``A_log``) and 23 %
+    (``dt_bias``) of their largest gradient, with the output exact; bf16 is within 1 %. It is in
+    FLA's scan backward (not the conv, not CP) and survives exact fp32 products in every Triton
+    kernel (``TRITON_F32_DEFAULT=ieee``), which leaves the TileLang ``chunk_bwd_dqkwg`` FLA 0.6
+    uses on Hopper. Other GPUs were not measured.
+    """
+    if dtype != torch.float32 or capability[0] != 9:
+        return None
+    return (
+        "FLA's fp32 gated-delta-rule backward on Hopper gives wrong gate gradients (A_log / dt_bias "
+        "off by up to 46 % vs fp64, measured on H200 with `python -m relax_gdn.bench.gdn_precision`); "
+        "bf16 is within 1 %. Train in bf16 (train.precision=bf16) or check fp32 numerics with "
+        "gdn.kernel_backend=torch."
+    )
+
+
+@functools.cache
+def _warn_fla_fp32_gradients(dtype: torch.dtype, capability: tuple[int, int]) -> None:
+    message = fla_fp32_gradient_caveat(dtype, capability)
+    if message:
+        logger.warning(message)
 
 
 @dataclass(eq=False)
@@ -127,6 +158,8 @@ class FlaKernels:
         return y
 
     def scan(self, q, k, v, g, beta, rows, use_qk_l2norm):
+        if q.dtype == torch.float32 and torch.is_grad_enabled():  # once per process, see the caveat
+            _warn_fla_fp32_gradients(q.dtype, torch.cuda.get_device_capability(q.device))
         o, _ = self._scan(
             q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=use_qk_l2norm, **self._where(rows),

@@ -1,0 +1,155 @@
+"""Which kernel moves a GDN layer's gradients: every conv/scan backend pairing vs an fp64 truth.
+
+    python -m relax_gdn.bench.gdn_precision [--triton-dqkwg]
+
+One process, CP 1 (precision is not a CP question: every CP mode matches all_gather to 1e-4 in
+fp32, ``tests/test_gdn_layer_gpu.py``). The layer and batch are the GDN GPU test's (hidden 256,
+Qwen3.5-9B head shapes 16 QK / 32 V x 128, packed [192, 0, 512, 64, 512] tokens, parameters
+perturbed off their init). The truth is the pure-torch reference in fp64. Rows: the torch
+reference in fp32; FLA conv + FLA scan (the layer on GPU); each FLA kernel alone with the other
+from the reference; the layer in bf16. Columns: max |error| / max |truth| of the output, the
+input gradient and the parameter gradients that matter.
+
+On CPU only the fp32 torch row runs (FLA needs CUDA). ``TRITON_F32_DEFAULT=ieee`` makes FLA's
+Triton kernels multiply fp32 exactly instead of in TF32; ``--triton-dqkwg`` runs FLA's Triton
+``chunk_bwd_dqkwg`` instead of the TileLang one FLA 0.6 picks on Hopper (skipping FLA's guard
+against Triton < 3.7.1 there, whose miscompile is at BK = 64; Hopper uses BK = 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+PACKED = [0, 192, 192, 704, 768, 1280]
+HIDDEN = 256
+REPORTED = ("out", "dx", "A_log", "dt_bias", "in_proj.weight", "conv1d.weight")
+
+
+class _Pairing:
+    """The conv of one kernel backend with the scan of another."""
+
+    def __init__(self, conv, scan):
+        self._conv, self._scan, self.name = conv, scan, f"{conv.name} conv + {scan.name} scan"
+
+    def conv(self, *args):
+        return self._conv.conv(*args)
+
+    def scan(self, *args):
+        return self._scan.scan(*args)
+
+
+@contextlib.contextmanager
+def _kernels(kernels):
+    from relax_gdn.gdn import layer as gdn_layer
+
+    real = gdn_layer.select_kernels
+    gdn_layer.select_kernels = lambda backend, device: kernels
+    try:
+        yield
+    finally:
+        gdn_layer.select_kernels = real
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--triton-dqkwg", action="store_true", help="FLA's Triton chunk_bwd_dqkwg, not TileLang's")
+    args = parser.parse_args()
+    cpu = not torch.cuda.is_available()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
+    if cpu:
+        from relax_gdn.compat.cpu import apply_cpu_shims
+
+        apply_cpu_shims()
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        # Megatron-Core's jit_fuser (torch.compile) cannot compile the gated norm in fp64
+        torch._dynamo.config.disable = True
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    if args.triton_dqkwg:
+        import fla.ops.common.chunk_o as fla_chunk_o
+
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
+        os.environ["FLA_TILELANG"] = "0"
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from relax_gdn.bench.gdn_layer import qwen35_gdn_config
+    from relax_gdn.gdn.kernels import FlaKernels, TorchKernels
+    from relax_gdn.gdn.layer import gdn_cp_layer_spec
+    from relax_gdn.layout import attach_host_cu_seqlens
+
+    world = dist.group.WORLD
+    config = qwen35_gdn_config(hidden_size=HIDDEN, params_dtype=torch.float32, bf16=False)
+
+    def layer(dtype, state=None):
+        pgs = ProcessGroupCollection(tp=world, cp=world)
+        built = build_module(gdn_cp_layer_spec("chunkwise", max_cp_size=1), config=config, layer_number=1,
+                             pg_collection=pgs).to(device)
+        if state is not None:
+            built.load_state_dict(state)
+        return built.to(dtype)
+
+    def packed():
+        t = torch.tensor(PACKED, dtype=torch.int32, device=device)
+        longest = max(b - a for a, b in zip(PACKED, PACKED[1:]))
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
+                              cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
+        attach_host_cu_seqlens(psp, t, PACKED)
+        return psp
+
+    base = layer(torch.float32)
+    with torch.no_grad():
+        for p in base.parameters():  # off the init: gate parameters and projections of some size
+            p.add_(0.1 * torch.randn_like(p))
+    state = base.state_dict()
+    torch.manual_seed(0)
+    x = torch.randn(PACKED[-1], 1, HIDDEN, device=device)
+    weight = torch.randn_like(x)
+
+    def run(kernels, dtype) -> dict[str, torch.Tensor]:
+        module = layer(dtype, state)
+        xx = x.to(dtype).requires_grad_(True)
+        with _kernels(kernels):
+            out, _ = module(xx, None, packed_seq_params=packed())
+            (out * weight.to(dtype)).sum().backward()
+        return {"out": out.detach(), "dx": xx.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+    torch_kernels = TorchKernels()
+    truth = run(torch_kernels, torch.float64)
+    variants = [("torch, fp32", torch_kernels, torch.float32)]
+    if not cpu:
+        fla = FlaKernels(device)
+        variants += [
+            ("FLA conv + FLA scan, fp32", fla, torch.float32),
+            ("torch conv + FLA scan, fp32", _Pairing(torch_kernels, fla), torch.float32),
+            ("FLA conv + torch scan, fp32", _Pairing(fla, torch_kernels), torch.float32),
+            ("FLA conv + FLA scan, bf16", fla, torch.bfloat16),
+        ]
+    print(f"GDN layer vs fp64 torch truth: max |error| / max |truth|; device {device}, "
+          f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT', 'tf32 (Triton default)')}, "
+          f"chunk_bwd_dqkwg {'Triton' if args.triton_dqkwg else 'FLA default'}")
+    print(f"  {'variant':<30}" + "".join(f"{name:>16}" for name in REPORTED))
+    for label, kernels, dtype in variants:
+        got = run(kernels, dtype)
+        errors = {k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in REPORTED}
+        print(f"  {label:<30}" + "".join(f"{errors[k]:>16.2e}" for k in REPORTED), flush=True)
+        print("json " + json.dumps({"variant": label, **errors}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
