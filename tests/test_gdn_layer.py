@@ -9,6 +9,8 @@ import torch
 from tests.distributed import run_distributed, value_error_message
 
 TOL = 1e-4  # fp32: outputs/input grads absolute, parameter grads relative to their max
+# every rank cut (T/W = 80 at W = 2; 40, 80, 120 at W = 4) on a document boundary, an empty slot
+WHOLE_DOCUMENTS_PER_RANK = [0, 16, 40, 40, 80, 120, 160]
 
 
 def _parity_cases(world_size: int):
@@ -55,6 +57,35 @@ def _parity_cases(world_size: int):
             errs.append(max(h.max_errors(ref, got, got[3]).values()))
         results[(mode, "dynamic")] = max(errs)
 
+    # every rank cut on a document boundary: each slice is scanned alone, no CP scan or conv
+    from relax_gdn.gdn import reference as gdn_reference
+
+    calls = {"cp": 0}
+    real = {f: getattr(gdn_reference, f) for f in ("cp_causal_conv1d", "cp_gated_delta_rule")}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls["cp"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in real.items():
+        setattr(gdn_reference, name, counted(fn))
+    try:
+        cp_calls = {}
+        for label, cu in (("crossing", h.PACKED), ("whole documents per rank", WHOLE_DOCUMENTS_PER_RANK)):
+            x_cu, w_cu = torch.randn(cu[-1], 1, config.hidden_size), torch.randn(cu[-1], 1, config.hidden_size)
+            ref_cu = h.reference_run(reference, x_cu, w_cu, h.packed_params(cu, "cpu"))
+            layer = h.build_gdn(config, world, single, "chunkwise")
+            layer.load_state_dict(reference.state_dict())
+            calls["cp"] = 0
+            got = h.cp_run(layer, x_cu, w_cu, h.packed_params(cu, "cpu"), world_size, rank, world, cu=cu)
+            cp_calls[label] = calls["cp"]
+            results[("chunkwise", label)] = max(h.max_errors(ref_cu, got, got[3]).values())
+    finally:
+        for name, fn in real.items():
+            setattr(gdn_reference, name, fn)
+
     # a document whose length is not a multiple of 2W is refused before any communication
     layer = h.build_gdn(config, world, single, "chunkwise")
     bad = [0, 2 * world_size + 2, 8 * world_size]
@@ -63,16 +94,18 @@ def _parity_cases(world_size: int):
         results["bad_lengths"] = "no error"
     except ValueError as e:
         results["bad_lengths"] = 0.0 if f"sequence 0 has length {2 * world_size + 2}" in str(e) else str(e)
-    return results
+    return results, cp_calls
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_mode_matches_single_rank(world_size):
     per_rank = run_distributed(_parity_cases, world_size, world_size)
-    for rank, results in enumerate(per_rank):
-        assert len(results) == 9
+    for rank, (results, cp_calls) in enumerate(per_rank):
+        assert len(results) == 11
         bad = {k: v for k, v in results.items() if not v < TOL}
         assert not bad, f"rank {rank}: max errors {bad}"
+        # conv + scan, fwd (the bwd runs inside their autograd): CP only where a document crosses
+        assert cp_calls == {"crossing": 2, "whole documents per rank": 0}, cp_calls
 
 
 def _single_process_checks():

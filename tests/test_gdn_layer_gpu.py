@@ -1,5 +1,6 @@
 """relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode in bf16 and fp32 vs the
-single-rank fp32 torch reference, zero host syncs in steady-state chunkwise and headwise calls,
+single-rank fp32 torch reference (chunkwise also with the rank cut on a document boundary, where
+each slice is scanned alone), zero host syncs in steady-state chunkwise and headwise calls,
 and chunkwise bit-identical with and without ``fla_cp_summaries`` (the skipped summaries are
 multiplied by zero, so skipping them must not change a bit).
 
@@ -23,6 +24,8 @@ pytestmark = [
 ]
 
 CU = [0, 192, 192, 704, 768, 1280]
+# the same T with the rank cut (640) on a document boundary: chunkwise scans each slice alone
+WHOLE_DOCUMENTS_PER_RANK = [0, 192, 640, 704, 1280]
 # max error / max |reference| vs the fp32 torch reference. fp32 is not exact either: FLA's
 # kernels multiply fp32 operands in TF32 (10-bit mantissa), and its CP merges in TF32x3.
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float32: 5e-2}
@@ -43,6 +46,18 @@ def _paired(got, other) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, this run's tensor, the other run's) for the output, the input grad and every
     parameter grad of two ``cp_run`` results."""
     return [("out", got[0], other[0]), ("dx", got[1], other[1])] + [(k, got[2][k], other[2][k]) for k in other[2]]
+
+
+def _vs_reference(ref, got, dtype: torch.dtype) -> dict[str, float]:
+    """Max error per quantity relative to the reference's largest value (see FP32_GATE_PARAMS)."""
+    from tests import gdn_harness as h
+
+    errors = h.max_errors(ref, got, got[3])
+    errors["out"] /= ref[0].abs().max().item()
+    errors["dx"] /= ref[1].abs().max().item()
+    if dtype == torch.float32:
+        errors = {k: v for k, v in errors.items() if k not in FP32_GATE_PARAMS}
+    return errors
 
 
 def _gpu_cases(dtype: torch.dtype):
@@ -68,7 +83,6 @@ def _gpu_cases(dtype: torch.dtype):
     x = torch.randn(CU[-1], 1, HIDDEN, device=device)
     weight = torch.randn_like(x)
     ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
-    scale = {"out": ref[0].abs().max().item(), "dx": ref[1].abs().max().item()}
     results, syncs, identical, runs = {}, {}, {}, {}
     config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     for mode in ("chunkwise", "headwise", "all_gather"):
@@ -78,12 +92,8 @@ def _gpu_cases(dtype: torch.dtype):
         psp = h.packed_params(CU, device)
         got = h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU)
         got = (got[0].float(), got[1].float(), {k: g.float() for k, g in got[2].items()}, got[3])
-        errors = h.max_errors(ref, got, got[3])
-        errors["out"] /= scale["out"]
-        errors["dx"] /= scale["dx"]
+        errors = _vs_reference(ref, got, dtype)
         runs[mode] = got
-        if dtype == torch.float32:  # see FP32_GATE_PARAMS
-            errors = {k: v for k, v in errors.items() if k not in FP32_GATE_PARAMS}
         results[(mode, str(dtype))] = max(errors.values())
         worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
         print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
@@ -111,6 +121,18 @@ def _gpu_cases(dtype: torch.dtype):
                 lambda: layer(x[ids].to(dtype), None, packed_seq_params=psp_new)[0].sum().backward(), where
             )
             syncs[mode + " (new micro-batch) at"] = where
+    # every rank cut on a document boundary: chunkwise runs FLA's plain varlen kernels per slice
+    layer = h.build_gdn(config, world, single, "chunkwise", kernel_backend="fla").to(device)
+    layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+    whole_ref = h.reference_run(reference, x, weight, h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device))
+    psp = h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device)
+    got = h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=WHOLE_DOCUMENTS_PER_RANK)
+    got = (got[0].float(), got[1].float(), {k: g.float() for k, g in got[2].items()}, got[3])
+    results[("chunkwise, whole documents per rank", str(dtype))] = max(_vs_reference(whole_ref, got, dtype).values())
+    ids = got[3]
+    syncs["chunkwise, whole documents per rank"] = count_host_syncs(
+        lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
+    )
     # CP parity proper: every mode against all_gather, which runs FLA on the whole sequence
     # (the single-rank computation), quantity by quantity, relative to its largest value.
     whole = runs["all_gather"]
@@ -132,5 +154,6 @@ def test_fla_modes_match_reference_and_are_sync_free(dtype):
         assert not bad, f"rank {rank}: {bad}"
         assert identical and all(identical.values()), identical
         assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs
+        assert syncs["chunkwise, whole documents per rank"] == 0, syncs
         # a NEW micro-batch too: routes from host copies, FLA's chunk index uploaded non-blocking
         assert syncs["chunkwise (new micro-batch)"] == 0 and syncs["headwise (new micro-batch)"] == 0, syncs

@@ -18,6 +18,7 @@ from relax_gdn.gdn.reference import (
     cp_gated_delta_rule,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    sequences_cross_ranks,
 )
 from tests.distributed import run_distributed
 
@@ -281,6 +282,17 @@ def test_contiguous_shard():
     assert (on_boundary.start, on_boundary.stop) == (12, 24)
     assert (on_boundary.pre_tokens, on_boundary.pre_ranks) == (0, ())
     assert contiguous_shard(torch.tensor([0, 5, 48]), 1, 0).cu_seqlens == (0, 5, 48)
+
+
+def test_sequences_cross_ranks_iff_some_rank_starts_inside_a_sequence():
+    for cu in ([0, 10, 10, 13, 14, 47, 48], [0, 12, 48], [0, 12, 24, 24, 36, 48], [0, 48], [0, 24, 30, 48]):
+        for world in (1, 2, 3, 4, 6):
+            expected = any(contiguous_shard(cu, world, r).pre_tokens for r in range(world))
+            assert sequences_cross_ranks(cu, world) == expected, (cu, world)
+    assert not sequences_cross_ranks([0, 12, 24, 24, 36, 48], 4)  # every cut on a boundary, empty slot
+    assert sequences_cross_ranks([0, 12, 48], 2)
+    with pytest.raises(ValueError, match="T % W == 0"):
+        sequences_cross_ranks([0, 10], 4)
 
 
 def test_cp_without_group_is_the_plain_function():

@@ -31,9 +31,12 @@ import torch.nn.functional as F
 
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 
+# The first two (the seed's) have the CP 2 cut (T/2) on a document boundary, so chunkwise scans
+# each slice alone; in the third, as in the 64k ones, a document spans the cut.
 MICRO_BATCHES = {
     "16k, 4 docs": [3000, 5192, 3808, 4384],
     "16k, 16 x 1k docs": [1024] * 16,
+    "16k, 4 docs, one across the cut": [3000, 5000, 4000, 4384],
     "64k, 3 docs": [20000, 24000, 21536],
     "64k, 1 doc": [65536],
 }

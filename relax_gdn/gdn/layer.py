@@ -13,7 +13,9 @@ Modes (LAYOUTS.md §4):
 ``headwise``   all-to-all from the zigzag sequence split to a head split, every rank scans the
                whole sequence for 1/W of the heads, all-to-all back (Megatron-Core's scheme).
 ``chunkwise``  zigzag -> contiguous swap, conv + scan of the contiguous slice with ALL heads,
-               recurrent state and conv halo passed between ranks, contiguous -> zigzag swap.
+               recurrent state and conv halo passed between ranks (none when every rank cut
+               falls on a sequence boundary: then each slice is scanned alone), contiguous ->
+               zigzag swap.
                Without sequence parallelism the swap moves the hidden states BEFORE in_proj
                (4096 wide for Qwen3.5) instead of its 12352-wide output.
 ``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
@@ -22,6 +24,7 @@ Modes (LAYOUTS.md §4):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -36,6 +39,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from relax_gdn.gdn.kernels import ScanRows, select_kernels
+from relax_gdn.gdn.reference import contiguous_shard, sequences_cross_ranks
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
     ROUTE_STRATEGIES,
@@ -154,20 +158,33 @@ class CPGatedDeltaNet(GatedDeltaNet):
             _check_all_gather_recompute(self.config)
         return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
 
+    def _scan_rows(self, host: np.ndarray, device: torch.device, cp_group=None) -> ScanRows:
+        return ScanRows(cu_host=torch.from_numpy(host), cu_device=upload_rows(host, device), cp_group=cp_group,
+                        conv_kernel_size=self.conv_kernel_dim)
+
     def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
         """Kernel-side boundaries, built once per micro-batch (and FLA's CP context with them)."""
         device = resolved.cu_seqlens.device
-
-        def build() -> ScanRows:
-            return ScanRows(
-                cu_host=torch.from_numpy(resolved.host),
-                cu_device=upload_rows(resolved.host, device),
-                cp_group=cp_group,
-                conv_kernel_size=self.conv_kernel_dim,
-            )
-
         key = (id(cp_group), str(device))  # the group objects live as long as the run
-        return per_micro_batch(psp, "gdn_scan_rows", key, (resolved.cu_seqlens,), build)
+        return per_micro_batch(psp, "gdn_scan_rows", key, (resolved.cu_seqlens,),
+                               lambda: self._scan_rows(resolved.host, device, cp_group))
+
+    def _contiguous_rows(self, psp: PackedSeqParams, resolved, cp: CPGroup) -> ScanRows:
+        """This rank's contiguous slice for conv + scan. When every rank cut falls on a sequence
+        boundary, no state or conv halo crosses ranks: the slice is scanned alone with its local
+        boundaries, without the CP machinery's collectives and the waits on the previous rank.
+        Every rank reaches the same choice (it reads only the global boundaries)."""
+        device = resolved.cu_seqlens.device
+
+        def build() -> ScanRows | None:
+            if sequences_cross_ranks(resolved.host, cp.size):
+                return None
+            local = contiguous_shard(resolved.host, cp.size, cp.rank).cu_seqlens
+            return self._scan_rows(np.asarray(local, dtype=np.int64), device)
+
+        key = (cp.size, cp.rank, str(device))
+        alone = per_micro_batch(psp, "gdn_slice_scanned_alone", key, (resolved.cu_seqlens,), build)
+        return alone if alone is not None else self._rows(psp, resolved, cp.group)
 
     def _forward_local(self, hidden_states, rows: ScanRows | None):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -183,7 +200,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
         else:
             qkvzba, _ = self.in_proj(hidden_states)
             qkvzba = swap_layout(qkvzba, route, cp.group)
-        core = self._core(qkvzba, self._rows(psp, resolved, cp.group), parts=1, part=0)
+        core = self._core(qkvzba, self._contiguous_rows(psp, resolved, cp), parts=1, part=0)
         return self.out_proj(swap_layout(core, route.reverse(), cp.group))
 
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
