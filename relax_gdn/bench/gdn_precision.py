@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -78,10 +79,12 @@ def main() -> None:
 
         mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     if args.triton_dqkwg:
+        if "fla" in sys.modules:
+            raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
+        os.environ["FLA_TILELANG"] = "0"  # FLA decides once per process which backends it may use
         import fla.ops.common.chunk_o as fla_chunk_o
 
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
-        os.environ["FLA_TILELANG"] = "0"
 
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
