@@ -48,6 +48,11 @@ def _paired(got, other) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return [("out", got[0], other[0]), ("dx", got[1], other[1])] + [(k, got[2][k], other[2][k]) for k in other[2]]
 
 
+def _as_fp32(run):
+    """A ``cp_run`` result with its output and gradients in fp32 (for comparisons)."""
+    return run[0].float(), run[1].float(), {k: g.float() for k, g in run[2].items()}, run[3]
+
+
 def _vs_reference(ref, got, dtype: torch.dtype) -> dict[str, float]:
     """Max error per quantity relative to the reference's largest value (see FP32_GATE_PARAMS)."""
     from tests import gdn_harness as h
@@ -85,13 +90,17 @@ def _gpu_cases(dtype: torch.dtype):
     ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
     results, syncs, identical, runs = {}, {}, {}, {}
     config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    for mode in ("chunkwise", "headwise", "all_gather"):
-        print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
+
+    def fla_layer(mode):  # the reference's weights in ``dtype``
         layer = h.build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
         layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+        return layer
+
+    for mode in ("chunkwise", "headwise", "all_gather"):
+        print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
+        layer = fla_layer(mode)
         psp = h.packed_params(CU, device)
-        got = h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU)
-        got = (got[0].float(), got[1].float(), {k: g.float() for k, g in got[2].items()}, got[3])
+        got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
         errors = _vs_reference(ref, got, dtype)
         runs[mode] = got
         results[(mode, str(dtype))] = max(errors.values())
@@ -122,12 +131,10 @@ def _gpu_cases(dtype: torch.dtype):
             )
             syncs[mode + " (new micro-batch) at"] = where
     # every rank cut on a document boundary: chunkwise runs FLA's plain varlen kernels per slice
-    layer = h.build_gdn(config, world, single, "chunkwise", kernel_backend="fla").to(device)
-    layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+    layer = fla_layer("chunkwise")
     whole_ref = h.reference_run(reference, x, weight, h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device))
     psp = h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device)
-    got = h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=WHOLE_DOCUMENTS_PER_RANK)
-    got = (got[0].float(), got[1].float(), {k: g.float() for k, g in got[2].items()}, got[3])
+    got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=WHOLE_DOCUMENTS_PER_RANK))
     results[("chunkwise, whole documents per rank", str(dtype))] = max(_vs_reference(whole_ref, got, dtype).values())
     ids = got[3]
     syncs["chunkwise, whole documents per rank"] = count_host_syncs(

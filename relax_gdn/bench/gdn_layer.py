@@ -57,6 +57,21 @@ def qwen35_gdn_config(**overrides):
     return TransformerConfig(**kwargs)
 
 
+def packed_seq_params(cu: list[int], device: torch.device):
+    """THD ``PackedSeqParams`` of one packed micro-batch with host boundaries ``cu``, the host copy
+    attached as the data side does (so the layer makes zero syncs)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from relax_gdn.layout import attach_host_cu_seqlens
+
+    t = torch.tensor(cu, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
+                          cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    attach_host_cu_seqlens(psp, t, cu)
+    return psp
+
+
 def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) -> str:
     """Where one call's time goes on this rank (see the module docstring)."""
     from torch.autograd import DeviceType
@@ -93,7 +108,6 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
 
 
 def main() -> None:
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
     from megatron.core.tensor_parallel import random as mcore_random
@@ -102,7 +116,7 @@ def main() -> None:
     from relax_gdn.bench.routes import per_token_route
     from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn import layer as gdn_layer
-    from relax_gdn.layout import attach_host_cu_seqlens, thd_rank_indices
+    from relax_gdn.layout import thd_rank_indices
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
@@ -141,14 +155,6 @@ def main() -> None:
     for layer in layers.values():
         layer.load_state_dict(state)
 
-    def packed(cu):
-        t = torch.tensor(cu, dtype=torch.int32, device=device)
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
-                              cu_seqlens_kv_padded=t, max_seqlen_q=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
-                              max_seqlen_kv=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)))
-        attach_host_cu_seqlens(psp, t, cu)  # the data side has the host copy: zero syncs
-        return psp
-
     table = []
     names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
@@ -162,7 +168,7 @@ def main() -> None:
         dy_full = torch.randn_like(x_full)
         ids = thd_rank_indices(cu, 2, rank, "zigzag").to(device)
         x_local, dy_local = x_full[ids].contiguous(), dy_full[ids].contiguous()
-        psp = packed(cu)
+        psp = packed_seq_params(cu, device)
 
         def step(layer, x, dy, p):
             def run():
@@ -196,12 +202,12 @@ def main() -> None:
         finally:
             gdn_layer.get_route = real_get_route
 
-        single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed(cu)), args.iters)
+        single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed_seq_params(cu, device)), args.iters)
         half = total // 2
         half_cu = [c for c in cu if c <= half]
         if half_cu[-1] < half:
             half_cu.append(half)  # the document that crosses T/2 is cut there
-        half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed(half_cu))
+        half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed_seq_params(half_cu, device))
         row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None)
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)

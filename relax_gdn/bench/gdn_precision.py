@@ -86,14 +86,12 @@ def main() -> None:
 
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
 
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from relax_gdn.bench.gdn_layer import qwen35_gdn_config
+    from relax_gdn.bench.gdn_layer import packed_seq_params, qwen35_gdn_config
     from relax_gdn.gdn.kernels import FlaKernels, TorchKernels
     from relax_gdn.gdn.layer import gdn_cp_layer_spec
-    from relax_gdn.layout import attach_host_cu_seqlens
 
     world = dist.group.WORLD
     config = qwen35_gdn_config(hidden_size=HIDDEN, params_dtype=torch.float32, bf16=False)
@@ -105,14 +103,6 @@ def main() -> None:
         if state is not None:
             built.load_state_dict(state)
         return built.to(dtype)
-
-    def packed():
-        t = torch.tensor(PACKED, dtype=torch.int32, device=device)
-        longest = max(b - a for a, b in zip(PACKED, PACKED[1:]))
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
-                              cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
-        attach_host_cu_seqlens(psp, t, PACKED)
-        return psp
 
     base = layer(torch.float32)
     with torch.no_grad():
@@ -127,7 +117,7 @@ def main() -> None:
         module = layer(dtype, state)
         xx = x.to(dtype).requires_grad_(True)
         with _kernels(kernels):
-            out, _ = module(xx, None, packed_seq_params=packed())
+            out, _ = module(xx, None, packed_seq_params=packed_seq_params(PACKED, device))
             (out * weight.to(dtype)).sum().backward()
         return {"out": out.detach(), "dx": xx.grad, **{n: p.grad for n, p in module.named_parameters()}}
 

@@ -52,10 +52,10 @@ __all__ = [
     "causal_conv1d",
     "contiguous_shard",
     "cp_causal_conv1d",
-    "sequences_cross_ranks",
     "cp_gated_delta_rule",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "sequences_cross_ranks",
 ]
 
 HostCuSeqlens = Sequence[int] | torch.Tensor  # or a 1-D numpy integer array
@@ -488,18 +488,10 @@ def contiguous_shard(cu_seqlens_global: HostCuSeqlens, world_size: int, rank: in
 
 def sequences_cross_ranks(cu_seqlens_global: HostCuSeqlens, world_size: int) -> bool:
     """Whether some sequence spans two ranks of the contiguous layout (some rank cut ``r*T/W``
-    falls strictly inside a sequence). If none does, every rank holds whole sequences: no
-    recurrent state and no conv halo crosses a rank, and each slice can be scanned alone.
-    The same answer on every rank (it reads only the global boundaries)."""
-    bounds = _host_bounds(cu_seqlens_global, what="cu_seqlens_global")
-    total = bounds[-1]
-    if not _is_int(world_size) or world_size < 1 or total == 0 or total % world_size:
-        raise ValueError(
-            f"the contiguous CP layout needs T > 0 and T % W == 0, got T={total}, W={world_size!r}; "
-            "pad the packed micro-batch to a multiple of the CP size"
-        )
-    on_boundary = set(bounds)
-    return any(cut not in on_boundary for cut in range(total // world_size, total, total // world_size))
+    falls strictly inside a sequence, i.e. some rank starts inside one). If none does, every rank
+    holds whole sequences: no recurrent state and no conv halo crosses a rank, and each slice can
+    be scanned alone. The same answer on every rank (it reads only the global boundaries)."""
+    return any(contiguous_shard(cu_seqlens_global, world_size, r).pre_tokens for r in range(world_size))
 
 
 def _shard_of(group: dist.ProcessGroup | None, cu_seqlens_global: HostCuSeqlens) -> ContiguousShard:
