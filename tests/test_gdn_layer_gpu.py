@@ -70,6 +70,7 @@ def _gpu_cases(dtype: torch.dtype):
     from megatron.core.tensor_parallel import random as mcore_random
 
     from relax_gdn.gdn import fla_cp_summaries
+    from relax_gdn.gdn.kernels import FlaKernels
     from tests import gdn_harness as h
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -115,6 +116,12 @@ def _gpu_cases(dtype: torch.dtype):
             finally:
                 fla_cp_summaries.install()
             identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
+            FlaKernels.fused_gate = False  # the gate's activation by torch around FLA, as Megatron-Core
+            try:
+                unfused = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
+            finally:
+                FlaKernels.fused_gate = True
+            results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
         if mode != "all_gather":
             ids = got[3]
 

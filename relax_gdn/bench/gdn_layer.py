@@ -5,7 +5,9 @@
 Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank (CUDA events,
 warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
-computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``);
+computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
+same with the decay gate's activation computed by torch around FLA instead of inside FLA's
+chunk cumsum (``FlaKernels.fused_gate``);
 chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
 headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather
 (layer only: the whole-layer recompute it needs in training is not timed here); and the ideal:
@@ -116,6 +118,7 @@ def main() -> None:
     from relax_gdn.bench.routes import per_token_route
     from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn import layer as gdn_layer
+    from relax_gdn.gdn.kernels import FlaKernels
     from relax_gdn.layout import thd_rank_indices
 
     parser = argparse.ArgumentParser()
@@ -190,6 +193,13 @@ def main() -> None:
         finally:
             fla_cp_summaries.install()
 
+        FlaKernels.fused_gate = False  # A/B: the gate's activation as separate torch kernels around FLA
+        try:
+            fn = step(layers["chunkwise"], x_local, dy_local, psp)
+            row["chunkwise, gate outside FLA"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
+        finally:
+            FlaKernels.fused_gate = True
+
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
         def per_token_get_route(psp_, cu_, cp_size, cp_rank, source, target, strategy, device):
@@ -233,7 +243,8 @@ def main() -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = ["chunkwise", "chunkwise, FLA's full CP summaries", "chunkwise, per-token route per call",
+        order = ["chunkwise", "chunkwise, FLA's full CP summaries", "chunkwise, gate outside FLA",
+                 "chunkwise, per-token route per call",
                  "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
                  "one GPU, half micro-batch"]
         for name, row in table:

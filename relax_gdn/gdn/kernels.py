@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from relax_gdn.gdn import fla_cp_summaries, reference
 from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
@@ -65,6 +66,23 @@ class ScanRows:
     _fla_chunk_indices: torch.Tensor | None = field(default=None, repr=False)
 
 
+@dataclass(eq=False)
+class GateInputs:
+    """The decay gate before its activation: ``g = -exp(a_log) * softplus(alpha + dt_bias)``.
+
+    Handed to the kernels raw so that FLA can fuse the activation into its chunk cumsum (and its
+    gradient into one backward kernel) instead of a dozen elementwise kernels around it.
+    """
+
+    alpha: torch.Tensor  # [B, S, HV], the in-projection's alpha section
+    a_log: torch.Tensor  # [HV]
+    dt_bias: torch.Tensor  # [HV]
+
+    def log_decay(self) -> torch.Tensor:
+        """``g`` in fp32, computed as Megatron-Core does."""
+        return -self.a_log.float().exp() * F.softplus(self.alpha.float() + self.dt_bias.float())
+
+
 class GDNKernels(Protocol):
     name: str
 
@@ -72,7 +90,7 @@ class GDNKernels(Protocol):
         """SiLU(depthwise causal conv) of ``x [B, S, D]`` with ``weight [D, Wc]``."""
 
     def scan(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: GateInputs, beta: torch.Tensor,
         rows: ScanRows, use_qk_l2norm: bool,
     ) -> torch.Tensor:
         """Gated delta rule output ``[B, S, HV, V]`` (q, k ``[B, S, H, K]``, GVA when HV > H)."""
@@ -92,7 +110,8 @@ class TorchKernels:
             y, _ = reference.causal_conv1d(x, weight, bias, activation="silu", cu_seqlens=rows.cu_host)
         return y
 
-    def scan(self, q, k, v, g, beta, rows, use_qk_l2norm):
+    def scan(self, q, k, v, gate, beta, rows, use_qk_l2norm):
+        g = gate.log_decay()
         if rows.cp_group is not None:
             o, _ = reference.cp_gated_delta_rule(
                 q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm,
@@ -117,6 +136,7 @@ class FlaKernels:
 
     name = "fla"
     chunk_size = 64  # FLA's default for the gated delta rule and the causal conv alike
+    fused_gate = True  # the gate's activation inside FLA's cumsum (benchmarks A/B it off)
 
     def __init__(self, device: torch.device) -> None:
         from fla.modules.convolution import causal_conv1d
@@ -157,12 +177,16 @@ class FlaKernels:
         y, _ = self._conv(x=x, weight=weight, bias=bias, activation="silu", **self._where(rows))
         return y
 
-    def scan(self, q, k, v, g, beta, rows, use_qk_l2norm):
+    def scan(self, q, k, v, gate, beta, rows, use_qk_l2norm):
         if q.dtype == torch.float32 and torch.is_grad_enabled():  # once per process, see the caveat
             _warn_fla_fp32_gradients(q.dtype, torch.cuda.get_device_capability(q.device))
+        if self.fused_gate:  # FLA computes g inside its chunk cumsum, and dA_log / ddt_bias
+            g, fused = gate.alpha, {"use_gate_in_kernel": True, "A_log": gate.a_log, "dt_bias": gate.dt_bias}
+        else:
+            g, fused = gate.log_decay(), {}
         o, _ = self._scan(
             q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=use_qk_l2norm, **self._where(rows),
+            use_qk_l2norm_in_kernel=use_qk_l2norm, **fused, **self._where(rows),
         )
         return o
 

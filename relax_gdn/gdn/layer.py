@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net.common import (
     GatedDeltaNetSubmodules,
@@ -38,7 +37,7 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from relax_gdn.gdn.kernels import ScanRows, select_kernels
+from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
 from relax_gdn.gdn.reference import contiguous_shard, sequences_cross_ranks
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
@@ -253,13 +252,15 @@ class CPGatedDeltaNet(GatedDeltaNet):
         query = query.reshape(batch, seq, -1, self.key_head_dim)
         key = key.reshape(batch, seq, -1, self.key_head_dim)
         value = value.reshape(batch, seq, -1, self.value_head_dim)
-        a_log = _head_share(self.A_log, [self.A_log.shape[0]], parts, part)
-        dt_bias = _head_share(self.dt_bias, [self.dt_bias.shape[0]], parts, part)
-        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())  # fp32, as Megatron-Core
+        decay = GateInputs(
+            alpha=alpha,
+            a_log=_head_share(self.A_log, [self.A_log.shape[0]], parts, part),
+            dt_bias=_head_share(self.dt_bias, [self.dt_bias.shape[0]], parts, part),
+        )
         # GVA is native in both backends (value head j reads key head j // (HV/H)), and q/k are
         # L2-normalised inside the kernel: no repeat_interleave or separate l2norm pass.
         out = kernels.scan(
-            query.contiguous(), key.contiguous(), value.contiguous(), g.contiguous(),
+            query.contiguous(), key.contiguous(), value.contiguous(), decay,
             beta.sigmoid().contiguous(), rows, self.use_qk_l2norm,
         )
         norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
