@@ -60,6 +60,23 @@ def exchange_without_communication(routes, held):
     return outs
 
 
+def exchange_by_pull(routes, held):
+    """The peer-memory transport's addressing: every rank packs its outgoing rows (its staging
+    buffer); each receiver finds its block in each peer's buffer from ITS OWN route alone."""
+    packed = [held[s][rows_as_tensor(sender.send_rows)] for s, sender in enumerate(routes)]
+    outs = []
+    for r, route in enumerate(routes):
+        out = torch.full((route.local_rows,), -1, dtype=torch.long)
+        out[rows_as_tensor(route.keep_target)] = held[r][rows_as_tensor(route.keep_source)]
+        blocks = [
+            packed[s][start : start + count]
+            for s, (count, start) in enumerate(zip(route.wire_recv_splits, route.peer_block_starts))
+        ]
+        out[rows_as_tensor(route.recv_rows)] = torch.cat(blocks)
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.parametrize("w,cu", random_packings())
 def test_route_equals_reference_partition(w, cu):
     for source, target in DIRECTIONS:
@@ -74,6 +91,11 @@ def test_route_equals_reference_partition(w, cu):
         # the mirror route brings every rank back to where it started
         back = exchange_without_communication([route.reverse() for route in routes], outs)
         assert all(torch.equal(b, h) for b, h in zip(back, held))
+        # every rank holds the same whole exchange; pulling by it gives the same rows both ways
+        assert all(route.pair_rows == routes[0].pair_rows for route in routes)
+        assert all(torch.equal(a, b) for a, b in zip(exchange_by_pull(routes, held), outs))
+        reverse = [route.reverse() for route in routes]
+        assert all(torch.equal(a, b) for a, b in zip(exchange_by_pull(reverse, outs), held))
         assert all(route.reverse().source == target for route in routes)
 
 

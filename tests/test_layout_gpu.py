@@ -1,4 +1,5 @@
-"""relax_gdn.layout on NCCL (2 GPUs): token-exact swaps, gradients, and zero host syncs."""
+"""relax_gdn.layout on NCCL (2 GPUs): token-exact swaps, gradients, and zero host syncs, through
+both swap transports (NCCL all-to-all and peer memory)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,26 @@ pytestmark = [
 def _nccl_swap_cases():
     import torch.distributed as dist
 
-    from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
+    from relax_gdn.layout import build_route, swap_layout
+    from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    failures = []
+    for transport in SWAP_TRANSPORTS:
+        set_swap_transport(transport)
+        try:
+            # The first peer-memory swap allocates the staging buffers (a host-blocking
+            # rendezvous, once): done here, for the largest case, before syncs are forbidden.
+            swap_layout(torch.zeros(8192, 3, 16, device=device), build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device), None)
+            failures += [(transport, *f) for f in _swap_cases(rank, device)]
+        finally:
+            set_swap_transport("all_to_all")
+    return failures
+
+
+def _swap_cases(rank: int, device: torch.device):
+    from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
+
     failures = []
     torch.manual_seed(0)  # every rank draws the same global data
     for cu in ([0, 16384], [0, 3000, 5192 + 3000, 16384 - 4384, 16384], [0, 4, 4, 64, 1024]):

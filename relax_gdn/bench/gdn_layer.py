@@ -7,7 +7,9 @@ warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") o
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
-chunk cumsum (``FlaKernels.fused_gate``);
+chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps reading peers' memory
+(``relax_gdn.layout.peer_memory``) instead of NCCL's all-to-all (these four in ``--rounds``
+interleaved rounds);
 chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
 headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather
 (layer only: the whole-layer recompute it needs in training is not timed here); and the ideal:
@@ -24,7 +26,9 @@ kernels with the most GPU time; ``--trace-dir`` also writes chrome traces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import statistics
 import time
 
 import torch
@@ -41,6 +45,50 @@ MICRO_BATCHES = {
     "16k, 4 docs, one across the cut": [3000, 5000, 4000, 4384],
     "64k, 3 docs": [20000, 24000, 21536],
     "64k, 1 doc": [65536],
+}
+
+
+@contextlib.contextmanager
+def _fla_full_cp_summaries():
+    """FLA's own CP pre-pass, with the transition summaries no rank reads."""
+    from relax_gdn.gdn import fla_cp_summaries
+
+    fla_cp_summaries.uninstall()
+    try:
+        yield
+    finally:
+        fla_cp_summaries.install()
+
+
+@contextlib.contextmanager
+def _gate_outside_fla():
+    """The decay gate's activation as separate torch kernels around FLA."""
+    from relax_gdn.gdn.kernels import FlaKernels
+
+    FlaKernels.fused_gate = False
+    try:
+        yield
+    finally:
+        FlaKernels.fused_gate = True
+
+
+@contextlib.contextmanager
+def _swap_transport(name: str):
+    from relax_gdn.layout.swap import set_swap_transport, swap_transport
+
+    before = swap_transport()
+    set_swap_transport(name)
+    try:
+        yield
+    finally:
+        set_swap_transport(before)
+
+
+CHUNKWISE_VARIANTS = {
+    "chunkwise": lambda: _swap_transport("all_to_all"),
+    "chunkwise, FLA's full CP summaries": _fla_full_cp_summaries,
+    "chunkwise, gate outside FLA": _gate_outside_fla,
+    "chunkwise, peer-memory swaps": lambda: _swap_transport("peer_memory"),
 }
 
 
@@ -116,13 +164,12 @@ def main() -> None:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from relax_gdn.bench.routes import per_token_route
-    from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn import layer as gdn_layer
-    from relax_gdn.gdn.kernels import FlaKernels
     from relax_gdn.layout import thd_rank_indices
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
     parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
     parser.add_argument("--trace-dir", default=None)
@@ -181,24 +228,22 @@ def main() -> None:
             return run
 
         row = {}
-        for label in ("chunkwise", "headwise", "headwise (stock MCore)", "all_gather"):
+        for label in ("headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
             row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
             print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
 
-        fla_cp_summaries.uninstall()  # A/B: FLA's own CP pre-pass, unread transition summaries included
-        try:
-            fn = step(layers["chunkwise"], x_local, dy_local, psp)
-            row["chunkwise, FLA's full CP summaries"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
-        finally:
-            fla_cp_summaries.install()
-
-        FlaKernels.fused_gate = False  # A/B: the gate's activation as separate torch kernels around FLA
-        try:
-            fn = step(layers["chunkwise"], x_local, dy_local, psp)
-            row["chunkwise, gate outside FLA"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
-        finally:
-            FlaKernels.fused_gate = True
+        # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): on
+        # a host-bound 16k row one variant timed once drifts by up to ±15 % from the next.
+        chunkwise = step(layers["chunkwise"], x_local, dy_local, psp)
+        samples = {label: [] for label in CHUNKWISE_VARIANTS}
+        for _ in range(args.rounds):
+            for label, variant in CHUNKWISE_VARIANTS.items():
+                with variant():
+                    samples[label].append(cuda_median_ms(chunkwise, args.iters))
+        for label, variant in CHUNKWISE_VARIANTS.items():
+            with variant():
+                row[label] = (statistics.median(samples[label]), count_host_syncs(chunkwise))
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
@@ -243,8 +288,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = ["chunkwise", "chunkwise, FLA's full CP summaries", "chunkwise, gate outside FLA",
-                 "chunkwise, per-token route per call",
+        order = [*CHUNKWISE_VARIANTS, "chunkwise, per-token route per call",
                  "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
                  "one GPU, half micro-batch"]
         for name, row in table:

@@ -114,12 +114,13 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
     order = torch.argsort(dest * total + position[mine], stable=True)
     remote = order[dest[order] != cp_rank]
     send_splits = torch.bincount(dest, minlength=cp_size).tolist()
-    recv_blocks, recv_splits = [], []
+    recv_blocks, recv_splits, pair_rows = [], [], []
     for s in range(cp_size):
+        ids = per_token_indices(cu, cp_size, s, source)
+        pair_rows.append(tuple(torch.bincount(owner[ids], minlength=cp_size).tolist()))
         if s == cp_rank:
             recv_splits.append(keep.numel())
             continue
-        ids = per_token_indices(cu, cp_size, s, source)
         block = position[ids[owner[ids] == cp_rank]]
         recv_blocks.append(block)
         recv_splits.append(block.numel())
@@ -127,7 +128,7 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
         send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
         keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
         recv_rows=torch.cat(recv_blocks), local_rows=total // cp_size, cp_size=cp_size, cp_rank=cp_rank,
-        source=source, target=target, device=cu.device,
+        source=source, target=target, device=cu.device, pair_rows=tuple(pair_rows),
     )
 
 

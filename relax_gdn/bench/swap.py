@@ -26,6 +26,7 @@ import torch.distributed as dist
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
 from relax_gdn.layout import route as route_module
+from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport
 from relax_gdn.layout.route import put_rows
 
 
@@ -89,19 +90,31 @@ def main() -> None:
 
         bare = timings(lambda: dist.all_to_all_single(out, x))
         rows = [("bare all_to_all_single", *bare, 0)]
+        mismatches = []
         for name, route in routes.items():
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
-                fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
-                rows.append((f"{name} {direction}", *timings(fn), count_host_syncs(fn)))
+                results = {}
+                for transport in SWAP_TRANSPORTS:  # side by side, the same route and data
+                    set_swap_transport(transport)
+                    try:
+                        fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
+                        results[transport] = fn()
+                        label = f"{name} {direction}" + ("" if transport == "all_to_all" else f" [{transport}]")
+                        rows.append((label, *timings(fn), count_host_syncs(fn)))
+                    finally:
+                        set_swap_transport("all_to_all")
+                if not all(torch.equal(results["all_to_all"], v) for v in results.values()):
+                    mismatches.append(f"{name} {direction}")
 
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
                   f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back")
-            print(f"{'variant':<32} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} {'host syncs':>10}")
+            print(f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} {'host syncs':>10}")
             for label, latency, pipelined, syncs in rows:
-                print(f"{label:<32} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
+                print(f"{label:<46} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
                       f"{pipelined / bare[1]:>7.2f}x {syncs:>10}")
+            print("transports token-identical:", "yes" if not mismatches else f"NO: {mismatches}")
         kernels = _scatter_kernels(x, routes, args.iters)
         if rank == 0:
             print(f"\nscatter kernels of the swaps (rank 0), width {width}: median ms")

@@ -95,6 +95,9 @@ class Route:
     device: torch.device
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_version: int | None = None
+    # The whole exchange: pair_rows[s][d] = rows rank s sends to rank d (diagonal: kept rows).
+    # A transport that reads peers' packed buffers needs it to find its block in each.
+    pair_rows: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     @property
     def is_identity(self) -> bool:
@@ -130,7 +133,21 @@ class Route:
             device=self.device,
             cu_seqlens=self.cu_seqlens,
             cu_seqlens_version=self.cu_seqlens_version,
+            pair_rows=None if self.pair_rows is None else tuple(zip(*self.pair_rows)),
         )
+
+    @functools.cached_property
+    def peer_block_starts(self) -> list[int]:
+        """Row offset, in each peer's destination-major send buffer, of the block it sends to
+        this rank: its rows for the ranks before this one (its own rank never goes on the wire)."""
+        if self.pair_rows is None:
+            raise ValueError(
+                f"route {self.source}->{self.target} (rank {self.cp_rank}) has no pair_rows: it was "
+                "not built by build_route, so a peer-memory swap cannot find its rows; use the "
+                "all-to-all transport for it"
+            )
+        me = self.cp_rank
+        return [sum(n for d, n in enumerate(self.pair_rows[s][:me]) if d != s) for s in range(self.cp_size)]
 
     def reverse(self) -> Route:
         """The target -> source route: the same runs with send and receive roles exchanged."""
@@ -229,13 +246,12 @@ def build_route(
     if cp_size > 2:  # with two ranks every moved run has the same peer: already in order
         outgoing = outgoing[np.argsort(tgt_rank[outgoing], kind="stable")]
         incoming = incoming[np.argsort(src_rank[incoming], kind="stable")]
-    send_splits = np.bincount(tgt_rank[outgoing], weights=run_len[outgoing], minlength=cp_size)
-    recv_splits = np.bincount(src_rank[incoming], weights=run_len[incoming], minlength=cp_size)
-    send_splits[cp_rank] = recv_splits[cp_rank] = run_len[kept].sum()
+    pair_rows = np.bincount(src_rank * cp_size + tgt_rank, weights=run_len, minlength=cp_size * cp_size)
+    pair_rows = pair_rows.astype(np.int64).reshape(cp_size, cp_size)
 
     return Route(
-        send_splits=tuple(send_splits.astype(np.int64).tolist()),
-        recv_splits=tuple(recv_splits.astype(np.int64).tolist()),
+        send_splits=tuple(pair_rows[cp_rank].tolist()),
+        recv_splits=tuple(pair_rows[:, cp_rank].tolist()),
         keep_source=_rows(src_row[kept], run_len[kept], device),
         keep_target=_rows(tgt_row[kept], run_len[kept], device),
         send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
@@ -248,6 +264,7 @@ def build_route(
         device=device,
         cu_seqlens=provenance,
         cu_seqlens_version=None if provenance is None else provenance._version,
+        pair_rows=tuple(map(tuple, pair_rows.tolist())),
     )
 
 

@@ -1,4 +1,5 @@
-"""Execute a route: pack -> one ``all_to_all_single`` -> scatter, with autograd (LAYOUTS.md §2.6).
+"""Execute a route: pack -> one ``all_to_all_single`` -> scatter, with autograd (LAYOUTS.md §2.6),
+or, on GPUs of one host, pack -> device barrier -> pull from peers' memory (``peer_memory``).
 
 Nothing here reads device data on the host: split sizes are host ints from the route, row lists
 are device tensors, so a swap issues no device->host sync.
@@ -11,6 +12,23 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from relax_gdn.layout.route import Route, put_rows, take_rows
+
+SWAP_TRANSPORTS = ("all_to_all", "peer_memory")
+_transport = "all_to_all"
+
+
+def set_swap_transport(name: str) -> None:
+    """How swaps on CUDA tensors over NCCL move rows, for the whole process: ``all_to_all``
+    (NCCL, any topology) or ``peer_memory`` (symmetric memory, the group's GPUs on one host; see
+    ``relax_gdn.layout.peer_memory``). Swaps on gloo always use the all-to-all."""
+    global _transport
+    if name not in SWAP_TRANSPORTS:
+        raise ValueError(f"swap transport {name!r} is not one of {SWAP_TRANSPORTS}")
+    _transport = name
+
+
+def swap_transport() -> str:
+    return _transport
 
 # gloo's all-to-all handles only some dtypes (int16 fails, for one). An all-to-all just moves
 # bytes, so any other dtype travels as the raw bytes of the same rows.
@@ -28,6 +46,10 @@ def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) ->
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
+        if _transport == "peer_memory" and x.is_cuda and dist.get_backend(group) == "nccl":
+            from relax_gdn.layout.peer_memory import exchange_through_peer_memory
+
+            return exchange_through_peer_memory(x, route, group or dist.group.WORLD)
         return _exchange_rows(x, route, group)
 
 
