@@ -40,6 +40,7 @@ def _worker(
     import torch.distributed as dist
 
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says: every rank on this host
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
 

@@ -55,6 +55,7 @@ RULES = [
      ["data.max_sample_tokens=512", "train.max_tokens_per_gpu x parallel.cp"]),
     (dict(gdn__cp_mode="ringwise"), 1, ["gdn.cp_mode='ringwise'"]),
     (dict(gdn__route="eager"), 1, ["gdn.route='eager'"]),
+    (dict(gdn__swap_transport="nvshmem"), 1, ["gdn.swap_transport='nvshmem'"]),
     (dict(recompute__granularity="most"), 1, ["recompute.granularity='most'"]),
     (dict(logging__wandb=dict(mode="cloud", project="p", entity=None, group=None, tags=[], name=None)), 1,
      ["logging.wandb.mode='cloud'"]),

@@ -9,12 +9,14 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from relax_gdn.layout import (
     LAYOUTS,
+    SWAP_TRANSPORTS,
     attach_host_cu_seqlens,
     build_route,
     get_route,
     prebuild_routes,
     resolve_cu_seqlens,
     rows_as_tensor,
+    set_swap_transport,
     swap_layout,
     thd_rank_indices,
 )
@@ -180,6 +182,46 @@ def _swap_cases(w: int):
             results.append(
                 (str(cu), source, "grad", torch.equal(x.grad, by_reverse), torch.equal(x.grad, weight[src_ids]))
             )
+    return results + _transport_cases(w)
+
+
+def _transport_cases(w: int):
+    """On gloo every transport setting swaps through the all-to-all; ``auto``'s one-host test."""
+    import os
+
+    import torch.distributed as dist
+
+    from relax_gdn.layout.peer_memory import group_is_on_this_host
+
+    rank, results = dist.get_rank(), []
+    cu = [0, 2 * w * 3, 2 * w * 10]
+    route = build_route(cu, w, rank, "zigzag", "contiguous")
+    data = torch.arange(cu[-1] * 2.0).reshape(-1, 2)
+    for transport in SWAP_TRANSPORTS:
+        set_swap_transport(transport)
+        try:
+            y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
+        finally:
+            set_swap_transport("auto")
+        results.append((transport, "gloo", "transport", torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]), True))
+    halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
+    straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        for hosts, group, expected in (
+            (1, dist.group.WORLD, True),
+            (2, dist.group.WORLD, False),
+            (2, halves[rank * 2 // w], True),
+        ):
+            os.environ["LOCAL_WORLD_SIZE"] = str(w // hosts)
+            results.append((hosts, expected, "one host", group_is_on_this_host(group) == expected, True))
+        if rank in (w // 2 - 1, w // 2):
+            results.append((2, "straddle", "one host", not group_is_on_this_host(straddle), True))
+        del os.environ["LOCAL_WORLD_SIZE"]  # a launcher that does not say: never peer memory
+        results.append((None, False, "one host", not group_is_on_this_host(dist.group.WORLD), True))
+    finally:
+        if before is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = before
     return results
 
 
@@ -189,7 +231,7 @@ def test_swap_layout_on_gloo(w):
     for rank, results in enumerate(per_rank):
         failed = [case for case in results if not (case[3] and case[4])]
         assert not failed, f"rank {rank}: {failed}"
-        assert len(results) == 4 * 2 * 6
+        assert len(results) == 4 * 2 * 6 + 3 + 4 + (rank in (w // 2 - 1, w // 2))
 
 
 # ---------------------------------------------------------------- caches
@@ -371,3 +413,8 @@ def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
         assert torch.equal(out, ref)
     row_bytes = base[0].numel() * base.element_size()
     assert (_as_wide_rows(base).dtype == torch.complex128) == (row_bytes % 16 == 0 and base.element_size() < 16)
+
+
+def test_unknown_swap_transport_names_the_setting():
+    with pytest.raises(ValueError, match=r"'nvshmem'.*gdn.swap_transport"):
+        set_swap_transport("nvshmem")

@@ -33,6 +33,7 @@ class GDNConfig:
     cp_mode: str = "chunkwise"  # relax_gdn.gdn.CP_MODES
     route: str = "lazy_cache"  # relax_gdn.layout.ROUTE_STRATEGIES
     kernel_backend: str = "auto"
+    swap_transport: str = "auto"  # relax_gdn.layout.SWAP_TRANSPORTS
 
 
 @dataclass

@@ -67,7 +67,7 @@ def _is_int(value) -> bool:
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     """Raise :class:`ConfigError` naming every broken rule; return the parallel dims otherwise."""
     from relax_gdn.gdn import CP_MODES
-    from relax_gdn.layout import ROUTE_STRATEGIES
+    from relax_gdn.layout import ROUTE_STRATEGIES, SWAP_TRANSPORTS
     from relax_gdn.model import PRESETS, SPEC_PROVIDERS, MODEL_ATTENTION_BACKENDS
 
     problems: list[str] = []
@@ -82,6 +82,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         ("gdn.cp_mode", gdn.cp_mode, CP_MODES),
         ("gdn.route", gdn.route, ROUTE_STRATEGIES),
         ("gdn.kernel_backend", gdn.kernel_backend, ("auto", "fla", "torch")),
+        ("gdn.swap_transport", gdn.swap_transport, SWAP_TRANSPORTS),
         ("recompute.granularity", cfg.recompute.granularity, RECOMPUTE_GRANULARITIES),
         ("data.source", data.source, DATA_SOURCES),
         ("train.precision", train.precision, PRECISIONS),

@@ -19,12 +19,13 @@ from relax_gdn.layout.cache import (
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
 from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order, rows_as_tensor
-from relax_gdn.layout.swap import swap_layout
+from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport, swap_layout, swap_transport
 
 __all__ = [
     "CP_LAYOUT_PAIR",
     "LAYOUTS",
     "ROUTE_STRATEGIES",
+    "SWAP_TRANSPORTS",
     "ResolvedCuSeqlens",
     "GatheredOrder",
     "Route",
@@ -39,7 +40,9 @@ __all__ = [
     "prebuild_routes",
     "resolve_cu_seqlens",
     "rows_as_tensor",
+    "set_swap_transport",
     "swap_layout",
+    "swap_transport",
     "thd_rank_indices",
     "validated_boundaries",
 ]

@@ -21,6 +21,7 @@ one host with peer access (symmetric memory's CUDA backend); multicast is not us
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +56,16 @@ def _staging(group: dist.ProcessGroup, device: torch.device, need_bytes: int) ->
         # device barrier orders them before this point, the host wait before the free.
         held.handle.barrier(channel=0)
         torch.cuda.current_stream(device).synchronize()
-    symm_mem.enable_symm_mem_for_group(group.group_name)  # idempotent
     half = 1 << max(20, math.ceil(math.log2(max(need_bytes, 1))))  # >= 1 MiB, powers of two
-    local = symm_mem.empty(2 * half, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, group)
+    try:
+        local = symm_mem.empty(2 * half, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(local, group)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"gdn.swap_transport=peer_memory could not map {2 * half} bytes of symmetric memory "
+            f"across the CP group (ranks {dist.get_process_group_ranks(group)}): {err}. Its GPUs must "
+            "be on one host with peer access; set gdn.swap_transport=all_to_all"
+        ) from err
     peers = [handle.get_buffer(r, (2 * half,), torch.uint8, 0) for r in range(dist.get_world_size(group))]
     held = _Staging(local=local, peers=peers, handle=handle, half_bytes=half)
     _STAGING[key] = held
@@ -88,17 +95,24 @@ def exchange_through_peer_memory(x: torch.Tensor, route: Route, group: dist.Proc
     staging.calls += 1
     base = half * staging.half_bytes
 
+    out = x.new_empty((route.local_rows, *x.shape[1:]))
+    # Own-rank rows move on a side stream, overlapping the pack, the barrier's wait and the pulls
+    # (which are bound by NVLink, not by this GPU's memory). The current stream joins it before
+    # returning, so x and out outlive its work without record_stream.
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        if isinstance(route.keep_target, slice) and not isinstance(route.keep_source, slice):
+            torch.index_select(x, 0, route.keep_source, out=out[route.keep_target])
+        else:
+            put_rows(out, route.keep_target, take_rows(x, route.keep_source))
+
     sent = sum(route.wire_send_splits)
     packed = _rows_view(staging.local, base, sent, x)
     if isinstance(route.send_rows, slice):
         packed.copy_(x[route.send_rows])
     elif sent:
         torch.index_select(x, 0, route.send_rows, out=packed)
-    out = x.new_empty((route.local_rows, *x.shape[1:]))
-    if isinstance(route.keep_target, slice) and not isinstance(route.keep_source, slice):
-        torch.index_select(x, 0, route.keep_source, out=out[route.keep_target])
-    else:
-        put_rows(out, route.keep_target, take_rows(x, route.keep_source))
     staging.handle.barrier(channel=0)
 
     # Each peer packed its rows destination-major (``peer_block_starts`` finds this rank's block);
@@ -110,4 +124,25 @@ def exchange_through_peer_memory(x: torch.Tensor, route: Route, group: dist.Proc
         block = _rows_view(staging.peers[peer], base + start * row_bytes, count, x)
         put_rows(out, _sub_rows(route.recv_rows, received, received + count), block)
         received += count
+    main.wait_stream(side)
     return out
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def group_is_on_this_host(group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` runs on this host, as torchrun places ranks (node n holds
+    global ranks ``[n L, (n+1) L)``, ``L = LOCAL_WORLD_SIZE``). False when the launcher does not
+    say (no ``LOCAL_WORLD_SIZE``): peer memory is then never chosen automatically."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if local <= 0:
+        return False
+    node = dist.get_rank() // local
+    return all(r // local == node for r in dist.get_process_group_ranks(group))

@@ -13,22 +13,37 @@ from torch.autograd.profiler import record_function
 
 from relax_gdn.layout.route import Route, put_rows, take_rows
 
-SWAP_TRANSPORTS = ("all_to_all", "peer_memory")
-_transport = "all_to_all"
+SWAP_TRANSPORTS = ("auto", "all_to_all", "peer_memory")
+_transport = "auto"
+_on_one_host: dict[str, bool] = {}  # group name -> every rank on this host (auto's choice)
 
 
 def set_swap_transport(name: str) -> None:
-    """How swaps on CUDA tensors over NCCL move rows, for the whole process: ``all_to_all``
-    (NCCL, any topology) or ``peer_memory`` (symmetric memory, the group's GPUs on one host; see
-    ``relax_gdn.layout.peer_memory``). Swaps on gloo always use the all-to-all."""
+    """How swaps of CUDA tensors over NCCL move rows, for the whole process: ``all_to_all``
+    (NCCL, any topology), ``peer_memory`` (symmetric memory: the group's GPUs on one host, see
+    ``relax_gdn.layout.peer_memory``; measured faster on 2 x H200, README) or ``auto``
+    (peer_memory when the CP group is on this host, else all_to_all). Swaps on gloo always use
+    the all-to-all."""
     global _transport
     if name not in SWAP_TRANSPORTS:
-        raise ValueError(f"swap transport {name!r} is not one of {SWAP_TRANSPORTS}")
+        raise ValueError(f"swap transport {name!r} is not one of {SWAP_TRANSPORTS}; set gdn.swap_transport to one of them")
     _transport = name
 
 
 def swap_transport() -> str:
     return _transport
+
+
+def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    if _transport == "all_to_all" or not x.is_cuda or dist.get_backend(group) != "nccl":
+        return False
+    if _transport == "peer_memory":
+        return True
+    from relax_gdn.layout.peer_memory import group_is_on_this_host
+
+    if group.group_name not in _on_one_host:  # host facts, identical on every rank of the group
+        _on_one_host[group.group_name] = group_is_on_this_host(group)
+    return _on_one_host[group.group_name]
 
 # gloo's all-to-all handles only some dtypes (int16 fails, for one). An all-to-all just moves
 # bytes, so any other dtype travels as the raw bytes of the same rows.
@@ -46,7 +61,7 @@ def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) ->
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
-        if _transport == "peer_memory" and x.is_cuda and dist.get_backend(group) == "nccl":
+        if _uses_peer_memory(x, group or dist.group.WORLD):
             from relax_gdn.layout.peer_memory import exchange_through_peer_memory
 
             return exchange_through_peer_memory(x, route, group or dist.group.WORLD)

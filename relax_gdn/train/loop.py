@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
+from relax_gdn.layout import set_swap_transport
 from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
@@ -355,6 +356,7 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
         dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
 
     vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
+    set_swap_transport(cfg.gdn.swap_transport)  # process-wide, like torch.backends flags
     tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
     if device.type == "cuda":
         from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
