@@ -7,9 +7,9 @@ warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") o
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
-chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps reading peers' memory
-(``relax_gdn.layout.peer_memory``) instead of NCCL's all-to-all (these four in ``--rounds``
-interleaved rounds);
+chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps through NCCL's all-to-all
+instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host)
+(these four in ``--rounds`` interleaved rounds);
 chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
 headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather
 (layer only: the whole-layer recompute it needs in training is not timed here); and the ideal:
@@ -84,11 +84,11 @@ def _swap_transport(name: str):
         set_swap_transport(before)
 
 
-CHUNKWISE_VARIANTS = {
-    "chunkwise": lambda: _swap_transport("all_to_all"),
+CHUNKWISE_VARIANTS = {  # the defaults (swaps through peer memory under torchrun), then one change each
+    "chunkwise": contextlib.nullcontext,
     "chunkwise, FLA's full CP summaries": _fla_full_cp_summaries,
     "chunkwise, gate outside FLA": _gate_outside_fla,
-    "chunkwise, peer-memory swaps": lambda: _swap_transport("peer_memory"),
+    "chunkwise, NCCL all-to-all swaps": lambda: _swap_transport("all_to_all"),
 }
 
 
