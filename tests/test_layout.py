@@ -418,3 +418,18 @@ def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
 def test_unknown_swap_transport_names_the_setting():
     with pytest.raises(ValueError, match=r"'nvshmem'.*gdn.swap_transport"):
         set_swap_transport("nvshmem")
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_per_token_baseline_route_equals_build_route(w):
+    """bench.gdn_layer runs the layer on the seed's per-token route: it must be the same route,
+    whole exchange (pair_rows) included, since the peer-memory swap reads it."""
+    from relax_gdn.bench.routes import per_token_route
+
+    for cu in ([0, 16 * w], [0, 2 * w * 3, 2 * w * 3, 2 * w * 10, 2 * w * 11]):
+        for r in range(w):
+            for source, target in DIRECTIONS:
+                naive, built = per_token_route(torch.tensor(cu), w, r, source, target), build_route(cu, w, r, source, target)
+                assert (naive.pair_rows, naive.send_splits, naive.recv_splits) == (built.pair_rows, built.send_splits, built.recv_splits)
+                for rows in ("send_rows", "recv_rows", "keep_source", "keep_target"):
+                    assert torch.equal(rows_as_tensor(getattr(naive, rows)), rows_as_tensor(getattr(built, rows))), rows

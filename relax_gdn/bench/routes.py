@@ -108,16 +108,17 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
         ids = per_token_indices(cu, cp_size, d, target)
         owner[ids] = d
         position[ids] = torch.arange(ids.numel(), device=cu.device)
-    mine = per_token_indices(cu, cp_size, cp_rank, source)
+    sources = [per_token_indices(cu, cp_size, s, source) for s in range(cp_size)]
+    mine = sources[cp_rank]
     dest = owner[mine]
     keep = (dest == cp_rank).nonzero().squeeze(1)
     order = torch.argsort(dest * total + position[mine], stable=True)
     remote = order[dest[order] != cp_rank]
-    send_splits = torch.bincount(dest, minlength=cp_size).tolist()
-    recv_blocks, recv_splits, pair_rows = [], [], []
-    for s in range(cp_size):
-        ids = per_token_indices(cu, cp_size, s, source)
-        pair_rows.append(tuple(torch.bincount(owner[ids], minlength=cp_size).tolist()))
+    # the whole exchange in one host copy (its own row is this rank's send splits)
+    pair_rows = torch.stack([torch.bincount(owner[ids], minlength=cp_size) for ids in sources]).tolist()
+    send_splits = pair_rows[cp_rank]
+    recv_blocks, recv_splits = [], []
+    for s, ids in enumerate(sources):
         if s == cp_rank:
             recv_splits.append(keep.numel())
             continue
@@ -128,7 +129,7 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
         send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
         keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
         recv_rows=torch.cat(recv_blocks), local_rows=total // cp_size, cp_size=cp_size, cp_rank=cp_rank,
-        source=source, target=target, device=cu.device, pair_rows=tuple(pair_rows),
+        source=source, target=target, device=cu.device, pair_rows=tuple(map(tuple, pair_rows)),
     )
 
 
