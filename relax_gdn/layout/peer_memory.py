@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from relax_gdn.layout.route import Route, put_rows, take_rows
+from relax_gdn.layout.route import Route, copy_rows, put_rows
 
 
 @dataclass
@@ -102,17 +102,10 @@ def exchange_through_peer_memory(x: torch.Tensor, route: Route, group: dist.Proc
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        if isinstance(route.keep_target, slice) and not isinstance(route.keep_source, slice):
-            torch.index_select(x, 0, route.keep_source, out=out[route.keep_target])
-        else:
-            put_rows(out, route.keep_target, take_rows(x, route.keep_source))
+        copy_rows(out, route.keep_target, x, route.keep_source)
 
     sent = sum(route.wire_send_splits)
-    packed = _rows_view(staging.local, base, sent, x)
-    if isinstance(route.send_rows, slice):
-        packed.copy_(x[route.send_rows])
-    elif sent:
-        torch.index_select(x, 0, route.send_rows, out=packed)
+    copy_rows(_rows_view(staging.local, base, sent, x), slice(0, sent), x, route.send_rows)
     staging.handle.barrier(channel=0)
 
     # Each peer packed its rows destination-major (``peer_block_starts`` finds this rank's block);

@@ -61,6 +61,15 @@ def put_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
         out.index_copy_(0, rows, values)
 
 
+def copy_rows(out: torch.Tensor, out_rows: Rows, x: torch.Tensor, x_rows: Rows) -> None:
+    """``out[out_rows] = x[x_rows]`` in ONE pass over the rows when either side is a range (the
+    gather writes straight into the destination range; a source range is read as a view)."""
+    if isinstance(out_rows, slice) and not isinstance(x_rows, slice):
+        torch.index_select(x, 0, x_rows, out=out[out_rows])
+    else:
+        put_rows(out, out_rows, take_rows(x, x_rows))
+
+
 def rows_as_tensor(rows: Rows) -> torch.Tensor:
     """The selected row ids as a CPU tensor (for tests and debugging, not the hot path)."""
     if isinstance(rows, slice):

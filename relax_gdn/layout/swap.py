@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from relax_gdn.layout.route import Route, put_rows, take_rows
+from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
 SWAP_TRANSPORTS = ("auto", "all_to_all", "peer_memory")
 _transport = "auto"
@@ -91,20 +91,11 @@ def _exchange_rows(x: torch.Tensor, route: Route, group: dist.ProcessGroup | Non
         group=group,
         async_op=True,
     )
-    _copy_rows(out, route.keep_target, x, route.keep_source)
+    copy_rows(out, route.keep_target, x, route.keep_source)
     work.wait()
     if not recv_in_place:
         put_rows(out, route.recv_rows, recv)
     return out
-
-
-def _copy_rows(out: torch.Tensor, out_rows, x: torch.Tensor, x_rows) -> None:
-    """``out[out_rows] = x[x_rows]`` in ONE pass over the rows when either side is a range (the
-    gather writes straight into the destination range; a source range is read as a view)."""
-    if isinstance(out_rows, slice) and not isinstance(x_rows, slice):
-        torch.index_select(x, 0, x_rows, out=out[out_rows])
-    else:
-        put_rows(out, out_rows, take_rows(x, x_rows))
 
 
 class _SwapLayout(torch.autograd.Function):
