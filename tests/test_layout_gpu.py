@@ -66,3 +66,40 @@ def _swap_cases(rank: int, device: torch.device):
 
 def test_swap_on_nccl_is_exact_and_sync_free():
     assert run_distributed(_nccl_swap_cases, 2, backend="nccl") == [[], []]
+
+
+def _back_to_back_peer_memory_swaps():
+    """Many peer-memory swaps issued with no host sync between them (as in a model's forward and
+    backward), alternating routes, widths and directions, with a staging-buffer growth in the
+    middle: each result must still be exact. This is what the double buffering must get right —
+    a rank racing ahead may not overwrite a half its peer is still reading."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
+    from relax_gdn.layout.swap import set_swap_transport
+
+    rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(1)  # every rank draws the same global data
+    packings = ([0, 3000, 8192, 12000, 16384], [0, 16384], [0, 1024 * 4, 1024 * 8, 1024 * 16])
+    big = [0, 20000, 65536]  # needs larger staging halves than the 16k batches
+    plan = [(cu, width, direction) for _ in range(3) for cu in packings for width in (64, 1536)
+            for direction in (("zigzag", "contiguous"), ("contiguous", "zigzag"))]
+    plan.insert(len(plan) // 2, (big, 1536, ("zigzag", "contiguous")))
+    cases = []  # everything that needs the host built first, so the swaps below go back to back
+    for cu, width, (source, target) in plan:
+        data = torch.randn(cu[-1], width, device=device, dtype=torch.bfloat16)
+        route = build_route(cu, 2, rank, source, target, device=device)
+        src, tgt = (thd_rank_indices(cu, 2, rank, layout).to(device) for layout in (source, target))
+        cases.append((data[src].contiguous(), route, data[tgt]))
+    torch.cuda.synchronize()
+    set_swap_transport("peer_memory")
+    try:
+        outputs = [swap_layout(x, route, None) for x, route, _ in cases]
+    finally:
+        set_swap_transport("auto")
+    torch.cuda.synchronize()
+    return [i for i, (y, (_, _, expected)) in enumerate(zip(outputs, cases)) if not torch.equal(y, expected)]
+
+
+def test_back_to_back_peer_memory_swaps_are_exact():
+    assert run_distributed(_back_to_back_peer_memory_swaps, 2, backend="nccl") == [[], []]
