@@ -167,3 +167,14 @@ def test_fla_fp32_gradient_caveat_covers_fp32_on_hopper_only():
     assert fla_fp32_gradient_caveat(torch.bfloat16, (9, 0)) is None  # bf16: within 1 % of fp64
     assert fla_fp32_gradient_caveat(torch.float32, (8, 0)) is None  # not measured: no claim
     assert fla_fp32_gradient_caveat(torch.float32, (10, 0)) is None
+
+
+def test_gate_outside_fla_switches_and_restores():
+    from relax_gdn.gdn.kernels import FlaKernels, gate_outside_fla
+
+    assert FlaKernels.fused_gate
+    with pytest.raises(RuntimeError, match="inside"):
+        with gate_outside_fla():
+            assert not FlaKernels.fused_gate
+            raise RuntimeError("inside")
+    assert FlaKernels.fused_gate

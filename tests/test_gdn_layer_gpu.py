@@ -70,7 +70,7 @@ def _gpu_cases(dtype: torch.dtype):
     from megatron.core.tensor_parallel import random as mcore_random
 
     from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.gdn.kernels import FlaKernels
+    from relax_gdn.gdn.kernels import gate_outside_fla
     from tests import gdn_harness as h
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -110,17 +110,11 @@ def _gpu_cases(dtype: torch.dtype):
               flush=True)
         if mode == "chunkwise":
             assert fla_cp_summaries.installed()
-            fla_cp_summaries.uninstall()
-            try:  # FLA's own pre-pass, unread summaries included: must give the same bits
+            with fla_cp_summaries.uninstalled():  # FLA's own pre-pass, unread summaries included: same bits
                 stock = h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
-            finally:
-                fla_cp_summaries.install()
             identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
-            FlaKernels.fused_gate = False  # the gate's activation by torch around FLA, as Megatron-Core
-            try:
+            with gate_outside_fla():  # the gate's activation by torch around FLA, as Megatron-Core
                 unfused = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
-            finally:
-                FlaKernels.fused_gate = True
             results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
         if mode != "all_gather":
             ids = got[3]

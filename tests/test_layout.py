@@ -18,6 +18,7 @@ from relax_gdn.layout import (
     rows_as_tensor,
     set_swap_transport,
     swap_layout,
+    swap_transport_set_to,
     thd_rank_indices,
 )
 from relax_gdn.layout import cache as cache_module
@@ -198,11 +199,8 @@ def _transport_cases(w: int):
     route = build_route(cu, w, rank, "zigzag", "contiguous")
     data = torch.arange(cu[-1] * 2.0).reshape(-1, 2)
     for transport in SWAP_TRANSPORTS:
-        set_swap_transport(transport)
-        try:
+        with swap_transport_set_to(transport):
             y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
-        finally:
-            set_swap_transport("auto")
         results.append((transport, "gloo", "transport", torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]), True))
     halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
     straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
@@ -433,3 +431,14 @@ def test_per_token_baseline_route_equals_build_route(w):
                 assert (naive.pair_rows, naive.send_splits, naive.recv_splits) == (built.pair_rows, built.send_splits, built.recv_splits)
                 for rows in ("send_rows", "recv_rows", "keep_source", "keep_target"):
                     assert torch.equal(rows_as_tensor(getattr(naive, rows)), rows_as_tensor(getattr(built, rows))), rows
+
+
+def test_swap_transport_set_to_restores_the_previous_setting():
+    from relax_gdn.layout import swap_transport
+
+    assert swap_transport() == "auto"
+    with pytest.raises(RuntimeError, match="inside"):
+        with swap_transport_set_to("peer_memory"):
+            assert swap_transport() == "peer_memory"
+            raise RuntimeError("inside")
+    assert swap_transport() == "auto"

@@ -18,19 +18,16 @@ def _nccl_swap_cases():
     import torch.distributed as dist
 
     from relax_gdn.layout import build_route, swap_layout
-    from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport
+    from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_transport_set_to
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     failures = []
     for transport in SWAP_TRANSPORTS:
-        set_swap_transport(transport)
-        try:
+        with swap_transport_set_to(transport):
             # The first peer-memory swap allocates the staging buffers (a host-blocking
             # rendezvous, once): done here, for the largest case, before syncs are forbidden.
             swap_layout(torch.zeros(8192, 3, 16, device=device), build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device), None)
             failures += [(transport, *f) for f in _swap_cases(rank, device)]
-        finally:
-            set_swap_transport("all_to_all")
     return failures
 
 
@@ -76,7 +73,7 @@ def _back_to_back_peer_memory_swaps():
     import torch.distributed as dist
 
     from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
-    from relax_gdn.layout.swap import set_swap_transport
+    from relax_gdn.layout.swap import swap_transport_set_to
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(1)  # every rank draws the same global data
@@ -92,11 +89,8 @@ def _back_to_back_peer_memory_swaps():
         src, tgt = (thd_rank_indices(cu, 2, rank, layout).to(device) for layout in (source, target))
         cases.append((data[src].contiguous(), route, data[tgt]))
     torch.cuda.synchronize()
-    set_swap_transport("peer_memory")
-    try:
+    with swap_transport_set_to("peer_memory"):
         outputs = [swap_layout(x, route, None) for x, route, _ in cases]
-    finally:
-        set_swap_transport("auto")
     torch.cuda.synchronize()
     return [i for i, (y, (_, _, expected)) in enumerate(zip(outputs, cases)) if not torch.equal(y, expected)]
 

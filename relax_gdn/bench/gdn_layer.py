@@ -48,48 +48,19 @@ MICRO_BATCHES = {
 }
 
 
-@contextlib.contextmanager
-def _fla_full_cp_summaries():
-    """FLA's own CP pre-pass, with the transition summaries no rank reads."""
+def _chunkwise_variants():
+    """The defaults (swaps through peer memory under torchrun), then one change each: label ->
+    context manager."""
     from relax_gdn.gdn import fla_cp_summaries
+    from relax_gdn.gdn.kernels import gate_outside_fla
+    from relax_gdn.layout import swap_transport_set_to
 
-    fla_cp_summaries.uninstall()
-    try:
-        yield
-    finally:
-        fla_cp_summaries.install()
-
-
-@contextlib.contextmanager
-def _gate_outside_fla():
-    """The decay gate's activation as separate torch kernels around FLA."""
-    from relax_gdn.gdn.kernels import FlaKernels
-
-    FlaKernels.fused_gate = False
-    try:
-        yield
-    finally:
-        FlaKernels.fused_gate = True
-
-
-@contextlib.contextmanager
-def _swap_transport(name: str):
-    from relax_gdn.layout.swap import set_swap_transport, swap_transport
-
-    before = swap_transport()
-    set_swap_transport(name)
-    try:
-        yield
-    finally:
-        set_swap_transport(before)
-
-
-CHUNKWISE_VARIANTS = {  # the defaults (swaps through peer memory under torchrun), then one change each
-    "chunkwise": contextlib.nullcontext,
-    "chunkwise, FLA's full CP summaries": _fla_full_cp_summaries,
-    "chunkwise, gate outside FLA": _gate_outside_fla,
-    "chunkwise, NCCL all-to-all swaps": lambda: _swap_transport("all_to_all"),
-}
+    return {
+        "chunkwise": contextlib.nullcontext,
+        "chunkwise, FLA's full CP summaries": fla_cp_summaries.uninstalled,
+        "chunkwise, gate outside FLA": gate_outside_fla,
+        "chunkwise, NCCL all-to-all swaps": lambda: swap_transport_set_to("all_to_all"),
+    }
 
 
 def qwen35_gdn_config(**overrides):
@@ -206,6 +177,7 @@ def main() -> None:
         layer.load_state_dict(state)
 
     table = []
+    variants = _chunkwise_variants()
     names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
         docs = MICRO_BATCHES[name]
@@ -236,12 +208,12 @@ def main() -> None:
         # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): on
         # a host-bound 16k row one variant timed once drifts by up to ±15 % from the next.
         chunkwise = step(layers["chunkwise"], x_local, dy_local, psp)
-        samples = {label: [] for label in CHUNKWISE_VARIANTS}
+        samples = {label: [] for label in variants}
         for _ in range(args.rounds):
-            for label, variant in CHUNKWISE_VARIANTS.items():
+            for label, variant in variants.items():
                 with variant():
                     samples[label].append(cuda_median_ms(chunkwise, args.iters))
-        for label, variant in CHUNKWISE_VARIANTS.items():
+        for label, variant in variants.items():
             with variant():
                 row[label] = (statistics.median(samples[label]), count_host_syncs(chunkwise))
 
@@ -288,7 +260,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = [*CHUNKWISE_VARIANTS, "chunkwise, per-token route per call",
+        order = [*variants, "chunkwise, per-token route per call",
                  "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
                  "one GPU, half micro-batch"]
         for name, row in table:

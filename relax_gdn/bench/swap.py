@@ -26,7 +26,7 @@ import torch.distributed as dist
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 from relax_gdn.layout import build_route, swap_layout
 from relax_gdn.layout import route as route_module
-from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport
+from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_transport_set_to
 from relax_gdn.layout.route import put_rows
 
 
@@ -95,14 +95,11 @@ def main() -> None:
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
                 results = {}
                 for transport in SWAP_TRANSPORTS:  # side by side, the same route and data
-                    set_swap_transport(transport)
-                    try:
+                    with swap_transport_set_to(transport):
                         fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
                         results[transport] = fn()
                         label = f"{name} {direction}" + ("" if transport == "all_to_all" else f" [{transport}]")
                         rows.append((label, *timings(fn), count_host_syncs(fn)))
-                    finally:
-                        set_swap_transport("all_to_all")
                 if not all(torch.equal(results["all_to_all"], v) for v in results.values()):
                     mismatches.append(f"{name} {direction}")
 

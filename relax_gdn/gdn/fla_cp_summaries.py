@@ -23,6 +23,8 @@ FLA version and that the names are FLA's originals.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 
 import torch
@@ -181,6 +183,16 @@ def installed() -> bool:
 
     chunk = importlib.import_module(_PATCHED_MODULE)
     return all(getattr(getattr(chunk, n), "relax_gdn_original", None) is not None for n in (_FWD_NAME, _BWD_NAME))
+
+
+@contextlib.contextmanager
+def uninstalled():
+    """FLA's own pre-processing inside the block (A/Bs, tests), ours again after it."""
+    uninstall()
+    try:
+        yield
+    finally:
+        install()
 
 
 def uninstall() -> None:

@@ -8,6 +8,7 @@ rank boundaries (FLA's CP context on GPU, differentiable collectives in the refe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -81,6 +82,17 @@ class GateInputs:
     def log_decay(self) -> torch.Tensor:
         """``g`` in fp32, computed as Megatron-Core does."""
         return -self.a_log.float().exp() * F.softplus(self.alpha.float() + self.dt_bias.float())
+
+
+@contextlib.contextmanager
+def gate_outside_fla():
+    """Inside the block FLA gets ``g`` computed by torch around it, as Megatron-Core does, instead
+    of computing the gate's activation in its chunk cumsum (A/Bs, tests)."""
+    FlaKernels.fused_gate = False
+    try:
+        yield
+    finally:
+        FlaKernels.fused_gate = True
 
 
 class GDNKernels(Protocol):

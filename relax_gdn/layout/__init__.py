@@ -19,7 +19,13 @@ from relax_gdn.layout.cache import (
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
 from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order, rows_as_tensor
-from relax_gdn.layout.swap import SWAP_TRANSPORTS, set_swap_transport, swap_layout, swap_transport
+from relax_gdn.layout.swap import (
+    SWAP_TRANSPORTS,
+    set_swap_transport,
+    swap_layout,
+    swap_transport,
+    swap_transport_set_to,
+)
 
 __all__ = [
     "CP_LAYOUT_PAIR",
@@ -43,6 +49,7 @@ __all__ = [
     "set_swap_transport",
     "swap_layout",
     "swap_transport",
+    "swap_transport_set_to",
     "thd_rank_indices",
     "validated_boundaries",
 ]

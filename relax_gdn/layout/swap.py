@@ -7,6 +7,8 @@ are device tensors, so a swap issues no device->host sync.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
@@ -32,6 +34,17 @@ def set_swap_transport(name: str) -> None:
 
 def swap_transport() -> str:
     return _transport
+
+
+@contextlib.contextmanager
+def swap_transport_set_to(name: str):
+    """``set_swap_transport(name)`` inside the block, the previous setting after it (A/Bs, tests)."""
+    before = _transport
+    set_swap_transport(name)
+    try:
+        yield
+    finally:
+        set_swap_transport(before)
 
 
 def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -61,10 +74,11 @@ def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) ->
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
-        if _uses_peer_memory(x, group or dist.group.WORLD):
+        process_group = group or dist.group.WORLD
+        if _uses_peer_memory(x, process_group):
             from relax_gdn.layout.peer_memory import exchange_through_peer_memory
 
-            return exchange_through_peer_memory(x, route, group or dist.group.WORLD)
+            return exchange_through_peer_memory(x, route, process_group)
         return _exchange_rows(x, route, group)
 
 
