@@ -114,22 +114,13 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
     keep = (dest == cp_rank).nonzero().squeeze(1)
     order = torch.argsort(dest * total + position[mine], stable=True)
     remote = order[dest[order] != cp_rank]
-    # the whole exchange in one host copy (its own row is this rank's send splits)
+    # the whole exchange in one host copy (the route's splits are its row and column)
     pair_rows = torch.stack([torch.bincount(owner[ids], minlength=cp_size) for ids in sources]).tolist()
-    send_splits = pair_rows[cp_rank]
-    recv_blocks, recv_splits = [], []
-    for s, ids in enumerate(sources):
-        if s == cp_rank:
-            recv_splits.append(keep.numel())
-            continue
-        block = position[ids[owner[ids] == cp_rank]]
-        recv_blocks.append(block)
-        recv_splits.append(block.numel())
+    recv_blocks = [position[ids[owner[ids] == cp_rank]] for s, ids in enumerate(sources) if s != cp_rank]
     return Route(
-        send_splits=tuple(send_splits), recv_splits=tuple(recv_splits),
-        keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
+        pair_rows=tuple(map(tuple, pair_rows)), keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
         recv_rows=torch.cat(recv_blocks), local_rows=total // cp_size, cp_size=cp_size, cp_rank=cp_rank,
-        source=source, target=target, device=cu.device, pair_rows=tuple(map(tuple, pair_rows)),
+        source=source, target=target, device=cu.device,
     )
 
 

@@ -89,8 +89,10 @@ class Route:
     ``reverse()`` gives the mirror route (target -> source) sharing the same tensors.
     """
 
-    send_splits: tuple[int, ...]  # rows this rank's source sends to each rank (own rank included)
-    recv_splits: tuple[int, ...]  # rows this rank's target receives from each rank
+    # The whole exchange: pair_rows[s][d] = rows rank s sends to rank d (diagonal: kept rows).
+    # This rank's splits are its row and column; a transport that reads peers' packed buffers
+    # also needs the other rows to find its block in each.
+    pair_rows: tuple[tuple[int, ...], ...]
     keep_source: Rows  # own-rank rows, in source storage ...
     keep_target: Rows  # ... and where they go in target storage (same order)
     send_rows: Rows  # source rows for OTHER ranks, destination-major, receiver-row order
@@ -104,9 +106,6 @@ class Route:
     device: torch.device
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     cu_seqlens_version: int | None = None
-    # The whole exchange: pair_rows[s][d] = rows rank s sends to rank d (diagonal: kept rows).
-    # A transport that reads peers' packed buffers needs it to find its block in each.
-    pair_rows: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     @property
     def is_identity(self) -> bool:
@@ -116,6 +115,16 @@ class Route:
         return self.cp_size == 1 or self.source == self.target or self.local_rows == 0
 
     # cached: a swap runs several times per layer and micro-batch; its host time is on the clock
+    @functools.cached_property
+    def send_splits(self) -> tuple[int, ...]:
+        """Rows this rank's source sends to each rank (own rank included)."""
+        return self.pair_rows[self.cp_rank]
+
+    @functools.cached_property
+    def recv_splits(self) -> tuple[int, ...]:
+        """Rows this rank's target receives from each rank."""
+        return tuple(row[self.cp_rank] for row in self.pair_rows)
+
     @functools.cached_property
     def wire_send_splits(self) -> list[int]:
         """Split sizes of the all-to-all: own-rank rows never go on the wire."""
@@ -128,8 +137,7 @@ class Route:
     @functools.cached_property
     def _reversed(self) -> Route:
         return Route(
-            send_splits=self.recv_splits,
-            recv_splits=self.send_splits,
+            pair_rows=tuple(zip(*self.pair_rows)),
             keep_source=self.keep_target,
             keep_target=self.keep_source,
             send_rows=self.recv_rows,
@@ -142,19 +150,12 @@ class Route:
             device=self.device,
             cu_seqlens=self.cu_seqlens,
             cu_seqlens_version=self.cu_seqlens_version,
-            pair_rows=None if self.pair_rows is None else tuple(zip(*self.pair_rows)),
         )
 
     @functools.cached_property
     def peer_block_starts(self) -> list[int]:
         """Row offset, in each peer's destination-major send buffer, of the block it sends to
         this rank: its rows for the ranks before this one (its own rank never goes on the wire)."""
-        if self.pair_rows is None:
-            raise ValueError(
-                f"route {self.source}->{self.target} (rank {self.cp_rank}) has no pair_rows: it was "
-                "not built by build_route, so a peer-memory swap cannot find its rows; use the "
-                "all-to-all transport for it"
-            )
         me = self.cp_rank
         return [sum(n for d, n in enumerate(self.pair_rows[s][:me]) if d != s) for s in range(self.cp_size)]
 
@@ -259,8 +260,7 @@ def build_route(
     pair_rows = pair_rows.astype(np.int64).reshape(cp_size, cp_size)
 
     return Route(
-        send_splits=tuple(pair_rows[cp_rank].tolist()),
-        recv_splits=tuple(pair_rows[:, cp_rank].tolist()),
+        pair_rows=tuple(map(tuple, pair_rows.tolist())),
         keep_source=_rows(src_row[kept], run_len[kept], device),
         keep_target=_rows(tgt_row[kept], run_len[kept], device),
         send_rows=_rows(src_row[outgoing], run_len[outgoing], device),
@@ -273,7 +273,6 @@ def build_route(
         device=device,
         cu_seqlens=provenance,
         cu_seqlens_version=None if provenance is None else provenance._version,
-        pair_rows=tuple(map(tuple, pair_rows.tolist())),
     )
 
 
