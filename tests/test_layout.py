@@ -202,6 +202,11 @@ def _transport_cases(w: int):
         with swap_transport_set_to(transport):
             y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
         results.append((transport, "gloo", "transport", torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]), True))
+    # A swap is a named range in profiler traces (it is skipped when no profiler runs: host time).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
+    names = {event.name for event in prof.events()}
+    results.append(("profiler", "gloo", "range", "relax_gdn.swap zigzag->contiguous" in names, True))
     halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
     straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
     before = os.environ.get("LOCAL_WORLD_SIZE")
@@ -229,7 +234,7 @@ def test_swap_layout_on_gloo(w):
     for rank, results in enumerate(per_rank):
         failed = [case for case in results if not (case[3] and case[4])]
         assert not failed, f"rank {rank}: {failed}"
-        assert len(results) == 4 * 2 * 6 + 3 + 4 + (rank in (w // 2 - 1, w // 2))
+        assert len(results) == 4 * 2 * 6 + 3 + 1 + 4 + (rank in (w // 2 - 1, w // 2))
 
 
 # ---------------------------------------------------------------- caches
@@ -411,6 +416,9 @@ def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
         assert torch.equal(out, ref)
     row_bytes = base[0].numel() * base.element_size()
     assert (_as_wide_rows(base).dtype == torch.complex128) == (row_bytes % 16 == 0 and base.element_size() < 16)
+    out = base.clone()  # zero rows (a rank that keeps or receives nothing): a no-op, not an error
+    put_rows(out, torch.zeros(0, dtype=torch.long), base[:0])
+    assert torch.equal(out, base) and _as_wide_rows(base[:0]).shape[0] == 0
 
 
 def test_unknown_swap_transport_names_the_setting():

@@ -10,6 +10,7 @@ to O(T / W) and copied to the device once.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,12 +42,12 @@ def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
     divides a row's bytes and the storage offset; ``t`` itself when none does."""
     if not WIDE_ROW_COPIES or t.dim() == 0 or not t.is_contiguous():
         return t
-    row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()  # not t[0]: a view costs host time
     offset_bytes = t.storage_offset() * t.element_size()
     for wide in _WIDE_DTYPES:
         size = wide.itemsize
         if size > t.element_size() and row_bytes and row_bytes % size == 0 and offset_bytes % size == 0:
-            return t.reshape(t.shape[0], -1).view(wide)
+            return t.reshape(t.shape[0], row_bytes // t.element_size()).view(wide)
     return t
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from relax_gdn.layout.peer_memory import exchange_through_peer_memory, group_is_on_this_host
 from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
 SWAP_TRANSPORTS = ("auto", "all_to_all", "peer_memory")
@@ -52,8 +53,6 @@ def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
         return False
     if _transport == "peer_memory":
         return True
-    from relax_gdn.layout.peer_memory import group_is_on_this_host
-
     if group.group_name not in _on_one_host:  # host facts, identical on every rank of the group
         _on_one_host[group.group_name] = group_is_on_this_host(group)
     return _on_one_host[group.group_name]
@@ -72,14 +71,16 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
 
 def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
+    process_group = group or dist.group.WORLD
+    if _uses_peer_memory(x, process_group):
+        transport = exchange_through_peer_memory
+    else:
+        transport = _exchange_rows
+    if not torch.autograd._profiler_enabled():  # the range costs ~10 us of host time per swap
+        return transport(x, route, process_group)
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
-        process_group = group or dist.group.WORLD
-        if _uses_peer_memory(x, process_group):
-            from relax_gdn.layout.peer_memory import exchange_through_peer_memory
-
-            return exchange_through_peer_memory(x, route, process_group)
-        return _exchange_rows(x, route, group)
+        return transport(x, route, process_group)
 
 
 def _exchange_rows(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
