@@ -4,23 +4,26 @@
 
 Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank (CUDA events,
 warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
+"host ms" is the host time to issue one call with the GPU idle (``timing.host_enqueue_ms``):
+where it comes close to "ms", the call is host-bound.
+
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
 chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps through NCCL's all-to-all
 instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host)
-(these four in ``--rounds`` interleaved rounds);
-chunkwise with the route rebuilt per call the per-token way (the seed's naive baseline);
-headwise (ours: cached checks and row maps); headwise (stock Megatron-Core class); all_gather
-(layer only: the whole-layer recompute it needs in training is not timed here); and the ideal:
-half the single-GPU time of the whole micro-batch plus a bare all-to-all of the bytes chunkwise
-swaps (4 swaps of T/2 x hidden bf16). A last
+(these four in ``--rounds`` interleaved rounds); chunkwise with the route rebuilt per call the
+per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps); headwise
+(stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs in
+training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
+plus a bare all-to-all of the bytes chunkwise swaps (4 swaps of T/2 x hidden bf16). A last
 column times one GPU on HALF the micro-batch (the first documents up to T/2): the fixed per-call
 costs that "half the one-GPU time" leaves out.
 
 ``--profile`` then profiles chunkwise and the one-GPU half micro-batch (torch profiler, rank 0):
-per call, the wall time, the GPU busy time (union of kernel intervals), the kernel count, and the
-kernels with the most GPU time; ``--trace-dir`` also writes chrome traces.
+per call, the wall time, the GPU busy time (union of kernel intervals), the kernel count, the host
+time to issue it, and the kernels with the most GPU time; ``--trace-dir`` also writes chrome
+traces, ``--python-hotspots`` a cProfile of chunkwise (host time per Python function).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
+from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
 
 # The first two (the seed's) have the CP 2 cut (T/2) on a document boundary, so chunkwise scans
 # each slice alone; in the third, as in the 64k ones, a document spans the cut.
@@ -93,6 +96,27 @@ def packed_seq_params(cu: list[int], device: torch.device):
     return psp
 
 
+def python_hotspots(fn, iters: int = 5, top: int = 25) -> str:
+    """cProfile of ``iters`` calls: the Python functions with the most host time, own and
+    cumulative (Python >= 3.12's cProfile sees the autograd thread's backward too)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) -> str:
     """Where one call's time goes on this rank (see the module docstring)."""
     from torch.autograd import DeviceType
@@ -100,7 +124,7 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
 
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    enqueue_ms = host_enqueue_ms(fn)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(iters):
@@ -122,7 +146,7 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
         acc[0] += 1
         acc[1] += e.time_range.elapsed_us()
     lines = [f"    wall {wall_ms:.2f} ms/call, GPU busy {busy / 1e3 / iters:.2f} ms/call, "
-             f"{len(kernels) / iters:.0f} kernels/call"]
+             f"{len(kernels) / iters:.0f} kernels/call, host enqueue {enqueue_ms:.2f} ms/call (no profiler)"]
     for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"    {us / 1e3 / iters:7.3f} ms {count / iters:5.1f}x  {name[:110]}")
     return "\n".join(lines)
@@ -144,6 +168,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
     parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--python-hotspots", action="store_true",
+                        help="with --profile: cProfile of chunkwise on rank 0 (host time per Python function)")
     args = parser.parse_args()
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
@@ -202,7 +228,7 @@ def main() -> None:
         row = {}
         for label in ("headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
-            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
+            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn))
             print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
 
         # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): on
@@ -215,7 +241,7 @@ def main() -> None:
                     samples[label].append(cuda_median_ms(chunkwise, args.iters))
         for label, variant in variants.items():
             with variant():
-                row[label] = (statistics.median(samples[label]), count_host_syncs(chunkwise))
+                row[label] = (statistics.median(samples[label]), count_host_syncs(chunkwise), host_enqueue_ms(chunkwise))
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
@@ -225,7 +251,7 @@ def main() -> None:
         gdn_layer.get_route = per_token_get_route
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
-            row["chunkwise, per-token route per call"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn))
+            row["chunkwise, per-token route per call"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn))
         finally:
             gdn_layer.get_route = real_get_route
 
@@ -235,7 +261,7 @@ def main() -> None:
         if half_cu[-1] < half:
             half_cu.append(half)  # the document that crosses T/2 is cut there
         half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed_seq_params(half_cu, device))
-        row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None)
+        row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None, host_enqueue_ms(half_step))
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)
 
@@ -244,8 +270,8 @@ def main() -> None:
                 dist.all_to_all_single(out, buf)
 
         a2a_ms = cuda_median_ms(four_swaps, args.iters)
-        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0)
-        row["single GPU, whole micro-batch"] = (single_ms, None)
+        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0, None)
+        row["single GPU, whole micro-batch"] = (single_ms, None, None)
         table.append((name, row))
         if args.profile:
             trace = (lambda v: os.path.join(args.trace_dir, f"{name}-{v}-rank{rank}.json".replace(" ", "_").replace(",", ""))
@@ -254,6 +280,9 @@ def main() -> None:
                 "chunkwise": profile_call(step(layers["chunkwise"], x_local, dy_local, psp), trace=trace("chunkwise")),
                 "one GPU, half micro-batch": profile_call(half_step, trace=trace("half")),
             }
+            if args.python_hotspots:
+                chunkwise_call = step(layers["chunkwise"], x_local, dy_local, psp)
+                report["chunkwise, Python hotspots"] = python_hotspots(chunkwise_call)
             if rank == 0:
                 for label, text in report.items():
                     print(f"\n[profile] {name}: {label}\n{text}", flush=True)
@@ -266,10 +295,11 @@ def main() -> None:
         for name, row in table:
             stock = row["headwise (stock MCore)"][0]
             print(f"\n{name}")
-            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11}")
+            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11} {'host ms':>8}")
             for label in order:
-                ms, syncs = row[label]
-                print(f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11}")
+                ms, syncs, host = row[label]
+                print(f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11} "
+                      f"{'' if host is None else f'{host:.2f}':>8}")
     dist.destroy_process_group()
 
 

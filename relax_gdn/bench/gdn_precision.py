@@ -115,7 +115,7 @@ def main() -> None:
 
     def run(kernels, dtype) -> dict[str, torch.Tensor]:
         module = layer(dtype, state)
-        xx = x.to(dtype).requires_grad_(True)
+        xx = x.to(dtype, copy=True).requires_grad_(True)  # a fresh leaf: x.to(x.dtype) would be x itself
         with _kernels(kernels):
             out, _ = module(xx, None, packed_seq_params=packed_seq_params(PACKED, device))
             (out * weight.to(dtype)).sum().backward()

@@ -9,7 +9,8 @@ counted with torch.cuda.set_sync_debug_mode("warn"). Two timings per variant: th
 call (ranks aligned, GPU idle before it: the host's launch work is on the clock) and the time per
 call of ``--pipelined`` calls issued back to back (the host runs ahead of the GPU, as in a model's
 forward/backward, so what remains is the GPU's own cost); each is compared with the bare
-all-to-all timed the same way. A second table times the swap's scatter
+all-to-all timed the same way. "host ms" is the host time to issue one call (what the latency
+pays for on a slow host). A second table times the swap's scatter
 kernels alone (no NCCL, so no transfer noise): every scattered row list of the multi-document
 routes (``put_rows`` into index rows), as 16-byte words (what the swap does) and as 2-byte
 elements (``relax_gdn.layout.route.WIDE_ROW_COPIES = False``).
@@ -23,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
+from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
 from relax_gdn.layout import build_route, swap_layout
 from relax_gdn.layout import route as route_module
 from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_transport_set_to
@@ -82,11 +83,12 @@ def main() -> None:
         k = args.pipelined
 
         def timings(fn):
-            """(latency ms, pipelined ms per call)"""
+            """(latency ms, pipelined ms per call, host ms to issue one call)"""
             def repeated():
                 for _ in range(k):
                     fn()
-            return cuda_median_ms(fn, args.iters, 5), cuda_median_ms(repeated, args.iters, 2) / k
+            return (cuda_median_ms(fn, args.iters, 5), cuda_median_ms(repeated, args.iters, 2) / k,
+                    host_enqueue_ms(fn, args.iters))
 
         bare = timings(lambda: dist.all_to_all_single(out, x))
         rows = [("bare all_to_all_single", *bare, 0)]
@@ -107,10 +109,11 @@ def main() -> None:
             gb = x.numel() * x.element_size() / 1e9
             print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
                   f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back")
-            print(f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} {'host syncs':>10}")
-            for label, latency, pipelined, syncs in rows:
+            print(f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} "
+                  f"{'host ms':>8} {'host syncs':>10}")
+            for label, latency, pipelined, host, syncs in rows:
                 print(f"{label:<46} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
-                      f"{pipelined / bare[1]:>7.2f}x {syncs:>10}")
+                      f"{pipelined / bare[1]:>7.2f}x {host:>8.3f} {syncs:>10}")
             print("transports token-identical:", "yes" if not mismatches else f"NO: {mismatches}")
         kernels = _scatter_kernels(x, routes, args.iters)
         if rank == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,3 +40,16 @@ def count_host_syncs(fn, where: dict | None = None) -> int:
     if where is not None:
         where.update(counter.locations)
     return counter.count
+
+
+def host_enqueue_ms(fn, iters: int = 5) -> float:
+    """Host time to issue one call, the GPU idle at its start (median): when it is close to the
+    call's GPU time, the call is host-bound."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
