@@ -34,9 +34,10 @@ def fla_fp32_gradient_caveat(dtype: torch.dtype, capability: tuple[int, int]) ->
     Measured on H200 (``python -m relax_gdn.bench.gdn_precision``, 2026-11-30): in fp32 the
     gated delta rule's backward misses an fp64 reference by 46 % (``A_log``) and 23 %
     (``dt_bias``) of their largest gradient, with the output exact; bf16 is within 1 %. It is in
-    FLA's scan backward (not the conv, not CP) and survives exact fp32 products in every Triton
-    kernel (``TRITON_F32_DEFAULT=ieee``), which leaves the TileLang ``chunk_bwd_dqkwg`` FLA 0.6
-    uses on Hopper. Other GPUs were not measured.
+    FLA's scan backward (not the conv, not CP), survives exact fp32 products in every Triton
+    kernel (``TRITON_F32_DEFAULT=ieee``) and does not depend on which ``chunk_bwd_dqkwg`` runs
+    (TileLang, FLA 0.6's choice on Hopper, or Triton: the same errors, ``--triton-dqkwg``).
+    Other GPUs were not measured.
     """
     if dtype != torch.float32 or capability[0] != 9:
         return None
