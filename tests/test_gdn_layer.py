@@ -11,6 +11,8 @@ from tests.distributed import run_distributed, value_error_message
 TOL = 1e-4  # fp32: outputs/input grads absolute, parameter grads relative to their max
 # every rank cut (T/W = 80 at W = 2; 40, 80, 120 at W = 4) on a document boundary, an empty slot
 WHOLE_DOCUMENTS_PER_RANK = [0, 16, 40, 40, 80, 120, 160]
+# documents cross the cuts with 32 tokens before 80 (W = 2); 24 before 40 and 32 before 80 (W = 4)
+SHORT_PREFIXES = [0, 16, 48, 88, 120, 160]
 
 
 def _parity_cases(world_size: int):
@@ -59,6 +61,7 @@ def _parity_cases(world_size: int):
 
     # every rank cut on a document boundary: each slice is scanned alone, no CP scan or conv
     from relax_gdn.gdn import reference as gdn_reference
+    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
 
     calls = {"cp": 0}
     real = {f: getattr(gdn_reference, f) for f in ("cp_causal_conv1d", "cp_gated_delta_rule")}
@@ -73,13 +76,19 @@ def _parity_cases(world_size: int):
         setattr(gdn_reference, name, counted(fn))
     try:
         cp_calls = {}
-        for label, cu in (("crossing", h.PACKED), ("whole documents per rank", WHOLE_DOCUMENTS_PER_RANK)):
+        for label, cu, recompute_up_to in (
+            ("crossing", h.PACKED, 0),
+            ("whole documents per rank", WHOLE_DOCUMENTS_PER_RANK, 0),
+            ("short prefixes recomputed", SHORT_PREFIXES, 10**6),
+            ("prefixes over the limit", SHORT_PREFIXES, 8),
+        ):
             x_cu, w_cu = torch.randn(cu[-1], 1, config.hidden_size), torch.randn(cu[-1], 1, config.hidden_size)
             ref_cu = h.reference_run(reference, x_cu, w_cu, h.packed_params(cu, "cpu"))
             layer = h.build_gdn(config, world, single, "chunkwise")
             layer.load_state_dict(reference.state_dict())
             calls["cp"] = 0
-            got = h.cp_run(layer, x_cu, w_cu, h.packed_params(cu, "cpu"), world_size, rank, world, cu=cu)
+            with prefixes_recomputed_up_to(recompute_up_to):
+                got = h.cp_run(layer, x_cu, w_cu, h.packed_params(cu, "cpu"), world_size, rank, world, cu=cu)
             cp_calls[label] = calls["cp"]
             results[("chunkwise", label)] = max(h.max_errors(ref_cu, got, got[3]).values())
     finally:
@@ -101,11 +110,13 @@ def _parity_cases(world_size: int):
 def test_every_mode_matches_single_rank(world_size):
     per_rank = run_distributed(_parity_cases, world_size, world_size)
     for rank, (results, cp_calls) in enumerate(per_rank):
-        assert len(results) == 11
+        assert len(results) == 13
         bad = {k: v for k, v in results.items() if not v < TOL}
         assert not bad, f"rank {rank}: max errors {bad}"
         # conv + scan, fwd (the bwd runs inside their autograd): CP only where a document crosses
-        assert cp_calls == {"crossing": 2, "whole documents per rank": 0}, cp_calls
+        # and its prefix is not recomputed by the next rank
+        assert cp_calls == {"crossing": 2, "whole documents per rank": 0, "short prefixes recomputed": 0,
+                            "prefixes over the limit": 2}, cp_calls
 
 
 def _single_process_checks():

@@ -1,6 +1,7 @@
 """relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode in bf16 and fp32 vs the
 single-rank fp32 torch reference (chunkwise also with the rank cut on a document boundary, where
-each slice is scanned alone), zero host syncs in steady-state chunkwise and headwise calls,
+each slice is scanned alone, and with the crossing document's prefix recomputed by the next
+rank), zero host syncs in steady-state chunkwise and headwise calls,
 and chunkwise bit-identical with and without ``fla_cp_summaries`` (the skipped summaries are
 multiplied by zero, so skipping them must not change a bit).
 
@@ -71,6 +72,7 @@ def _gpu_cases(dtype: torch.dtype):
 
     from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn.kernels import gate_outside_fla
+    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
     from tests import gdn_harness as h
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -141,10 +143,22 @@ def _gpu_cases(dtype: torch.dtype):
     syncs["chunkwise, whole documents per rank"] = count_host_syncs(
         lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
     )
+    # the crossing document's 448 tokens before the cut recomputed by rank 1 instead of passing
+    # the state (RecomputedPrefix): FLA's plain varlen kernels on the extended slice
+    with prefixes_recomputed_up_to(10**6):
+        layer = fla_layer("chunkwise")
+        psp = h.packed_params(CU, device)
+        got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
+        results[("chunkwise, prefix recomputed", str(dtype))] = max(_vs_reference(ref, got, dtype).values())
+        runs["chunkwise, prefix recomputed"] = got
+        ids = got[3]
+        syncs["chunkwise, prefix recomputed"] = count_host_syncs(
+            lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
+        )
     # CP parity proper: every mode against all_gather, which runs FLA on the whole sequence
     # (the single-rank computation), quantity by quantity, relative to its largest value.
     whole = runs["all_gather"]
-    for mode in ("chunkwise", "headwise"):
+    for mode in ("chunkwise", "headwise", "chunkwise, prefix recomputed"):
         diffs = {k: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
                  for k, a, b in _paired(runs[mode], whole)}
         results[(mode, "vs all_gather")] = max(diffs.values())
@@ -163,5 +177,6 @@ def test_fla_modes_match_reference_and_are_sync_free(dtype):
         assert identical and all(identical.values()), identical
         assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs
         assert syncs["chunkwise, whole documents per rank"] == 0, syncs
+        assert syncs["chunkwise, prefix recomputed"] == 0, syncs
         # a NEW micro-batch too: routes from host copies, FLA's chunk index uploaded non-blocking
         assert syncs["chunkwise (new micro-batch)"] == 0 and syncs["headwise (new micro-batch)"] == 0, syncs

@@ -18,6 +18,7 @@ from relax_gdn.gdn.reference import (
     cp_gated_delta_rule,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
+    recomputed_prefix,
     sequences_cross_ranks,
 )
 from tests.distributed import run_distributed
@@ -293,6 +294,35 @@ def test_sequences_cross_ranks_iff_some_rank_starts_inside_a_sequence():
     assert sequences_cross_ranks([0, 12, 48], 2)
     with pytest.raises(ValueError, match="T % W == 0"):
         sequences_cross_ranks([0, 10], 4)
+
+
+def test_recomputed_prefix_makes_every_slice_start_at_a_sequence_start():
+    """Checked per token: the extended slice of rank r is the global rows [start - recv, stop),
+    its local boundaries are the global ones inside it, and it begins at a sequence start; sends
+    and receives pair up; a prefix over the limit or over a whole rank means None everywhere."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        world, total = rng.choice([1, 2, 3, 4]), 48 * rng.randint(1, 4)
+        cuts = rng.sample(range(1, total), rng.randint(0, 8))
+        cu = [0, *sorted(cuts + cuts[:1]), total]  # one empty sequence when there are cuts
+        limit = rng.choice([0, 5, 20, 10**6])
+        part = cu[-1] // world
+        plans = [recomputed_prefix(cu, world, r, limit) for r in range(world)]
+        pre = [contiguous_shard(cu, world, r).pre_tokens for r in range(world)]
+        if any(p > min(limit, part - 1) for p in pre):
+            assert plans == [None] * world, (cu, world, limit)
+            continue
+        assert sequences_cross_ranks(cu, world) == any(pre)
+        for r, plan in enumerate(plans):
+            start = r * part - plan.recv
+            assert start in cu, "the extended slice starts at a sequence start"
+            inside = [b - start for b in cu if start < b < (r + 1) * part]
+            assert plan.cu_seqlens == (0, *sorted(set(inside)), part + plan.recv)
+            assert plan.send == (plans[r + 1].recv if r + 1 < world else 0)
+            assert plan.any_rank_has_one == any(pre)
+        assert plans[0].recv == 0
 
 
 def test_cp_without_group_is_the_plain_function():

@@ -207,6 +207,17 @@ def _transport_cases(w: int):
         swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
     names = {event.name for event in prof.events()}
     results.append(("profiler", "gloo", "range", "relax_gdn.swap zigzag->contiguous" in names, True))
+    # last rows to the next rank (recomputed prefixes): rank r sends its last r + 1 rows
+    from relax_gdn.layout.collectives import last_rows_to_next_rank
+
+    held = (torch.arange(8.0 * 3) + 100 * rank).reshape(8, 3).requires_grad_(True)
+    send, recv = (rank + 1 if rank + 1 < w else 0), (rank if rank else 0)
+    got = last_rows_to_next_rank(held, send, recv, dist.group.WORLD)
+    from_previous = (torch.arange(8.0 * 3) + 100 * (rank - 1)).reshape(8, 3)[8 - recv:]
+    (got * (rank + 1)).sum().backward()  # the receiver's gradient: its rank + 1 everywhere
+    grad = torch.zeros(8, 3)
+    grad[8 - send:] = rank + 2  # what the next rank (rank + 1) sends back for these rows
+    results.append(("last rows", "gloo", "to next rank", torch.equal(got, from_previous), torch.equal(held.grad, grad)))
     halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
     straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
     before = os.environ.get("LOCAL_WORLD_SIZE")
@@ -234,7 +245,7 @@ def test_swap_layout_on_gloo(w):
     for rank, results in enumerate(per_rank):
         failed = [case for case in results if not (case[3] and case[4])]
         assert not failed, f"rank {rank}: {failed}"
-        assert len(results) == 4 * 2 * 6 + 3 + 1 + 4 + (rank in (w // 2 - 1, w // 2))
+        assert len(results) == 4 * 2 * 6 + 3 + 1 + 1 + 4 + (rank in (w // 2 - 1, w // 2))
 
 
 # ---------------------------------------------------------------- caches

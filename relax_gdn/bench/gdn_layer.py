@@ -11,8 +11,10 @@ Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
 chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps through NCCL's all-to-all
-instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host)
-(these four in ``--rounds`` interleaved rounds); chunkwise with the route rebuilt per call the
+instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host);
+the same with a crossing document's prefix of at most ``--max-recomputed-prefix`` tokens
+recomputed by the next rank instead of passing the state (``RecomputedPrefix``; only the rows
+with such a document differ) (these five in ``--rounds`` interleaved rounds); chunkwise with the route rebuilt per call the
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps); headwise
 (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs in
 training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
@@ -51,11 +53,12 @@ MICRO_BATCHES = {
 }
 
 
-def _chunkwise_variants():
+def _chunkwise_variants(max_recomputed_prefix: int):
     """The defaults (swaps through peer memory under torchrun), then one change each: label ->
     context manager."""
     from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn.kernels import gate_outside_fla
+    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
     from relax_gdn.layout import swap_transport_set_to
 
     return {
@@ -63,6 +66,8 @@ def _chunkwise_variants():
         "chunkwise, FLA's full CP summaries": fla_cp_summaries.uninstalled,
         "chunkwise, gate outside FLA": gate_outside_fla,
         "chunkwise, NCCL all-to-all swaps": lambda: swap_transport_set_to("all_to_all"),
+        f"chunkwise, prefixes <= {max_recomputed_prefix} recomputed":
+            lambda: prefixes_recomputed_up_to(max_recomputed_prefix),
     }
 
 
@@ -166,6 +171,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
+    parser.add_argument("--max-recomputed-prefix", type=int, default=1024,
+                        help="the prefix-recompute variant's limit (tokens before a rank cut)")
     parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--python-hotspots", action="store_true",
@@ -203,7 +210,7 @@ def main() -> None:
         layer.load_state_dict(state)
 
     table = []
-    variants = _chunkwise_variants()
+    variants = _chunkwise_variants(args.max_recomputed_prefix)
     names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
         docs = MICRO_BATCHES[name]

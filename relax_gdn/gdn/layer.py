@@ -14,8 +14,9 @@ Modes (LAYOUTS.md §4):
                whole sequence for 1/W of the heads, all-to-all back (Megatron-Core's scheme).
 ``chunkwise``  zigzag -> contiguous swap, conv + scan of the contiguous slice with ALL heads,
                recurrent state and conv halo passed between ranks (none when every rank cut
-               falls on a sequence boundary: then each slice is scanned alone), contiguous ->
-               zigzag swap.
+               falls on a sequence boundary: then each slice is scanned alone; none either,
+               when enabled, if every crossing sequence has a short prefix before the cut:
+               the next rank receives and recomputes it), contiguous -> zigzag swap.
                Without sequence parallelism the swap moves the hidden states BEFORE in_proj
                (4096 wide for Qwen3.5) instead of its 12352-wide output.
 ``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
@@ -23,6 +24,8 @@ Modes (LAYOUTS.md §4):
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -38,7 +41,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
-from relax_gdn.gdn.reference import contiguous_shard, sequences_cross_ranks
+from relax_gdn.gdn.reference import RecomputedPrefix, recomputed_prefix
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
     ROUTE_STRATEGIES,
@@ -48,7 +51,7 @@ from relax_gdn.layout import (
     resolve_cu_seqlens,
     swap_layout,
 )
-from relax_gdn.layout.collectives import all_gather_rows
+from relax_gdn.layout.collectives import all_gather_rows, last_rows_to_next_rank
 from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
@@ -100,6 +103,11 @@ def _head_share(param: torch.Tensor, sections: list[int], parts: int, part: int)
 
 class CPGatedDeltaNet(GatedDeltaNet):
     """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring)."""
+
+    # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
+    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). 0 (off)
+    # until measured on GPUs; ``prefixes_recomputed_up_to`` switches it for A/Bs and tests.
+    max_recomputed_prefix: int = 0
 
     def __init__(
         self,
@@ -168,22 +176,25 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return per_micro_batch(psp, "gdn_scan_rows", key, (resolved.cu_seqlens,),
                                lambda: self._scan_rows(resolved.host, device, cp_group))
 
-    def _contiguous_rows(self, psp: PackedSeqParams, resolved, cp: CPGroup) -> ScanRows:
-        """This rank's contiguous slice for conv + scan. When every rank cut falls on a sequence
-        boundary, no state or conv halo crosses ranks: the slice is scanned alone with its local
+    def _contiguous_rows(self, psp: PackedSeqParams, resolved, cp: CPGroup) -> tuple[ScanRows, RecomputedPrefix | None]:
+        """This rank's contiguous slice for conv + scan, and how it is extended. When every rank
+        cut falls on a sequence boundary, or every sequence that crosses one has at most
+        ``max_recomputed_prefix`` tokens before it (``RecomputedPrefix``), no state or conv halo
+        crosses ranks: the slice (extended by that prefix) is scanned alone with local
         boundaries, without the CP machinery's collectives and the waits on the previous rank.
-        Every rank reaches the same choice (it reads only the global boundaries)."""
+        Otherwise the rows carry the CP group and the kernels pass the state. Every rank reaches
+        the same choice (it reads only the global boundaries)."""
         device = resolved.cu_seqlens.device
 
-        def build() -> ScanRows | None:
-            if sequences_cross_ranks(resolved.host, cp.size):
+        def build() -> tuple[ScanRows, RecomputedPrefix] | None:
+            prefix = recomputed_prefix(resolved.host, cp.size, cp.rank, self.max_recomputed_prefix)
+            if prefix is None:
                 return None
-            local = contiguous_shard(resolved.host, cp.size, cp.rank).cu_seqlens
-            return self._scan_rows(np.asarray(local, dtype=np.int64), device)
+            return self._scan_rows(np.asarray(prefix.cu_seqlens, dtype=np.int64), device), prefix
 
-        key = (cp.size, cp.rank, str(device))
+        key = (cp.size, cp.rank, str(device), self.max_recomputed_prefix)
         alone = per_micro_batch(psp, "gdn_slice_scanned_alone", key, (resolved.cu_seqlens,), build)
-        return alone if alone is not None else self._rows(psp, resolved, cp.group)
+        return alone if alone is not None else (self._rows(psp, resolved, cp.group), None)
 
     def _forward_local(self, hidden_states, rows: ScanRows | None):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -194,13 +205,25 @@ class CPGatedDeltaNet(GatedDeltaNet):
             psp, resolved.cu_seqlens, cp.size, cp.rank, *CP_LAYOUT_PAIR,
             strategy=self.route_strategy, device=hidden_states.device,
         )
+        rows, prefix = self._contiguous_rows(psp, resolved, cp)
         if self.sp_size == 1:  # projections are per token: swap the narrower input instead
-            qkvzba, _ = self.in_proj(swap_layout(hidden_states, route, cp.group))
+            qkvzba, _ = self.in_proj(self._with_prefix(swap_layout(hidden_states, route, cp.group), prefix, cp))
         else:
             qkvzba, _ = self.in_proj(hidden_states)
-            qkvzba = swap_layout(qkvzba, route, cp.group)
-        core = self._core(qkvzba, self._contiguous_rows(psp, resolved, cp), parts=1, part=0)
+            qkvzba = self._with_prefix(swap_layout(qkvzba, route, cp.group), prefix, cp)
+        core = self._core(qkvzba, rows, parts=1, part=0)
+        if prefix is not None and prefix.recv:
+            core = core[prefix.recv:]  # the recomputed rows belong to the previous rank
         return self.out_proj(swap_layout(core, route.reverse(), cp.group))
+
+    @staticmethod
+    def _with_prefix(x: torch.Tensor, prefix: RecomputedPrefix | None, cp: CPGroup) -> torch.Tensor:
+        """This rank's contiguous rows ``x`` with the previous rank's part of their first
+        sequence in front (one collective, skipped when no rank has a prefix: a fact every rank
+        shares)."""
+        if prefix is None or not prefix.any_rank_has_one:
+            return x
+        return torch.cat([last_rows_to_next_rank(x, prefix.send, prefix.recv, cp.group), x])
 
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -265,6 +288,18 @@ class CPGatedDeltaNet(GatedDeltaNet):
         )
         norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
         return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+
+@contextlib.contextmanager
+def prefixes_recomputed_up_to(tokens: int):
+    """Inside the block chunkwise recomputes crossing sequences' prefixes of up to ``tokens``
+    tokens instead of passing the state (``CPGatedDeltaNet.max_recomputed_prefix``)."""
+    before = CPGatedDeltaNet.max_recomputed_prefix
+    CPGatedDeltaNet.max_recomputed_prefix = tokens
+    try:
+        yield
+    finally:
+        CPGatedDeltaNet.max_recomputed_prefix = before
 
 
 def gdn_cp_layer_spec(

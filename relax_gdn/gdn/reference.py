@@ -56,6 +56,8 @@ __all__ = [
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "sequences_cross_ranks",
+    "RecomputedPrefix",
+    "recomputed_prefix",
 ]
 
 HostCuSeqlens = Sequence[int] | torch.Tensor  # or a 1-D numpy integer array
@@ -491,7 +493,44 @@ def sequences_cross_ranks(cu_seqlens_global: HostCuSeqlens, world_size: int) -> 
     falls strictly inside a sequence, i.e. some rank starts inside one). If none does, every rank
     holds whole sequences: no recurrent state and no conv halo crosses a rank, and each slice can
     be scanned alone. The same answer on every rank (it reads only the global boundaries)."""
-    return any(contiguous_shard(cu_seqlens_global, world_size, r).pre_tokens for r in range(world_size))
+    return recomputed_prefix(cu_seqlens_global, world_size, 0, max_tokens=0) is None
+
+
+@dataclass(frozen=True)
+class RecomputedPrefix:
+    """Chunkwise CP with no state or conv halo crossing ranks: each rank whose first sequence
+    began on the previous rank receives that sequence's first ``recv`` tokens from it and scans
+    them again in front of its own rows, so its slice starts at a sequence start.
+
+    The recomputed rows' outputs are dropped; their gradients (through the state they hand on)
+    go back to their owner, which adds them to its own. Worth it where the prefixes are short:
+    the extra work is ``recv`` tokens per rank, against the CP kernels' collectives and the
+    waits of every rank on the previous one.
+    """
+
+    recv: int  # rows prepended: the first local sequence's tokens on the previous rank
+    send: int  # this rank's last rows that the next rank prepends (its ``recv``)
+    cu_seqlens: tuple[int, ...]  # local boundaries of the extended slice (``recv`` + T/W rows)
+    any_rank_has_one: bool  # some rank's recv > 0: the exchange is needed (the same on every rank)
+
+
+def recomputed_prefix(
+    cu_seqlens_global: HostCuSeqlens, world_size: int, rank: int, max_tokens: int
+) -> RecomputedPrefix | None:
+    """This rank's :class:`RecomputedPrefix` when EVERY rank's prefix has at most ``max_tokens``
+    tokens and lies on its previous rank alone (fewer than T/W tokens), else None (the CP
+    kernels pass the state). With every rank cut on a sequence boundary, ``recv == send == 0``:
+    each slice is scanned alone. The same decision on every rank (it reads only the global
+    boundaries)."""
+    shards = [contiguous_shard(cu_seqlens_global, world_size, r) for r in range(world_size)]
+    part = shards[0].stop - shards[0].start
+    if any(s.pre_tokens > min(max_tokens, part - 1) for s in shards):
+        return None
+    mine = shards[rank]
+    send = shards[rank + 1].pre_tokens if rank + 1 < world_size else 0
+    extended = (0, *(b + mine.pre_tokens for b in mine.cu_seqlens[1:]))
+    return RecomputedPrefix(recv=mine.pre_tokens, send=send, cu_seqlens=extended,
+                            any_rank_has_one=any(s.pre_tokens for s in shards))
 
 
 def _shard_of(group: dist.ProcessGroup | None, cu_seqlens_global: HostCuSeqlens) -> ContiguousShard:
