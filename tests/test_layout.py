@@ -187,7 +187,8 @@ def _swap_cases(w: int):
 
 
 def _transport_cases(w: int):
-    """On gloo every transport setting swaps through the all-to-all; ``auto``'s one-host test."""
+    """On gloo every transport setting swaps through the all-to-all; the swap's profiler range;
+    rows to the next rank (recomputed prefixes), both ways; ``auto``'s one-host test."""
     import os
 
     import torch.distributed as dist
@@ -211,7 +212,7 @@ def _transport_cases(w: int):
     from relax_gdn.layout.collectives import last_rows_to_next_rank
 
     held = (torch.arange(8.0 * 3) + 100 * rank).reshape(8, 3).requires_grad_(True)
-    send, recv = (rank + 1 if rank + 1 < w else 0), (rank if rank else 0)
+    send, recv = (rank + 1 if rank + 1 < w else 0), rank
     got = last_rows_to_next_rank(held, send, recv, dist.group.WORLD)
     from_previous = (torch.arange(8.0 * 3) + 100 * (rank - 1)).reshape(8, 3)[8 - recv:]
     (got * (rank + 1)).sum().backward()  # the receiver's gradient: its rank + 1 everywhere

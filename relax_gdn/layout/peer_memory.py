@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from relax_gdn.layout.route import Route, Rows, copy_rows, put_rows
+from relax_gdn.layout.route import Route, Rows, copy_rows, put_rows, row_bytes
 
 
 @dataclass
@@ -58,7 +58,7 @@ class _Staging:
             per_route = self.pulls[route] = {}
         key = (half, x.dtype, x.shape[1:])
         if key not in per_route:
-            row_bytes = _row_bytes(x)
+            x_row_bytes = row_bytes(x)
             base = half * self.half_bytes
             blocks, received = [], 0
             # Each peer packed its rows destination-major (``peer_block_starts`` finds this
@@ -66,7 +66,7 @@ class _Staging:
             # next entries.
             for peer, (count, start) in enumerate(zip(route.wire_recv_splits, route.peer_block_starts)):
                 if count:
-                    block = _rows_view(self.peers[peer], base + start * row_bytes, count, x)
+                    block = _rows_view(self.peers[peer], base + start * x_row_bytes, count, x)
                     blocks.append((block, _sub_rows(route.recv_rows, received, received + count)))
                     received += count
             per_route[key] = _Pulls(_rows_view(self.local, base, sum(route.wire_send_splits), x), blocks)
@@ -104,13 +104,9 @@ def _staging(group: dist.ProcessGroup, device: torch.device, need_bytes: int) ->
     return held
 
 
-def _row_bytes(x: torch.Tensor) -> int:
-    return math.prod(x.shape[1:]) * x.element_size()
-
-
 def _rows_view(buffer: torch.Tensor, start_byte: int, rows: int, like: torch.Tensor) -> torch.Tensor:
     """``rows`` rows shaped like ``like``'s, stored at ``buffer[start_byte:]``."""
-    raw = buffer[start_byte : start_byte + rows * _row_bytes(like)]
+    raw = buffer[start_byte : start_byte + rows * row_bytes(like)]
     return raw.view(like.dtype).view(rows, *like.shape[1:])
 
 
@@ -124,7 +120,7 @@ def _sub_rows(rows, start: int, stop: int):
 def exchange_through_peer_memory(x: torch.Tensor, route: Route, group: dist.ProcessGroup) -> torch.Tensor:
     """Move rows of ``x`` along ``route`` (see the module doc); the same result as the all-to-all."""
     x = x.contiguous()
-    staging = _staging(group, x.device, route.local_rows * _row_bytes(x))
+    staging = _staging(group, x.device, route.local_rows * row_bytes(x))
     pulls = staging.pulls_for(route, staging.calls % 2, x)
     staging.calls += 1
     out = x.new_empty((route.local_rows, *x.shape[1:]))

@@ -37,17 +37,22 @@ _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
 WIDE_ROW_COPIES = True  # False: element-wise scatters (the benchmark's A/B switch)
 
 
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of ``t``, from its shape: no ``t[0]`` view (host time per call)."""
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
 def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous, rows on dim 0) viewed as ``[rows, words]`` of the widest element that
     divides a row's bytes and the storage offset; ``t`` itself when none does."""
     if not WIDE_ROW_COPIES or t.dim() == 0 or not t.is_contiguous():
         return t
-    row_bytes = math.prod(t.shape[1:]) * t.element_size()  # not t[0]: a view costs host time
+    t_row_bytes = row_bytes(t)
     offset_bytes = t.storage_offset() * t.element_size()
     for wide in _WIDE_DTYPES:
         size = wide.itemsize
-        if size > t.element_size() and row_bytes and row_bytes % size == 0 and offset_bytes % size == 0:
-            return t.reshape(t.shape[0], row_bytes // t.element_size()).view(wide)
+        if size > t.element_size() and t_row_bytes and t_row_bytes % size == 0 and offset_bytes % size == 0:
+            return t.reshape(t.shape[0], t_row_bytes // t.element_size()).view(wide)
     return t
 
 
