@@ -36,32 +36,36 @@ def _parity_cases(world_size: int):
     weight = torch.randn(h.PACKED[-1], 1, config.hidden_size)
     ref = h.reference_run(reference, x, weight, h.packed_params(h.PACKED, "cpu"))
 
-    results = {}
-    for mode in ("chunkwise", "headwise", "all_gather"):
-        for strategy in ("lazy_cache", "prebuild"):
-            layer = h.build_gdn(config, world, single, mode, route_strategy=strategy)
-            layer.load_state_dict(reference.state_dict())
-            psp = h.packed_params(h.PACKED, "cpu")
-            got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
-            results[(mode, strategy)] = max(h.max_errors(ref, got, got[3]).values())
+    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
 
-    # dynamic CP: one module sees W = 4 -> 2 -> 1 -> 4 (or 2 -> 1 -> 2) in consecutive micro-batches
-    pairs = [dist.new_group(list(range(s, s + 2))) for s in range(0, world_size, 2)]
-    my_pair = pairs[rank // 2]
-    for mode in ("chunkwise", "headwise"):
-        layer = h.build_gdn(config, world, single, mode, max_cp_size=world_size)
-        layer.load_state_dict(reference.state_dict())
-        errs = []
-        for size, group in ((world_size, None), (2, my_pair), (1, single), (world_size, None)):
-            psp = h.packed_params(h.PACKED, "cpu", cp_group=group, local_cp_size=size if group else None)
-            sub_rank = dist.get_rank(group) if group is not None else rank
-            got = h.cp_run(layer, x, weight, psp, size, sub_rank, group or world)
-            errs.append(max(h.max_errors(ref, got, got[3]).values()))
-        results[(mode, "dynamic")] = max(errs)
+    # Chunkwise passes the recurrent state between ranks here, where the general path is tested;
+    # recomputed prefixes (the default for short ones) are the cases further down.
+    with prefixes_recomputed_up_to(0):
+        results = {}
+        for mode in ("chunkwise", "headwise", "all_gather"):
+            for strategy in ("lazy_cache", "prebuild"):
+                layer = h.build_gdn(config, world, single, mode, route_strategy=strategy)
+                layer.load_state_dict(reference.state_dict())
+                psp = h.packed_params(h.PACKED, "cpu")
+                got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
+                results[(mode, strategy)] = max(h.max_errors(ref, got, got[3]).values())
+
+        # dynamic CP: one module sees W = 4 -> 2 -> 1 -> 4 (or 2 -> 1 -> 2) in consecutive micro-batches
+        pairs = [dist.new_group(list(range(s, s + 2))) for s in range(0, world_size, 2)]
+        my_pair = pairs[rank // 2]
+        for mode in ("chunkwise", "headwise"):
+            layer = h.build_gdn(config, world, single, mode, max_cp_size=world_size)
+            layer.load_state_dict(reference.state_dict())
+            errs = []
+            for size, group in ((world_size, None), (2, my_pair), (1, single), (world_size, None)):
+                psp = h.packed_params(h.PACKED, "cpu", cp_group=group, local_cp_size=size if group else None)
+                sub_rank = dist.get_rank(group) if group is not None else rank
+                got = h.cp_run(layer, x, weight, psp, size, sub_rank, group or world)
+                errs.append(max(h.max_errors(ref, got, got[3]).values()))
+            results[(mode, "dynamic")] = max(errs)
 
     # every rank cut on a document boundary: each slice is scanned alone, no CP scan or conv
     from relax_gdn.gdn import reference as gdn_reference
-    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
 
     calls = {"cp": 0}
     real = {f: getattr(gdn_reference, f) for f in ("cp_causal_conv1d", "cp_gated_delta_rule")}
@@ -79,7 +83,7 @@ def _parity_cases(world_size: int):
         for label, cu, recompute_up_to in (
             ("crossing", h.PACKED, 0),
             ("whole documents per rank", WHOLE_DOCUMENTS_PER_RANK, 0),
-            ("short prefixes recomputed", SHORT_PREFIXES, 10**6),
+            ("short prefixes recomputed (the default limit)", SHORT_PREFIXES, CPGatedDeltaNet.max_recomputed_prefix),
             ("prefixes over the limit", SHORT_PREFIXES, 8),
         ):
             x_cu, w_cu = torch.randn(cu[-1], 1, config.hidden_size), torch.randn(cu[-1], 1, config.hidden_size)
@@ -115,7 +119,8 @@ def test_every_mode_matches_single_rank(world_size):
         assert not bad, f"rank {rank}: max errors {bad}"
         # conv + scan, fwd (the bwd runs inside their autograd): CP only where a document crosses
         # and its prefix is not recomputed by the next rank
-        assert cp_calls == {"crossing": 2, "whole documents per rank": 0, "short prefixes recomputed": 0,
+        assert cp_calls == {"crossing": 2, "whole documents per rank": 0,
+                            "short prefixes recomputed (the default limit)": 0,
                             "prefixes over the limit": 2}, cp_calls
 
 
@@ -189,3 +194,19 @@ def test_gate_outside_fla_switches_and_restores():
             assert not FlaKernels.fused_gate
             raise RuntimeError("inside")
     assert FlaKernels.fused_gate
+
+
+def test_max_recomputed_prefix_is_checked_set_and_restored():
+    from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
+    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to, set_max_recomputed_prefix
+
+    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX
+    for bad in (-1, 1.5, True, "1024"):
+        with pytest.raises(ValueError, match=r"gdn\.max_recomputed_prefix"):
+            set_max_recomputed_prefix(bad)
+    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX  # refused: nothing set
+    with prefixes_recomputed_up_to(64):
+        with prefixes_recomputed_up_to(0):
+            assert CPGatedDeltaNet.max_recomputed_prefix == 0
+        assert CPGatedDeltaNet.max_recomputed_prefix == 64  # the previous setting, not the default
+    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX

@@ -72,7 +72,7 @@ def _gpu_cases(dtype: torch.dtype):
 
     from relax_gdn.gdn import fla_cp_summaries
     from relax_gdn.gdn.kernels import gate_outside_fla
-    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
+    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
     from tests import gdn_harness as h
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -99,40 +99,43 @@ def _gpu_cases(dtype: torch.dtype):
         layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
         return layer
 
-    for mode in ("chunkwise", "headwise", "all_gather"):
-        print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
-        layer = fla_layer(mode)
-        psp = h.packed_params(CU, device)
-        got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
-        errors = _vs_reference(ref, got, dtype)
-        runs[mode] = got
-        results[(mode, str(dtype))] = max(errors.values())
-        worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
-        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
-              flush=True)
-        if mode == "chunkwise":
-            assert fla_cp_summaries.installed()
-            with fla_cp_summaries.uninstalled():  # FLA's own pre-pass, unread summaries included: same bits
-                stock = h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
-            identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
-            with gate_outside_fla():  # the gate's activation by torch around FLA, as Megatron-Core
-                unfused = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
-            results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
-        if mode != "all_gather":
-            ids = got[3]
+    # chunkwise passes the state through FLA's CP kernels here (the general path); the
+    # recomputed prefix, the default for this batch's 448 tokens before the cut, comes below
+    with prefixes_recomputed_up_to(0):
+        for mode in ("chunkwise", "headwise", "all_gather"):
+            print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
+            layer = fla_layer(mode)
+            psp = h.packed_params(CU, device)
+            got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
+            errors = _vs_reference(ref, got, dtype)
+            runs[mode] = got
+            results[(mode, str(dtype))] = max(errors.values())
+            worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
+            print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
+                  flush=True)
+            if mode == "chunkwise":
+                assert fla_cp_summaries.installed()
+                with fla_cp_summaries.uninstalled():  # FLA's own pre-pass, unread summaries included: same bits
+                    stock = h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
+                identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
+                with gate_outside_fla():  # the gate's activation by torch around FLA, as Megatron-Core
+                    unfused = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
+                results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
+            if mode != "all_gather":
+                ids = got[3]
 
-            def call():
-                xx = x[ids].to(dtype).requires_grad_(True)
-                out, _ = layer(xx, None, packed_seq_params=psp)
-                out.backward(weight[ids].to(dtype))
+                def call():
+                    xx = x[ids].to(dtype).requires_grad_(True)
+                    out, _ = layer(xx, None, packed_seq_params=psp)
+                    out.backward(weight[ids].to(dtype))
 
-            syncs[mode] = count_host_syncs(call)  # steady state: routes/checks cached
-            psp_new = h.packed_params(CU, device)  # built outside the counted call
-            where: dict = {}
-            syncs[mode + " (new micro-batch)"] = count_host_syncs(
-                lambda: layer(x[ids].to(dtype), None, packed_seq_params=psp_new)[0].sum().backward(), where
-            )
-            syncs[mode + " (new micro-batch) at"] = where
+                syncs[mode] = count_host_syncs(call)  # steady state: routes/checks cached
+                psp_new = h.packed_params(CU, device)  # built outside the counted call
+                where: dict = {}
+                syncs[mode + " (new micro-batch)"] = count_host_syncs(
+                    lambda: layer(x[ids].to(dtype), None, packed_seq_params=psp_new)[0].sum().backward(), where
+                )
+                syncs[mode + " (new micro-batch) at"] = where
     # every rank cut on a document boundary: chunkwise runs FLA's plain varlen kernels per slice
     layer = fla_layer("chunkwise")
     whole_ref = h.reference_run(reference, x, weight, h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device))
@@ -144,17 +147,22 @@ def _gpu_cases(dtype: torch.dtype):
         lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
     )
     # the crossing document's 448 tokens before the cut recomputed by rank 1 instead of passing
-    # the state (RecomputedPrefix): FLA's plain varlen kernels on the extended slice
-    with prefixes_recomputed_up_to(10**6):
-        layer = fla_layer("chunkwise")
-        psp = h.packed_params(CU, device)
-        got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
-        results[("chunkwise, prefix recomputed", str(dtype))] = max(_vs_reference(ref, got, dtype).values())
-        runs["chunkwise, prefix recomputed"] = got
-        ids = got[3]
-        syncs["chunkwise, prefix recomputed"] = count_host_syncs(
-            lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
-        )
+    # the state (RecomputedPrefix, on by default up to gdn.max_recomputed_prefix tokens): FLA's
+    # plain varlen kernels on the extended slice
+    assert CPGatedDeltaNet.max_recomputed_prefix >= 448
+    layer = fla_layer("chunkwise")
+    psp = h.packed_params(CU, device)
+    got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
+    results[("chunkwise, prefix recomputed", str(dtype))] = max(_vs_reference(ref, got, dtype).values())
+    runs["chunkwise, prefix recomputed"] = got
+    ids = got[3]
+    syncs["chunkwise, prefix recomputed"] = count_host_syncs(
+        lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
+    )
+    psp_new = h.packed_params(CU, device)  # the plan and its boundaries built from host copies too
+    syncs["chunkwise, prefix recomputed (new micro-batch)"] = count_host_syncs(
+        lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp_new)[0].sum().backward()
+    )
     # CP parity proper: every mode against all_gather, which runs FLA on the whole sequence
     # (the single-rank computation), quantity by quantity, relative to its largest value.
     whole = runs["all_gather"]
@@ -178,5 +186,6 @@ def test_fla_modes_match_reference_and_are_sync_free(dtype):
         assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs
         assert syncs["chunkwise, whole documents per rank"] == 0, syncs
         assert syncs["chunkwise, prefix recomputed"] == 0, syncs
+        assert syncs["chunkwise, prefix recomputed (new micro-batch)"] == 0, syncs
         # a NEW micro-batch too: routes from host copies, FLA's chunk index uploaded non-blocking
         assert syncs["chunkwise (new micro-batch)"] == 0 and syncs["headwise (new micro-batch)"] == 0, syncs

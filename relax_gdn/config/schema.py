@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
+
 RECOMPUTE_GRANULARITIES = ("full", "selective", "none")
 PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
@@ -34,6 +36,7 @@ class GDNConfig:
     route: str = "lazy_cache"  # relax_gdn.layout.ROUTE_STRATEGIES
     kernel_backend: str = "auto"
     swap_transport: str = "auto"  # relax_gdn.layout.SWAP_TRANSPORTS
+    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX  # chunkwise; 0: always pass the state
 
 
 @dataclass

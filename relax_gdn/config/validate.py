@@ -113,6 +113,10 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         sizes_ok = False
     dims = ParallelDims(world_size, par.tp, par.cp) if sizes_ok else None
 
+    if not _is_int(gdn.max_recomputed_prefix) or gdn.max_recomputed_prefix < 0:
+        add(f"gdn.max_recomputed_prefix={gdn.max_recomputed_prefix!r} must be an integer >= 0 tokens "
+            "(0: chunkwise always passes the recurrent state between ranks)")
+
     # --- sequence parallelism --------------------------------------------------------------
     if par.sp and sizes_ok and par.tp == 1:
         add("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP ranks); "

@@ -55,7 +55,7 @@ from relax_gdn.layout.collectives import all_gather_rows, last_rows_to_next_rank
 from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
-from relax_gdn.gdn import CP_MODES
+from relax_gdn.gdn import CP_MODES, DEFAULT_MAX_RECOMPUTED_PREFIX
 
 
 def _check_all_gather_recompute(config: TransformerConfig) -> None:
@@ -105,9 +105,10 @@ class CPGatedDeltaNet(GatedDeltaNet):
     """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring)."""
 
     # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
-    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). 0 (off)
-    # until measured on GPUs; ``prefixes_recomputed_up_to`` switches it for A/Bs and tests.
-    max_recomputed_prefix: int = 0
+    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). One value
+    # per process, like the swap transport: ``set_max_recomputed_prefix`` (the training loop, from
+    # gdn.max_recomputed_prefix), ``prefixes_recomputed_up_to`` (A/Bs and tests).
+    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
 
     def __init__(
         self,
@@ -290,12 +291,22 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()
 
 
+def set_max_recomputed_prefix(tokens: int) -> None:
+    """Chunkwise recomputes crossing sequences' prefixes of up to ``tokens`` tokens instead of
+    passing the state (``CPGatedDeltaNet.max_recomputed_prefix``; 0 always passes the state)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(
+            f"max recomputed prefix {tokens!r} must be an integer >= 0 tokens; set gdn.max_recomputed_prefix "
+            f"(0 turns prefix recompute off, the default is {DEFAULT_MAX_RECOMPUTED_PREFIX})"
+        )
+    CPGatedDeltaNet.max_recomputed_prefix = tokens
+
+
 @contextlib.contextmanager
 def prefixes_recomputed_up_to(tokens: int):
-    """Inside the block chunkwise recomputes crossing sequences' prefixes of up to ``tokens``
-    tokens instead of passing the state (``CPGatedDeltaNet.max_recomputed_prefix``)."""
+    """``set_max_recomputed_prefix(tokens)`` inside the block, the previous setting after it."""
     before = CPGatedDeltaNet.max_recomputed_prefix
-    CPGatedDeltaNet.max_recomputed_prefix = tokens
+    set_max_recomputed_prefix(tokens)
     try:
         yield
     finally:

@@ -356,7 +356,10 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
         dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
 
     vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
+    from relax_gdn.gdn.layer import set_max_recomputed_prefix  # Megatron-Core: imported once it is needed
+
     set_swap_transport(cfg.gdn.swap_transport)  # process-wide, like torch.backends flags
+    set_max_recomputed_prefix(cfg.gdn.max_recomputed_prefix)
     tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
     if device.type == "cuda":
         from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
