@@ -5,16 +5,22 @@
 Rows: packed micro-batches (global tokens). Columns: median fwd+bwd ms per rank (CUDA events,
 warm-up first) and host syncs per call (torch.cuda.set_sync_debug_mode("warn") on rank 0).
 "host ms" is the host time to issue one call with the GPU idle (``timing.host_enqueue_ms``):
-where it comes close to "ms", the call is host-bound.
+where it comes close to "ms", the call is host-bound. "ms" starts every call on an idle GPU (the
+latency of one layer alone); "pipelined ms" is the per-call time of back-to-back calls
+(``timing.cuda_pipelined_ms``), the steady state inside a model whose host issues layers ahead
+of the GPU (zero host syncs per layer make that possible), where host time hides behind GPU work
+until it exceeds it. The ideal gets both, from the same two measurements taken both ways.
 
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
 chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps through NCCL's all-to-all
 instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host);
-the same with a crossing document's prefix of at most ``--max-recomputed-prefix`` tokens
-recomputed by the next rank instead of passing the state (``RecomputedPrefix``; only the rows
-with such a document differ) (these five in ``--rounds`` interleaved rounds); chunkwise with the route rebuilt per call the
+the same with the state of a document crossing the cut always passed through FLA's CP kernels,
+where by default a prefix of at most ``gdn.max_recomputed_prefix`` tokens before the cut is
+recomputed by the next rank (``RecomputedPrefix``; only the 16k row with a document across the
+cut differs: the 64k ones cross with longer prefixes) (these five in ``--rounds`` interleaved
+rounds, both their latency and pipelined times); chunkwise with the route rebuilt per call the
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps); headwise
 (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs in
 training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
@@ -40,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
+from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, cuda_pipelined_ms, host_enqueue_ms
 
 # The first two (the seed's) have the CP 2 cut (T/2) on a document boundary, so chunkwise scans
 # each slice alone; in the third, as in the 64k ones, a document spans the cut.
@@ -53,7 +59,7 @@ MICRO_BATCHES = {
 }
 
 
-def _chunkwise_variants(max_recomputed_prefix: int):
+def _chunkwise_variants():
     """The defaults (swaps through peer memory under torchrun), then one change each: label ->
     context manager."""
     from relax_gdn.gdn import fla_cp_summaries
@@ -66,8 +72,7 @@ def _chunkwise_variants(max_recomputed_prefix: int):
         "chunkwise, FLA's full CP summaries": fla_cp_summaries.uninstalled,
         "chunkwise, gate outside FLA": gate_outside_fla,
         "chunkwise, NCCL all-to-all swaps": lambda: swap_transport_set_to("all_to_all"),
-        f"chunkwise, prefixes <= {max_recomputed_prefix} recomputed":
-            lambda: prefixes_recomputed_up_to(max_recomputed_prefix),
+        "chunkwise, state always passed": lambda: prefixes_recomputed_up_to(0),
     }
 
 
@@ -171,8 +176,6 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
-    parser.add_argument("--max-recomputed-prefix", type=int, default=1024,
-                        help="the prefix-recompute variant's limit (tokens before a rank cut)")
     parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--python-hotspots", action="store_true",
@@ -210,7 +213,7 @@ def main() -> None:
         layer.load_state_dict(state)
 
     table = []
-    variants = _chunkwise_variants(args.max_recomputed_prefix)
+    variants = _chunkwise_variants()
     names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
         docs = MICRO_BATCHES[name]
@@ -235,20 +238,23 @@ def main() -> None:
         row = {}
         for label in ("headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
-            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn))
+            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn), cuda_pipelined_ms(fn))
             print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
 
         # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): on
         # a host-bound 16k row one variant timed once drifts by up to ±15 % from the next.
         chunkwise = step(layers["chunkwise"], x_local, dy_local, psp)
-        samples = {label: [] for label in variants}
+        samples = {label: ([], []) for label in variants}  # (latency, pipelined) per round
         for _ in range(args.rounds):
             for label, variant in variants.items():
                 with variant():
-                    samples[label].append(cuda_median_ms(chunkwise, args.iters))
+                    samples[label][0].append(cuda_median_ms(chunkwise, args.iters))
+                    samples[label][1].append(cuda_pipelined_ms(chunkwise))
         for label, variant in variants.items():
             with variant():
-                row[label] = (statistics.median(samples[label]), count_host_syncs(chunkwise), host_enqueue_ms(chunkwise))
+                latency, pipelined = samples[label]
+                row[label] = (statistics.median(latency), count_host_syncs(chunkwise), host_enqueue_ms(chunkwise),
+                              statistics.median(pipelined))
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
@@ -258,17 +264,20 @@ def main() -> None:
         gdn_layer.get_route = per_token_get_route
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
-            row["chunkwise, per-token route per call"] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn))
+            row["chunkwise, per-token route per call"] = (
+                cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn), cuda_pipelined_ms(fn))
         finally:
             gdn_layer.get_route = real_get_route
 
-        single_ms = cuda_median_ms(step(layers["single GPU"], x_full, dy_full, packed_seq_params(cu, device)), args.iters)
+        whole_step = step(layers["single GPU"], x_full, dy_full, packed_seq_params(cu, device))
+        single_ms, single_pipelined_ms = cuda_median_ms(whole_step, args.iters), cuda_pipelined_ms(whole_step)
         half = total // 2
         half_cu = [c for c in cu if c <= half]
         if half_cu[-1] < half:
             half_cu.append(half)  # the document that crosses T/2 is cut there
         half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed_seq_params(half_cu, device))
-        row["one GPU, half micro-batch"] = (cuda_median_ms(half_step, args.iters), None, host_enqueue_ms(half_step))
+        row["one GPU, half micro-batch"] = (
+            cuda_median_ms(half_step, args.iters), None, host_enqueue_ms(half_step), cuda_pipelined_ms(half_step))
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)
 
@@ -276,9 +285,9 @@ def main() -> None:
             for _ in range(4):
                 dist.all_to_all_single(out, buf)
 
-        a2a_ms = cuda_median_ms(four_swaps, args.iters)
-        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0, None)
-        row["single GPU, whole micro-batch"] = (single_ms, None, None)
+        a2a_ms, a2a_pipelined_ms = cuda_median_ms(four_swaps, args.iters), cuda_pipelined_ms(four_swaps)
+        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0, None, single_pipelined_ms / 2 + a2a_pipelined_ms)
+        row["single GPU, whole micro-batch"] = (single_ms, None, None, single_pipelined_ms)
         table.append((name, row))
         if args.profile:
             trace = (lambda v: os.path.join(args.trace_dir, f"{name}-{v}-rank{rank}.json".replace(" ", "_").replace(",", ""))
@@ -300,13 +309,14 @@ def main() -> None:
                  "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
                  "one GPU, half micro-batch"]
         for name, row in table:
-            stock = row["headwise (stock MCore)"][0]
+            stock, stock_pipelined = row["headwise (stock MCore)"][0], row["headwise (stock MCore)"][3]
             print(f"\n{name}")
-            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11} {'host ms':>8}")
+            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11} {'host ms':>8} "
+                  f"{'pipelined ms':>13} {'vs stock':>9}")
             for label in order:
-                ms, syncs, host = row[label]
+                ms, syncs, host, pipelined = row[label]
                 print(f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11} "
-                      f"{'' if host is None else f'{host:.2f}':>8}")
+                      f"{'' if host is None else f'{host:.2f}':>8} {pipelined:>13.2f} {stock_pipelined / pipelined:>8.2f}x")
     dist.destroy_process_group()
 
 

@@ -31,6 +31,19 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, align_ranks: bool = Tru
     return statistics.median(samples)
 
 
+def cuda_pipelined_ms(fn, calls: int = 8, iters: int = 5, warmup: int = 2) -> float:
+    """Per-call time of ``calls`` back-to-back calls (median of ``iters`` batches, ranks aligned
+    before each batch): the steady state of a model whose layers are issued ahead of the GPU, where
+    a call's host time hides behind the previous calls' GPU work, unlike ``cuda_median_ms``, which
+    starts every call on an idle GPU."""
+
+    def batch():
+        for _ in range(calls):
+            fn()
+
+    return cuda_median_ms(batch, iters, warmup) / calls
+
+
 def count_host_syncs(fn, where: dict | None = None) -> int:
     """Host<->device synchronisations during ``fn()``, as ``set_sync_debug_mode("warn")`` sees them;
     ``where`` (optional) receives ``{"file:line": count}``."""
