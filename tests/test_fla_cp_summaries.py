@@ -80,6 +80,22 @@ def test_install_replaces_and_uninstall_restores_fla_functions():
     assert chunk.chunk_gated_delta_rule_fwd_h_pre_process is chunk_delta_h.chunk_gated_delta_rule_fwd_h_pre_process
 
 
+def test_uninstalled_restores_the_previous_state():
+    fla_cp_summaries.install()
+    try:
+        with fla_cp_summaries.uninstalled():
+            assert not fla_cp_summaries.installed()
+            with fla_cp_summaries.uninstalled():  # nested: must not reinstall inside the outer block
+                pass
+            assert not fla_cp_summaries.installed()
+        assert fla_cp_summaries.installed()
+    finally:
+        fla_cp_summaries.uninstall()
+    with fla_cp_summaries.uninstalled():
+        pass
+    assert not fla_cp_summaries.installed()  # was not installed before the block
+
+
 def test_install_refuses_another_fla_version(monkeypatch):
     import fla
 

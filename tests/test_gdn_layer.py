@@ -192,6 +192,9 @@ def test_gate_outside_fla_switches_and_restores():
     with pytest.raises(RuntimeError, match="inside"):
         with gate_outside_fla():
             assert not FlaKernels.fused_gate
+            with gate_outside_fla():  # nested: the outer block's setting survives the inner one
+                pass
+            assert not FlaKernels.fused_gate
             raise RuntimeError("inside")
     assert FlaKernels.fused_gate
 

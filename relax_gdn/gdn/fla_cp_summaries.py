@@ -187,12 +187,14 @@ def installed() -> bool:
 
 @contextlib.contextmanager
 def uninstalled():
-    """FLA's own pre-processing inside the block (A/Bs, tests), ours again after it."""
+    """FLA's own pre-processing inside the block (A/Bs, tests), the previous state after it."""
+    was_installed = installed()
     uninstall()
     try:
         yield
     finally:
-        install()
+        if was_installed:
+            install()
 
 
 def uninstall() -> None:

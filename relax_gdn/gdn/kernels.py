@@ -88,12 +88,14 @@ class GateInputs:
 @contextlib.contextmanager
 def gate_outside_fla():
     """Inside the block FLA gets ``g`` computed by torch around it, as Megatron-Core does, instead
-    of computing the gate's activation in its chunk cumsum (A/Bs, tests)."""
+    of computing the gate's activation in its chunk cumsum (A/Bs, tests); the previous setting
+    after it."""
+    before = FlaKernels.fused_gate
     FlaKernels.fused_gate = False
     try:
         yield
     finally:
-        FlaKernels.fused_gate = True
+        FlaKernels.fused_gate = before
 
 
 class GDNKernels(Protocol):
