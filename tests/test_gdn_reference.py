@@ -19,7 +19,6 @@ from relax_gdn.gdn.reference import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     recomputed_prefix,
-    sequences_cross_ranks,
 )
 from tests.distributed import run_distributed
 
@@ -285,15 +284,20 @@ def test_contiguous_shard():
     assert contiguous_shard(torch.tensor([0, 5, 48]), 1, 0).cu_seqlens == (0, 5, 48)
 
 
-def test_sequences_cross_ranks_iff_some_rank_starts_inside_a_sequence():
+def _sequences_cross_ranks(cu, world: int) -> bool:
+    """The limit-0 plan: None iff some sequence spans two ranks."""
+    return recomputed_prefix(cu, world, 0, max_tokens=0) is None
+
+
+def test_no_recompute_limit_means_no_plan_iff_some_rank_starts_inside_a_sequence():
     for cu in ([0, 10, 10, 13, 14, 47, 48], [0, 12, 48], [0, 12, 24, 24, 36, 48], [0, 48], [0, 24, 30, 48]):
         for world in (1, 2, 3, 4, 6):
             expected = any(contiguous_shard(cu, world, r).pre_tokens for r in range(world))
-            assert sequences_cross_ranks(cu, world) == expected, (cu, world)
-    assert not sequences_cross_ranks([0, 12, 24, 24, 36, 48], 4)  # every cut on a boundary, empty slot
-    assert sequences_cross_ranks([0, 12, 48], 2)
+            assert _sequences_cross_ranks(cu, world) == expected, (cu, world)
+    assert not _sequences_cross_ranks([0, 12, 24, 24, 36, 48], 4)  # every cut on a boundary, empty slot
+    assert _sequences_cross_ranks([0, 12, 48], 2)
     with pytest.raises(ValueError, match="T % W == 0"):
-        sequences_cross_ranks([0, 10], 4)
+        _sequences_cross_ranks([0, 10], 4)
 
 
 def test_recomputed_prefix_makes_every_slice_start_at_a_sequence_start():
@@ -314,7 +318,7 @@ def test_recomputed_prefix_makes_every_slice_start_at_a_sequence_start():
         if any(p > min(limit, part - 1) for p in pre):
             assert plans == [None] * world, (cu, world, limit)
             continue
-        assert sequences_cross_ranks(cu, world) == any(pre)
+        assert _sequences_cross_ranks(cu, world) == any(pre)
         for r, plan in enumerate(plans):
             start = r * part - plan.recv
             assert start in cu, "the extended slice starts at a sequence start"

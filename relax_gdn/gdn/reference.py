@@ -55,7 +55,6 @@ __all__ = [
     "cp_gated_delta_rule",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
-    "sequences_cross_ranks",
     "RecomputedPrefix",
     "recomputed_prefix",
 ]
@@ -488,14 +487,6 @@ def contiguous_shard(cu_seqlens_global: HostCuSeqlens, world_size: int, rank: in
     )
 
 
-def sequences_cross_ranks(cu_seqlens_global: HostCuSeqlens, world_size: int) -> bool:
-    """Whether some sequence spans two ranks of the contiguous layout (some rank cut ``r*T/W``
-    falls strictly inside a sequence, i.e. some rank starts inside one). If none does, every rank
-    holds whole sequences: no recurrent state and no conv halo crosses a rank, and each slice can
-    be scanned alone. The same answer on every rank (it reads only the global boundaries)."""
-    return recomputed_prefix(cu_seqlens_global, world_size, 0, max_tokens=0) is None
-
-
 @dataclass(frozen=True)
 class RecomputedPrefix:
     """Chunkwise CP with no state or conv halo crossing ranks: each rank whose first sequence
@@ -520,8 +511,8 @@ def recomputed_prefix(
     """This rank's :class:`RecomputedPrefix` when EVERY rank's prefix has at most ``max_tokens``
     tokens and lies on its previous rank alone (fewer than T/W tokens), else None (the CP
     kernels pass the state). With every rank cut on a sequence boundary, ``recv == send == 0``:
-    each slice is scanned alone. The same decision on every rank (it reads only the global
-    boundaries)."""
+    each slice is scanned alone; ``max_tokens=0`` asks for exactly that (None: some sequence
+    spans two ranks). The same decision on every rank (it reads only the global boundaries)."""
     shards = [contiguous_shard(cu_seqlens_global, world_size, r) for r in range(world_size)]
     part = shards[0].stop - shards[0].start
     if any(s.pre_tokens > min(max_tokens, part - 1) for s in shards):
