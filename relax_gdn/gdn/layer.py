@@ -224,6 +224,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         shares)."""
         if prefix is None or not prefix.any_rank_has_one:
             return x
+        # Concatenated even where nothing came (recv == 0): that keeps the exchange in this rank's
+        # graph, so its backward, a collective the other ranks join, runs here too.
         return torch.cat([last_rows_to_next_rank(x, prefix.send, prefix.recv, cp.group), x])
 
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
