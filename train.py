@@ -25,19 +25,20 @@ log = logging.getLogger("train")
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> float | None:
-    from relax_gdn.config import ConfigError, validate
+    from relax_gdn.config import validate
     from relax_gdn.config.hydra_io import run_config_from_hydra
+    from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError
     from relax_gdn.train.loop import env_world_size, run_training
     from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
 
     try:
         cfg = run_config_from_hydra(hydra_cfg)
         validate(cfg, env_world_size())
-    except ConfigError as e:
+        run_dir = HydraConfig.get().runtime.output_dir if int(os.environ.get("RANK", "0")) == 0 else None
+        result = run_training(cfg, run_dir)
+    except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         log.error("%s", e)
-        raise SystemExit(2) from None
-    run_dir = HydraConfig.get().runtime.output_dir if int(os.environ.get("RANK", "0")) == 0 else None
-    result = run_training(cfg, run_dir)
+        raise SystemExit(USER_ERROR_EXIT_CODE) from None
     if result.records and int(os.environ.get("RANK", "0")) == 0:
         first, last = result.records[0], result.records[-1]
         log.info("done: %d steps, loss %.4f -> %.4f, %.0f tok/s (last step); outputs in %s",

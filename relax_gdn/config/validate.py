@@ -31,9 +31,10 @@ from relax_gdn.config.schema import (
     WANDB_MODES,
     RunConfig,
 )
+from relax_gdn.errors import RecipeError
 
 
-class ConfigError(ValueError):
+class ConfigError(RecipeError, ValueError):
     """An impossible configuration; ``problems`` holds one message per broken rule."""
 
     def __init__(self, problems: list[str]):
