@@ -22,6 +22,10 @@ if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_
 
 log = logging.getLogger("train")
 
+from relax_gdn.config.hydra_io import register_schema  # noqa: E402 - light: dataclasses + OmegaConf
+
+register_schema()
+
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> float | None:

@@ -111,8 +111,9 @@ def test_dotted_overrides_set_nested_keys_and_refuse_unknown_ones():
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from relax_gdn.config.hydra_io import run_config_from_hydra
+    from relax_gdn.config.hydra_io import register_schema, run_config_from_hydra
 
+    register_schema()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return run_config_from_hydra(compose(config_name="config", overrides=list(overrides)))
 
@@ -126,6 +127,34 @@ def test_default_composition_is_the_cpu_demo():
     demo = _compose("experiment=cpu_demo")
     assert demo == cfg
     validate(_compose("experiment=cpu_demo", "parallel.cp=2"), 2)
+
+
+def test_the_composed_default_is_the_dataclass_default():
+    """``python train.py`` with no overrides runs exactly ``RunConfig()``: the dataclasses are the
+    one place that states a default."""
+    assert _compose() == RunConfig()
+
+
+def _group_options() -> list[tuple[str, str]]:
+    conf = Path(CONF_DIR)
+    return sorted((group.name, option.stem) for group in conf.iterdir() if group.is_dir() and group.name != "hydra"
+                  for option in group.glob("*.yaml"))
+
+
+# what an option needs beyond itself: (world size, overrides)
+_OPTION_NEEDS = {("parallel", "tp2_sp_cp4"): (8, ["model=qwen3_5_9b"])}
+
+
+@pytest.mark.parametrize("group,option", _group_options(), ids=[f"{g}={o}" for g, o in _group_options()])
+def test_every_option_composes_and_validates(group, option, data_files):
+    world, extra = _OPTION_NEEDS.get((group, option), (1, []))
+    if group == "experiment":
+        world = 8 if option != "cpu_demo" else 1
+        extra = [*data_files] if option != "cpu_demo" else []
+    elif group == "data" and option != "synthetic":
+        extra = [*data_files]
+    cfg = _compose(f"{group}={option}", *extra)
+    validate(cfg, world)
 
 
 def test_group_and_key_overrides_compose():
@@ -171,7 +200,7 @@ def test_seed_scenarios_compose_and_validate_on_eight_gpus(scenario, data_files)
 
 def test_scenarios_need_their_data_path():
     with pytest.raises(ConfigError, match="data.path is required"):
-        _compose("experiment=s1")
+        validate(_compose("experiment=s1"), 8)
 
 
 def test_resolved_config_round_trips(tmp_path):

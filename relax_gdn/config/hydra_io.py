@@ -3,6 +3,10 @@ and relax_gdn/config read Hydra)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -10,6 +14,49 @@ from omegaconf.errors import MissingMandatoryValue
 
 from relax_gdn.config.schema import RunConfig, run_config_from_dict
 from relax_gdn.config.validate import ConfigError
+
+SCHEMA_NAME = "relax_gdn_schema"  # conf/config.yaml's defaults list starts from it
+
+
+def _omegaconf_type(hint):
+    """The type OmegaConf 2.3 checks for ``hint``: it knows neither ``Literal`` nor unions of
+    values, so a ``Literal`` of strings is checked as ``str`` (``validate`` checks the choice) and
+    ``int | float`` as ``float``; ``X | None`` stays optional."""
+    if dataclasses.is_dataclass(hint):
+        return omegaconf_schema(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        base = _omegaconf_type(kinds[0]) if len(kinds) == 1 else float
+        return base | None if type(None) in args else base
+    return hint
+
+
+@functools.cache
+def omegaconf_schema(cls: type) -> type:
+    """A copy of the dataclass ``cls`` with types OmegaConf can enforce and the same defaults."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        kind = _omegaconf_type(hints[f.name])
+        if dataclasses.is_dataclass(hints[f.name]):
+            fields.append((f.name, kind, dataclasses.field(default_factory=kind)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, kind, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def register_schema() -> None:
+    """Register :class:`RunConfig` in Hydra's ConfigStore as ``relax_gdn_schema``: every
+    composition starts from the dataclass defaults, and Hydra refuses unknown keys and values
+    of the wrong type while composing (before ``validate`` sees anything)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=omegaconf_schema(RunConfig))
 
 
 def run_config_from_hydra(cfg: DictConfig) -> RunConfig:

@@ -21,17 +21,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from relax_gdn.config.schema import (
+from relax_gdn.choices import (
+    CP_MODES,
     DATA_SOURCES,
     DEVICES,
+    KERNEL_BACKENDS,
     LR_SCHEDULES,
+    MODEL_ATTENTION_BACKENDS,
+    MODEL_PRESETS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
+    ROUTE_STRATEGIES,
+    SPEC_PROVIDERS,
+    SWAP_TRANSPORTS,
     WANDB_MODES,
-    RunConfig,
 )
+from relax_gdn.config.schema import RunConfig
 from relax_gdn.errors import RecipeError
+from relax_gdn.model.presets import PRESETS
 
 
 class ConfigError(RecipeError, ValueError):
@@ -67,22 +75,18 @@ def _is_int(value) -> bool:
 
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     """Raise :class:`ConfigError` naming every broken rule; return the parallel dims otherwise."""
-    from relax_gdn.gdn import CP_MODES
-    from relax_gdn.layout import ROUTE_STRATEGIES, SWAP_TRANSPORTS
-    from relax_gdn.model import PRESETS, SPEC_PROVIDERS, MODEL_ATTENTION_BACKENDS
-
     problems: list[str] = []
     add = problems.append
     par, gdn, train, optim, data = cfg.parallel, cfg.gdn, cfg.train, cfg.optim, cfg.data
 
     # --- choices ---------------------------------------------------------------------------
     choices = [
-        ("model.preset", cfg.model.preset, tuple(PRESETS)),
+        ("model.preset", cfg.model.preset, MODEL_PRESETS),
         ("model.spec_provider", cfg.model.spec_provider, SPEC_PROVIDERS),
         ("model.attention_backend", cfg.model.attention_backend, MODEL_ATTENTION_BACKENDS),
         ("gdn.cp_mode", gdn.cp_mode, CP_MODES),
         ("gdn.route", gdn.route, ROUTE_STRATEGIES),
-        ("gdn.kernel_backend", gdn.kernel_backend, ("auto", "fla", "torch")),
+        ("gdn.kernel_backend", gdn.kernel_backend, KERNEL_BACKENDS),
         ("gdn.swap_transport", gdn.swap_transport, SWAP_TRANSPORTS),
         ("recompute.granularity", cfg.recompute.granularity, RECOMPUTE_GRANULARITIES),
         ("data.source", data.source, DATA_SOURCES),
@@ -207,7 +211,10 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         elif not os.path.exists(data.path):
             add(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the data file "
                 "or directory")
-    if data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
+    if data.tokenizer is None:
+        add(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer directory "
+            "(e.g. the checkpoint's), or 'embedded'")
+    elif data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
         add(f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
             "tokenizer directory")
     if cfg.model.hf_checkpoint is not None and not os.path.isdir(cfg.model.hf_checkpoint):

@@ -83,7 +83,7 @@ def load_data(cfg: RunConfig):
     tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
     if d.source == "synthetic":
         dataset = synthetic_math_dataset(
-            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=d.max_sample_tokens,
+            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=cfg.sample_token_limit,
             max_steps=d.synthetic_max_steps, min_steps=1,
         )
     else:
@@ -91,7 +91,7 @@ def load_data(cfg: RunConfig):
             raise FileNotFoundError(f"data.path={d.path!r} does not exist (data.source={d.source})")
         dataset = load_sft_dataset(
             d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=d.max_sample_tokens, max_samples=d.num_samples, format=d.source,
+            max_sample_tokens=cfg.sample_token_limit, max_samples=d.num_samples, format=d.source,
             split=d.split,
         )
     if len(dataset) < cfg.train.global_batch_size:
