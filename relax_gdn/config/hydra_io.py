@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from pathlib import Path
@@ -12,8 +13,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from relax_gdn.config.schema import RunConfig, run_config_from_dict
-from relax_gdn.config.validate import ConfigError
+from relax_gdn.config.schema import RunConfig, run_config_from_dict, unknown_key_problem
+from relax_gdn.errors import ConfigError
 
 SCHEMA_NAME = "relax_gdn_schema"  # conf/config.yaml's defaults list starts from it
 
@@ -57,6 +58,46 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=omegaconf_schema(RunConfig))
+
+
+def compose_run_config(config_dir: str | Path, overrides: list[str], config_name: str = "config") -> RunConfig:
+    """What ``python train.py <overrides>`` composes, as the typed config; every Hydra composition
+    error (unknown key, wrong type, unknown group option, bad syntax) as one :class:`ConfigError`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            return run_config_from_hydra(compose(config_name=config_name, overrides=list(overrides)))
+    except HydraException as e:
+        raise ConfigError([hydra_problem(e)]) from e
+
+
+def hydra_problem(error: Exception) -> str:
+    """One line naming the key (or group) and the fix for an error Hydra raised while composing."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause, text = error.__cause__, str(error)
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+        return unknown_key_problem(key)
+    if isinstance(cause, ValidationError) and key:
+        given = text.removeprefix("Error merging override ").strip()
+        reason = str(cause).splitlines()[0]
+        return f"{given}: {reason}; give {key} a value of its type (relax_gdn/config/schema.py)"
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], flags=re.M)
+        return (f"{group}={option} is not an option of the {group} group; use one of {', '.join(options)} "
+                f"(conf/{group}/)")
+    again = re.search(r"Multiple values for (\S+)\. To override a value use 'override \S+ (\S+)'", text)
+    if again:
+        group, option = again.groups()
+        return f"+{group}={option} adds a second {group} option: swap it with {group}={option} (without +)"
+    lines = [line.strip() for line in text.split("Config search path")[0].splitlines() if line.strip()]
+    return " ".join(lines)
 
 
 def run_config_from_hydra(cfg: DictConfig) -> RunConfig:

@@ -31,6 +31,7 @@ from relax_gdn.choices import (
     SwapTransport,
     WandbMode,
 )
+from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 
 
@@ -165,11 +166,10 @@ class RunConfig:
             *parents, leaf = key.split(".")
             for i, part in enumerate(parents):
                 if not isinstance(node.get(part), dict):
-                    raise ValueError(f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group")
+                    raise ConfigError([f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group"])
                 node = node[part]
             if leaf not in node:
-                raise ValueError(f"unknown config key {key!r}; known under {'.'.join(parents) or 'the root'}: "
-                                 f"{sorted(node)}")
+                raise ConfigError([unknown_key_problem(key)])
             node[leaf] = value
         return run_config_from_dict(values)
 
@@ -195,12 +195,11 @@ def _build(cls, values: Any, where: str):
     if isinstance(values, cls):
         return values
     if not isinstance(values, dict):
-        raise ValueError(f"{where or 'config'} must be a mapping, got {type(values).__name__}")
+        raise ConfigError([f"{where or 'config'} must be a group of keys, got {type(values).__name__} {values!r}"])
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        keys = ", ".join(f"{where}.{k}" if where else k for k in unknown)
-        raise ValueError(f"unknown config key(s) {keys}; known under {where or 'the root'}: {sorted(fields)}")
+        raise ConfigError([unknown_key_problem(f"{where}.{k}" if where else k) for k in unknown])
     kwargs = {}
     for name, value in values.items():
         sub = _NESTED.get((cls, name))
@@ -222,6 +221,19 @@ _NESTED = {
     (ParallelConfig, "dynamic_cp"): DynamicCPConfig,
     (LoggingConfig, "wandb"): WandbConfig,
 }
+
+
+def unknown_key_problem(key: str) -> str:
+    """The one wording for a key the schema does not have (from Hydra or from a dict)."""
+    *parents, leaf = key.split(".")
+    cls = RunConfig
+    for part in parents:
+        cls = _NESTED.get((cls, part))
+        if cls is None:
+            return f"unknown config key {key!r}: {'.'.join(parents)} is not a group"
+    group = ".".join(parents) or "the top level"
+    return (f"unknown config key {key!r}: {group} has no key {leaf!r}; its keys are "
+            f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py)")
 
 
 def run_config_from_dict(values: dict[str, Any]) -> RunConfig:

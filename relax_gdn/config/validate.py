@@ -38,18 +38,8 @@ from relax_gdn.choices import (
     WANDB_MODES,
 )
 from relax_gdn.config.schema import RunConfig
-from relax_gdn.errors import RecipeError
+from relax_gdn.errors import ConfigError
 from relax_gdn.model.presets import PRESETS
-
-
-class ConfigError(RecipeError, ValueError):
-    """An impossible configuration; ``problems`` holds one message per broken rule."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__(
-            f"{len(problems)} configuration problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
-        )
 
 
 @dataclass(frozen=True)
