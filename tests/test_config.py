@@ -65,7 +65,8 @@ RULES = [
     (dict(data__source="parquet", data__path=None), 1, ["data.path is required"]),
     (dict(data__tokenizer="/nonexistent/tok"), 1, ["data.tokenizer='/nonexistent/tok'"]),
     (dict(optim__min_lr=1.0), 1, ["optim.min_lr=1.0"]),
-    (dict(optim__warmup_steps=30), 1, ["optim.warmup_steps=30", "train.steps=30"]),
+    (dict(optim__warmup_steps=2.5), 1, ["optim.warmup_steps=2.5", "fraction", "whole number"]),
+    (dict(optim__warmup_steps=-1), 1, ["optim.warmup_steps=-1"]),
     (dict(checkpoint__resume="/nonexistent/ckpt"), 1, ["checkpoint.resume="]),
     (dict(model__preset="qwen3_5_4b"), 1, ["model.preset='qwen3_5_4b'"]),
     (dict(train__steps=0), 1, ["train.steps=0"]),
@@ -254,3 +255,15 @@ def test_metrics_use_real_tokens_and_megatron_accounting():
     assert record["mfu"] == pytest.approx(record["tflops_per_gpu"] / 989.0)
     assert record["mfu_relax"] == pytest.approx(relax / 2.0 / 8 / 1e12 / 989.0)
     assert record["peak_mem_gb"] is None and record["host_syncs"] is None
+
+
+def test_warmup_is_a_fraction_or_steps_and_clamped_below_the_run(caplog):
+    from relax_gdn.train.optimizer import resolve_warmup_steps
+
+    assert resolve_warmup_steps(RunConfig().optim.warmup_steps, RunConfig().train.steps) == 3  # the demo's
+    assert [resolve_warmup_steps(0.1, n) for n in (1, 3, 10, 35)] == [0, 0, 1, 4]
+    assert resolve_warmup_steps(0, 5) == 0 and resolve_warmup_steps(4, 5) == 4 and resolve_warmup_steps(4.0, 5) == 4
+    assert not caplog.records
+    validate(_cfg(optim__warmup_steps=30), 1)  # a warm-up as long as the run is clamped, not refused
+    assert resolve_warmup_steps(30, 30) == 29 and resolve_warmup_steps(3, 1) == 0
+    assert [r.getMessage() for r in caplog.records][0].startswith("optim.warmup_steps=30 is not below train.steps=30")

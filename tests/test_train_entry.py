@@ -119,3 +119,21 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
     assert re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M) == [
         "error: configuration problem: train.steps=0 must be an integer >= 1"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_any_step_count_trains_with_the_default_warmup(tmp_path, steps):
+    done = _train(tmp_path, f"train.steps={steps}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records[0]["lr"] > 0  # no warm-up step at rate 0: 0.1 x 1 or 3 steps rounds to none
+
+
+def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_path):
+    records = [{"problem": f"What is {i} + {i}?", "generated_solution": f"{2 * i}"} for i in range(20)]
+    records.append({"problem": "Repeat x.", "generated_solution": "x" * 3000})  # > 2048 byte tokens
+    path = _data_file(tmp_path, "train.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    done = _train(tmp_path, "data=jsonl", f"data.path={path}", "train.steps=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "20/21 records kept; skipped: too_long=1" in done.stdout + done.stderr

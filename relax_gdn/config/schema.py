@@ -105,7 +105,9 @@ class OptimConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     schedule: LRSchedule = "cosine"  # after a linear warm-up
-    warmup_steps: int = 3
+    # linear warm-up from 0: a value below 1 is a fraction of train.steps (0.1 x the demo's 30
+    # steps = 3), a whole number >= 1 is steps (clamped below train.steps, with a warning)
+    warmup_steps: int | float = 0.1
     decay_steps: int | None = None  # step at which min_lr is reached; None: train.steps
     weight_decay: float = 0.1
     beta1: float = 0.9

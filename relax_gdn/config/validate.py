@@ -215,10 +215,11 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         add(f"optim.lr={optim.lr!r} must be > 0")
     if not 0 <= optim.min_lr <= optim.lr:
         add(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
-    if not _is_int(optim.warmup_steps) or optim.warmup_steps < 0:
-        add(f"optim.warmup_steps={optim.warmup_steps!r} must be an integer >= 0")
-    elif _is_int(train.steps) and optim.warmup_steps >= max(train.steps, 1) and train.steps > 1:
-        add(f"optim.warmup_steps={optim.warmup_steps} must be below train.steps={train.steps}")
+    warmup = optim.warmup_steps
+    if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
+            (warmup >= 1 and warmup != int(warmup)):
+        add(f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or a "
+            "whole number of steps")
     if optim.decay_steps is not None and (not _is_int(optim.decay_steps) or optim.decay_steps < 1):
         add(f"optim.decay_steps={optim.decay_steps!r} must be an integer >= 1 or null")
     for key, beta in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):
