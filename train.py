@@ -1,45 +1,97 @@
 """Hydra entry point: ``python train.py [overrides]`` or ``torchrun --nproc-per-node N train.py [overrides]``.
 
-Thin on purpose: compose -> typed config -> validate (before any process group or model) -> train.
-The default (no overrides) is the embedded CPU demo; see conf/config.yaml for the groups.
+Thin on purpose: check the command line -> Hydra -> typed config -> train. The default (no
+overrides) is the embedded CPU demo; see conf/config.yaml for the groups.
+
+A mistake in the configuration is one message naming the key and the fix, exit status 2, no
+traceback (``HYDRA_FULL_ERROR=1`` shows it), and nothing written: the command line is composed
+and validated before Hydra creates the run directory and before torch or Megatron-Core are
+imported (about a second), and a problem found later in setup (a data file that cannot be used)
+removes the run directory Hydra made for the attempt.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+
+from relax_gdn.config import validate
+from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
+from relax_gdn.errors import RecipeError, report_user_error
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+RANK = int(os.environ.get("RANK", "0"))
 
 # Only global rank 0 writes the run directory: other torchrun ranks tell Hydra to write no
 # .hydra/ files and no job log (they learn rank 0's run directory from it after init).
-if int(os.environ.get("RANK", "0")) != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
+if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
     sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
                  "hydra.run.dir=."]
 
+register_schema()
 log = logging.getLogger("train")
+
+
+def check_command_line(overrides: list[str]) -> None:
+    """Compose and validate what Hydra is about to run; a problem exits here with status 2.
+
+    Flags (``--multirun``, ``--cfg``, ``--help``, ...) are left to Hydra: each job then validates
+    in :func:`main` and removes its run directory when it fails."""
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    try:
+        validate(compose_run_config(CONF_DIR, overrides), int(os.environ.get("WORLD_SIZE", "1")))
+    except RecipeError as e:
+        report_user_error(e)
+
+
+def _hydra_files_only(run_dir: Path | None) -> list[Path]:
+    """What Hydra wrote into a fresh run directory (its output subdir and an empty job log), or []
+    when the directory holds anything else (a directory the user pointed at, or a run's output)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if run_dir is None:
+        return []
+    hydra_cfg = HydraConfig.get()
+    ours = {name for name in (hydra_cfg.output_subdir, f"{hydra_cfg.job.name}.log") if name}
+    entries = list(run_dir.iterdir())
+    if any(p.name not in ours or (p.is_file() and p.stat().st_size) for p in entries):
+        return []
+    return entries
+
+
+def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
+    """Remove the run directory of an attempt that failed before writing anything of its own."""
+    if not hydra_files or {p.name for p in run_dir.iterdir()} != {p.name for p in hydra_files}:
+        return
+    for path in hydra_files:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    run_dir.rmdir()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> float | None:
-    from relax_gdn.config import validate
-    from relax_gdn.config.hydra_io import run_config_from_hydra
-    from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError
-    from relax_gdn.train.loop import env_world_size, run_training
+    from hydra.core.hydra_config import HydraConfig
+
+    # imported here, after check_command_line: torch and Megatron-Core take 10-20 s to import
+    from relax_gdn.train.loop import run_training
     from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if RANK == 0 else None
+    hydra_files = _hydra_files_only(run_dir)
     try:
-        cfg = run_config_from_hydra(hydra_cfg)
-        validate(cfg, env_world_size())
-        run_dir = HydraConfig.get().runtime.output_dir if int(os.environ.get("RANK", "0")) == 0 else None
-        result = run_training(cfg, run_dir)
+        result = run_training(run_config_from_hydra(hydra_cfg), run_dir)
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
-        log.error("%s", e)
-        raise SystemExit(USER_ERROR_EXIT_CODE) from None
-    if result.records and int(os.environ.get("RANK", "0")) == 0:
+        if run_dir is not None:
+            _remove_attempt(run_dir, hydra_files)
+        report_user_error(e)
+    if result.records and RANK == 0:
         first, last = result.records[0], result.records[-1]
         log.info("done: %d steps, loss %.4f -> %.4f, %.0f tok/s (last step); outputs in %s",
                  len(result.records), first["loss"], last["loss"], last["tokens_per_s"], result.run_dir)
@@ -51,4 +103,5 @@ def main(hydra_cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_command_line(sys.argv[1:])
     main()

@@ -65,7 +65,8 @@ RULES = [
     (dict(data__source="parquet", data__path=None), 1, ["data.path is required"]),
     (dict(data__tokenizer="/nonexistent/tok"), 1, ["data.tokenizer='/nonexistent/tok'"]),
     (dict(optim__min_lr=1.0), 1, ["optim.min_lr=1.0"]),
-    (dict(optim__warmup_steps=30), 1, ["optim.warmup_steps=30", "train.steps=30"]),
+    (dict(optim__warmup_steps=2.5), 1, ["optim.warmup_steps=2.5", "fraction", "whole number"]),
+    (dict(optim__warmup_steps=-1), 1, ["optim.warmup_steps=-1"]),
     (dict(checkpoint__resume="/nonexistent/ckpt"), 1, ["checkpoint.resume="]),
     (dict(model__preset="qwen3_5_4b"), 1, ["model.preset='qwen3_5_4b'"]),
     (dict(train__steps=0), 1, ["train.steps=0"]),
@@ -92,7 +93,7 @@ def test_route_prebuild_is_fine_with_every_mode():
 def test_unknown_keys_in_a_dict_are_refused():
     values = RunConfig().to_dict()
     values["parallel"]["pp"] = 2
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) parallel.pp"):
+    with pytest.raises(ValueError, match=r"unknown config key 'parallel.pp'"):
         run_config_from_dict(values)
 
 
@@ -111,8 +112,9 @@ def test_dotted_overrides_set_nested_keys_and_refuse_unknown_ones():
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from relax_gdn.config.hydra_io import run_config_from_hydra
+    from relax_gdn.config.hydra_io import register_schema, run_config_from_hydra
 
+    register_schema()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return run_config_from_hydra(compose(config_name="config", overrides=list(overrides)))
 
@@ -126,6 +128,34 @@ def test_default_composition_is_the_cpu_demo():
     demo = _compose("experiment=cpu_demo")
     assert demo == cfg
     validate(_compose("experiment=cpu_demo", "parallel.cp=2"), 2)
+
+
+def test_the_composed_default_is_the_dataclass_default():
+    """``python train.py`` with no overrides runs exactly ``RunConfig()``: the dataclasses are the
+    one place that states a default."""
+    assert _compose() == RunConfig()
+
+
+def _group_options() -> list[tuple[str, str]]:
+    conf = Path(CONF_DIR)
+    return sorted((group.name, option.stem) for group in conf.iterdir() if group.is_dir() and group.name != "hydra"
+                  for option in group.glob("*.yaml"))
+
+
+# what an option needs beyond itself: (world size, overrides)
+_OPTION_NEEDS = {("parallel", "tp2_sp_cp4"): (8, ["model=qwen3_5_9b"])}
+
+
+@pytest.mark.parametrize("group,option", _group_options(), ids=[f"{g}={o}" for g, o in _group_options()])
+def test_every_option_composes_and_validates(group, option, data_files):
+    world, extra = _OPTION_NEEDS.get((group, option), (1, []))
+    if group == "experiment":
+        world = 8 if option != "cpu_demo" else 1
+        extra = [*data_files] if option != "cpu_demo" else []
+    elif group == "data" and option != "synthetic":
+        extra = [*data_files]
+    cfg = _compose(f"{group}={option}", *extra)
+    validate(cfg, world)
 
 
 def test_group_and_key_overrides_compose():
@@ -171,7 +201,7 @@ def test_seed_scenarios_compose_and_validate_on_eight_gpus(scenario, data_files)
 
 def test_scenarios_need_their_data_path():
     with pytest.raises(ConfigError, match="data.path is required"):
-        _compose("experiment=s1")
+        validate(_compose("experiment=s1"), 8)
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -225,3 +255,15 @@ def test_metrics_use_real_tokens_and_megatron_accounting():
     assert record["mfu"] == pytest.approx(record["tflops_per_gpu"] / 989.0)
     assert record["mfu_relax"] == pytest.approx(relax / 2.0 / 8 / 1e12 / 989.0)
     assert record["peak_mem_gb"] is None and record["host_syncs"] is None
+
+
+def test_warmup_is_a_fraction_or_steps_and_clamped_below_the_run(caplog):
+    from relax_gdn.train.optimizer import resolve_warmup_steps
+
+    assert resolve_warmup_steps(RunConfig().optim.warmup_steps, RunConfig().train.steps) == 3  # the demo's
+    assert [resolve_warmup_steps(0.1, n) for n in (1, 3, 10, 35)] == [0, 0, 1, 4]
+    assert resolve_warmup_steps(0, 5) == 0 and resolve_warmup_steps(4, 5) == 4 and resolve_warmup_steps(4.0, 5) == 4
+    assert not caplog.records
+    validate(_cfg(optim__warmup_steps=30), 1)  # a warm-up as long as the run is clamped, not refused
+    assert resolve_warmup_steps(30, 30) == 29 and resolve_warmup_steps(3, 1) == 0
+    assert [r.getMessage() for r in caplog.records][0].startswith("optim.warmup_steps=30 is not below train.steps=30")

@@ -15,7 +15,8 @@ from relax_gdn.config.schema import (
     WandbConfig,
     run_config_from_dict,
 )
-from relax_gdn.config.validate import ConfigError, ParallelDims, validate
+from relax_gdn.config.validate import ParallelDims, validate
+from relax_gdn.errors import ConfigError
 
 __all__ = [
     "CheckpointConfig",

@@ -3,13 +3,101 @@ and relax_gdn/config read Hydra)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
+import types
+import typing
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from relax_gdn.config.schema import RunConfig, run_config_from_dict
-from relax_gdn.config.validate import ConfigError
+from relax_gdn.config.schema import RunConfig, run_config_from_dict, unknown_key_problem
+from relax_gdn.errors import ConfigError
+
+SCHEMA_NAME = "relax_gdn_schema"  # conf/config.yaml's defaults list starts from it
+
+
+def _omegaconf_type(hint):
+    """The type OmegaConf 2.3 checks for ``hint``: it knows neither ``Literal`` nor unions of
+    values, so a ``Literal`` of strings is checked as ``str`` (``validate`` checks the choice) and
+    ``int | float`` as ``float``; ``X | None`` stays optional."""
+    if dataclasses.is_dataclass(hint):
+        return omegaconf_schema(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        base = _omegaconf_type(kinds[0]) if len(kinds) == 1 else float
+        return base | None if type(None) in args else base
+    return hint
+
+
+@functools.cache
+def omegaconf_schema(cls: type) -> type:
+    """A copy of the dataclass ``cls`` with types OmegaConf can enforce and the same defaults."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        kind = _omegaconf_type(hints[f.name])
+        if dataclasses.is_dataclass(hints[f.name]):
+            fields.append((f.name, kind, dataclasses.field(default_factory=kind)))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, kind, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def register_schema() -> None:
+    """Register :class:`RunConfig` in Hydra's ConfigStore as ``relax_gdn_schema``: every
+    composition starts from the dataclass defaults, and Hydra refuses unknown keys and values
+    of the wrong type while composing (before ``validate`` sees anything)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=omegaconf_schema(RunConfig))
+
+
+def compose_run_config(config_dir: str | Path, overrides: list[str], config_name: str = "config") -> RunConfig:
+    """What ``python train.py <overrides>`` composes, as the typed config; every Hydra composition
+    error (unknown key, wrong type, unknown group option, bad syntax) as one :class:`ConfigError`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            return run_config_from_hydra(compose(config_name=config_name, overrides=list(overrides)))
+    except HydraException as e:
+        raise ConfigError([hydra_problem(e)]) from e
+
+
+def hydra_problem(error: Exception) -> str:
+    """One line naming the key (or group) and the fix for an error Hydra raised while composing."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause, text = error.__cause__, str(error)
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+        return unknown_key_problem(key)
+    if isinstance(cause, ValidationError) and key:
+        given = text.removeprefix("Error merging override ").strip()
+        reason = str(cause).splitlines()[0]
+        return f"{given}: {reason}; give {key} a value of its type (relax_gdn/config/schema.py)"
+    missing = re.search(r"Could not find '([^']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], flags=re.M)
+        return (f"{group}={option} is not an option of the {group} group; use one of {', '.join(options)} "
+                f"(conf/{group}/)")
+    again = re.search(r"Multiple values for (\S+)\. To override a value use 'override \S+ (\S+)'", text)
+    if again:
+        group, option = again.groups()
+        return f"+{group}={option} adds a second {group} option: swap it with {group}={option} (without +)"
+    lines = [line.strip() for line in text.split("Config search path")[0].splitlines() if line.strip()]
+    return " ".join(lines)
 
 
 def run_config_from_hydra(cfg: DictConfig) -> RunConfig:

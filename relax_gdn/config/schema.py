@@ -1,8 +1,12 @@
-"""The resolved run configuration as plain typed dataclasses (torchtitan style).
+"""The run configuration as plain typed dataclasses (torchtitan style): the ONLY place that
+states a default.
 
-One dataclass per Hydra config group (``conf/<group>/*.yaml``); field names are the YAML keys,
-so an error can always name the key as ``group.field``. Nothing here reads Hydra: the
-conversion from a composed ``DictConfig`` lives in :mod:`relax_gdn.config.hydra_io`.
+One dataclass per Hydra config group; field names are the keys, so an error can always name the
+key as ``group.field``. :mod:`relax_gdn.config.hydra_io` registers these classes in Hydra's
+ConfigStore as the schema every composition starts from (unknown keys and values of the wrong
+type are refused while composing), so ``conf/<group>/<option>.yaml`` holds only what an option
+changes. Closed sets of options are ``Literal`` types from :mod:`relax_gdn.choices`. Nothing here
+reads Hydra.
 """
 
 from __future__ import annotations
@@ -11,85 +15,100 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_gdn.choices import (
+    CPMode,
+    DataSource,
+    Device,
+    KernelBackend,
+    LRSchedule,
+    ModelAttentionBackend,
+    ModelPreset,
+    OptimizerName,
+    Precision,
+    RecomputeGranularity,
+    RouteStrategy,
+    SpecProvider,
+    SwapTransport,
+    WandbMode,
+)
+from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
-
-RECOMPUTE_GRANULARITIES = ("full", "selective", "none")
-PRECISIONS = ("auto", "bf16", "fp32")
-DEVICES = ("auto", "cuda", "cpu")
-DATA_SOURCES = ("synthetic", "jsonl", "parquet", "hf_disk")
-LR_SCHEDULES = ("cosine", "linear", "constant")
-OPTIMIZERS = ("adam",)
-WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
 class ModelConfig:
-    preset: str = "qwen3_5_tiny"  # relax_gdn.model.PRESETS
+    preset: ModelPreset = "qwen3_5_tiny"  # relax_gdn.model.presets (qwen3_5_tiny: 4 layers, hidden 64, CPU)
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
-    spec_provider: str = "auto"
-    attention_backend: str = "auto"
+    spec_provider: SpecProvider = "auto"  # auto: Transformer Engine specs where it imports, else local
+    attention_backend: ModelAttentionBackend = "auto"
 
 
 @dataclass
 class GDNConfig:
-    cp_mode: str = "chunkwise"  # relax_gdn.gdn.CP_MODES
-    route: str = "lazy_cache"  # relax_gdn.layout.ROUTE_STRATEGIES
-    kernel_backend: str = "auto"
-    swap_transport: str = "auto"  # relax_gdn.layout.SWAP_TRANSPORTS
-    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX  # chunkwise; 0: always pass the state
+    cp_mode: CPMode = "chunkwise"
+    route: RouteStrategy = "lazy_cache"  # zigzag<->contiguous routes: built on first use / by the data side
+    kernel_backend: KernelBackend = "auto"  # auto: FLA kernels on CUDA, the pure-torch reference on CPU
+    swap_transport: SwapTransport = "auto"  # auto: peer memory when the CP group is on one host, else all_to_all
+    # chunkwise: a document crossing a CP rank cut with at most this many tokens before the cut is
+    # recomputed by the next rank instead of passing the recurrent state between ranks (0: always pass)
+    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
 
 
 @dataclass
 class DynamicCPConfig:
     enabled: bool = False
-    max_cp: int = 1
+    max_cp: int = 1  # with enabled=true: equal to parallel.cp (a power of two)
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = 1  # data parallel = world size / (tp x cp)
     cp: int = 1
-    sp: bool = False
+    sp: bool = False  # sequence parallelism; needs tp > 1
     dynamic_cp: DynamicCPConfig = field(default_factory=DynamicCPConfig)
 
 
 @dataclass
 class RecomputeConfig:
-    granularity: str = "none"
+    granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
 
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"
-    path: str | None = None
+    source: DataSource = "synthetic"  # synthetic: a deterministic math SFT set, no files needed
+    path: str | None = None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
     split: str = "train"  # hf_disk: the split of a saved DatasetDict
-    tokenizer: str = "embedded"
+    tokenizer: str | None = "embedded"  # embedded (small, built in) or a local Hugging Face tokenizer directory
+    # longer samples are skipped (counted and reported); None: what one micro-batch holds,
+    # train.max_tokens_per_gpu x the largest CP size (RunConfig.sample_token_limit)
     max_sample_tokens: int | None = 512
     num_samples: int | None = 2048  # synthetic: set size; files: read at most this many (None: all)
-    synthetic_max_steps: int = 20  # synthetic only: longest word problem (each step ~90 byte tokens)
+    synthetic_max_steps: int = 3  # synthetic only: longest word problem (each step ~90 byte tokens)
 
 
 @dataclass
 class TrainConfig:
     steps: int = 30
-    global_batch_size: int = 16
-    max_tokens_per_gpu: int = 2048
+    global_batch_size: int = 16  # samples per optimizer step (all DP ranks together)
+    max_tokens_per_gpu: int = 2048  # packed tokens per micro-batch per GPU (a CP group holds cp x this)
     seed: int = 1234
-    precision: str = "auto"
-    device: str = "auto"
-    deterministic: bool = False
+    precision: Precision = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: Device = "auto"
+    deterministic: bool = False  # Megatron deterministic mode (refused with chunkwise CP > 1)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adam"
+    name: OptimizerName = "adam"  # Adam with decoupled weight decay
     lr: float = 3e-3
     min_lr: float = 3e-4
-    schedule: str = "cosine"
-    warmup_steps: int = 3
-    decay_steps: int | None = None
+    schedule: LRSchedule = "cosine"  # after a linear warm-up
+    # linear warm-up from 0: a value below 1 is a fraction of train.steps (0.1 x the demo's 30
+    # steps = 3), a whole number >= 1 is steps (clamped below train.steps, with a warning)
+    warmup_steps: int | float = 0.1
+    decay_steps: int | None = None  # step at which min_lr is reached; None: train.steps
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.98
@@ -99,29 +118,29 @@ class OptimConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "disabled"
+    mode: WandbMode = "disabled"
     project: str = "relax-gdn"
     entity: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
-    name: str | None = None
+    group: str | None = None  # None: derived (model/scenario)
+    tags: list[str] = field(default_factory=list)  # mode, route, cp, tp and model tags are added
+    name: str | None = None  # None: the run name
 
 
 @dataclass
 class LoggingConfig:
-    console: bool = True
+    console: bool = True  # rank 0: progress bar + one line per log_every steps
     log_every: int = 1
-    jsonl: bool = True
+    jsonl: bool = True  # metrics.jsonl in the run directory, one record per step
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile_steps: list[int] | None = None  # [first, last]: torch profiler traces per rank for these steps
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
-    every_steps: int = 0
-    save_final: bool = False
-    resume: str | None = None
+    dir: str | None = None  # None: <run dir>/checkpoints
+    every_steps: int = 0  # save every N steps and at the end; 0: no periodic saves
+    save_final: bool = False  # also save at the end when every_steps is 0
+    resume: str | None = None  # a checkpoint directory (.../step_000010) or its parent (latest step)
 
 
 @dataclass
@@ -135,7 +154,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_name: str | None = None
+    run_name: str | None = None  # W&B run name and run directory suffix; None: derived from mode/route/CP/TP/model
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,11 +168,10 @@ class RunConfig:
             *parents, leaf = key.split(".")
             for i, part in enumerate(parents):
                 if not isinstance(node.get(part), dict):
-                    raise ValueError(f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group")
+                    raise ConfigError([f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group"])
                 node = node[part]
             if leaf not in node:
-                raise ValueError(f"unknown config key {key!r}; known under {'.'.join(parents) or 'the root'}: "
-                                 f"{sorted(node)}")
+                raise ConfigError([unknown_key_problem(key)])
             node[leaf] = value
         return run_config_from_dict(values)
 
@@ -163,6 +181,15 @@ class RunConfig:
         dyn = self.parallel.dynamic_cp
         return dyn.max_cp if dyn.enabled else self.parallel.cp
 
+    @property
+    def sample_token_limit(self) -> int:
+        """The longest sample the data side keeps: ``data.max_sample_tokens``, or when that is None
+        every sample one micro-batch can hold (``train.max_tokens_per_gpu`` x the largest CP size;
+        an even budget times the CP size is a whole number of the 2·cp padding units)."""
+        if self.data.max_sample_tokens is not None:
+            return self.data.max_sample_tokens
+        return self.train.max_tokens_per_gpu * self.effective_max_cp
+
 
 def _build(cls, values: Any, where: str):
     """``cls`` from a nested dict; unknown keys are an error naming them (Hydra catches them on the
@@ -170,12 +197,11 @@ def _build(cls, values: Any, where: str):
     if isinstance(values, cls):
         return values
     if not isinstance(values, dict):
-        raise ValueError(f"{where or 'config'} must be a mapping, got {type(values).__name__}")
+        raise ConfigError([f"{where or 'config'} must be a group of keys, got {type(values).__name__} {values!r}"])
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        keys = ", ".join(f"{where}.{k}" if where else k for k in unknown)
-        raise ValueError(f"unknown config key(s) {keys}; known under {where or 'the root'}: {sorted(fields)}")
+        raise ConfigError([unknown_key_problem(f"{where}.{k}" if where else k) for k in unknown])
     kwargs = {}
     for name, value in values.items():
         sub = _NESTED.get((cls, name))
@@ -197,6 +223,19 @@ _NESTED = {
     (ParallelConfig, "dynamic_cp"): DynamicCPConfig,
     (LoggingConfig, "wandb"): WandbConfig,
 }
+
+
+def unknown_key_problem(key: str) -> str:
+    """The one wording for a key the schema does not have (from Hydra or from a dict)."""
+    *parents, leaf = key.split(".")
+    cls = RunConfig
+    for part in parents:
+        cls = _NESTED.get((cls, part))
+        if cls is None:
+            return f"unknown config key {key!r}: {'.'.join(parents)} is not a group"
+    group = ".".join(parents) or "the top level"
+    return (f"unknown config key {key!r}: {group} has no key {leaf!r}; its keys are "
+            f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py)")
 
 
 def run_config_from_dict(values: dict[str, Any]) -> RunConfig:

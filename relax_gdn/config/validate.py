@@ -21,27 +21,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from relax_gdn.config.schema import (
+from relax_gdn.choices import (
+    CP_MODES,
     DATA_SOURCES,
     DEVICES,
+    KERNEL_BACKENDS,
     LR_SCHEDULES,
+    MODEL_ATTENTION_BACKENDS,
+    MODEL_PRESETS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
+    ROUTE_STRATEGIES,
+    SPEC_PROVIDERS,
+    SWAP_TRANSPORTS,
     WANDB_MODES,
-    RunConfig,
 )
-from relax_gdn.errors import RecipeError
-
-
-class ConfigError(RecipeError, ValueError):
-    """An impossible configuration; ``problems`` holds one message per broken rule."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__(
-            f"{len(problems)} configuration problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+from relax_gdn.config.schema import RunConfig
+from relax_gdn.errors import ConfigError
+from relax_gdn.model.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -67,22 +65,18 @@ def _is_int(value) -> bool:
 
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     """Raise :class:`ConfigError` naming every broken rule; return the parallel dims otherwise."""
-    from relax_gdn.gdn import CP_MODES
-    from relax_gdn.layout import ROUTE_STRATEGIES, SWAP_TRANSPORTS
-    from relax_gdn.model import PRESETS, SPEC_PROVIDERS, MODEL_ATTENTION_BACKENDS
-
     problems: list[str] = []
     add = problems.append
     par, gdn, train, optim, data = cfg.parallel, cfg.gdn, cfg.train, cfg.optim, cfg.data
 
     # --- choices ---------------------------------------------------------------------------
     choices = [
-        ("model.preset", cfg.model.preset, tuple(PRESETS)),
+        ("model.preset", cfg.model.preset, MODEL_PRESETS),
         ("model.spec_provider", cfg.model.spec_provider, SPEC_PROVIDERS),
         ("model.attention_backend", cfg.model.attention_backend, MODEL_ATTENTION_BACKENDS),
         ("gdn.cp_mode", gdn.cp_mode, CP_MODES),
         ("gdn.route", gdn.route, ROUTE_STRATEGIES),
-        ("gdn.kernel_backend", gdn.kernel_backend, ("auto", "fla", "torch")),
+        ("gdn.kernel_backend", gdn.kernel_backend, KERNEL_BACKENDS),
         ("gdn.swap_transport", gdn.swap_transport, SWAP_TRANSPORTS),
         ("recompute.granularity", cfg.recompute.granularity, RECOMPUTE_GRANULARITIES),
         ("data.source", data.source, DATA_SOURCES),
@@ -207,7 +201,10 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         elif not os.path.exists(data.path):
             add(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the data file "
                 "or directory")
-    if data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
+    if data.tokenizer is None:
+        add(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer directory "
+            "(e.g. the checkpoint's), or 'embedded'")
+    elif data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
         add(f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
             "tokenizer directory")
     if cfg.model.hf_checkpoint is not None and not os.path.isdir(cfg.model.hf_checkpoint):
@@ -218,10 +215,11 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         add(f"optim.lr={optim.lr!r} must be > 0")
     if not 0 <= optim.min_lr <= optim.lr:
         add(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
-    if not _is_int(optim.warmup_steps) or optim.warmup_steps < 0:
-        add(f"optim.warmup_steps={optim.warmup_steps!r} must be an integer >= 0")
-    elif _is_int(train.steps) and optim.warmup_steps >= max(train.steps, 1) and train.steps > 1:
-        add(f"optim.warmup_steps={optim.warmup_steps} must be below train.steps={train.steps}")
+    warmup = optim.warmup_steps
+    if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
+            (warmup >= 1 and warmup != int(warmup)):
+        add(f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or a "
+            "whole number of steps")
     if optim.decay_steps is not None and (not _is_int(optim.decay_steps) or optim.decay_steps < 1):
         add(f"optim.decay_steps={optim.decay_steps!r} must be an integer >= 1 or null")
     for key, beta in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):

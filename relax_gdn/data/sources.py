@@ -3,7 +3,8 @@
 Records are dicts with a prompt field and a response field (OpenMathReasoning-mini names by
 default: ``problem`` / ``generated_solution``). A broken record is skipped and counted by reason
 (:data:`~relax_gdn.data.sample.SKIP_REASONS`); a source that yields nothing usable raises a
-``ValueError`` naming the path, the fields and the fix, at load time, before training starts.
+:class:`~relax_gdn.errors.DataError` naming the path, the fields and the fix, at load time,
+before training starts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from relax_gdn.data.sample import Sample, SFTDataset, SkipCounts
 from relax_gdn.data.tokenizer import SFTTokenizer
+from relax_gdn.errors import DataError
 
 DEFAULT_PROMPT_FIELD = "problem"
 DEFAULT_RESPONSE_FIELD = "generated_solution"
@@ -34,7 +36,7 @@ def detect_format(path: Path) -> str:
             return "parquet"
         if any(path.rglob("*.jsonl")):
             return "jsonl"
-        raise ValueError(
+        raise DataError(
             f"data source directory {str(path)!r} holds no dataset: expected a `datasets` save_to_disk "
             "directory (dataset_info.json / state.json), *.parquet or *.jsonl files"
         )
@@ -43,7 +45,7 @@ def detect_format(path: Path) -> str:
         return "jsonl"
     if suffix == ".parquet":
         return "parquet"
-    raise ValueError(
+    raise DataError(
         f"cannot tell the format of data source {str(path)!r} from its suffix {suffix!r}: use a .jsonl or "
         ".parquet file, a directory of them, or a `datasets` save_to_disk directory "
         f"(formats: {SOURCE_FORMATS})"
@@ -71,7 +73,7 @@ def _jsonl_records(path: Path) -> Iterator[object]:
 def _check_columns(where: str, available: list[str], fields: tuple[str, str]) -> None:
     missing = [f for f in fields if f not in available]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"data source {where!r} has no field(s) {missing}; its fields are {available}. Set the prompt/"
             "response field names (data.prompt_field / data.response_field) to columns that exist"
         )
@@ -93,7 +95,7 @@ def _hf_disk_records(path: Path, fields: tuple[str, str], split: str) -> Iterato
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(
+            raise DataError(
                 f"data source {str(path)!r} has splits {list(loaded)}, not {split!r}: "
                 "set the split (data.split)"
             )
@@ -108,7 +110,7 @@ def read_records(path: str | os.PathLike, *, fields: tuple[str, str], format: st
     that the tokenizing loop counts as ``unparsable``). Directories are read file by file, sorted."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ValueError(
+        raise DataError(
             f"data source {str(path)!r} does not exist: set the data path (data.path) to a jsonl/parquet "
             "file or directory, or use the embedded synthetic set"
         )
@@ -119,7 +121,7 @@ def read_records(path: str | os.PathLike, *, fields: tuple[str, str], format: st
         return _parquet_records(path, fields)
     if format == "hf_disk":
         return _hf_disk_records(path, fields, split)
-    raise ValueError(f"unknown data source format {format!r}: use one of {SOURCE_FORMATS}")
+    raise DataError(f"unknown data source format {format!r}: use one of {SOURCE_FORMATS}")
 
 
 def _check_max_sample_tokens(max_sample_tokens: int | None) -> None:
@@ -202,12 +204,12 @@ def load_sft_dataset(
     format: str | None = None,
     split: str = "train",
 ) -> SFTDataset:
-    """Read, validate and tokenize an SFT source. Raises ``ValueError`` (path, fields, fix) when the
+    """Read, validate and tokenize an SFT source. Raises ``DataError`` (path, fields, fix) when the
     source is missing or yields no usable record; skipped records are in ``dataset.counts``."""
     fields = (prompt_field, response_field)
     for name in fields:
         if not isinstance(name, str) or not name:
-            raise ValueError(
+            raise DataError(
                 f"field name {name!r} must be a non-empty string (data.prompt_field / data.response_field)"
             )
     records = read_records(path, fields=fields, format=format, split=split)
@@ -216,7 +218,7 @@ def load_sft_dataset(
         max_sample_tokens=max_sample_tokens, max_samples=max_samples,
     )
     if not samples:
-        raise ValueError(
+        raise DataError(
             f"data source {str(path)!r} has no usable record ({counts.summary()}): "
             f"{_unusable_source_fix(counts, fields, max_sample_tokens)}"
         )

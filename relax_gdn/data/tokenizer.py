@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from relax_gdn.errors import DataError
+
 BYTE_TOKENIZER_NAMES = ("byte", "embedded")  # spellings that select the embedded tokenizer
 
 
@@ -93,7 +95,7 @@ class HFChatTokenizer:
     def __init__(self, path: str | os.PathLike) -> None:
         path = Path(path).expanduser()
         if not path.is_dir():
-            raise ValueError(
+            raise DataError(
                 f"tokenizer directory {str(path)!r} does not exist (or is not a directory): point the "
                 "tokenizer setting (data.tokenizer) at a local Hugging Face tokenizer directory "
                 "(tokenizer.json + tokenizer_config.json), or use 'byte' for the embedded tokenizer"
@@ -103,19 +105,19 @@ class HFChatTokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with the path and the fix
-            raise ValueError(
+            raise DataError(
                 f"could not load a Hugging Face tokenizer from {str(path)!r}: {exc}; the directory needs "
                 "tokenizer.json (or the slow-tokenizer files) and tokenizer_config.json"
             ) from exc
         if not getattr(self.hf, "chat_template", None):
-            raise ValueError(
+            raise DataError(
                 f"tokenizer in {str(path)!r} has no chat template: SFT renders prompt/response with "
                 "apply_chat_template; use an instruct/chat tokenizer (its tokenizer_config.json or "
                 "chat_template.jinja holds the template) or the embedded 'byte' tokenizer"
             )
         eos = self.hf.eos_token_id
         if eos is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer in {str(path)!r} defines no eos token; set eos_token in its tokenizer_config.json"
             )
         self.path = str(path)

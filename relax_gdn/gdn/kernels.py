@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from relax_gdn.choices import KERNEL_BACKENDS
 from relax_gdn.gdn import fla_cp_summaries, reference
 from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
 from relax_gdn.layout.route import upload_rows
-
-KERNEL_BACKENDS = ("auto", "fla", "torch")
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_gdn.choices import ROUTE_STRATEGIES
 from relax_gdn.layout.partition import host_boundaries, validated_boundaries
 from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:  # the layout package needs only the fields, not Megatron-Core
 
 T = TypeVar("T")
 
-ROUTE_STRATEGIES = ("lazy_cache", "prebuild")
 CP_LAYOUT_PAIR = ("zigzag", "contiguous")  # the conversion chunkwise GDN performs
 
 _HOST_ATTR = "_relax_gdn_host_cu_seqlens"  # list of (device tensor, its _version, host array)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from relax_gdn.choices import SWAP_TRANSPORTS
 from relax_gdn.layout.peer_memory import exchange_through_peer_memory, group_is_on_this_host
 from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
-SWAP_TRANSPORTS = ("auto", "all_to_all", "peer_memory")
 _transport = "auto"
 _on_one_host: dict[str, bool] = {}  # group name -> every rank on this host (auto's choice)
 

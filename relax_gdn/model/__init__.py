@@ -1,41 +1,42 @@
 """Qwen3.5 assembly on Megatron-Core: specs, the CP + THD attention core that needs no Transformer
-Engine, norms, checkpoint import."""
+Engine, norms, checkpoint import.
 
-from relax_gdn.model.attention import ATTENTION_BACKENDS, CPDotProductAttention
-from relax_gdn.model.norms import RMSNorm
-from relax_gdn.model.qwen3_5 import (
-    MODEL_ATTENTION_BACKENDS,
-    PRESETS,
-    SPEC_PROVIDERS,
-    Qwen3_5Model,
-    Qwen3_5Preset,
-    Qwen3_5SelfAttention,
-    TokenRotaryEmbedding,
-    build_qwen3_5_model,
-    build_qwen3_5_preset_model,
-    qwen3_5_block_spec,
-    qwen3_5_config,
-    qwen3_5_preset,
-    resolve_spec_provider,
-    transformer_engine_import_error,
-)
+The names below load on first use (PEP 562): ``relax_gdn.model.presets`` is plain numbers that
+configuration checks read before anything heavy is imported, and importing this package eagerly
+would pull in Megatron-Core (measured with ``python -X importtime``: 10-20 s on a busy 2-core
+machine, against about 1 s for the whole configuration check).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from relax_gdn.choices import ATTENTION_BACKENDS, MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
+from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
+
+_LAZY = {
+    "CPDotProductAttention": "relax_gdn.model.attention",
+    "RMSNorm": "relax_gdn.model.norms",
+    **{name: "relax_gdn.model.qwen3_5" for name in (
+        "Qwen3_5Model", "Qwen3_5SelfAttention", "TokenRotaryEmbedding", "build_qwen3_5_model",
+        "build_qwen3_5_preset_model", "qwen3_5_block_spec", "qwen3_5_config", "resolve_spec_provider",
+        "transformer_engine_import_error",
+    )},
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ATTENTION_BACKENDS",
-    "CPDotProductAttention",
     "MODEL_ATTENTION_BACKENDS",
     "PRESETS",
-    "Qwen3_5Model",
     "Qwen3_5Preset",
-    "Qwen3_5SelfAttention",
-    "RMSNorm",
     "SPEC_PROVIDERS",
-    "TokenRotaryEmbedding",
-    "build_qwen3_5_model",
-    "build_qwen3_5_preset_model",
-    "qwen3_5_block_spec",
-    "qwen3_5_config",
     "qwen3_5_preset",
-    "resolve_spec_provider",
-    "transformer_engine_import_error",
+    *_LAZY,
 ]

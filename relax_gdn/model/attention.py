@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
+from relax_gdn.choices import ATTENTION_BACKENDS
 from relax_gdn.layout import (
     GatheredOrder,
     cached_gathered_zigzag_order,
@@ -62,8 +63,8 @@ try:  # torch >= 2.9; its signature differs between versions: see varlen_unsuppo
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
 
-ATTENTION_BACKENDS = ("auto", "varlen", "sdpa")
-"""``auto``: ``varlen`` where it applies (CUDA, fp16/bf16, head dim <= 256), else ``sdpa``."""
+# ATTENTION_BACKENDS (relax_gdn.choices): ``auto`` is ``varlen`` where it applies (CUDA, fp16/bf16,
+# head dim <= 256), else ``sdpa``.
 
 _PLAN_CACHE_NAME = "zigzag_attention_plan"
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)

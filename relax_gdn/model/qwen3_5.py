@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,112 +45,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
-from relax_gdn.model.attention import ATTENTION_BACKENDS, CPDotProductAttention
+from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.norms import RMSNorm
+from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
 
 logger = logging.getLogger(__name__)
 
-SPEC_PROVIDERS = ("auto", "local", "te")
-"""``auto``: Transformer Engine specs where ``transformer_engine`` imports, else local specs."""
-
-MODEL_ATTENTION_BACKENDS = ("auto", "te") + tuple(b for b in ATTENTION_BACKENDS if b != "auto")
-"""Core attention of the full-attention layers. ``te``: Transformer Engine's
-``TEDotProductAttention`` (``te`` specs only); ``varlen``/``sdpa``: :class:`CPDotProductAttention`
-with that kernel; ``auto``: ``te`` with ``te`` specs, else ``CPDotProductAttention(backend="auto")``."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Presets
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Qwen3_5Preset:
-    """Shapes of one Qwen3.5 variant: ``config`` are ``TransformerConfig`` fields, the rest are
-    what ``GPTModel`` needs besides the config."""
-
-    name: str
-    config: dict = field(repr=False)
-    vocab_size: int = 248_320
-    max_sequence_length: int = 262_144
-    rotary_percent: float = 0.25
-    rotary_base: float = 10_000_000.0
-
-
-def _qwen3_5_shapes(**shapes) -> dict:
-    """Everything Qwen3.5 fixes, plus the given shapes."""
-    return dict(
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        layernorm_zero_centered_gamma=True,
-        qk_layernorm=True,
-        attention_output_gate=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        rotary_interleaved=False,  # NeoX rotate-half
-        experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=4,  # layers 3, 7, ... (0-based) are full attention
-        linear_conv_kernel_dim=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        **shapes,
-    )
-
-
-_NINE_B_WIDTHS = dict(
-    hidden_size=4096,
-    ffn_hidden_size=12288,
-    num_attention_heads=16,
-    num_query_groups=4,
-    kv_channels=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-)
-
-PRESETS: dict[str, Qwen3_5Preset] = {
-    "qwen3_5_9b": Qwen3_5Preset("qwen3_5_9b", _qwen3_5_shapes(num_layers=32, **_NINE_B_WIDTHS)),
-    # one 3:1 block at full width: what fits a 2-GPU benchmark
-    "qwen3_5_9b_reduced": Qwen3_5Preset(
-        "qwen3_5_9b_reduced", _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS)
-    ),
-    # trains on CPU in seconds; keeps GQA (4 Q / 2 KV heads), the gate, partial RoPE (4 of 16
-    # dims), the 3:1 pattern and GVA (8 value heads = 2 x 4 key heads; headwise works up to
-    # TP x CP = 4)
-    "qwen3_5_tiny": Qwen3_5Preset(
-        "qwen3_5_tiny",
-        _qwen3_5_shapes(
-            num_layers=4,
-            hidden_size=64,
-            ffn_hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=16,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-        ),
-        vocab_size=256,
-        max_sequence_length=4096,
-    ),
-}
-
-
-def qwen3_5_preset(preset: str | Qwen3_5Preset) -> Qwen3_5Preset:
-    """The preset named ``preset`` (one of :data:`PRESETS`); a preset object is returned as is."""
-    if isinstance(preset, Qwen3_5Preset):
-        return preset
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen3.5 preset {preset!r}: use one of {tuple(PRESETS)}")
-    return PRESETS[preset]
+# The options (relax_gdn.choices): SPEC_PROVIDERS ``auto`` takes Transformer Engine specs where
+# ``transformer_engine`` imports, else local specs. MODEL_ATTENTION_BACKENDS is the core attention
+# of the full-attention layers: ``te`` is Transformer Engine's ``TEDotProductAttention`` (``te``
+# specs only); ``varlen``/``sdpa`` is :class:`CPDotProductAttention` with that kernel; ``auto``
+# is ``te`` with ``te`` specs, else ``CPDotProductAttention(backend="auto")``.
 
 
 def qwen3_5_config(preset: str | Qwen3_5Preset = "qwen3_5_9b", **overrides) -> TransformerConfig:
@@ -159,7 +65,7 @@ def qwen3_5_config(preset: str | Qwen3_5Preset = "qwen3_5_9b", **overrides) -> T
     ``tensor_model_parallel_size``, ``sequence_parallel``, ``bf16``/``params_dtype``,
     ``recompute_granularity``, ``num_layers``, ...). The vocabulary size and maximum sequence
     length are on the preset (:func:`qwen3_5_preset`)."""
-    kwargs = dict(qwen3_5_preset(preset).config)
+    kwargs = dict(qwen3_5_preset(preset).config, activation_func=F.silu)  # SwiGLU
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)})
     if unknown:
         raise ValueError(f"qwen3_5_config: {unknown} are not TransformerConfig fields")
@@ -565,18 +471,13 @@ def build_qwen3_5_preset_model(
 
 
 __all__ = [
-    "MODEL_ATTENTION_BACKENDS",
-    "PRESETS",
     "Qwen3_5Model",
-    "Qwen3_5Preset",
     "Qwen3_5SelfAttention",
-    "SPEC_PROVIDERS",
     "TokenRotaryEmbedding",
     "build_qwen3_5_model",
     "build_qwen3_5_preset_model",
     "qwen3_5_block_spec",
     "qwen3_5_config",
-    "qwen3_5_preset",
     "resolve_spec_provider",
     "transformer_engine_import_error",
 ]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
+from relax_gdn.errors import ConfigError, DataError
 from relax_gdn.layout import set_swap_transport
 from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
 from relax_gdn.train.flops import ModelShape
@@ -59,7 +60,7 @@ class TrainResult:
 def select_device(cfg: RunConfig) -> torch.device:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but CUDA is not available here; use train.device=auto or cpu")
+        raise ConfigError(["train.device=cuda but CUDA is not available here; use train.device=auto or cpu"])
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         # torchrun sets LOCAL_RANK; a caller that made the process group itself has already
         # chosen this process's GPU with torch.cuda.set_device
@@ -70,8 +71,8 @@ def select_device(cfg: RunConfig) -> torch.device:
 
 def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
     if cfg.train.precision == "bf16" and device.type != "cuda":
-        raise ValueError("train.precision=bf16 needs CUDA (the CPU path trains in fp32); use train.precision=auto "
-                         "or fp32 on CPU")
+        raise ConfigError(["train.precision=bf16 needs CUDA (the CPU path trains in fp32); use "
+                           "train.precision=auto or fp32 on CPU"])
     return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
 
 
@@ -83,19 +84,20 @@ def load_data(cfg: RunConfig):
     tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
     if d.source == "synthetic":
         dataset = synthetic_math_dataset(
-            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=d.max_sample_tokens,
+            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=cfg.sample_token_limit,
             max_steps=d.synthetic_max_steps, min_steps=1,
         )
     else:
         if not d.path or not Path(d.path).exists():
-            raise FileNotFoundError(f"data.path={d.path!r} does not exist (data.source={d.source})")
+            raise DataError(f"data.path={d.path!r} does not exist (data.source={d.source}); point it at the data "
+                            "file or directory")
         dataset = load_sft_dataset(
             d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=d.max_sample_tokens, max_samples=d.num_samples, format=d.source,
+            max_sample_tokens=cfg.sample_token_limit, max_samples=d.num_samples, format=d.source,
             split=d.split,
         )
     if len(dataset) < cfg.train.global_batch_size:
-        raise ValueError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
+        raise DataError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
                          f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
     check_samples_fit(dataset.samples, cfg)
     return tokenizer, dataset
@@ -112,7 +114,7 @@ def check_samples_fit(samples, cfg: RunConfig) -> None:
     too_long = [s for s in samples if padded_length(len(s), cp) > capacity]
     if too_long:
         worst = max(too_long, key=len)
-        raise ValueError(
+        raise DataError(
             f"{len(too_long)} samples do not fit one micro-batch of train.max_tokens_per_gpu x parallel.cp = "
             f"{cfg.train.max_tokens_per_gpu} x {cp} = {capacity} tokens (e.g. sample {worst.sample_id}: {len(worst)} "
             f"tokens): set data.max_sample_tokens={capacity} to skip them (counted in the run log), or raise "

@@ -20,6 +20,7 @@ no-weight-decay rule for biases and 1-D parameters. Both paths use Megatron-Core
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from relax_gdn.config import RunConfig
+
+logger = logging.getLogger("relax_gdn.train")
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -200,6 +203,19 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
     return ddp, MegatronOptimizerAdapter(ddp, optimizer)
 
 
+def resolve_warmup_steps(warmup: int | float, steps: int) -> int:
+    """The warm-up in steps for ``optim.warmup_steps=warmup`` over ``train.steps=steps``: a value
+    below 1 is a fraction of the run (rounded), a whole number is steps. A warm-up that would
+    take the whole run is clamped to ``steps - 1`` (the last step trains at the scheduled rate)
+    with a warning: ``train.steps=N`` for a quick try should not need a second override."""
+    resolved = round(warmup * steps) if warmup < 1 else int(warmup)
+    if resolved >= steps and resolved > 0:
+        logger.warning("optim.warmup_steps=%s is not below train.steps=%d: warming up over %d step(s) instead",
+                       warmup, steps, steps - 1)
+        return steps - 1
+    return resolved
+
+
 def build_scheduler(optimizer, cfg: RunConfig):
     """Megatron-Core's ``OptimizerParamScheduler``: linear warm-up from 0, then ``optim.schedule``
     down to ``optim.min_lr``, reached at step ``optim.decay_steps`` (default: ``train.steps``).
@@ -209,10 +225,11 @@ def build_scheduler(optimizer, cfg: RunConfig):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
+    warmup = resolve_warmup_steps(o.warmup_steps, cfg.train.steps)
     decay_steps = o.decay_steps or cfg.train.steps
-    decay_steps = max(decay_steps, o.warmup_steps + 1)  # the scheduler needs warmup < decay
+    decay_steps = max(decay_steps, warmup + 1)  # the scheduler needs warmup < decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps, lr_decay_style=o.schedule, start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=max(cfg.train.steps, 1), wd_incr_style="constant",
     )

@@ -1,0 +1,43 @@
+"""Every closed set of string options the recipe accepts, each defined once as a ``Literal``.
+
+The config schema annotates its fields with these types, ``relax_gdn.config.validate`` checks
+values against them, and the modules that act on an option (layout, gdn, model) import the
+tuple from here. A leaf module (like :mod:`relax_gdn.errors`): it imports nothing, so checking a
+configuration never pulls in torch or Megatron-Core.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+CPMode = Literal["headwise", "chunkwise", "all_gather"]
+RouteStrategy = Literal["lazy_cache", "prebuild"]  # zigzag<->contiguous routes: built on first use / by the data side
+SwapTransport = Literal["auto", "all_to_all", "peer_memory"]  # auto: peer_memory when the CP group is on one host
+KernelBackend = Literal["auto", "fla", "torch"]  # auto: FLA on CUDA, the pure-torch reference elsewhere
+ModelPreset = Literal["qwen3_5_9b", "qwen3_5_9b_reduced", "qwen3_5_tiny"]
+SpecProvider = Literal["auto", "local", "te"]  # auto: Transformer Engine specs where it imports
+CoreAttentionBackend = Literal["auto", "varlen", "sdpa"]  # relax_gdn.model.attention.CPDotProductAttention
+ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa"]  # te: Transformer Engine's core attention
+RecomputeGranularity = Literal["full", "selective", "none"]
+DataSource = Literal["synthetic", "jsonl", "parquet", "hf_disk"]
+Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 on CUDA, fp32 on CPU
+Device = Literal["auto", "cuda", "cpu"]
+OptimizerName = Literal["adam"]
+LRSchedule = Literal["cosine", "linear", "constant"]
+WandbMode = Literal["online", "offline", "disabled"]
+
+CP_MODES: tuple[str, ...] = get_args(CPMode)
+ROUTE_STRATEGIES: tuple[str, ...] = get_args(RouteStrategy)
+SWAP_TRANSPORTS: tuple[str, ...] = get_args(SwapTransport)
+KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
+MODEL_PRESETS: tuple[str, ...] = get_args(ModelPreset)
+SPEC_PROVIDERS: tuple[str, ...] = get_args(SpecProvider)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(CoreAttentionBackend)
+MODEL_ATTENTION_BACKENDS: tuple[str, ...] = get_args(ModelAttentionBackend)
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+DATA_SOURCES: tuple[str, ...] = get_args(DataSource)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DEVICES: tuple[str, ...] = get_args(Device)
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
