@@ -79,9 +79,14 @@ def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
 def main(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
+    # before Megatron-Core / FLA / torch extensions are imported: they warn on import, every rank
+    if not hydra_cfg.logging.show_third_party_warnings:
+        from relax_gdn.known_warnings import silence_known_warnings
+
+        silence_known_warnings()
     # imported here, after check_command_line: torch and Megatron-Core take 10-20 s to import
+    from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.loop import run_training
-    from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
 
     run_dir = Path(HydraConfig.get().runtime.output_dir) if RANK == 0 else None
     hydra_files = _hydra_files_only(run_dir)
@@ -92,13 +97,9 @@ def main(hydra_cfg: DictConfig) -> float | None:
             _remove_attempt(run_dir, hydra_files)
         report_user_error(e)
     if result.records and RANK == 0:
-        first, last = result.records[0], result.records[-1]
-        log.info("done: %d steps, loss %.4f -> %.4f, %.0f tok/s (last step); outputs in %s",
-                 len(result.records), first["loss"], last["loss"], last["tokens_per_s"], result.run_dir)
-        histogram = cp_size_histogram(result.records)
-        if histogram:  # dynamic CP
-            log.info("micro-batches per CP size over the run: %s", format_cp_sizes(histogram))
-        return last["loss"]  # what a Hydra sweeper would optimise
+        if hydra_cfg.logging.console:
+            print_run_summary(result)
+        return result.records[-1]["loss"]  # what a Hydra sweeper would optimise
     return None
 
 

@@ -350,19 +350,14 @@ def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
 
 
 def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
-    import io
-
-    from relax_gdn.train.loggers import ConsoleLogger
+    from relax_gdn.train.console import step_line
     from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
 
     records = [{"step": 1, "cp_sizes": {"2": 2, "1": 4}}, {"step": 2, "cp_sizes": {"4": 1, "2": 3}}, {"step": 3}]
     assert cp_size_histogram(records) == {"1": 4, "2": 5, "4": 1}
     assert format_cp_sizes(cp_size_histogram(records)) == "CP1 x 4, CP2 x 5, CP4 x 1"
     assert cp_size_histogram([{"step": 1}]) == {}  # static CP: no histogram
-    stream = io.StringIO()
     line = dict(step=1, loss=2.0, grad_norm=1.0, lr=1e-5, tokens_per_s=10.0, tflops_per_gpu=1.0, mfu=None,
                 step_time_s=0.5)
-    ConsoleLogger(total_steps=2, stream=stream).log({**line, "cp_sizes": {"1": 4, "2": 2}})
-    ConsoleLogger(total_steps=2, stream=stream).log(line)
-    first, second = stream.getvalue().splitlines()
-    assert first.endswith("[CP1 x 4, CP2 x 2]") and "CP" not in second
+    assert step_line({**line, "cp_sizes": {"1": 4, "2": 2}}, total=2).endswith("[CP1 x 4, CP2 x 2]")
+    assert "CP" not in step_line(line, total=2)

@@ -133,6 +133,7 @@ class LoggingConfig:
     jsonl: bool = True  # metrics.jsonl in the run directory, one record per step
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile_steps: list[int] | None = None  # [first, last]: torch profiler traces per rank for these steps
+    show_third_party_warnings: bool = False  # true: keep the notices relax_gdn.known_warnings silences
 
 
 @dataclass

@@ -12,7 +12,8 @@ class _AllGather(torch.autograd.Function):
 
     Written out rather than taken from ``torch.distributed.nn.functional.all_gather``, which torch
     2.14 deprecates (a FutureWarning per call) and which emulates the reduce-scatter with W
-    scatters on gloo.
+    scatters on gloo. ``all_gather_single`` / ``reduce_scatter_single`` are torch 2.14's names for
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the old names warn on every call).
     """
 
     @staticmethod
@@ -20,7 +21,7 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous().view(1, *x.shape)  # gloo wants the output as a dim-0 concatenation
         out = x.new_empty((dist.get_world_size(group), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        dist.all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
@@ -28,7 +29,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         grad_x = grad.new_empty((1, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(grad_x, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(grad_x, grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad_x[0], None
 
 

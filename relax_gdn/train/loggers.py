@@ -1,4 +1,5 @@
-"""Where step records go: console (rank 0, with a progress bar), a JSONL file per run, W&B.
+"""Where step records go: console (rank 0, a progress bar: relax_gdn.train.console), a JSONL file per
+run, W&B.
 
 Only global rank 0 logs. A W&B failure (import, init, log, finish) never stops training: it is
 warned about once and W&B is switched off for the rest of the run.
@@ -10,12 +11,11 @@ import json
 import logging
 import math
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-from relax_gdn.train.metrics import format_cp_sizes
+from relax_gdn.train.console import ConsoleProgress
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -44,46 +44,6 @@ def default_run_name(cfg) -> str:
     if p.dynamic_cp.enabled:
         name += f"-dcp{p.dynamic_cp.max_cp}"
     return name + f"-rc{cfg.recompute.granularity}-mt{cfg.train.max_tokens_per_gpu}"
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-class ConsoleLogger:
-    """A one-line progress bar per step (carriage return on a TTY, else plain lines)."""
-
-    def __init__(self, total_steps: int, every: int = 1, stream=None):
-        self.total = total_steps
-        self.every = every
-        self.stream = stream or sys.stdout
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def log(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        if step % self.every and step != self.total:
-            return
-        width = 24
-        done = int(width * step / max(self.total, 1))
-        bar = "#" * done + "." * (width - done)
-        mfu = "" if record.get("mfu") is None else f" mfu {record['mfu']:.3f}"
-        line = (f"[{bar}] step {step}/{self.total} loss {_fmt(record['loss'])} grad_norm "
-                f"{_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} {record['tokens_per_s']:.0f} tok/s"
-                f" {record['tflops_per_gpu']:.3g} TFLOP/s/gpu{mfu} {record['step_time_s']:.2f} s")
-        if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
-            line += f" [{format_cp_sizes(record['cp_sizes'])}]"
-        end = "\n" if (not self.tty or step == self.total) else "\r"
-        self.stream.write(("\r" if self.tty else "") + line + end)
-        self.stream.flush()
-
-    def close(self) -> None:
-        pass
 
 
 class JsonlLogger:
@@ -141,8 +101,9 @@ class WandbLogger:
         if self.run is None:
             return
         try:
-            self.run.log({f"train/{k}": v for k, v in record.items() if k != "step" and v is not None},
-                         step=record["step"])
+            # evaluation fields keep their own namespace (``eval/loss``); the rest is ``train/<field>``
+            self.run.log({(k if k.startswith("eval/") else f"train/{k}"): v for k, v in record.items()
+                          if k != "step" and v is not None}, step=record["step"])
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
@@ -163,12 +124,12 @@ class RunLoggers:
 
     @classmethod
     def create(cls, cfg, run_dir: Path | None, *, is_rank0: bool, config_dict: dict[str, Any],
-               append: bool = False) -> "RunLoggers":
+               append: bool = False, start_step: int = 0) -> "RunLoggers":
         if not is_rank0:
             return cls([])
         sinks: list = []
         if cfg.logging.console:
-            sinks.append(ConsoleLogger(cfg.train.steps, cfg.logging.log_every))
+            sinks.append(ConsoleProgress(cfg.train.steps, cfg.logging.log_every, start_step=start_step))
         if cfg.logging.jsonl and run_dir is not None:
             sinks.append(JsonlLogger(Path(run_dir) / "metrics.jsonl", append=append))
         if cfg.logging.wandb.mode != "disabled":

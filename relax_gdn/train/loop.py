@@ -404,7 +404,7 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, run_dir)
-    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict)
+    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step)
     if is_rank0:
         n_params = sum(p.numel() for p in core_model.parameters())
         logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",

@@ -1,0 +1,176 @@
+"""What rank 0 prints: a progress bar while training, one summary at the end.
+
+* On a terminal: a ``rich`` progress bar (elapsed, ETA, step, loss, tok/s, MFU) redrawn in place.
+* Anywhere else (SLURM logs, pipes, files): one plain line every ``logging.log_every`` steps and
+  at the last step, never a carriage return or an escape code, so logs stay greppable.
+* :func:`print_run_summary`: one table (rich on a terminal, aligned ``key: value`` lines
+  otherwise) with steps, tokens, median tok/s and MFU over the steady state, peak memory,
+  loss first -> last, the eval loss, and where the outputs are.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
+
+EVAL_LOSS = "eval/loss"  # the metrics record field of an evaluation (relax_gdn.train.evaluate)
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-:--:--"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _is_terminal(stream) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def step_line(record: dict[str, Any], total: int) -> str:
+    """The plain one-line account of a step (also what the rich bar shows, minus the bar)."""
+    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} grad_norm {_fmt(record['grad_norm'], 3)} "
+            f"lr {_fmt(record['lr'], 3)} {record['tokens_per_s']:.0f} tok/s "
+            f"{record['tflops_per_gpu']:.3g} TFLOP/s/gpu mfu {_fmt(record.get('mfu'), 3)} "
+            f"{record['step_time_s']:.2f} s")
+    if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
+        line += f" [{format_cp_sizes(record['cp_sizes'])}]"
+    if record.get(EVAL_LOSS) is not None:
+        line += f" eval/loss {_fmt(record[EVAL_LOSS])}"
+    return line
+
+
+class ConsoleProgress:
+    """The console sink of :class:`~relax_gdn.train.loggers.RunLoggers` (rank 0 only)."""
+
+    def __init__(self, total_steps: int, every: int = 1, stream=None, start_step: int = 0,
+                 terminal: bool | None = None):
+        self.total = total_steps
+        self.every = every
+        self.stream = stream or sys.stdout
+        self.terminal = _is_terminal(self.stream) if terminal is None else terminal
+        self.start_step = start_step
+        self._started = time.perf_counter()
+        self._progress = None
+        if self.terminal:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+
+            console = Console(file=self.stream, force_terminal=True)
+            self._progress = Progress(
+                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
+                TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console, transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self._progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if self._progress is not None:
+            stats = (f"loss {_fmt(record['loss'])}  {record['tokens_per_s']:.0f} tok/s  "
+                     f"mfu {_fmt(record.get('mfu'), 3)}")
+            if record.get(EVAL_LOSS) is not None:
+                self._progress.console.print(f"step {step}: eval/loss {_fmt(record[EVAL_LOSS])}")
+            self._progress.update(self._task, completed=step, stats=stats)
+            return
+        if step % self.every and step != self.total and record.get(EVAL_LOSS) is None:
+            return
+        elapsed = time.perf_counter() - self._started
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 else None
+        self.stream.write(f"{step_line(record, self.total)} | elapsed {_clock(elapsed)} eta {_clock(eta)}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps that measure speed: the first tenth of the run (at least one step, when there is
+    more than one) is warm-up (kernel autotuning, allocator growth, caches) and left out."""
+    if len(records) < 2:
+        return list(records)
+    return records[max(1, len(records) // 10):]
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_summary(result) -> list[tuple[str, str]]:
+    """(label, value) rows describing a finished :class:`~relax_gdn.train.loop.TrainResult`."""
+    records = result.records
+    if not records:
+        return [("steps", "none run")]
+    first, last = records[0], records[-1]
+    steady = steady_state(records)
+    skipped = len(records) - len(steady)
+    rows = [
+        ("steps", f"{first['step']}..{last['step']}" if result.start_step else str(last["step"])),
+        ("tokens", f"{sum(r['tokens'] for r in records):,} (real, all ranks)"),
+        ("median tok/s", f"{_median([r['tokens_per_s'] for r in steady]):,.0f}"
+                         + (f" (first {skipped} step(s) left out as warm-up)" if skipped else "")),
+        ("median MFU", _fmt(_median([r.get("mfu") for r in steady]), 3)
+         + ("" if last.get("mfu") is not None else " (accelerator peak unknown)")),
+    ]
+    peak = [r.get("peak_mem_gb") for r in records if r.get("peak_mem_gb") is not None]
+    rows.append(("peak memory", f"{max(peak):.1f} GiB (rank 0)" if peak else "- (not measured off GPU)"))
+    rows.append(("loss", f"{_fmt(first['loss'])} -> {_fmt(last['loss'])}"))
+    evals = [r for r in records if r.get(EVAL_LOSS) is not None]
+    if evals:
+        rows.append(("eval loss", f"{_fmt(evals[-1][EVAL_LOSS])} (step {evals[-1]['step']}, "
+                                  f"{len(evals)} evaluation(s))"))
+    histogram = cp_size_histogram(records)
+    if histogram:
+        rows.append(("micro-batches per CP size", format_cp_sizes(histogram)))
+    if result.preempted_at is not None:
+        rows.append(("stopped", f"after step {result.preempted_at} (SIGTERM/SIGUSR1)"))
+    run_dir = result.run_dir
+    rows.append(("run directory", str(run_dir) if run_dir is not None else "- (none written)"))
+    if run_dir is not None and (Path(run_dir) / "metrics.jsonl").exists():
+        rows.append(("metrics", str(Path(run_dir) / "metrics.jsonl")))
+    if result.checkpoints:
+        rows.append(("checkpoints", f"{Path(result.checkpoints[-1]).parent} (last: {Path(result.checkpoints[-1]).name})"))
+    if result.wandb_dir:
+        rows.append(("W&B", str(result.wandb_dir)))
+    return rows
+
+
+def print_run_summary(result, stream=None, terminal: bool | None = None) -> None:
+    """Print :func:`run_summary` once: a rich table on a terminal, plain aligned lines elsewhere."""
+    stream = stream or sys.stdout
+    rows = run_summary(result)
+    if _is_terminal(stream) if terminal is None else terminal:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="run summary", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for label, value in rows:
+            table.add_row(label, value)
+        Console(file=stream, force_terminal=True).print(table)
+        return
+    width = max(len(label) for label, _ in rows)
+    stream.write("run summary\n" + "".join(f"  {label:<{width}}  {value}\n" for label, value in rows))
+    stream.flush()
