@@ -151,6 +151,7 @@ def test_jsonl_round_trip_skips_and_counts_broken_records(tmp_path):
     assert data.counts.as_dict() == {
         "total": 9, "kept": 2,
         "unparsable": 2, "missing_field": 2, "not_string": 1, "empty": 1, "too_long": 1,
+        "bad_messages": 0, "no_assistant_turn": 0,
     }
     assert set(data.counts.as_dict()) - {"total", "kept"} == set(SKIP_REASONS)
 

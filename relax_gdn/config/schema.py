@@ -18,6 +18,7 @@ from typing import Any
 from relax_gdn.choices import (
     CPMode,
     DataSource,
+    RecordFormat,
     Device,
     KernelBackend,
     LRSchedule,
@@ -77,6 +78,7 @@ class RecomputeConfig:
 class DataConfig:
     source: DataSource = "synthetic"  # synthetic: a deterministic math SFT set, no files needed
     path: str | None = None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
+    format: RecordFormat = "auto"  # records: {role, content} turns (messages) or prompt/response fields
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
     split: str = "train"  # hf_disk: the split of a saved DatasetDict

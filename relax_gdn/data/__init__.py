@@ -26,8 +26,11 @@ from relax_gdn.data.sample import SKIP_REASONS, Sample, SFTDataset, SkipCounts
 from relax_gdn.data.sources import (
     DEFAULT_PROMPT_FIELD,
     DEFAULT_RESPONSE_FIELD,
+    MESSAGES_FIELD,
+    RECORD_FORMATS,
     SOURCE_FORMATS,
     load_sft_dataset,
+    read_located_records,
     read_records,
     tokenize_records,
 )
@@ -38,11 +41,14 @@ from relax_gdn.data.synthetic import (
     synthetic_math_dataset,
     synthetic_math_records,
 )
-from relax_gdn.data.tokenizer import ByteChatTokenizer, HFChatTokenizer, SFTTokenizer, load_tokenizer
+from relax_gdn.data.tokenizer import ROLES, ByteChatTokenizer, HFChatTokenizer, SFTTokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_PROMPT_FIELD",
     "DEFAULT_RESPONSE_FIELD",
+    "MESSAGES_FIELD",
+    "RECORD_FORMATS",
+    "ROLES",
     "SKIP_REASONS",
     "SOURCE_FORMATS",
     "ByteChatTokenizer",
@@ -63,6 +69,7 @@ __all__ = [
     "make_micro_batch",
     "padded_length",
     "plan_micro_batches",
+    "read_located_records",
     "read_records",
     "synthetic_math_dataset",
     "synthetic_math_records",

@@ -12,7 +12,10 @@ SKIP_REASONS = (
     "not_string",  # the field holds something other than a string
     "empty",  # the field is an empty / whitespace-only string
     "too_long",  # tokenized length above max_sample_tokens
+    "bad_messages",  # messages: not a list of {role, content} turns, or a misplaced system turn
+    "no_assistant_turn",  # messages: nothing to train on
 )
+MAX_REPORTED_RECORDS = 5  # skipped records shown with their file and line; the rest are counted
 
 
 @dataclass
@@ -52,11 +55,19 @@ class SkipCounts:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
     first_fields: list[str] | None = None  # fields of the first readable record, for error messages
+    examples: list[str] = field(default_factory=list)  # "where: reason (detail)" of the first few skipped
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, where: str | None = None, detail: str = "") -> None:
         if reason not in SKIP_REASONS:
             raise ValueError(f"unknown skip reason {reason!r}; known: {SKIP_REASONS}")
         self.skipped[reason] += 1
+        if where is not None and len(self.examples) < MAX_REPORTED_RECORDS:
+            self.examples.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+
+    def report_lines(self) -> list[str]:
+        """The first skipped records with their file and line, then how many more there are."""
+        more = self.num_skipped - len(self.examples)
+        return self.examples + ([f"... and {more} more skipped record(s)"] if more > 0 and self.examples else [])
 
     @property
     def num_skipped(self) -> int:

@@ -1,15 +1,27 @@
 """Tokenizers for SFT: one protocol, two implementations.
 
-* :class:`ByteChatTokenizer` is embedded: UTF-8 bytes plus a few special tokens and the chat
-  format ``<|user|>prompt<|assistant|>response<|end|>``. No download, vocab 264, so a tiny model
-  trains on CPU.
+* :class:`ByteChatTokenizer` is embedded: UTF-8 bytes plus a few special tokens and its own chat
+  template (below). No download, vocab 264, so a tiny model trains on CPU.
 * :class:`HFChatTokenizer` loads a local Hugging Face tokenizer directory and renders the
   conversation with its own chat template (Qwen3.5's for the real runs).
 
-Both return ``(input_ids, loss_mask)`` from :meth:`encode_sft` with the convention of
-:class:`~relax_gdn.data.sample.Sample`: ``loss_mask[i]`` is True when the label of position ``i``
-(token ``i + 1``) is a response token or the end-of-turn token. The prompt and the template's
-scaffolding never carry loss.
+Both turn a conversation (a list of ``{"role", "content"}`` turns, roles :data:`ROLES`) into
+``(input_ids, loss_mask)`` with :meth:`encode_messages`; :meth:`encode_sft` is the one-turn case
+``[user: prompt, assistant: response]``. Convention of :class:`~relax_gdn.data.sample.Sample`:
+``loss_mask[i]`` is True when the label of position ``i`` (token ``i + 1``) is trained on.
+
+Masking rule (both tokenizers): an assistant turn is trained on from the end of the generation
+prompt (what ``add_generation_prompt=True`` appends after the turns before it) up to and
+including the first end-of-turn token after it, i.e. exactly what the model must generate when
+asked to answer at that point. System and user turns and the template's scaffolding never carry
+loss.
+
+The embedded template, for ``[system, user, assistant, user, assistant]``::
+
+    <|system|>S<|user|>U1<|assistant|>A1<|end|><|user|>U2<|assistant|>A2<|end|>
+
+(each turn opens with its role token; only an assistant turn is closed, by ``<|end|>``; its
+generation prompt is ``<|assistant|>``, so ``A1<|end|>`` and ``A2<|end|>`` are trained on).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from typing import Protocol, runtime_checkable
 from relax_gdn.errors import DataError
 
 BYTE_TOKENIZER_NAMES = ("byte", "embedded")  # spellings that select the embedded tokenizer
+ROLES = ("system", "user", "assistant")  # the roles of a conversation turn
 
 
 @runtime_checkable
@@ -29,9 +42,15 @@ class SFTTokenizer(Protocol):
     pad_id: int
     eos_id: int
 
+    def encode_messages(self, messages: list[dict]) -> tuple[list[int], list[bool]]: ...
+
     def encode_sft(self, prompt: str, response: str) -> tuple[list[int], list[bool]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+def single_turn(prompt: str, response: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
 def next_token_loss_mask(is_target: list[bool]) -> list[bool]:
@@ -43,8 +62,8 @@ def next_token_loss_mask(is_target: list[bool]) -> list[bool]:
 class ByteChatTokenizer:
     """UTF-8 bytes 0..255, then special tokens; a few ids are reserved so vocab_size is a multiple of 8."""
 
-    SPECIAL_TOKENS = ("<|pad|>", "<|user|>", "<|assistant|>", "<|end|>")
-    NUM_RESERVED = 4
+    SPECIAL_TOKENS = ("<|pad|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>")
+    NUM_RESERVED = 3
 
     def __init__(self) -> None:
         self.special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
@@ -52,6 +71,7 @@ class ByteChatTokenizer:
         self.user_id = self.special_ids["<|user|>"]
         self.assistant_id = self.special_ids["<|assistant|>"]
         self.eos_id = self.special_ids["<|end|>"]
+        self.role_ids = {role: self.special_ids[f"<|{role}|>"] for role in ROLES}
         self.vocab_size = 256 + len(self.SPECIAL_TOKENS) + self.NUM_RESERVED
         self._special_names = {i: tok for tok, i in self.special_ids.items()}
 
@@ -59,11 +79,21 @@ class ByteChatTokenizer:
     def encode_text(text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_messages(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        ids: list[int] = []
+        is_target: list[bool] = []
+        for turn in messages:
+            ids.append(self.role_ids[turn["role"]])  # the assistant's is its generation prompt
+            is_target.append(False)
+            body = self.encode_text(turn["content"])
+            if turn["role"] == "assistant":
+                body.append(self.eos_id)
+            ids += body
+            is_target += [turn["role"] == "assistant"] * len(body)
+        return ids, next_token_loss_mask(is_target)
+
     def encode_sft(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
-        prompt_ids = [self.user_id, *self.encode_text(prompt), self.assistant_id]
-        response_ids = [*self.encode_text(response), self.eos_id]
-        is_target = [False] * len(prompt_ids) + [True] * len(response_ids)
-        return prompt_ids + response_ids, next_token_loss_mask(is_target)
+        return self.encode_messages(single_turn(prompt, response))
 
     def decode(self, ids: list[int]) -> str:
         out, pending = [], bytearray()
@@ -85,11 +115,13 @@ class ByteChatTokenizer:
 class HFChatTokenizer:
     """A local Hugging Face tokenizer directory, conversations rendered by its chat template.
 
-    The response span is found on the rendered TEXT: the prompt rendered with the generation
-    prompt is a prefix of the full conversation (true for Qwen-style templates; otherwise the
-    longest common prefix is used), and the two parts are tokenized separately so the boundary
-    is exact. Loss stops after the last end-of-turn token (a template's trailing newline is not
-    trained on).
+    The conversation is rendered once as text. Each assistant turn's trained span starts where
+    the rendering of the turns before it with the generation prompt ends (that rendering must be
+    a prefix of the whole one, true for Qwen-style templates, which re-render nothing before the
+    turn being answered) and ends after the first eos token text that follows (the template's
+    end-of-turn; a trailing newline after it is not trained on); without one, it runs to the
+    end of the text. The text is tokenized piece by piece at those boundaries, so every trained
+    token is exactly a token of the assistant's span.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -122,6 +154,7 @@ class HFChatTokenizer:
             )
         self.path = str(path)
         self.eos_id = int(eos)
+        self.eos_text = self.hf.convert_ids_to_tokens(self.eos_id)  # how the template writes it
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.hf)  # includes added special tokens
 
@@ -132,19 +165,41 @@ class HFChatTokenizer:
         # The template already writes every special token (BOS included, if any).
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the ``[start, end)`` character span of every assistant
+        turn's trained text in it (see the class docstring)."""
+        full = self._render(messages, generation_prompt=False)
+        spans = []
+        for k, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:k], generation_prompt=True) if k else ""
+            if not full.startswith(prompt):
+                raise ValueError(
+                    f"the chat template of {self.path!r} renders the turns before assistant turn {k} differently "
+                    "when the conversation goes on, so its trained span cannot be located; use a template that "
+                    "renders earlier turns the same (Qwen-style) or the embedded 'byte' tokenizer"
+                )
+            start = max(len(prompt), spans[-1][1] if spans else 0)
+            end_of_turn = full.find(self.eos_text, start)
+            spans.append((start, len(full) if end_of_turn < 0 else end_of_turn + len(self.eos_text)))
+        return full, spans
+
+    def encode_messages(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        full, spans = self.assistant_spans(messages)
+        ids: list[int] = []
+        is_target: list[bool] = []
+        done = 0
+        for start, end in [*spans, (len(full), len(full))]:
+            for piece, trained in ((full[done:start], False), (full[start:end], True)):
+                piece_ids = self._ids(piece) if piece else []
+                ids += piece_ids
+                is_target += [trained] * len(piece_ids)
+            done = end
+        return ids, next_token_loss_mask(is_target)
+
     def encode_sft(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
-        user = {"role": "user", "content": prompt}
-        prefix_text = self._render([user], generation_prompt=True)
-        full_text = self._render([user, {"role": "assistant", "content": response}], generation_prompt=False)
-        split = len(prefix_text) if full_text.startswith(prefix_text) else len(
-            os.path.commonprefix([prefix_text, full_text])
-        )
-        prompt_ids, response_ids = self._ids(full_text[:split]), self._ids(full_text[split:])
-        trained = len(response_ids)
-        if self.eos_id in response_ids:
-            trained = len(response_ids) - response_ids[::-1].index(self.eos_id)
-        is_target = [False] * len(prompt_ids) + [True] * trained + [False] * (len(response_ids) - trained)
-        return prompt_ids + response_ids, next_token_loss_mask(is_target)
+        return self.encode_messages(single_turn(prompt, response))
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids))

@@ -94,8 +94,11 @@ def load_data(cfg: RunConfig):
         dataset = load_sft_dataset(
             d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
             max_sample_tokens=cfg.sample_token_limit, max_samples=d.num_samples, format=d.source,
-            split=d.split,
+            split=d.split, record_format=d.format,
         )
+        if dataset.counts.examples and int(os.environ.get("RANK", "0")) == 0:
+            logger.warning("data.path=%s: %s\n  %s", d.path, dataset.counts.summary(),
+                           "\n  ".join(dataset.counts.report_lines()))
     if len(dataset) < cfg.train.global_batch_size:
         raise DataError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
                          f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
