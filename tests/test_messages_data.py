@@ -1,7 +1,8 @@
 """``messages`` records (multi-turn chat): the loss mask covers exactly the assistant turns as the
 chat template renders them (embedded template and local HF tokenizer directories), with and
 without a system prompt; jsonl / parquet / saved ``datasets`` sources, auto-detected per file or
-forced; malformed records reported with file and line; CP 2 trains like CP 1 on them."""
+forced; malformed records reported with file and line; CP 2 trains and evaluates like CP 1 on
+them."""
 
 from __future__ import annotations
 
@@ -220,7 +221,9 @@ def _two_process_messages_cases() -> dict:
     from relax_gdn.train.loop import run_training
 
     torch.set_num_threads(1)
-    return {f"cp{cp}": run_training(messages_cfg(parallel__cp=cp), None).records for cp in (1, 2)}
+    # a quarter of the conversations held out and evaluated after every step
+    cfg = dict(eval__every_steps=1, eval__holdout_fraction=0.25)
+    return {f"cp{cp}": run_training(messages_cfg(parallel__cp=cp, **cfg), None).records for cp in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +231,12 @@ def pair():
     return run_distributed(_two_process_messages_cases, 2)
 
 
-def test_cp2_equals_cp1_on_messages_data(pair):
+def test_cp2_equals_cp1_on_messages_data_training_and_eval_loss(pair):
     for rank_records in pair:
         cp1, cp2 = rank_records["cp1"], rank_records["cp2"]  # CP 1 runs as DP 2 on the same samples
         assert [r["loss_tokens"] for r in cp1] == [r["loss_tokens"] for r in cp2]
         for a, b in zip(cp1, cp2):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)
+            assert b["eval/loss_tokens"] == a["eval/loss_tokens"] > 0

@@ -78,6 +78,7 @@ class RecomputeConfig:
 class DataConfig:
     source: DataSource = "synthetic"  # synthetic: a deterministic math SFT set, no files needed
     path: str | None = None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
+    eval_path: str | None = None  # evaluation records (any source and record format); None: eval.holdout_fraction
     format: RecordFormat = "auto"  # records: {role, content} turns (messages) or prompt/response fields
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
@@ -88,6 +89,13 @@ class DataConfig:
     max_sample_tokens: int | None = 512
     num_samples: int | None = 2048  # synthetic: set size; files: read at most this many (None: all)
     synthetic_max_steps: int = 3  # synthetic only: longest word problem (each step ~90 byte tokens)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # evaluate every N steps and after the last one; 0: no evaluation
+    num_samples: int | None = 64  # samples evaluated each time (the first of the eval set); None: all
+    holdout_fraction: float = 0.0  # without data.eval_path: this fraction of the training set, never trained on
 
 
 @dataclass
@@ -153,6 +161,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -219,6 +228,7 @@ _NESTED = {
     (RunConfig, "parallel"): ParallelConfig,
     (RunConfig, "recompute"): RecomputeConfig,
     (RunConfig, "data"): DataConfig,
+    (RunConfig, "eval"): EvalConfig,
     (RunConfig, "train"): TrainConfig,
     (RunConfig, "optim"): OptimConfig,
     (RunConfig, "logging"): LoggingConfig,

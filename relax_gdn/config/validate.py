@@ -64,6 +64,29 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_eval(cfg: RunConfig, add) -> None:
+    """``eval.*`` and ``data.eval_path``: an evaluation needs samples from one of the two."""
+    ev, eval_path = cfg.eval, cfg.data.eval_path
+    if not _is_int(ev.every_steps) or ev.every_steps < 0:
+        add(f"eval.every_steps={ev.every_steps!r} must be an integer >= 0 (0: no evaluation)")
+    if ev.num_samples is not None and (not _is_int(ev.num_samples) or ev.num_samples < 1):
+        add(f"eval.num_samples={ev.num_samples!r} must be an integer >= 1 or null (all)")
+    fraction_ok = isinstance(ev.holdout_fraction, (int, float)) and not isinstance(ev.holdout_fraction, bool) \
+        and 0 <= ev.holdout_fraction < 1
+    if not fraction_ok:
+        add(f"eval.holdout_fraction={ev.holdout_fraction!r} must be a number in [0, 1)")
+    if eval_path is not None and not os.path.exists(eval_path):
+        add(f"data.eval_path={eval_path!r} does not exist; point it at evaluation records (jsonl/parquet/"
+            "hf_disk) or drop it to hold out eval.holdout_fraction of the training set")
+    if eval_path is not None and fraction_ok and ev.holdout_fraction > 0:
+        add("data.eval_path and eval.holdout_fraction are both set: evaluate on the file OR on a held-out "
+            "fraction (set eval.holdout_fraction=0 or data.eval_path=null)")
+    if _is_int(ev.every_steps) and ev.every_steps > 0 and eval_path is None and fraction_ok \
+            and ev.holdout_fraction == 0:
+        add(f"eval.every_steps={ev.every_steps} needs evaluation samples: set data.eval_path=<file> or "
+            "eval.holdout_fraction (e.g. 0.05)")
+
+
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     """Raise :class:`ConfigError` naming every broken rule; return the parallel dims otherwise."""
     problems: list[str] = []
@@ -203,6 +226,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         elif not os.path.exists(data.path):
             add(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the data file "
                 "or directory")
+    _check_eval(cfg, add)
     if data.tokenizer is None:
         add(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer directory "
             "(e.g. the checkpoint's), or 'embedded'")

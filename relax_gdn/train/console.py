@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.train.evaluate import EVAL_LOSS
 from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
-
-EVAL_LOSS = "eval/loss"  # the metrics record field of an evaluation (relax_gdn.train.evaluate)
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

@@ -35,8 +35,10 @@ from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.errors import ConfigError, DataError
 from relax_gdn.layout import set_swap_transport
 from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
+from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
+from relax_gdn.train.loss import summed_token_loss
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, StepTimer
 
 logger = logging.getLogger("relax_gdn.train")
@@ -77,7 +79,7 @@ def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
 
 
 def load_data(cfg: RunConfig):
-    """(tokenizer, dataset): errors name the data.* key to fix."""
+    """(tokenizer, training set, eval set or None): errors name the data.* / eval.* key to fix."""
     from relax_gdn.data import load_sft_dataset, load_tokenizer, synthetic_math_dataset
 
     d = cfg.data
@@ -99,11 +101,14 @@ def load_data(cfg: RunConfig):
         if dataset.counts.examples and int(os.environ.get("RANK", "0")) == 0:
             logger.warning("data.path=%s: %s\n  %s", d.path, dataset.counts.summary(),
                            "\n  ".join(dataset.counts.report_lines()))
+    dataset, eval_set = split_eval_set(cfg, tokenizer, dataset)
     if len(dataset) < cfg.train.global_batch_size:
         raise DataError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
                          f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
     check_samples_fit(dataset.samples, cfg)
-    return tokenizer, dataset
+    if eval_set is not None:
+        check_samples_fit(eval_set.samples, cfg)
+    return tokenizer, dataset, eval_set
 
 
 def check_samples_fit(samples, cfg: RunConfig) -> None:
@@ -246,7 +251,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     dims = validate(cfg, env_world_size())
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
-    tokenizer, dataset = load_data(cfg)
+    tokenizer, dataset, eval_set = load_data(cfg)
     if device.type == "cpu":
         from relax_gdn.compat.cpu import apply_cpu_shims
 
@@ -259,7 +264,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
 
     try:
         run_dir = _broadcast_run_dir(Path(run_dir) if run_dir is not None else None)
-        return _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir)
+        return _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir)
     finally:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -332,7 +337,7 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
     return -(-tokenizer.vocab_size // multiple) * multiple
 
 
-def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
+def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> TrainResult:
     from megatron.core import parallel_state
 
     from relax_gdn.data import global_batch_at_step, make_micro_batch, padded_length, plan_micro_batches
@@ -413,7 +418,31 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
         logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
                     default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, device,
                     "bf16" if bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
+        if eval_set is not None and cfg.eval.every_steps:
+            logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
+                        len(eval_set.samples), eval_set.source)
 
+    def plan_this_rank(batch):
+        """This rank's micro-batches of a global batch as (samples, CP size, rank in that CP group,
+        the group), the batch's padded tokens, and micro-batches per CP size (dynamic CP) or None."""
+        plan = plan_micro_batches(batch, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, cp_size=dims.cp,
+                                  dp_size=dims.dp)
+        if dynamic_cp:
+            return _dynamic_cp_micro_batches(plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
+        mine = [(samples, dims.cp, cp_rank, cp_group) for samples in plan[dp_rank]]
+        return mine, sum(padded_length(len(s), dims.cp) for s in batch), None
+
+    def build(samples, mb_cp_size, mb_cp_rank, mb_cp_group):
+        mb = make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
+                              pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group)
+        if dynamic_cp:  # the layers find this micro-batch's group here (resolve_cp_group)
+            mb.packed_seq_params.cp_group = mb_cp_group
+            mb.packed_seq_params.local_cp_size = mb_cp_size
+        return mb
+
+    # the eval set packed exactly like a training global batch
+    evaluator = Evaluator(eval_set, cfg.eval.every_steps, cfg.train.steps, tp=dims.tp, device=device,
+                          micro_batches=lambda samples: (build(*planned) for planned in plan_this_rank(samples)[0]))
     metrics = MetricsProcessor(ModelShape.from_transformer_config(tconfig, vocab_size), dims.world_size, device)
     records: list[dict[str, Any]] = []
     checkpoints: list[Path] = []
@@ -428,31 +457,17 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
             profile_window.before_step(step)
             timer = StepTimer()
             epoch, batch = global_batch_at_step(dataset.samples, cfg.train.global_batch_size, cfg.train.seed, step - 1)
-            # this rank's micro-batches: (samples, CP size, rank in that CP group, the group)
-            plan = plan_micro_batches(batch, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, cp_size=dims.cp,
-                                      dp_size=dims.dp)
-            if dynamic_cp:
-                mine, padded_tokens, cp_size_counts = _dynamic_cp_micro_batches(
-                    plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
-            else:
-                mine = [(samples, dims.cp, cp_rank, cp_group) for samples in plan[dp_rank]]
-                padded_tokens = sum(padded_length(len(s), dims.cp) for s in batch)
+            mine, padded_tokens, cp_size_counts = plan_this_rank(batch)
             global_loss_tokens = sum(s.num_loss_tokens for s in batch)
             optimizer.zero_grad()
             scheduler.step(1)  # the rate of THIS step (see build_scheduler)
             lr = float(optimizer.param_groups[0]["lr"])
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             host_syncs.reset()
-            for samples, mb_cp_size, mb_cp_rank, mb_cp_group in mine:
-                mb = make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
-                                      pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group)
-                if dynamic_cp:  # the layers find this micro-batch's group here (resolve_cp_group)
-                    mb.packed_seq_params.cp_group = mb_cp_group
-                    mb.packed_seq_params.local_cp_size = mb_cp_size
+            for planned in mine:
+                mb = build(*planned)
                 with host_syncs:
-                    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                                      packed_seq_params=mb.packed_seq_params)
-                    mb_loss = (per_token.float() * mb.loss_mask).sum()
+                    mb_loss = summed_token_loss(model, mb)
                     (mb_loss / max(global_loss_tokens, 1)).backward()
                 loss_sum += mb_loss.detach()
             updated, grad_norm = optimizer.step()
@@ -474,6 +489,8 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, run_dir) -> TrainResult:
                             dict(host_syncs.locations.most_common(8)))
             if dynamic_cp:
                 record["cp_sizes"] = cp_size_counts  # micro-batches per CP size, whole step
+            if evaluator.due(step):  # after the step's timing: evaluation is not in tok/s
+                record.update(evaluator.run(model))
             if not updated:
                 record["skipped_update"] = True
             records.append(record)
