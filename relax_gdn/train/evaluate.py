@@ -58,7 +58,7 @@ def split_eval_set(cfg, tokenizer, dataset: SFTDataset) -> tuple[SFTDataset, Eva
     if d.eval_path:
         loaded = load_sft_dataset(
             d.eval_path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=d.max_sample_tokens, max_samples=ev.num_samples, split=d.split,
+            max_sample_tokens=cfg.sample_token_limit, max_samples=ev.num_samples, split=d.split,
             record_format=d.format,
         )
         return dataset, EvalSet(loaded.samples, f"data.eval_path={d.eval_path}")
