@@ -27,8 +27,8 @@ class KnownWarning:
 # ``warnings.warn`` notices.
 KNOWN_WARNINGS = (
     KnownWarning(r"Transformer Engine and Apex are not installed",
-                 "Megatron-Core's optimizer/grad-clip/FSDP fall back to torch kernels; the recipe uses those on "
-                 "purpose where TE/Apex are absent (CPU, images without TE)"),
+                 "Megatron-Core's optimizer/grad-clip/FSDP fall back to torch kernels; the recipe uses "
+                 "those on purpose where TE/Apex are absent (CPU, images without TE)"),
     KnownWarning(r"Apex is not installed\. Falling back to Torch Norm",
                  "the local spec uses torch's LayerNorm/RMSNorm, the intended norm without Apex"),
     KnownWarning(r"absl\.logging is not installed",
@@ -38,8 +38,8 @@ KNOWN_WARNINGS = (
     KnownWarning(r"full scope is deprecated\. Use empty cuda_graph_modules",
                  "raised by Megatron-Core's own TransformerConfig defaults; CUDA graphs are not used"),
     KnownWarning(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-                 "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and FLA's "
-                 "CP helpers still call the old names, which do the same thing",
+                 "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and "
+                 "FLA's CP helpers still call the old names, which do the same thing",
                  FutureWarning),
 )
 
@@ -55,8 +55,8 @@ KNOWN_LOG_LINES = (
     KnownLogLine("torch.utils.cpp_extension", r"No CUDA runtime is found",
                  "torch's extension loader on a machine without a GPU; no extension is compiled"),
     KnownLogLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
-                 "Qwen3.5 is assembled on GPTModel's blocks with its own GDN/attention specs; Megatron-Core's "
-                 "HybridModel migration notice does not apply to this recipe"),
+                 "Qwen3.5 is assembled on GPTModel's blocks with its own GDN/attention specs; "
+                 "Megatron-Core's HybridModel migration notice does not apply to this recipe"),
     KnownLogLine("megatron.core.optimizer_param_scheduler", r"> learning rate decay style",
                  "an info line per run; the schedule is in config.yaml (optim.schedule)"),
     KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",

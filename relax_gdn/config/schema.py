@@ -78,7 +78,7 @@ class RecomputeConfig:
 class DataConfig:
     source: DataSource = "synthetic"  # synthetic: a deterministic math SFT set, no files needed
     path: str | None = None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
-    eval_path: str | None = None  # evaluation records (any source and record format); None: eval.holdout_fraction
+    eval_path: str | None = None  # evaluation records (any source/record format); None: eval.holdout_fraction
     format: RecordFormat = "auto"  # records: {role, content} turns (messages) or prompt/response fields
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
@@ -95,7 +95,7 @@ class DataConfig:
 class EvalConfig:
     every_steps: int = 0  # evaluate every N steps and after the last one; 0: no evaluation
     num_samples: int | None = 64  # samples evaluated each time (the first of the eval set); None: all
-    holdout_fraction: float = 0.0  # without data.eval_path: this fraction of the training set, never trained on
+    holdout_fraction: float = 0.0  # without data.eval_path: this fraction of the training set, not trained on
 
 
 @dataclass

@@ -67,7 +67,8 @@ class SkipCounts:
     def report_lines(self) -> list[str]:
         """The first skipped records with their file and line, then how many more there are."""
         more = self.num_skipped - len(self.examples)
-        return self.examples + ([f"... and {more} more skipped record(s)"] if more > 0 and self.examples else [])
+        tail = [f"... and {more} more skipped record(s)"] if more > 0 and self.examples else []
+        return self.examples + tail
 
     @property
     def num_skipped(self) -> int:

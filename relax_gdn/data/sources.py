@@ -107,7 +107,8 @@ def _check_columns(where: str, available: list[str], fields: list[str]) -> None:
         )
 
 
-def _parquet_records(path: Path, record_format: str, fields: tuple[str, str]) -> Iterator[tuple[str, str, object]]:
+def _parquet_records(path: Path, record_format: str,
+                     fields: tuple[str, str]) -> Iterator[tuple[str, str, object]]:
     import pyarrow.parquet as pq
 
     for file in _files(path, "*.parquet"):
@@ -144,7 +145,8 @@ def _hf_disk_records(path: Path, record_format: str, fields: tuple[str, str],
 
 
 def read_located_records(path: str | os.PathLike, *, fields: tuple[str, str], format: str | None = None,
-                         split: str = "train", record_format: str = "auto") -> Iterator[tuple[str, str, object]]:
+                         split: str = "train",
+                         record_format: str = "auto") -> Iterator[tuple[str, str, object]]:
     """Yield ``(where, record format, record)`` for every record of the source in storage order:
     ``where`` is ``file:line`` (jsonl) or ``file row N``; unreadable jsonl lines are a sentinel
     that the tokenizing loop counts as ``unparsable``. Directories are read file by file, sorted."""
@@ -226,7 +228,8 @@ def _conversation(record: dict) -> list[dict]:
 
 def tokenize_records(
     records, tokenizer: SFTTokenizer, *, prompt_field: str, response_field: str,
-    max_sample_tokens: int | None = None, max_samples: int | None = None, record_format: str = "prompt_response",
+    max_sample_tokens: int | None = None, max_samples: int | None = None,
+    record_format: str = "prompt_response",
 ) -> tuple[list[Sample], SkipCounts]:
     """Tokenize records into samples (``sample_id`` = the record's index in the source), skipping
     and counting broken ones. Stops after ``max_samples`` kept samples when given.
@@ -306,7 +309,8 @@ def load_sft_dataset(
             raise DataError(
                 f"field name {name!r} must be a non-empty string (data.prompt_field / data.response_field)"
             )
-    records = read_located_records(path, fields=fields, format=format, split=split, record_format=record_format)
+    records = read_located_records(path, fields=fields, format=format, split=split,
+                                   record_format=record_format)
     samples, counts = tokenize_records(
         records, tokenizer, prompt_field=prompt_field, response_field=response_field,
         max_sample_tokens=max_sample_tokens, max_samples=max_samples,

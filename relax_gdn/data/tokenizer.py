@@ -175,10 +175,10 @@ class HFChatTokenizer:
                 continue
             prompt = self._render(messages[:k], generation_prompt=True) if k else ""
             if not full.startswith(prompt):
-                raise ValueError(
-                    f"the chat template of {self.path!r} renders the turns before assistant turn {k} differently "
-                    "when the conversation goes on, so its trained span cannot be located; use a template that "
-                    "renders earlier turns the same (Qwen-style) or the embedded 'byte' tokenizer"
+                raise DataError(
+                    f"the chat template of {self.path!r} renders the turns before assistant turn {k} "
+                    "differently when the conversation goes on, so its trained span cannot be located; use "
+                    "a template that renders earlier turns the same (Qwen-style) or the embedded tokenizer"
                 )
             start = max(len(prompt), spans[-1][1] if spans else 0)
             end_of_turn = full.find(self.eos_text, start)

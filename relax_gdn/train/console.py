@@ -43,9 +43,10 @@ def _is_terminal(stream) -> bool:
 
 
 def step_line(record: dict[str, Any], total: int) -> str:
-    """The plain one-line account of a step (also what the rich bar shows, minus the bar)."""
-    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} grad_norm {_fmt(record['grad_norm'], 3)} "
-            f"lr {_fmt(record['lr'], 3)} {record['tokens_per_s']:.0f} tok/s "
+    """The plain one-line account of a step (non-terminal output)."""
+    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} "
+            f"grad_norm {_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} "
+            f"{record['tokens_per_s']:.0f} tok/s "
             f"{record['tflops_per_gpu']:.3g} TFLOP/s/gpu mfu {_fmt(record.get('mfu'), 3)} "
             f"{record['step_time_s']:.2f} s")
     if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
@@ -69,8 +70,8 @@ class ConsoleProgress:
         self._progress = None
         if self.terminal:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-                TimeRemainingColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             console = Console(file=self.stream, force_terminal=True)
             self._progress = Progress(
@@ -149,7 +150,8 @@ def run_summary(result) -> list[tuple[str, str]]:
     if run_dir is not None and (Path(run_dir) / "metrics.jsonl").exists():
         rows.append(("metrics", str(Path(run_dir) / "metrics.jsonl")))
     if result.checkpoints:
-        rows.append(("checkpoints", f"{Path(result.checkpoints[-1]).parent} (last: {Path(result.checkpoints[-1]).name})"))
+        last_checkpoint = Path(result.checkpoints[-1])
+        rows.append(("checkpoints", f"{last_checkpoint.parent} (last: {last_checkpoint.name})"))
     if result.wandb_dir:
         rows.append(("W&B", str(result.wandb_dir)))
     return rows

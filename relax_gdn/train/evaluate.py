@@ -46,7 +46,8 @@ class EvalSet:
 def holdout_indices(num_samples: int, fraction: float, seed: int) -> list[int]:
     """Indices (sorted) of the held-out samples: ``round(fraction * n)`` of them, at least one."""
     count = max(1, round(fraction * num_samples))
-    order = np.random.default_rng([abs(int(seed)), int(int(seed) < 0), _HOLDOUT_STREAM]).permutation(num_samples)
+    rng = np.random.default_rng([abs(int(seed)), int(int(seed) < 0), _HOLDOUT_STREAM])
+    order = rng.permutation(num_samples)
     return sorted(int(i) for i in order[:count])
 
 

@@ -10,5 +10,6 @@ def summed_token_loss(model, mb) -> torch.Tensor:
 
     Summed, not averaged: the caller divides by the loss tokens of the whole global batch (or
     eval set) so that every loss token counts once across micro-batches, CP and DP ranks."""
-    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
+    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
+                      packed_seq_params=mb.packed_seq_params)
     return (per_token.float() * mb.loss_mask).sum()
