@@ -110,12 +110,14 @@ def _single_process_eval(tmp: str) -> dict:
                        logging__jsonl=True, logging__wandb=dict(mode="offline", project="relax-gdn-test",
                                                                 entity=None, group=None, tags=[], name=None))
     result = run_training(cfg, tmp / "run")
+    without_eval = run_training(cfg.with_overrides({"eval.every_steps": 0, "checkpoint.save_final": False,
+                                                    "logging.wandb.mode": "disabled"}), None)
     hand = _hand_eval_loss(cfg, Path(result.checkpoints[-1]), eval_path)
     jsonl = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     from tests.wandb_records import offline_run_records
 
     (wandb_run,) = (tmp / "wandb").rglob("offline-run-*")
-    return {"records": result.records, "hand": hand, "jsonl": jsonl,
+    return {"records": result.records, "without_eval": without_eval.records, "hand": hand, "jsonl": jsonl,
             "wandb": offline_run_records(wandb_run)["history"]}
 
 
@@ -135,3 +137,9 @@ def test_eval_loss_equals_a_hand_computed_forward_over_the_eval_samples(single):
     wandb = [json.loads(row[EVAL_LOSS]) if EVAL_LOSS in row else None for row in single["wandb"]]
     assert wandb == [r.get(EVAL_LOSS) for r in records]  # logged as eval/loss, not train/eval/loss
     assert all("train/eval/loss" not in row for row in single["wandb"])
+
+
+def test_evaluating_leaves_training_unchanged(single):
+    with_eval, without = single["records"], single["without_eval"]
+    assert [r["loss"] for r in with_eval] == [r["loss"] for r in without]
+    assert [r["grad_norm"] for r in with_eval] == [r["grad_norm"] for r in without]
