@@ -58,6 +58,7 @@ RULES = [
     (dict(gdn__swap_transport="nvshmem"), 1, ["gdn.swap_transport='nvshmem'"]),
     (dict(gdn__max_recomputed_prefix=-1), 1, ["gdn.max_recomputed_prefix=-1", ">= 0"]),
     (dict(gdn__max_recomputed_prefix="1k"), 1, ["gdn.max_recomputed_prefix='1k'"]),
+    (dict(gdn__contiguous_between_layers="yes"), 1, ["gdn.contiguous_between_layers='yes'", "true or false"]),
     (dict(recompute__granularity="most"), 1, ["recompute.granularity='most'"]),
     (dict(logging__wandb=dict(mode="cloud", project="p", entity=None, group=None, tags=[], name=None)), 1,
      ["logging.wandb.mode='cloud'"]),

@@ -53,6 +53,10 @@ class GDNConfig:
     # chunkwise: a document crossing a CP rank cut with at most this many tokens before the cut is
     # recomputed by the next rank instead of passing the recurrent state between ranks (0: always pass)
     max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
+    # chunkwise: keep the residual stream in the contiguous layout through each run of GDN layers
+    # (2 layout swaps per run instead of 2 per GDN layer; relax_gdn.model.gdn_runs). No effect
+    # with sequence parallelism or in the other modes.
+    contiguous_between_layers: bool = True
 
 
 @dataclass

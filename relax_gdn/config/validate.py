@@ -136,6 +136,8 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     if not _is_int(gdn.max_recomputed_prefix) or gdn.max_recomputed_prefix < 0:
         add(f"gdn.max_recomputed_prefix={gdn.max_recomputed_prefix!r} must be an integer >= 0 tokens "
             "(0: chunkwise always passes the recurrent state between ranks)")
+    if not isinstance(gdn.contiguous_between_layers, bool):
+        add(f"gdn.contiguous_between_layers={gdn.contiguous_between_layers!r} must be true or false")
 
     # --- sequence parallelism --------------------------------------------------------------
     if par.sp and sizes_ok and par.tp == 1:

@@ -18,7 +18,11 @@ Modes (LAYOUTS.md §4):
                when enabled, if every crossing sequence has a short prefix before the cut:
                the next rank receives and recomputes it), contiguous -> zigzag swap.
                Without sequence parallelism the swap moves the hidden states BEFORE in_proj
-               (4096 wide for Qwen3.5) instead of its 12352-wide output.
+               (4096 wide for Qwen3.5) instead of its 12352-wide output. Built with
+               ``hidden_layout="contiguous"`` the layer takes and returns contiguous rows and
+               swaps nothing: the model keeps its residual stream contiguous through a run of
+               GDN layers and converts it with :meth:`CPGatedDeltaNet.convert_hidden_layout`
+               (``relax_gdn.model.gdn_runs``).
 ``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
                its own rows (needs whole-layer recompute when training: memory grows with T).
 """
@@ -44,7 +48,9 @@ from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
 from relax_gdn.gdn.reference import RecomputedPrefix, recomputed_prefix
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
+    LAYOUTS,
     ROUTE_STRATEGIES,
+    Route,
     cached_gathered_zigzag_order,
     get_route,
     per_micro_batch,
@@ -120,13 +126,25 @@ class CPGatedDeltaNet(GatedDeltaNet):
         kernel_backend: str = "auto",
         max_cp_size: int | None = None,
         training: bool = True,
+        hidden_layout: str = "zigzag",
         **kwargs,
     ):
         super().__init__(config, submodules, *args, **kwargs)
         check_gdn_cp_config(
             config, cp_mode, self.tp_size, max_cp_size or self.cp_size, route_strategy, training=training
         )
+        if hidden_layout not in LAYOUTS:
+            raise ValueError(f"unknown GDN hidden_layout {hidden_layout!r}: use one of {LAYOUTS}")
+        if hidden_layout == "contiguous" and (cp_mode != "chunkwise" or self.sp_size > 1):
+            raise ValueError(
+                "GDN hidden_layout='contiguous' needs gdn.cp_mode=chunkwise without sequence parallelism "
+                f"(got cp_mode={cp_mode!r}, sequence-parallel size {self.sp_size}); build it with 'zigzag'"
+            )
         self.cp_mode, self.route_strategy, self.kernel_backend = cp_mode, route_strategy, kernel_backend
+        # The layout of this rank's rows of ``hidden_states`` in and out of ``forward`` when CP > 1:
+        # "zigzag" (what attention uses; chunkwise swaps around its scan) or "contiguous" (the
+        # caller keeps the residual stream in the scan's layout; no swap here).
+        self.hidden_layout = hidden_layout
 
     # ------------------------------------------------------------------ forward
 
@@ -166,6 +184,28 @@ class CPGatedDeltaNet(GatedDeltaNet):
             _check_all_gather_recompute(self.config)
         return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
 
+    def convert_hidden_layout(
+        self, hidden_states: torch.Tensor, packed_seq_params: PackedSeqParams | None, source: str, target: str
+    ) -> torch.Tensor:
+        """``hidden_states`` (this rank's rows of the micro-batch, ``[s, b, h]``) moved from layout
+        ``source`` to ``target`` with the micro-batch's cached route (autograd-aware; zero host
+        syncs). Returns the input itself when the micro-batch runs at CP = 1 or is not packed."""
+        cp = resolve_cp_group(packed_seq_params, self.pg_collection.cp)
+        if cp.size == 1 or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return hidden_states  # (unpacked input at CP > 1 is refused by forward)
+        resolved = resolve_cu_seqlens(packed_seq_params, hidden_states.shape[0] * self.sp_size * cp.size, cp.size)
+        route = self._route(packed_seq_params, resolved, cp, hidden_states.device, source, target)
+        return swap_layout(hidden_states, route, cp.group)
+
+    def _route(
+        self, psp: PackedSeqParams, resolved, cp: CPGroup, device: torch.device, source: str = CP_LAYOUT_PAIR[0],
+        target: str = CP_LAYOUT_PAIR[1],
+    ) -> Route:
+        """The micro-batch's cached ``source -> target`` route (``reverse()`` goes back)."""
+        return get_route(
+            psp, resolved.cu_seqlens, cp.size, cp.rank, source, target, strategy=self.route_strategy, device=device
+        )
+
     def _scan_rows(self, host: np.ndarray, device: torch.device, cp_group=None) -> ScanRows:
         return ScanRows(cu_host=torch.from_numpy(host), cu_device=upload_rows(host, device), cp_group=cp_group,
                         conv_kernel_size=self.conv_kernel_dim)
@@ -202,12 +242,11 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return self.out_proj(self._core(qkvzba, rows, parts=1, part=0))
 
     def _forward_chunkwise(self, hidden_states, psp, resolved, cp: CPGroup):
-        route = get_route(
-            psp, resolved.cu_seqlens, cp.size, cp.rank, *CP_LAYOUT_PAIR,
-            strategy=self.route_strategy, device=hidden_states.device,
-        )
         rows, prefix = self._contiguous_rows(psp, resolved, cp)
-        if self.sp_size == 1:  # projections are per token: swap the narrower input instead
+        route = None if self.hidden_layout == "contiguous" else self._route(psp, resolved, cp, hidden_states.device)
+        if route is None:  # the rows already are this rank's contiguous slice
+            qkvzba, _ = self.in_proj(self._with_prefix(hidden_states, prefix, cp))
+        elif self.sp_size == 1:  # projections are per token: swap the narrower input instead
             qkvzba, _ = self.in_proj(self._with_prefix(swap_layout(hidden_states, route, cp.group), prefix, cp))
         else:
             qkvzba, _ = self.in_proj(hidden_states)
@@ -215,6 +254,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         core = self._core(qkvzba, rows, parts=1, part=0)
         if prefix is not None and prefix.recv:
             core = core[prefix.recv:]  # the recomputed rows belong to the previous rank
+        if route is None:
+            return self.out_proj(core)
         return self.out_proj(swap_layout(core, route.reverse(), cp.group))
 
     @staticmethod
@@ -317,9 +358,10 @@ def prefixes_recomputed_up_to(tokens: int):
 
 def gdn_cp_layer_spec(
     cp_mode: str, route_strategy: str = "lazy_cache", kernel_backend: str = "auto", training: bool = True,
-    max_cp_size: int | None = None, in_proj=None, out_norm=None, out_proj=None,
+    max_cp_size: int | None = None, in_proj=None, out_norm=None, out_proj=None, hidden_layout: str = "zigzag",
 ) -> ModuleSpec:
-    """A ModuleSpec for the CP-mode GDN (local Megatron-Core linears and norm unless given)."""
+    """A ModuleSpec for the CP-mode GDN (local Megatron-Core linears and norm unless given;
+    ``hidden_layout``: see :class:`CPGatedDeltaNet`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -332,6 +374,6 @@ def gdn_cp_layer_spec(
         ),
         params={
             "cp_mode": cp_mode, "route_strategy": route_strategy, "kernel_backend": kernel_backend,
-            "training": training, "max_cp_size": max_cp_size,
+            "training": training, "max_cp_size": max_cp_size, "hidden_layout": hidden_layout,
         },
     )

@@ -4,7 +4,9 @@ One place decides the presets (:data:`PRESETS`); :func:`qwen3_5_config` turns on
 ``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (QWEN3_5.md):
 
 * 3 GDN layers then 1 full-attention layer, repeated (``linear_attention_freq=4``);
-* GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` with the chosen ``cp_mode``;
+* GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` with the chosen ``cp_mode``; in
+  ``chunkwise`` mode the residual stream stays contiguous through each run of GDN layers
+  (:mod:`relax_gdn.model.gdn_runs`, switch ``contiguous_between_layers``);
 * attention has GQA, QK-norm, a sigmoid output gate and partial RoPE (64 of 256 dims, θ=1e7);
 * zero-centred RMSNorm ``x̂·(1+w)`` everywhere except the GDN gated output norm (plain ``x̂·w``);
 * SwiGLU MLP, no biases, untied input embedding and output layer.
@@ -48,6 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
 from relax_gdn.model.attention import CPDotProductAttention
+from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.norms import RMSNorm
 from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
 
@@ -299,12 +302,14 @@ def qwen3_5_block_spec(
     max_cp_size: int | None = None,
     training: bool = True,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    contiguous_between_layers: bool = True,
 ) -> TransformerBlockSubmodules:
     """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm.
 
     ``tp_group``: the tensor-parallel group (for the GDN output norm's gradient sum; None reads
     Megatron-Core's ``parallel_state``). ``config.transformer_impl`` must match the provider
-    (:func:`build_qwen3_5_model` sees to it).
+    (:func:`build_qwen3_5_model` sees to it). ``contiguous_between_layers``: keep the residual
+    stream contiguous between consecutive chunkwise GDN layers (:mod:`relax_gdn.model.gdn_runs`).
     """
     provider = resolve_spec_provider(spec_provider)
     if tp_group is None:
@@ -319,8 +324,13 @@ def qwen3_5_block_spec(
         )
 
     if provider == "te":
-        return _te_block_spec(config, gdn_spec_for, attention_backend)
-    return _local_block_spec(config, gdn_spec_for, attention_backend)
+        block = _te_block_spec(config, gdn_spec_for, attention_backend)
+    else:
+        block = _local_block_spec(config, gdn_spec_for, attention_backend)
+    return with_contiguous_gdn_runs(
+        block, contiguous_between_layers=contiguous_between_layers, cp_mode=cp_mode,
+        sequence_parallel=config.sequence_parallel,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,13 +419,16 @@ def build_qwen3_5_model(
     rotary_percent: float = 0.25,
     rotary_base: float = 10_000_000.0,
     parallel_output: bool = True,
+    contiguous_between_layers: bool = True,
 ) -> Qwen3_5Model:
     """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
 
     ``pg_collection``: explicit groups (``tp``, ``cp``, ``pp`` of size 1, ``embd``); None uses
     Megatron-Core's ``parallel_state``. ``cp_mode``/``route_strategy``/``kernel_backend``/
     ``max_cp_size``/``training``: the GDN layers' (``relax_gdn.gdn.layer``); ``attention_backend``:
-    one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`.
+    one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`;
+    ``contiguous_between_layers``: chunkwise GDN runs keep the residual stream contiguous (two
+    layout swaps per run of GDN layers instead of two per GDN layer; :mod:`relax_gdn.model.gdn_runs`).
     Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
     returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels).
     """
@@ -448,7 +461,7 @@ def build_qwen3_5_model(
     spec = qwen3_5_block_spec(
         config, spec_provider=provider, cp_mode=cp_mode, route_strategy=route_strategy,
         kernel_backend=kernel_backend, attention_backend=attention_backend, max_cp_size=max_cp_size,
-        training=training, tp_group=pgs.tp,
+        training=training, tp_group=pgs.tp, contiguous_between_layers=contiguous_between_layers,
     )
     return Qwen3_5Model(
         config, spec, vocab_size, max_sequence_length,

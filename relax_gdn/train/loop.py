@@ -291,6 +291,7 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         cfg.model.preset, tconfig, vocab_size=vocab_size, cp_mode=cfg.gdn.cp_mode, route_strategy=cfg.gdn.route,
         kernel_backend=cfg.gdn.kernel_backend, attention_backend=cfg.model.attention_backend,
         spec_provider=cfg.model.spec_provider, max_cp_size=max_cp, training=True,
+        contiguous_between_layers=cfg.gdn.contiguous_between_layers,
     )
     if device.type == "cuda":
         model.cuda(device)
