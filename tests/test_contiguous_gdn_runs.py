@@ -165,7 +165,8 @@ def _configuration_errors(single, pair) -> dict:
         ),
         "unknown": value_error_message(lambda: build_gdn(config, single, single, hidden_layout="global")),
         "sp_layer_kinds": [
-            spec.module.__name__ for spec in qwen3_5_block_spec(sp, spec_provider="local", tp_group=pair).layer_specs
+            spec.module.__name__
+            for spec in qwen3_5_block_spec(sp, spec_provider="local", tp_group=pair).layer_specs
         ],
     }
 

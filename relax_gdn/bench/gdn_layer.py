@@ -19,7 +19,10 @@ instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default 
 the same with the state of a document crossing the cut always passed through FLA's CP kernels,
 where by default a prefix of at most ``gdn.max_recomputed_prefix`` tokens before the cut is
 recomputed by the next rank (``RecomputedPrefix``; only the 16k row with a document across the
-cut differs: the 64k ones cross with longer prefixes) (these five in ``--rounds`` interleaved
+cut differs: the 64k ones cross with longer prefixes); the same with FLA's native zigzag CP
+(``kernels.fla_zigzag_cp``: no swaps, FLA passes the state along 2 x CP parts; it applies only
+to the one-document row, where FLA's whole-stream zigzag is the data's per-document zigzag;
+every other row runs plain chunkwise) (these six in ``--rounds`` interleaved
 rounds, both their latency and pipelined times); chunkwise with the route rebuilt per call the
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps); headwise
 (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs in
@@ -63,7 +66,7 @@ def _chunkwise_variants():
     """The defaults (swaps through peer memory under torchrun), then one change each: label ->
     context manager."""
     from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.gdn.kernels import gate_outside_fla
+    from relax_gdn.gdn.kernels import fla_zigzag_cp, gate_outside_fla
     from relax_gdn.gdn.layer import prefixes_recomputed_up_to
     from relax_gdn.layout import swap_transport_set_to
 
@@ -73,6 +76,7 @@ def _chunkwise_variants():
         "chunkwise, gate outside FLA": gate_outside_fla,
         "chunkwise, NCCL all-to-all swaps": lambda: swap_transport_set_to("all_to_all"),
         "chunkwise, state always passed": lambda: prefixes_recomputed_up_to(0),
+        "chunkwise, FLA zigzag CP (1 doc)": fla_zigzag_cp,
     }
 
 

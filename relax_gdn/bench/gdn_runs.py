@@ -74,11 +74,13 @@ def _swaps(fn_forward, fn_backward) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default=None, help="default: qwen3_5_tiny on CPU, qwen3_5_9b_reduced on CUDA")
-    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
-    parser.add_argument("--tokens-per-rank", type=int, default=None, help="default: 512 on CPU, 8192 on CUDA")
-    parser.add_argument("--mean-doc", type=int, default=None, help="median document length (default: tokens/8)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", help="default: qwen3_5_tiny on CPU, qwen3_5_9b_reduced on CUDA")
+    parser.add_argument("--num-layers", type=int, help="override the preset's depth")
+    parser.add_argument("--tokens-per-rank", type=int, help="default: 512 on CPU, 8192 on CUDA")
+    parser.add_argument("--mean-doc", type=int, help="median document length (default: tokens per rank / 8)")
     parser.add_argument("--recompute", choices=("none", "full"), default="none")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -170,7 +172,8 @@ def main() -> None:
         base = ms["per-layer swaps"]
         kinds = "".join("G" if isinstance(layer.self_attention, CPGatedDeltaNet) else "A"
                         for layer in models["contiguous runs"].decoder.layers)
-        print(f"\n{preset.name} ({kinds}), CP {world} on {device.type}, {total} tokens ({len(lengths)} documents), "
+        print(f"\n{preset.name} ({kinds}), CP {world} on {device.type}, {total} tokens "
+              f"({len(lengths)} documents), "
               f"recompute {args.recompute}, fwd+bwd, {args.rounds} rounds x median of {args.iters}")
         print(f"{'variant':<18}{'ms':>10}{'speed-up':>10}{'swaps fwd':>11}{'swaps bwd':>11}")
         for label in models:

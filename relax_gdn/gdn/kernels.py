@@ -4,6 +4,7 @@ Both take the same :class:`ScanRows` description of the rows they get, so the la
 once. ``ScanRows.cp_group`` set means "these rows are this rank's CONTIGUOUS slice of the packed
 batch described by the GLOBAL boundaries": the conv halo and the recurrent state then cross
 rank boundaries (FLA's CP context on GPU, differentiable collectives in the reference).
+``ScanRows.cp_layout="zigzag"`` (FLA only, the ``fla_zigzag_cp`` A/B) means FLA's own zigzag parts.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class ScanRows:
     cu_device: torch.Tensor | None  # int64, on the activations' device
     cp_group: dist.ProcessGroup | None = None  # chunkwise CP: rows are a contiguous slice
     conv_kernel_size: int = 4
+    # with cp_group: "contiguous" (one slice of the global stream per rank) or "zigzag" (FLA's own
+    # zigzag: global parts r and 2W-1-r of the stream cut in 2W; FLA kernels only, see fla_zigzag_cp)
+    cp_layout: str = "contiguous"
     _fla_context: object = field(default=None, repr=False)
     _fla_chunk_indices: torch.Tensor | None = field(default=None, repr=False)
 
@@ -97,8 +101,28 @@ def gate_outside_fla():
         FlaKernels.fused_gate = before
 
 
+@contextlib.contextmanager
+def fla_zigzag_cp():
+    """Inside the block, chunkwise GDN scans a micro-batch that holds ONE document on its zigzag
+    rows with FLA's native zigzag CP (``build_cp_context(..., layout="zigzag")``) instead of
+    swapping them to the contiguous layout and back (A/B of the FLA kernels; FLA backend only).
+
+    FLA's zigzag is a zigzag of the whole packed stream (rank r holds parts r and 2W-1-r of the
+    stream cut in 2W), the data's is per document (LAYOUTS.md §1): they are the same rows only
+    when the micro-batch holds one document. With several, FLA's layout would need a swap as
+    well, into a layout with twice the rank cuts to pass the state across. The previous setting
+    after the block."""
+    before = FlaKernels.zigzag_cp
+    FlaKernels.zigzag_cp = True
+    try:
+        yield
+    finally:
+        FlaKernels.zigzag_cp = before
+
+
 class GDNKernels(Protocol):
     name: str
+    zigzag_cp: bool  # scans one-document micro-batches on their zigzag rows (fla_zigzag_cp)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ScanRows) -> torch.Tensor:
         """SiLU(depthwise causal conv) of ``x [B, S, D]`` with ``weight [D, Wc]``."""
@@ -114,6 +138,7 @@ class TorchKernels:
     """Pure-torch reference (CPU or any device): exact, slow, autograd-differentiable."""
 
     name = "torch"
+    zigzag_cp = False  # the reference's CP scan takes contiguous slices only
 
     def conv(self, x, weight, bias, rows):
         if rows.cp_group is not None:
@@ -151,6 +176,7 @@ class FlaKernels:
     name = "fla"
     chunk_size = 64  # FLA's default for the gated delta rule and the causal conv alike
     fused_gate = True  # the gate's activation inside FLA's cumsum (benchmarks A/B it off)
+    zigzag_cp = False  # one-document micro-batches scanned on their zigzag rows (fla_zigzag_cp)
 
     def __init__(self, device: torch.device) -> None:
         from fla.modules.convolution import causal_conv1d
@@ -165,7 +191,7 @@ class FlaKernels:
         if rows._fla_context is None:  # once per micro-batch: ScanRows is cached per micro-batch
             rows._fla_context = self._build_cp_context(
                 rows.cu_device, rows.cp_group, conv1d_kernel_size=rows.conv_kernel_size,
-                cu_seqlens_cpu=rows.cu_host,
+                cu_seqlens_cpu=rows.cu_host, layout=rows.cp_layout,
             )
         return rows._fla_context
 

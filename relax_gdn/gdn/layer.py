@@ -22,7 +22,9 @@ Modes (LAYOUTS.md §4):
                ``hidden_layout="contiguous"`` the layer takes and returns contiguous rows and
                swaps nothing: the model keeps its residual stream contiguous through a run of
                GDN layers and converts it with :meth:`CPGatedDeltaNet.convert_hidden_layout`
-               (``relax_gdn.model.gdn_runs``).
+               (``relax_gdn.model.gdn_runs``). Under ``kernels.fla_zigzag_cp`` (an A/B) a
+               micro-batch of ONE document is scanned on its zigzag rows by FLA's native
+               zigzag CP, without swaps.
 ``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
                its own rows (needs whole-layer recompute when training: memory grows with T).
 """
@@ -206,9 +208,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
             psp, resolved.cu_seqlens, cp.size, cp.rank, source, target, strategy=self.route_strategy, device=device
         )
 
-    def _scan_rows(self, host: np.ndarray, device: torch.device, cp_group=None) -> ScanRows:
+    def _scan_rows(self, host: np.ndarray, device: torch.device, cp_group=None, cp_layout="contiguous") -> ScanRows:
         return ScanRows(cu_host=torch.from_numpy(host), cu_device=upload_rows(host, device), cp_group=cp_group,
-                        conv_kernel_size=self.conv_kernel_dim)
+                        conv_kernel_size=self.conv_kernel_dim, cp_layout=cp_layout)
 
     def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
         """Kernel-side boundaries, built once per micro-batch (and FLA's CP context with them)."""
@@ -242,6 +244,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return self.out_proj(self._core(qkvzba, rows, parts=1, part=0))
 
     def _forward_chunkwise(self, hidden_states, psp, resolved, cp: CPGroup):
+        if self.hidden_layout == "zigzag" and self._scans_zigzag_rows(resolved, hidden_states.device):
+            return self._forward_zigzag_scan(hidden_states, psp, resolved, cp)
         rows, prefix = self._contiguous_rows(psp, resolved, cp)
         route = None if self.hidden_layout == "contiguous" else self._route(psp, resolved, cp, hidden_states.device)
         if route is None:  # the rows already are this rank's contiguous slice
@@ -257,6 +261,23 @@ class CPGatedDeltaNet(GatedDeltaNet):
         if route is None:
             return self.out_proj(core)
         return self.out_proj(swap_layout(core, route.reverse(), cp.group))
+
+    def _scans_zigzag_rows(self, resolved, device: torch.device) -> bool:
+        """FLA's native zigzag CP (``kernels.fla_zigzag_cp``, an A/B) on a micro-batch of one
+        document: only then are its zigzag parts of the whole stream the data's zigzag rows."""
+        return select_kernels(self.kernel_backend, device).zigzag_cp and one_document(resolved.host)
+
+    def _forward_zigzag_scan(self, hidden_states, psp, resolved, cp: CPGroup):
+        """Conv + scan of this rank's zigzag rows of a one-document micro-batch, no swap: FLA
+        passes the state along its chain of 2W parts (rank fronts ascending, backs descending)."""
+        device = resolved.cu_seqlens.device
+        whole = np.array([0, int(resolved.host[-1])], dtype=np.int64)  # empty padding slots dropped
+        rows = per_micro_batch(
+            psp, "gdn_zigzag_scan_rows", (id(cp.group), str(device)), (resolved.cu_seqlens,),
+            lambda: self._scan_rows(whole, device, cp.group, cp_layout="zigzag"),
+        )
+        qkvzba, _ = self.in_proj(hidden_states)
+        return self.out_proj(self._core(qkvzba, rows, parts=1, part=0))
 
     @staticmethod
     def _with_prefix(x: torch.Tensor, prefix: RecomputedPrefix | None, cp: CPGroup) -> torch.Tensor:
@@ -332,6 +353,11 @@ class CPGatedDeltaNet(GatedDeltaNet):
         )
         norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
         return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+
+
+def one_document(cu_host: np.ndarray) -> bool:
+    """Do the packed boundaries hold exactly one non-empty document (empty padding slots aside)?"""
+    return int(np.count_nonzero(np.diff(cu_host))) == 1
 
 
 def set_max_recomputed_prefix(tokens: int) -> None:

@@ -65,7 +65,8 @@ class ContiguousGDNLayer(TransformerLayer):
                 "ContiguousGDNLayer needs a CPGatedDeltaNet mixer built with hidden_layout='contiguous', "
                 f"got {type(mixer).__name__} (hidden_layout={getattr(mixer, 'hidden_layout', None)!r})"
             )
-        if CONTIGUOUS not in (input_layout, output_layout) or not {input_layout, output_layout} <= set(CP_LAYOUT_PAIR):
+        layouts = (input_layout, output_layout)
+        if CONTIGUOUS not in layouts or not set(layouts) <= set(CP_LAYOUT_PAIR):
             raise ValueError(
                 f"ContiguousGDNLayer layouts must be in {CP_LAYOUT_PAIR} with at least one contiguous, "
                 f"got input_layout={input_layout!r}, output_layout={output_layout!r}"
@@ -84,7 +85,8 @@ class ContiguousGDNLayer(TransformerLayer):
 
 
 def with_contiguous_gdn_runs(
-    block: TransformerBlockSubmodules, *, contiguous_between_layers: bool, cp_mode: str, sequence_parallel: bool
+    block: TransformerBlockSubmodules, *, contiguous_between_layers: bool, cp_mode: str,
+    sequence_parallel: bool,
 ) -> TransformerBlockSubmodules:
     """``block`` with every GDN layer that touches a contiguous boundary (:func:`residual_layouts`)
     turned into a :class:`ContiguousGDNLayer` whose mixer has ``hidden_layout="contiguous"``."""

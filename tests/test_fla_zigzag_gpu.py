@@ -1,0 +1,125 @@
+"""FLA 0.6's native zigzag CP (``relax_gdn.gdn.kernels.fla_zigzag_cp``) on 2 GPUs (NCCL): a
+one-document micro-batch scanned on its zigzag rows equals the single-rank fp32 torch reference
+and the swap + contiguous chunkwise path (output, input gradient, every parameter gradient), with
+no swap and no host sync; a micro-batch of several documents is left to the swap path (bit for
+bit). Shapes as in ``test_gdn_layer_gpu`` (Qwen3.5-9B heads), bf16.
+
+The one-document check and the switch run on CPU too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from relax_gdn.gdn.layer import one_document
+from tests.distributed import run_distributed
+
+ONE_DOCUMENT = [0, 1280, 1280]  # with a trailing empty padding slot
+SEVERAL = [0, 192, 192, 704, 768, 1280]
+SWAP_RANGE = "relax_gdn.swap"
+
+
+def test_one_document_ignores_empty_padding_slots():
+    assert one_document(np.array([0, 1280]))
+    assert one_document(np.array([0, 0, 1280, 1280]))
+    assert not one_document(np.array([0, 640, 1280]))
+    assert not one_document(np.array([0, 0]))
+
+
+def test_fla_zigzag_cp_switches_and_restores_and_the_reference_never_uses_it():
+    from relax_gdn.gdn.kernels import FlaKernels, TorchKernels, fla_zigzag_cp
+
+    assert not FlaKernels.zigzag_cp
+    with pytest.raises(RuntimeError, match="inside"):
+        with fla_zigzag_cp():
+            assert FlaKernels.zigzag_cp and not TorchKernels.zigzag_cp
+            with fla_zigzag_cp():  # nested: the outer block's setting survives the inner one
+                pass
+            assert FlaKernels.zigzag_cp
+            raise RuntimeError("inside")
+    assert not FlaKernels.zigzag_cp
+
+
+def _swaps(fn) -> int:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(e.name.startswith(SWAP_RANGE) for e in prof.events())
+
+
+def _zigzag_cases():
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from relax_gdn.bench.timing import count_host_syncs
+    from relax_gdn.gdn.kernels import fla_zigzag_cp
+    from tests import gdn_harness as h
+    from tests.test_gdn_layer_gpu import HIDDEN, _as_fp32, _paired, _vs_reference
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    device = torch.device("cuda", rank)
+    dtype = torch.bfloat16
+    mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    single = h.self_group()
+    dims = dict(
+        hidden_size=HIDDEN, num_attention_heads=16, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, use_cpu_initialization=False,
+    )
+    reference = h.build_gdn(h.tiny_config(**dims), single, single, kernel_backend="torch").to(device)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    layer = h.build_gdn(h.tiny_config(**dims, params_dtype=dtype, bf16=True), world, single, kernel_backend="fla")
+    layer = layer.to(device)
+    layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+    torch.manual_seed(0)
+    x = torch.randn(ONE_DOCUMENT[-1], 1, HIDDEN, device=device)
+    weight = torch.randn_like(x)
+    results = {}
+
+    def run(cu):
+        return _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(cu, device), 2, rank, world, cu=cu))
+
+    ref = h.reference_run(reference, x, weight, h.packed_params(ONE_DOCUMENT, device))
+    swapped = run(ONE_DOCUMENT)
+    with fla_zigzag_cp():
+        native = run(ONE_DOCUMENT)
+        ids = native[3]
+        psp = h.packed_params(ONE_DOCUMENT, device)
+
+        def call():
+            out, _ = layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)
+            out.backward(weight[ids].to(dtype))
+
+        call()  # routes, FLA context and chunk index of this micro-batch built
+        results["swaps, native"] = _swaps(call)
+        results["host syncs, native"] = count_host_syncs(call)
+        several_native = run(SEVERAL)
+    results["swaps, swap path"] = _swaps(
+        lambda: layer(x[ids].to(dtype), None, packed_seq_params=h.packed_params(ONE_DOCUMENT, device))[0].sum().backward()
+    )
+    several = run(SEVERAL)
+    results["native vs reference"] = max(_vs_reference(ref, native, dtype).values())
+    results["swap path vs reference"] = max(_vs_reference(ref, swapped, dtype).values())
+    results["native vs swap path"] = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for _, a, b in _paired(native, swapped)
+    )
+    results["several documents untouched"] = all(torch.equal(a, b) for _, a, b in _paired(several_native, several))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_fla_native_zigzag_matches_reference_without_swaps():
+    from tests.test_gdn_layer_gpu import CP_TOLERANCE, TOLERANCE
+
+    for rank, results in enumerate(run_distributed(_zigzag_cases, 2, backend="nccl")):
+        print(f"rank {rank}: {results}")
+        assert results["native vs reference"] < TOLERANCE[torch.bfloat16], (rank, results)
+        assert results["native vs swap path"] < CP_TOLERANCE[torch.bfloat16], (rank, results)
+        assert results["swaps, native"] == 0 and results["swaps, swap path"] == 4, (rank, results)  # fwd 2 + bwd 2
+        assert results["host syncs, native"] == 0, (rank, results)
+        assert results["several documents untouched"], (rank, results)
