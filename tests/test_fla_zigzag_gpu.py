@@ -52,30 +52,16 @@ def _swaps(fn) -> int:
 
 def _zigzag_cases():
     import torch.distributed as dist
-    from megatron.core.tensor_parallel import random as mcore_random
 
     from relax_gdn.bench.timing import count_host_syncs
     from relax_gdn.gdn.kernels import fla_zigzag_cp
     from tests import gdn_harness as h
-    from tests.test_gdn_layer_gpu import HIDDEN, _as_fp32, _paired, _vs_reference
+    from tests.test_gdn_layer_gpu import HIDDEN, _as_fp32, _paired, _vs_reference, nine_b_heads
 
     rank, world = dist.get_rank(), dist.group.WORLD
-    device = torch.device("cuda", rank)
     dtype = torch.bfloat16
-    mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
-    single = h.self_group()
-    dims = dict(
-        hidden_size=HIDDEN, num_attention_heads=16, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, use_cpu_initialization=False,
-    )
-    reference = h.build_gdn(h.tiny_config(**dims), single, single, kernel_backend="torch").to(device)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    layer = h.build_gdn(h.tiny_config(**dims, params_dtype=dtype, bf16=True), world, single, kernel_backend="fla")
-    layer = layer.to(device)
-    layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
-    torch.manual_seed(0)
+    device, _, reference, fla_layer = nine_b_heads(dtype)
+    layer = fla_layer()
     x = torch.randn(ONE_DOCUMENT[-1], 1, HIDDEN, device=device)
     weight = torch.randn_like(x)
     results = {}
@@ -98,9 +84,12 @@ def _zigzag_cases():
         results["swaps, native"] = _swaps(call)
         results["host syncs, native"] = count_host_syncs(call)
         several_native = run(SEVERAL)
-    results["swaps, swap path"] = _swaps(
-        lambda: layer(x[ids].to(dtype), None, packed_seq_params=h.packed_params(ONE_DOCUMENT, device))[0].sum().backward()
-    )
+
+    def swap_path_call():
+        out, _ = layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=h.packed_params(ONE_DOCUMENT, device))
+        out.backward(weight[ids].to(dtype))
+
+    results["swaps, swap path"] = _swaps(swap_path_call)
     several = run(SEVERAL)
     results["native vs reference"] = max(_vs_reference(ref, native, dtype).values())
     results["swap path vs reference"] = max(_vs_reference(ref, swapped, dtype).values())

@@ -66,17 +66,18 @@ def _vs_reference(ref, got, dtype: torch.dtype) -> dict[str, float]:
     return errors
 
 
-def _gpu_cases(dtype: torch.dtype):
+def nine_b_heads(dtype: torch.dtype):
+    """In a 2-GPU NCCL rank: this rank's device, its single-rank group, the fp32 torch-reference
+    GDN layer at Qwen3.5-9B head shapes (weights perturbed so every one matters) and
+    ``fla_layer(mode)``, a CP-2 FLA layer with the reference's weights in ``dtype``. Seeds
+    ``torch`` for the inputs that follow."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel import random as mcore_random
 
-    from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.gdn.kernels import gate_outside_fla
-    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
     from tests import gdn_harness as h
 
-    rank, world = dist.get_rank(), dist.group.WORLD
-    device = torch.device("cuda", rank)
+    world = dist.group.WORLD
+    device = torch.device("cuda", dist.get_rank())
     mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     single = h.self_group()
     dims = dict(
@@ -88,16 +89,30 @@ def _gpu_cases(dtype: torch.dtype):
         for p in reference.parameters():
             p.add_(0.1 * torch.randn_like(p))
     torch.manual_seed(0)
+    config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+    def fla_layer(mode: str = "chunkwise"):
+        layer = h.build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
+        layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+        return layer
+
+    return device, single, reference, fla_layer
+
+
+def _gpu_cases(dtype: torch.dtype):
+    import torch.distributed as dist
+
+    from relax_gdn.gdn import fla_cp_summaries
+    from relax_gdn.gdn.kernels import gate_outside_fla
+    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
+    from tests import gdn_harness as h
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    device, single, reference, fla_layer = nine_b_heads(dtype)
     x = torch.randn(CU[-1], 1, HIDDEN, device=device)
     weight = torch.randn_like(x)
     ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
     results, syncs, identical, runs = {}, {}, {}, {}
-    config = h.tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
-
-    def fla_layer(mode):  # the reference's weights in ``dtype``
-        layer = h.build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
-        layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
-        return layer
 
     # chunkwise passes the state through FLA's CP kernels here (the general path); the
     # recomputed prefix, the default for this batch's 448 tokens before the cut, comes below
