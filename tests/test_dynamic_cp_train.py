@@ -25,6 +25,7 @@ def _four_process_cases() -> dict:
     from hydra import compose, initialize_config_dir
 
     from relax_gdn.config import run_config_from_dict
+    from relax_gdn.config.hydra_io import register_schema
     from relax_gdn.train.loop import run_training
     from tests.test_train import Path
 
@@ -33,6 +34,7 @@ def _four_process_cases() -> dict:
     for mode in MODES:
         out[mode] = (run_training(_mixed(mode, False), None).records, run_training(_mixed(mode, True), None).records)
     conf_dir = str(Path(__file__).resolve().parents[1] / "conf")
+    register_schema()  # conf/config.yaml composes on top of the dataclass schema
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         raw = compose("config", overrides=[
             "experiment=s4", "model=tiny", "data=synthetic", "parallel.tp=1", "parallel.sp=false",
