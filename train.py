@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from relax_gdn.config import validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
-from relax_gdn.errors import RecipeError, report_user_error
+from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError, report_user_error
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 RANK = int(os.environ.get("RANK", "0"))
@@ -49,6 +49,20 @@ def check_command_line(overrides: list[str]) -> None:
         validate(compose_run_config(CONF_DIR, overrides), int(os.environ.get("WORLD_SIZE", "1")))
     except RecipeError as e:
         report_user_error(e)
+
+
+def refuse_multirun_under_torchrun(argv: list[str]) -> None:
+    """A sweep under torchrun would run every job on every rank, each job trying to join a process
+    group the other ranks are not in. Sweeps start their own process groups: exit 2 here."""
+    multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=MULTIRUN") for a in argv)
+    if multirun and ("TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ):
+        sys.stderr.write(
+            "error: train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
+            "sweep with python; each job gets its own process group:\n"
+            "  python train.py -m hydra/launcher=local hydra.launcher.tasks_per_node=N <overrides>   # this machine\n"
+            "  python train.py -m hydra/launcher=slurm <overrides>                                   # SLURM\n"
+            "(docs/sweeps.md)\n")
+        raise SystemExit(USER_ERROR_EXIT_CODE)
 
 
 def _hydra_files_only(run_dir: Path | None) -> list[Path]:
@@ -88,7 +102,10 @@ def main(hydra_cfg: DictConfig) -> float | None:
     from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.loop import run_training
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir) if RANK == 0 else None
+    # Read here, not the module's RANK: a sweep job (hydra/launcher=local|slurm) runs this function
+    # in each of its processes from a pickled copy that carries the launching process's globals.
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if rank == 0 else None
     hydra_files = _hydra_files_only(run_dir)
     try:
         result = run_training(run_config_from_hydra(hydra_cfg), run_dir)
@@ -96,7 +113,7 @@ def main(hydra_cfg: DictConfig) -> float | None:
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
         report_user_error(e)
-    if result.records and RANK == 0:
+    if result.records and rank == 0:
         if hydra_cfg.logging.console:
             print_run_summary(result)
         return result.records[-1]["loss"]  # what a Hydra sweeper would optimise
@@ -104,5 +121,6 @@ def main(hydra_cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    refuse_multirun_under_torchrun(sys.argv[1:])
     check_command_line(sys.argv[1:])
     main()

@@ -135,9 +135,10 @@ class WandbConfig:
     mode: WandbMode = "disabled"
     project: str = "relax-gdn"
     entity: str | None = None
-    group: str | None = None  # None: derived (model/scenario)
+    group: str | None = None  # None: derived (model/scenario); sweeps set the sweep's name
     tags: list[str] = field(default_factory=list)  # mode, route, cp, tp and model tags are added
     name: str | None = None  # None: the run name
+    job_type: str | None = None  # W&B job_type; sweeps set the job's variant (relax_gdn.sweep)
 
 
 @dataclass

@@ -75,7 +75,8 @@ class WandbLogger:
 
             self.run = wandb.init(
                 project=w.project, entity=w.entity, group=w.group or f"{cfg.model.preset}",
-                name=w.name or default_run_name(cfg), tags=run_tags(cfg), config=config_dict, mode=w.mode,
+                name=w.name or default_run_name(cfg), job_type=w.job_type, tags=run_tags(cfg), config=config_dict,
+                mode=w.mode,
                 dir=os.environ.get("WANDB_DIR") or str(run_dir), reinit="finish_previous",
             )
         except Exception as e:  # noqa: BLE001 - any W&B problem must not stop training

@@ -43,6 +43,7 @@ class StepRecord:
     epoch: int
     peak_mem_gb: float | None  # GPU only
     host_syncs: int | None  # in this rank's forward + backward passes (GPU; null on CPU)
+    world_size: int  # processes (GPUs) of the run: tokens_per_s / world_size is tok/s/GPU
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -152,5 +153,5 @@ class MetricsProcessor:
             lr=lr, tokens=tokens, tokens_per_s=tokens / seconds, mfu=mfu, mfu_relax=mfu_relax,
             tflops_per_gpu=tflops_per_gpu, step_time_s=step_time_s, loss_tokens=loss_tokens,
             padded_tokens=padded_tokens, num_micro_batches=num_micro_batches, num_samples=len(seq_lengths),
-            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=host_syncs,
+            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=host_syncs, world_size=self.world_size,
         )

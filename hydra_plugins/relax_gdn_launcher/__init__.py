@@ -1,0 +1,1 @@
+"""relax-gdn's Hydra launchers (``hydra/launcher=local|slurm``); see :mod:`.launcher`."""

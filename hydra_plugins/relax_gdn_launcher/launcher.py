@@ -1,0 +1,327 @@
+"""Hydra launchers for relax-gdn sweeps: ``hydra/launcher=local`` and ``hydra/launcher=slurm``
+(``conf/hydra/launcher/*.yaml``), one engine for both: hydra-submitit-launcher on submitit.
+
+What they add to hydra-submitit-launcher's ``LocalLauncher`` / ``SlurmLauncher``:
+
+* every job is a process group: submitit starts ``nodes x tasks_per_node`` tasks, each maps
+  submitit's view of the job to torch's env:// variables (``relax_gdn.sweep``) before ``train.py``'s
+  task function runs, so the training loop joins the group exactly as under torchrun;
+* a config the recipe refuses is refused HERE, before the job is submitted (no process, no queue
+  wait), and the job is recorded as failed with the message;
+* a failed job never stops the sweep. The task returns its failure as a value instead of raising
+  (a raising task makes submitit's ``results()`` raise, and the plugin returns the first result it
+  cannot read, so Hydra's sweeper would stop at the first failed job). After every job has ended
+  the launcher exits with the number of failed jobs (capped at 125) when any failed;
+* ``sweep.json``: each job's overrides, run directory, status, return code / error and W&B id
+  (``relax_gdn.sweep.SweepManifest``);
+* W&B: ``group`` = the sweep's name, ``job_type`` = the job's variant (its overrides of the keys
+  the sweep varies, seeds left out), the run id fixed per job (a requeued job continues its run).
+
+Hydra only instantiates launchers defined under ``hydra_plugins``, hence this package's place.
+"""
+
+# No ``from __future__ import annotations``: Hydra executes plugin modules without registering them in
+# sys.modules, where dataclasses look string annotations up, and structured configs need real types.
+import copy
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from omegaconf import OmegaConf, open_dict, read_write
+
+log = logging.getLogger(__name__)
+
+MAX_FAILED_EXIT_CODE = 125  # exit codes above are the shell's (126: not executable, 128+n: signal n)
+POLL_SECONDS = 1.0
+
+
+@dataclass
+class LocalSweepConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.relax_gdn_launcher.launcher.LocalSweepLauncher"
+    timeout_min: int = 24 * 60
+    parallel_jobs: int = 1  # jobs running at once on this machine (each is tasks_per_node processes)
+    wandb_group: Optional[str] = None  # null: sweep-<date>_<time> from the sweep directory
+
+
+@dataclass
+class SlurmSweepConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.relax_gdn_launcher.launcher.SlurmSweepLauncher"
+    timeout_min: int = 4 * 60
+    nodes: int = 1
+    gpus_per_node: Optional[int] = 8
+    tasks_per_node: int = 8  # one process per GPU: submitit's tasks are the ranks (no torchrun)
+    requeue: bool = True  # requeue on preemption/time-out; jobs continue with checkpoint.resume=auto
+    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
+    container_mounts: Optional[str] = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
+    srun_args: List[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
+    wandb_group: Optional[str] = None
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_local_schema", node=LocalSweepConf,
+                             provider="relax_gdn")
+ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_slurm_schema", node=SlurmSweepConf,
+                             provider="relax_gdn")
+
+_OWN_KEYS = ("parallel_jobs", "wandb_group", "requeue", "container_image", "container_mounts", "srun_args")
+
+
+@dataclass
+class JobFailure:
+    """What a failed task returns (picklable; submitit carries it back to the launcher)."""
+
+    rc: int
+    error: str
+
+    def __str__(self) -> str:
+        return f"exit code {self.rc}: {self.error}"
+
+
+class _SweepLauncher(BaseSubmititLauncher):
+    _EXECUTOR = "abstract"
+
+    # ---- inside a job (every task) ---------------------------------------------------------------
+
+    def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: Dict[type, Singleton]) -> Union[JobReturn, JobFailure]:
+        import submitit
+
+        from relax_gdn.sweep import SweepManifest, export_torch_distributed_env, host, wandb_run_id
+
+        job_env = submitit.JobEnvironment()
+        dist_env = export_torch_distributed_env(single_host=self._EXECUTOR == "local")
+        rank = int(dist_env["RANK"])
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        overrides = list(sweep_overrides)
+        if rank != 0:  # rank 0 alone writes the run directory's .hydra/ and job log
+            overrides += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(sweep_config.hydra.job) as job:
+            job.id = job_env.job_id
+            sweep_config.hydra.job.num = job_num
+        sweep_dir = self._sweep_dir
+        manifest = SweepManifest(sweep_dir)
+        wandb_id = None
+        if OmegaConf.select(sweep_config, "logging.wandb.mode", default="disabled") != "disabled":
+            wandb_id = wandb_run_id(sweep_dir, job_num)
+            os.environ["WANDB_RUN_ID"] = wandb_id  # wandb.init reads these (only rank 0 starts W&B)
+            os.environ["WANDB_RESUME"] = "allow"
+        if rank == 0:
+            manifest.update_job(job_num, status="running", started=time.time(), host=host(),
+                                submitit_job_id=job_env.job_id, world_size=int(dist_env["WORLD_SIZE"]),
+                                wandb_id=wandb_id)
+        try:
+            ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
+                          job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
+            result: Union[JobReturn, JobFailure] = ret
+            if ret.status != JobStatus.COMPLETED:
+                error = ret._return_value
+                result = JobFailure(1, "".join(traceback.format_exception(error))[-4000:])
+        except SystemExit as e:  # train.py's refusal (exit code 2, message already logged) or any exit
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if code == 0:
+                result = JobReturn(status=JobStatus.COMPLETED)
+            elif code == 2:  # relax_gdn.errors.USER_ERROR_EXIT_CODE
+                result = JobFailure(code, "the recipe refused the config or data (exit code 2); the job log in "
+                                          f"{job_env.paths.folder} says why")
+            else:
+                result = JobFailure(code, f"exited with code {code}")
+        except BaseException as e:  # noqa: BLE001 - reported in the manifest, the sweep goes on
+            result = JobFailure(1, "".join(traceback.format_exception(e))[-4000:])
+        if rank == 0:
+            if isinstance(result, JobFailure):
+                manifest.update_job(job_num, status="failed", rc=result.rc, error=result.error, ended=time.time())
+            else:
+                manifest.update_job(job_num, status="ok", rc=0, ended=time.time())
+        return result
+
+    # ---- in the launching process ----------------------------------------------------------------
+
+    def _executor(self):
+        import submitit
+
+        params = dict(self.params)
+        for key in _OWN_KEYS:
+            params.pop(key, None)
+        init = {"folder": params.pop("submitit_folder")}
+        if "max_num_timeout" in params:
+            init[f"{self._EXECUTOR}_max_num_timeout"] = params.pop("max_num_timeout")
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init)
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        params.pop("_target_", None)
+        params.update(self._executor_extras())
+        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        return executor
+
+    def _executor_extras(self) -> Dict[str, Any]:
+        return {}
+
+    def _extra_overrides(self, overrides: List[str]) -> List[str]:
+        return []
+
+    def _world_size(self) -> int:
+        return int(self.params.get("nodes", 1)) * int(self.params.get("tasks_per_node", 1))
+
+    def _preflight(self, overrides: List[str], job_num: int) -> Tuple[str, Optional[str]]:
+        """(run directory, the recipe's refusal or None): the job's config composed and validated
+        here, with the job's world size, before anything is submitted."""
+        from relax_gdn.config import validate
+        from relax_gdn.config.hydra_io import run_config_from_hydra
+        from relax_gdn.errors import RecipeError
+
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(sweep_config.hydra.job):
+            sweep_config.hydra.job.num = job_num
+        run_dir = str(Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir))
+        task_config = copy.deepcopy(sweep_config)  # what the task function gets: no hydra node
+        with read_write(task_config), open_dict(task_config):
+            del task_config["hydra"]
+        try:
+            validate(run_config_from_hydra(task_config), self._world_size())
+        except RecipeError as e:
+            return run_dir, str(e)
+        return run_dir, None
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from relax_gdn.sweep import SweepManifest, override_key, sweep_wandb_group, variant_label, varying_keys
+
+        assert self.config is not None and self.hydra_context is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self._sweep_dir = sweep_dir  # resolved once here (its ${now:...}); the jobs get it pickled
+        manifest = SweepManifest(sweep_dir)
+        group = self.params.get("wandb_group") or sweep_wandb_group(sweep_dir)
+        varying = varying_keys([filter_overrides(o) for o in job_overrides])
+        manifest.merge(launcher=self._EXECUTOR, wandb_group=group, varying_keys=varying,
+                       world_size_per_job=self._world_size())
+        log.info("%s sweep of %d jobs x %d processes; sweep dir %s; W&B group %s", self._EXECUTOR,
+                 len(job_overrides), self._world_size(), sweep_dir, group)
+
+        to_run: List[Tuple[int, List[str]]] = []
+        for offset, job in enumerate(job_overrides):
+            num = initial_job_idx + offset
+            user = list(job)
+            keys = {override_key(o) for o in user}
+            variant = variant_label(filter_overrides(user), varying)
+            added = [f"{k}={v}" for k, v in (("logging.wandb.group", _quoted(group)),
+                                             ("logging.wandb.job_type", _quoted(variant))) if k not in keys]
+            added += [o for o in self._extra_overrides(user) if override_key(o) not in keys]
+            overrides = user + added
+            run_dir, refusal = self._preflight(overrides, num)
+            if refusal is not None:  # no run directory: nothing ran
+                log.error("job #%d (%s) refused, not submitted: %s", num, " ".join(user), refusal)
+                manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=None,
+                                    status="failed", rc=2, error=refusal, ended=time.time())
+                continue
+            manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=run_dir,
+                                status="submitted", rc=None, error=None)
+            log.info("\t#%d : %s", num, " ".join(filter_overrides(user)))
+            to_run.append((num, overrides))
+        manifest.merge()
+
+        results = self._run(to_run, manifest)
+        entries = [manifest.read_job(initial_job_idx + i) for i in range(len(job_overrides))]
+        failed = [e for e in entries if e.get("status") != "ok"]
+        manifest.merge(finished=time.time())
+        for e in entries:
+            log.info("job #%d %s%s: %s", e["num"], e.get("status"),
+                     f" (rc {e.get('rc')})" if e.get("status") != "ok" else "", e.get("run_dir"))
+        if failed:
+            log.error("%d of %d jobs failed (sweep.json in %s lists them)", len(failed), len(entries), sweep_dir)
+            raise SystemExit(min(len(failed), MAX_FAILED_EXIT_CODE))
+        return [results[num] for num in sorted(results)]
+
+    def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
+        """Submit ``jobs`` (at most ``parallel_jobs`` at a time; all at once when None) and wait
+        for every one, recording each result as it arrives."""
+        if not jobs:
+            return {}
+        executor = self._executor()
+        limit = self.params.get("parallel_jobs") or len(jobs)
+        pending, running, results = list(jobs), {}, {}
+        state = Singleton.get_state()
+        while pending or running:
+            batch = pending[:max(limit - len(running), 0)]
+            del pending[:len(batch)]
+            if batch:
+                with executor.batch():  # a job array on SLURM
+                    submitted = [executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
+                                 for num, ov in batch]
+                for (num, _), job in zip(batch, submitted):
+                    running[num] = job
+                    manifest.update_job(num, submitit_job_id=job.job_id)
+                manifest.merge()
+            for num, job in list(running.items()):
+                if job.done():
+                    results[num] = self._collect(num, job, manifest)
+                    del running[num]
+                    manifest.merge()
+            if running:
+                time.sleep(POLL_SECONDS)
+        return results
+
+    def _collect(self, num: int, job, manifest) -> JobReturn:
+        """The launcher's final word on a job: every task's result, or submitit's error (a task
+        that crashed, was killed or timed out leaves no result)."""
+        try:
+            outcomes = job.results()
+        except Exception as e:  # noqa: BLE001 - the job is failed; the sweep goes on
+            error = str(e).strip()[-4000:]
+            manifest.update_job(num, status="failed", rc=manifest.read_job(num).get("rc") or 1, error=error,
+                                ended=time.time())
+            log.error("job #%d failed: %s", num, error.splitlines()[-1] if error else "")
+            return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(error))
+        failures = [o for o in outcomes if isinstance(o, JobFailure)]
+        if failures:
+            first = failures[0]
+            manifest.update_job(num, status="failed", rc=first.rc, error=first.error, ended=time.time())
+            log.error("job #%d failed (%d of %d tasks): %s", num, len(failures), len(outcomes), first)
+            return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(first)))
+        manifest.update_job(num, status="ok", rc=0)
+        return outcomes[0]
+
+
+def _quoted(value: str) -> str:
+    """A Hydra override value that keeps ``=`` and ``,`` (a bare ``,`` would start a sweep)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class LocalSweepLauncher(_SweepLauncher):
+    """``hydra/launcher=local``: jobs as process groups on this machine (submitit's local executor)."""
+
+    _EXECUTOR = "local"
+
+    def _world_size(self) -> int:
+        return int(self.params.get("tasks_per_node", 1))  # one host
+
+
+class SlurmSweepLauncher(_SweepLauncher):
+    """``hydra/launcher=slurm``: each job an sbatch allocation of ``nodes x tasks_per_node`` ranks."""
+
+    _EXECUTOR = "slurm"
+
+    def _executor_extras(self) -> Dict[str, Any]:
+        srun = list(self.params.get("srun_args") or [])
+        if self.params.get("container_image"):
+            srun.append(f"--container-image={self.params['container_image']}")
+        if self.params.get("container_mounts"):
+            srun.append(f"--container-mounts={self.params['container_mounts']}")
+        extras: Dict[str, Any] = {"srun_args": srun} if srun else {}
+        if self.params.get("requeue"):
+            additional = dict(self.params.get("additional_parameters") or {})
+            additional.setdefault("requeue", True)  # sbatch --requeue: Slurm may requeue on preemption
+            extras["additional_parameters"] = additional
+        return extras
+
+    def _extra_overrides(self, overrides: List[str]) -> List[str]:
+        # A requeued job runs the same overrides again and continues from its latest checkpoint.
+        return ["checkpoint.resume=auto"] if self.params.get("requeue") else []

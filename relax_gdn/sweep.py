@@ -1,0 +1,141 @@
+"""Sweep bookkeeping shared by the Hydra launchers (``hydra_plugins/relax_gdn_launcher``) and the
+tools that read a sweep: the manifest, variant labels, W&B ids and the torch.distributed
+environment of a submitit task. No Hydra here.
+
+The manifest: each job owns ``<sweep dir>/.jobs/<num>.json`` (written atomically by the
+launcher when it submits or refuses the job, by the job's rank 0 when it starts and ends, and by
+the launcher again when it collects the result). ``sweep.json`` is the merge of those files,
+rewritten by the launcher whenever a job changes state. Per-job files instead of one locked file:
+jobs on different nodes never write the same file, and ``rename`` is atomic on the shared
+filesystems SLURM clusters use (advisory locks on NFS are not reliable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "sweep.json"
+JOB_FILES_DIR = ".jobs"
+MANIFEST_VERSION = 1
+STATUSES = ("submitted", "running", "ok", "failed")
+# Keys that make a job a repeat, not a different variant (W&B job_type, compare's grouping).
+REPEAT_KEYS = ("train.seed",)
+MAX_JOB_TYPE_CHARS = 64  # W&B's limit
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to ``path`` so that a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def override_key(override: str) -> str:
+    """``"gdn.cp_mode=headwise"`` -> ``"gdn.cp_mode"`` (``+``/``++``/``~`` prefixes dropped)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def varying_keys(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Override keys whose value differs between the jobs of a sweep (first-seen order)."""
+    values: dict[str, set[str]] = {}
+    for overrides in job_overrides:
+        for override in overrides:
+            values.setdefault(override_key(override), set()).add(override.split("=", 1)[-1])
+    keys = [k for k, v in values.items() if len(v) > 1]
+    # a key that only some jobs set also varies
+    counts = {k: sum(any(override_key(o) == k for o in ov) for ov in job_overrides) for k in values}
+    keys += [k for k, n in counts.items() if n != len(job_overrides) and k not in keys]
+    return keys
+
+
+def variant_label(overrides: Iterable[str], varying: Sequence[str]) -> str:
+    """What this job compares: its overrides of the varying keys, repeats (seed) left out, e.g.
+    ``gdn.cp_mode=headwise``; ``default`` when nothing but the seed varies."""
+    parts = [o for o in overrides if override_key(o) in varying and override_key(o) not in REPEAT_KEYS]
+    return ",".join(parts)[:MAX_JOB_TYPE_CHARS] or "default"
+
+
+def sweep_wandb_group(sweep_dir: str | Path) -> str:
+    """The W&B group of a sweep: ``sweep-`` + the sweep directory's last two parts
+    (``outputs/sweeps/2026-12-01/11-40-00`` -> ``sweep-2026-12-01_11-40-00``)."""
+    parts = Path(sweep_dir).resolve().parts[-2:]
+    return "sweep-" + "_".join(parts)
+
+
+def wandb_run_id(sweep_dir: str | Path, job_num: int) -> str:
+    """A W&B run id fixed by (sweep directory, job number): the manifest knows it before the run
+    starts, and a requeued job continues the same W&B run."""
+    digest = hashlib.sha1(f"{Path(sweep_dir).resolve()}#{job_num}".encode()).hexdigest()
+    return digest[:16]
+
+
+class SweepManifest:
+    """``sweep.json`` and the per-job files it is merged from (see the module docstring)."""
+
+    def __init__(self, sweep_dir: str | Path):
+        self.sweep_dir = Path(sweep_dir)
+        self.jobs_dir = self.sweep_dir / JOB_FILES_DIR
+        self.path = self.sweep_dir / MANIFEST_NAME
+
+    def _job_path(self, job_num: int) -> Path:
+        return self.jobs_dir / f"{job_num}.json"
+
+    def read_job(self, job_num: int) -> dict[str, Any]:
+        path = self._job_path(job_num)
+        return json.loads(path.read_text()) if path.exists() else {"num": job_num}
+
+    def update_job(self, job_num: int, **fields: Any) -> dict[str, Any]:
+        """Merge ``fields`` into the job's file (the only writer of a job's file at a time is the
+        launcher before/after the job, or the job's rank 0 while it runs)."""
+        entry = self.read_job(job_num)
+        if "status" in fields:
+            assert fields["status"] in STATUSES, fields["status"]
+        entry.update(fields, updated=time.time())
+        atomic_write_json(self._job_path(job_num), entry)
+        return entry
+
+    def jobs(self) -> list[dict[str, Any]]:
+        if not self.jobs_dir.is_dir():
+            return []
+        entries = [json.loads(p.read_text()) for p in self.jobs_dir.glob("*.json")]
+        return sorted(entries, key=lambda e: e["num"])
+
+    def merge(self, **sweep_fields: Any) -> dict[str, Any]:
+        """Rewrite ``sweep.json`` from the job files; ``sweep_fields`` (launcher, W&B group, ...)
+        are kept from the previous ``sweep.json`` unless given again."""
+        previous = json.loads(self.path.read_text()) if self.path.exists() else {}
+        jobs = self.jobs()
+        counts = {s: sum(j.get("status") == s for j in jobs) for s in STATUSES}
+        manifest = {"version": MANIFEST_VERSION, "sweep_dir": str(self.sweep_dir),
+                    **{k: v for k, v in previous.items() if k not in ("version", "sweep_dir", "jobs", "counts")},
+                    **sweep_fields, "counts": counts, "jobs": jobs}
+        atomic_write_json(self.path, manifest)
+        return manifest
+
+
+def export_torch_distributed_env(single_host: bool) -> dict[str, str]:
+    """Inside a submitit task: set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (torch's env:// rendezvous, what torchrun would set) from submitit's view of the job
+    (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the first host of the node list on SLURM; the local
+    executor's task numbers locally). ``CUDA_VISIBLE_DEVICES`` is left alone: every task sees all
+    GPUs of its node and picks ``LOCAL_RANK`` (peer-memory transports need the peers visible)."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    env = TorchDistributedEnvironment()
+    if single_host:  # the local executor: loopback, not whatever the hostname resolves to
+        env.master_addr = "127.0.0.1"
+    env.export(set_cuda_visible_devices=False, overwrite=True)
+    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                       "MASTER_PORT")}
+
+
+def host() -> str:
+    return socket.gethostname()

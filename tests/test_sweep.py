@@ -1,0 +1,114 @@
+"""Sweeps as a user runs them: ``python train.py -m hydra/launcher=local ...`` starts each job as
+its own 2-process group (submitit's local executor, gloo); a job the config validation refuses is
+recorded as failed and the others still run; the exit code counts the failed jobs; ``sweep.json``
+says what happened; the comparison reads the sweep directory. Plus the refusals and the plain
+sbatch path's dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax_gdn.sweep import SweepManifest, variant_label, varying_keys, wandb_run_id
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
+        "data.synthetic_max_steps=1", "logging.console=false"]
+
+
+def _env() -> dict:
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    sweep_dir = tmp / "sweep"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
+         "parallel.cp=2", "gdn.cp_mode=headwise,chunkwise,all_gather", f"hydra.sweep.dir={sweep_dir}", *TINY],
+        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=900)
+    return sweep_dir, done
+
+
+def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job(sweep):
+    sweep_dir, done = sweep
+    log = done.stdout + done.stderr
+    assert done.returncode == 1, log[-4000:]  # one failed job
+    assert "1 of 3 jobs failed" in log
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1}
+    assert manifest["varying_keys"] == ["gdn.cp_mode"] and manifest["world_size_per_job"] == 2
+    ok, ok2, refused = manifest["jobs"]
+    assert [j["variant"] for j in manifest["jobs"]] == [f"gdn.cp_mode={m}" for m in ("headwise", "chunkwise",
+                                                                                     "all_gather")]
+    for job in (ok, ok2):
+        assert job["status"] == "ok" and job["rc"] == 0 and job["world_size"] == 2, job
+        run_dir = Path(job["run_dir"])
+        assert run_dir.parent == sweep_dir
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["world_size"] == 2 for r in records)
+        assert f"cp_mode: {job['variant'].split('=')[1]}" in (run_dir / "config.yaml").read_text()
+        assert (run_dir / ".hydra" / "overrides.yaml").exists()
+    assert refused["status"] == "failed" and refused["rc"] == 2 and refused["run_dir"] is None
+    assert "all_gather" in refused["error"] and "recompute.granularity=full" in refused["error"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
+
+
+def test_multirun_under_torchrun_is_refused(tmp_path):
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "gdn.cp_mode=headwise,chunkwise"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "cannot run under torchrun" in done.stderr and "hydra/launcher=local" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_seed_table_dry_run_prints_the_array_and_every_task(tmp_path):
+    env = {**_env(), "DRY_RUN": "1", "SEEDS": "1 2", "OUT_DIR": str(tmp_path / "logs")}
+    done = subprocess.run(["bash", str(ROOT / "slurm" / "seed_table.sh"), "data.path=/d"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    (sbatch,) = [line for line in lines if line.startswith("sbatch ")]
+    assert "--array=0-27" in sbatch and "slurm/train.sbatch" in sbatch and "data.path=/d" in sbatch
+    tasks = [line for line in lines if line.startswith("# task ") and "train.sbatch" in line]
+    assert len(tasks) == 28 and "experiment=s2 gdn.cp_mode=all_gather train.seed=1" in tasks[5]
+    table = Path(sbatch.split("TASK_TABLE=")[1].split()[0])
+    assert table.parent == tmp_path / "logs" and len(table.read_text().splitlines()) == 28
+
+
+# ---- pure parts ----------------------------------------------------------------------------------
+
+
+def test_variant_labels_leave_seeds_out():
+    jobs = [["gdn.cp_mode=headwise", "train.seed=1", "train.steps=4"], ["gdn.cp_mode=chunkwise", "train.seed=2",
+                                                                       "train.steps=4"]]
+    varying = varying_keys(jobs)
+    assert varying == ["gdn.cp_mode", "train.seed"]
+    assert variant_label(jobs[0], varying) == "gdn.cp_mode=headwise"
+    assert variant_label(["train.seed=3"], ["train.seed"]) == "default"
+
+
+def test_manifest_merges_job_files_atomically(tmp_path):
+    manifest = SweepManifest(tmp_path)
+    manifest.update_job(1, status="submitted", overrides=["a=1"])
+    manifest.update_job(0, status="running")
+    manifest.merge(launcher="local")
+    manifest.update_job(0, status="ok", rc=0)
+    merged = manifest.merge()
+    assert merged["launcher"] == "local"  # kept from the first merge
+    assert [j["num"] for j in merged["jobs"]] == [0, 1] and merged["counts"]["ok"] == 1
+    assert json.loads((tmp_path / "sweep.json").read_text()) == merged
+    assert not list(tmp_path.rglob("*.tmp"))
+    with pytest.raises(AssertionError):
+        manifest.update_job(2, status="done")
+    assert wandb_run_id(tmp_path, 3) == wandb_run_id(tmp_path, 3) != wandb_run_id(tmp_path, 4)
