@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,16 +43,11 @@ def override_key(override: str) -> str:
 
 
 def varying_keys(job_overrides: Sequence[Sequence[str]]) -> list[str]:
-    """Override keys whose value differs between the jobs of a sweep (first-seen order)."""
-    values: dict[str, set[str]] = {}
-    for overrides in job_overrides:
-        for override in overrides:
-            values.setdefault(override_key(override), set()).add(override.split("=", 1)[-1])
-    keys = [k for k, v in values.items() if len(v) > 1]
-    # a key that only some jobs set also varies
-    counts = {k: sum(any(override_key(o) == k for o in ov) for ov in job_overrides) for k in values}
-    keys += [k for k, n in counts.items() if n != len(job_overrides) and k not in keys]
-    return keys
+    """Override keys whose value differs between the jobs of a sweep (a key only some jobs set
+    differs too), in first-seen order."""
+    per_job = [{override_key(o): o.split("=", 1)[-1] for o in overrides} for overrides in job_overrides]
+    keys = dict.fromkeys(k for job in per_job for k in job)
+    return [k for k in keys if len({job.get(k) for job in per_job}) > 1]
 
 
 def variant_label(overrides: Iterable[str], varying: Sequence[str]) -> str:
@@ -135,7 +129,3 @@ def export_torch_distributed_env(single_host: bool) -> dict[str, str]:
     env.export(set_cuda_visible_devices=False, overwrite=True)
     return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                        "MASTER_PORT")}
-
-
-def host() -> str:
-    return socket.gethostname()

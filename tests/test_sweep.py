@@ -63,6 +63,42 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
 
 
+def test_compare_reads_the_sweep(sweep, tmp_path):
+    from relax_gdn.compare.__main__ import main
+
+    sweep_dir, _ = sweep
+    out = tmp_path / "cmp"
+    assert main([str(sweep_dir), "--out", str(out), "--baseline", "gdn.cp_mode=headwise"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["varying_keys"] == ["gdn.cp_mode"] and summary["baseline"] == "gdn.cp_mode=headwise"
+    chunkwise = next(v for v in summary["variants"] if v["label"] == "gdn.cp_mode=chunkwise")
+    records = [json.loads(line) for line in (sweep_dir / "1" / "metrics.jsonl").read_text().splitlines()]
+    assert chunkwise["stats"]["final_loss"]["median"] == pytest.approx(records[-1]["loss"])
+    assert chunkwise["runs"][0]["world_size"] == 2
+    per_gpu, total = chunkwise["stats"]["tokens_per_s_per_gpu"]["median"], chunkwise["stats"]["tokens_per_s"]["median"]
+    assert per_gpu == pytest.approx(total / 2)
+    for name in ("summary.md", "report.html", "loss.png", "tokens_per_s.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0
+    assert "gdn.cp_mode=chunkwise" in (out / "summary.md").read_text()
+
+
+def test_jobs_failing_inside_are_reported_and_the_next_still_runs(tmp_path):
+    # both configs pass the launcher's validation (the files exist); loading them fails in the job
+    bad = []
+    for name in ("a", "b"):
+        bad.append(tmp_path / f"{name}.jsonl")
+        bad[-1].write_text('not json\n{"question": "no prompt field"}\n')
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "data.source=jsonl",
+         f"data.path={bad[0]},{bad[1]}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]  # two failed jobs
+    jobs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["failed", "failed"]
+    for job in jobs:
+        assert job["rc"] == 1 and "no usable record" in job["error"] and job["started"] < job["ended"], job
+
+
 def test_multirun_under_torchrun_is_refused(tmp_path):
     env = {**_env(), "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "gdn.cp_mode=headwise,chunkwise"],

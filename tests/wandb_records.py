@@ -45,11 +45,12 @@ def _payloads(path: Path) -> Iterator[bytes]:
 
 
 def offline_run_records(run_dir: str | Path) -> dict:
-    """``{"history": [{key: value_json}, ...], "run": Record.run}`` of one ``offline-run-*`` directory."""
+    """``{"history": [{key: value_json}, ...], "run": Record.run, "summary": {key: value_json}}`` of one
+    ``offline-run-*`` directory (summary: the last value written for each key)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = Path(run_dir).glob("run-*.wandb")
-    out = {"history": [], "run": None}
+    out = {"history": [], "run": None, "summary": {}}
     for payload in _payloads(path):
         record = pb.Record()
         record.ParseFromString(payload)
@@ -59,4 +60,7 @@ def offline_run_records(run_dir: str | Path) -> dict:
                                    for item in record.history.item})
         elif kind == "run":
             out["run"] = record.run
+        elif kind == "summary":
+            out["summary"].update({item.key or "/".join(item.nested_key): item.value_json
+                                   for item in record.summary.update})
     return out

@@ -25,6 +25,7 @@ Hydra only instantiates launchers defined under ``hydra_plugins``, hence this pa
 import copy
 import logging
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class _SweepLauncher(BaseSubmititLauncher):
                  singleton_state: Dict[type, Singleton]) -> Union[JobReturn, JobFailure]:
         import submitit
 
-        from relax_gdn.sweep import SweepManifest, export_torch_distributed_env, host, wandb_run_id
+        from relax_gdn.sweep import SweepManifest, export_torch_distributed_env, wandb_run_id
 
         job_env = submitit.JobEnvironment()
         dist_env = export_torch_distributed_env(single_host=self._EXECUTOR == "local")
@@ -116,7 +117,7 @@ class _SweepLauncher(BaseSubmititLauncher):
             os.environ["WANDB_RUN_ID"] = wandb_id  # wandb.init reads these (only rank 0 starts W&B)
             os.environ["WANDB_RESUME"] = "allow"
         if rank == 0:
-            manifest.update_job(job_num, status="running", started=time.time(), host=host(),
+            manifest.update_job(job_num, status="running", started=time.time(), host=socket.gethostname(),
                                 submitit_job_id=job_env.job_id, world_size=int(dist_env["WORLD_SIZE"]),
                                 wandb_id=wandb_id)
         try:
@@ -234,7 +235,7 @@ class _SweepLauncher(BaseSubmititLauncher):
         manifest.merge(finished=time.time())
         for e in entries:
             log.info("job #%d %s%s: %s", e["num"], e.get("status"),
-                     f" (rc {e.get('rc')})" if e.get("status") != "ok" else "", e.get("run_dir"))
+                     f" (rc {e.get('rc')})" if e.get("status") != "ok" else "", e.get("run_dir") or "not run")
         if failed:
             log.error("%d of %d jobs failed (sweep.json in %s lists them)", len(failed), len(entries), sweep_dir)
             raise SystemExit(min(len(failed), MAX_FAILED_EXIT_CODE))

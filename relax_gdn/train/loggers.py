@@ -69,6 +69,7 @@ class WandbLogger:
     def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any]):
         self.run = None
         self._failed = False
+        self._records: list[dict[str, Any]] = []  # for the end-of-run summary
         w = cfg.logging.wandb
         try:
             import wandb
@@ -101,6 +102,7 @@ class WandbLogger:
     def log(self, record: dict[str, Any]) -> None:
         if self.run is None:
             return
+        self._records.append(record)
         try:
             # evaluation fields keep their own namespace (``eval/loss``); the rest is ``train/<field>``
             self.run.log({(k if k.startswith("eval/") else f"train/{k}"): v for k, v in record.items()
@@ -109,9 +111,14 @@ class WandbLogger:
             self._fail("log", e)
 
     def close(self) -> None:
+        """Write the run's summary (steady-state medians, peak memory, total tokens, CP-size
+        histogram: the comparison's statistics, ``relax_gdn.compare.run_summary``) and finish."""
         if self.run is None:
             return
         try:
+            from relax_gdn.compare import run_summary
+
+            self.run.summary.update(run_summary(self._records))
             self.run.finish()
         except Exception as e:  # noqa: BLE001
             self._fail("finish", e)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from relax_gdn.compare.stats import cp_size_histogram  # noqa: F401 - one definition, shared with the comparison
 from relax_gdn.train.flops import ModelShape, peak_tflops, step_flops
 
 REQUIRED_RECORD_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu")
@@ -51,16 +52,6 @@ class StepRecord:
         extra = record.pop("extra")
         record.update(extra)
         return record
-
-
-def cp_size_histogram(records: list[dict[str, Any]]) -> dict[str, int]:
-    """Micro-batches (sub-group partitions) per CP size over ``records`` (dynamic CP runs), the
-    seed's "CP1 x 8, CP2 x 41, CP4 x 7"; empty for static CP."""
-    total: dict[str, int] = {}
-    for record in records:
-        for d, n in record.get("cp_sizes", {}).items():
-            total[d] = total.get(d, 0) + n
-    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
 def format_cp_sizes(histogram: dict[str, int]) -> str:

@@ -1,0 +1,74 @@
+"""``python -m relax_gdn.compare``: see docs/compare.md.
+
+  python -m relax_gdn.compare outputs/sweeps/2026-12-01/11-40-00 --baseline gdn.cp_mode=headwise
+  python -m relax_gdn.compare --wandb ENTITY/PROJECT --group G --out compare/
+  python -m relax_gdn.compare --wandb-report ENTITY/PROJECT --group G     # saves a W&B report
+
+Exit codes: 0 done, 2 bad input (no runs, unknown baseline, missing file), with one message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from relax_gdn.errors import USER_ERROR_EXIT_CODE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m relax_gdn.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="*", help="run directories, sweep directories or benchmark .json files")
+    p.add_argument("--out", help="output directory (default: <first path>/compare, or ./compare)")
+    p.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
+                   help="the variant others are compared with (repeatable; default: the first variant)")
+    p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read the runs of --group from W&B")
+    p.add_argument("--group", help="W&B group (with --wandb or --wandb-report)")
+    p.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="save a W&B report of --group (needs a server)")
+    p.add_argument("--group-by", default="gdn.cp_mode", help="config key the W&B report groups runs by")
+    p.add_argument("--print-spec", action="store_true", help="with --wandb-report: print the spec, save nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.wandb_report:
+            from relax_gdn.compare.wandb_report import report_spec, save_report
+
+            if not args.group:
+                raise ValueError("--wandb-report needs --group G (the W&B group of the runs)")
+            spec = report_spec(args.wandb_report, args.group, args.group_by)
+            if args.print_spec:
+                print(json.dumps(spec, indent=2))
+                return 0
+            print(f"saved W&B report: {save_report(spec)}")
+            if not args.paths and not args.wandb:
+                return 0
+        from relax_gdn.compare.report import markdown, write_reports
+        from relax_gdn.compare.runs import find_runs, load_wandb_runs
+        from relax_gdn.compare.stats import compare_runs
+
+        runs = find_runs(args.paths)
+        if args.wandb:
+            if not args.group:
+                raise ValueError("--wandb needs --group G (the W&B group of the runs)")
+            runs += load_wandb_runs(args.wandb, args.group)
+        if not runs:
+            raise ValueError("nothing to compare: give run/sweep directories, a benchmark .json or --wandb")
+        summary = compare_runs(runs, args.baseline)
+        out = Path(args.out) if args.out else (Path(args.paths[0]) / "compare" if args.paths and
+                                               Path(args.paths[0]).is_dir() else Path("compare"))
+        paths = write_reports(runs, summary, out)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"relax_gdn.compare: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    print(markdown(summary))
+    print(f"{len(runs)} runs, {len(summary['variants'])} variants -> {out}: {', '.join(sorted(paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

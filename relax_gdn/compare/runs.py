@@ -1,0 +1,194 @@
+"""Where runs come from: run directories, sweep directories, benchmark JSON files and W&B.
+
+A run is its step records (the ``metrics.jsonl`` schema, ARCHITECTURE.md: one JSON object per
+step with at least ``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``tokens_per_s``,
+``mfu``; optional ``step_time_s``, ``peak_mem_gb``, ``host_syncs``, ``world_size``, ``cp_sizes``)
+and its resolved config (``config.yaml`` beside it), flattened to dotted keys. Nothing from the
+training package is imported: the files are the interface.
+
+Benchmark results (e.g. ``python -m relax_gdn.bench.train_e2e``) are read from one JSON file::
+
+    {"variants": [{"name": "chunkwise", "config": {"gdn": {"cp_mode": "chunkwise"}, ...},
+                   "records": [{"step": 1, "loss": ..., "tokens_per_s": ...}, ...]}, ...]}
+
+Each entry is one run; entries with the same ``name`` and config are repeats of one variant.
+``config`` may be nested or dotted; the name is kept as the config key ``bench.variant``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+BENCH_VARIANT_KEY = "bench.variant"
+WANDB_HISTORY_PREFIX = "train/"  # the training loop logs every record field under train/
+
+
+@dataclass
+class Run:
+    """One training run: where it came from, its flattened config and its step records."""
+
+    name: str
+    source: str  # a directory, a file#variant or wandb:<entity>/<project>/<id>
+    config: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: the records say it; else the config (``derived.world_size``
+        from W&B), else TP x CP (one data-parallel replica assumed)."""
+        for record in self.records:
+            if record.get("world_size"):
+                return int(record["world_size"])
+        if self.config.get("derived.world_size"):
+            return int(self.config["derived.world_size"])
+        return int(self.config.get("parallel.tp") or 1) * int(self.config.get("parallel.cp") or 1)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted))
+        else:
+            out[dotted] = value
+    return out
+
+
+def clean_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Training step records in step order, one per step: a resumed run appends to its file and
+    may repeat the steps between its last checkpoint and the stop; the later record wins. Eval
+    records (no ``loss``/``tokens_per_s``) are left out."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if "step" not in record or record.get("loss") is None:
+            continue
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(lines):  # a run killed mid-write leaves a torn last line
+                break
+            raise ValueError(f"{path}:{n} is not JSON") from None
+    return records
+
+
+def load_run_dir(path: str | Path) -> Run:
+    """A run directory: ``metrics.jsonl`` and ``config.yaml`` (written by the training loop)."""
+    import yaml
+
+    path = Path(path)
+    metrics = path / METRICS_FILE
+    if not metrics.exists():
+        raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
+    config_path = path / CONFIG_FILE
+    config = flatten(yaml.safe_load(config_path.read_text()) or {}) if config_path.exists() else {}
+    return Run(name=path.name, source=str(path), config=config, records=clean_records(read_jsonl(metrics)))
+
+
+def load_bench_json(path: str | Path) -> list[Run]:
+    """The benchmark shape in the module docstring."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
+        raise ValueError(f"{path}: expected {{\"variants\": [{{\"name\", \"config\", \"records\"}}, ...]}}")
+    runs = []
+    for i, variant in enumerate(data["variants"]):
+        name = str(variant.get("name", f"variant{i}"))
+        config = flatten(variant.get("config") or {})
+        config[BENCH_VARIANT_KEY] = name
+        runs.append(Run(name=f"{name}#{i}", source=f"{path}#{i}", config=config,
+                        records=clean_records(variant.get("records") or [])))
+    return runs
+
+
+def find_runs(paths: Iterable[str | Path]) -> list[Run]:
+    """Runs under each path: a run directory, a sweep (or any) directory searched for
+    ``metrics.jsonl`` files, or a benchmark ``.json`` file. Run names are made unique by their
+    path relative to the argument (``<sweep>/3`` -> ``3``)."""
+    runs: list[Run] = []
+    for arg in paths:
+        path = Path(arg)
+        if path.is_file() and path.suffix == ".json":
+            runs.extend(load_bench_json(path))
+        elif (path / METRICS_FILE).exists():
+            runs.append(load_run_dir(path))
+        elif path.is_dir():
+            found = sorted(p.parent for p in path.rglob(METRICS_FILE))
+            if not found:
+                raise FileNotFoundError(f"no {METRICS_FILE} under {path}")
+            for run_dir in found:
+                run = load_run_dir(run_dir)
+                run.name = str(run_dir.relative_to(path)) if run_dir != path else run_dir.name
+                runs.append(run)
+        else:
+            raise FileNotFoundError(f"{path} is neither a run/sweep directory nor a benchmark .json file")
+    seen: dict[str, int] = {}
+    for run in runs:  # two sweeps both have a run "0"
+        seen[run.name] = seen.get(run.name, 0) + 1
+    for run in runs:
+        if seen[run.name] > 1:
+            run.name = run.source
+    return [r for r in runs if r.records]
+
+
+# ---- W&B ------------------------------------------------------------------------------------------
+
+
+def records_from_wandb_history(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """W&B history rows (``_step`` + ``train/<field>``, as the training loop logs them) -> step records."""
+    records = []
+    for row in rows:
+        fields = {k[len(WANDB_HISTORY_PREFIX):]: v for k, v in row.items()
+                  if k.startswith(WANDB_HISTORY_PREFIX) and not _is_nan(v)}
+        if "loss" not in fields or row.get("_step") is None:
+            continue
+        records.append({"step": int(row["_step"]), **fields})
+    return clean_records(records)
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def run_from_wandb(run: Any, path: str) -> Run:
+    """A W&B public-API run object (``.id``, ``.name``, ``.config``, ``.scan_history()``) -> Run."""
+    config = flatten({k: v for k, v in dict(run.config).items() if not str(k).startswith("_")})
+    return Run(name=run.name or run.id, source=f"wandb:{path}/{run.id}", config=config,
+               records=records_from_wandb_history(run.scan_history()))
+
+
+def load_wandb_runs(path: str, group: str, api: Any = None) -> list[Run]:
+    """Every run of W&B group ``group`` in ``ENTITY/PROJECT`` (needs the W&B server and an API key)."""
+    try:
+        if api is None:
+            import wandb
+
+            api = wandb.Api()
+        runs: Iterator[Any] = iter(api.runs(path, filters={"group": group}))
+        out = [run_from_wandb(r, path) for r in runs]
+    except Exception as e:  # noqa: BLE001 - no server, no key, no such project: one message
+        raise ValueError(f"reading W&B {path} group {group!r} failed ({type(e).__name__}: {e}); it needs the W&B "
+                         "server and an API key (wandb login / WANDB_API_KEY)") from None
+    if not out:
+        raise ValueError(f"W&B project {path} has no runs in group {group!r}")
+    return [r for r in out if r.records]

@@ -1,0 +1,342 @@
+"""Steady-state statistics, variants and A/A-vs-A/B verdicts (pure: lists of dicts in, dicts out).
+
+Rules (docs/compare.md repeats them):
+
+* **Steady state.** The first 10 % of a run's steps, at least 3, are warm-up (compilation,
+  autotuning, allocator growth, cold caches) and left out of every throughput statistic; a run
+  too short to keep 2 steps keeps its second half. Loss and grad-norm curves use every step.
+* **Intervals.** Medians with a 95 % percentile-bootstrap interval (2000 resamples, fixed seed):
+  per-step metrics pool the steady-state steps of every run of a variant; per-run values
+  (peak memory, final and mean loss) resample the runs.
+* **Variants.** Runs are grouped by the config keys whose values differ between them, except
+  keys that do not change what is trained or measured (``logging.*``, ``checkpoint.*``,
+  ``run_name``, W&B's ``derived.*``) and the seed (``train.seed``: runs that differ only in it
+  are repeats of one variant).
+* **Noise floor (A/A).** Variants with >= 2 runs give it: for throughput, the largest spread
+  (max - min) / median of the runs' steady-state median tok/s; for a curve (loss, grad norm), the
+  largest spread between runs of one variant at each step.
+* **Verdict (A/B).** Throughput *differs* when the ratio to the baseline is further from 1 than
+  the noise floor AND the two bootstrap intervals do not overlap. A curve *differs* when more
+  than 10 % of the common steps lie outside the band max(A/A spread at that step, 0.1 % of the
+  baseline's value) — the relative floor keeps reordered floating-point reductions (a different
+  CP mode) from counting as a difference when the A/A runs are bit-identical. Without a variant
+  of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from relax_gdn.compare.runs import Run
+
+WARMUP_FRACTION = 0.1
+MIN_WARMUP_STEPS = 3
+BOOTSTRAP_RESAMPLES = 2000
+CURVE_RTOL = 1e-3  # relative floor of the curve band
+CURVE_MAX_OUTSIDE = 0.10  # fraction of steps outside the band that still counts as noise
+REPEAT_KEYS = ("train.seed",)
+IGNORED_KEY_PREFIXES = ("logging.", "checkpoint.", "derived.", "hydra.")
+IGNORED_KEYS = ("run_name",)
+
+# per-step metrics: (key, label, how a step record gives it)
+STEP_METRICS = (
+    ("tokens_per_s", "tok/s"),
+    ("tokens_per_s_per_gpu", "tok/s/GPU"),
+    ("mfu", "MFU"),
+    ("step_time_s", "step time (s)"),
+    ("host_syncs", "host syncs"),
+)
+# one value per run
+RUN_METRICS = (
+    ("peak_mem_gb", "peak mem (GB)"),
+    ("final_loss", "final loss"),
+    ("mean_loss", "mean loss"),
+)
+METRIC_LABELS = dict(STEP_METRICS + RUN_METRICS)
+CURVES = ("loss", "grad_norm")
+
+
+def warmup_steps(n: int) -> int:
+    """How many leading steps of an ``n``-step run are warm-up (module docstring)."""
+    warm = max(MIN_WARMUP_STEPS, math.ceil(WARMUP_FRACTION * n))
+    return warm if n - warm >= 2 else n // 2
+
+
+def steady_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return records[warmup_steps(len(records)):]
+
+
+def _finite(values) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def step_values(records: list[dict[str, Any]], metric: str, world_size: int) -> list[float]:
+    """Steady-state values of a per-step metric."""
+    steady = steady_records(records)
+    if metric == "tokens_per_s_per_gpu":
+        return _finite(r.get("tokens_per_s") / world_size if r.get("tokens_per_s") is not None else None
+                       for r in steady)
+    return _finite(r.get(metric) for r in steady)
+
+
+def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
+    """A per-run metric: peak memory over the run, the last loss, the steady-state mean loss."""
+    if metric == "peak_mem_gb":
+        values = _finite(r.get("peak_mem_gb") for r in records)
+        return max(values) if values else None
+    if metric == "final_loss":
+        values = _finite(r.get("loss") for r in records[-1:])
+        return values[0] if values else None
+    if metric == "mean_loss":
+        values = _finite(r.get("loss") for r in steady_records(records))
+        return float(np.mean(values)) if values else None
+    raise KeyError(metric)
+
+
+def median_ci(values: list[float], seed: int = 0) -> dict[str, Any] | None:
+    """Median and 95 % percentile-bootstrap interval of the median; None without values."""
+    if not values:
+        return None
+    data = np.asarray(values, dtype=float)
+    median = float(np.median(data))
+    if len(data) == 1:
+        return {"median": median, "lo": median, "hi": median, "n": 1}
+    rng = np.random.default_rng(seed)
+    resampled = np.median(rng.choice(data, size=(BOOTSTRAP_RESAMPLES, len(data)), replace=True), axis=1)
+    lo, hi = np.percentile(resampled, [2.5, 97.5])
+    return {"median": median, "lo": float(lo), "hi": float(hi), "n": int(len(data))}
+
+
+def cp_size_histogram(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Micro-batches per CP size over a dynamic-CP run (the records' ``cp_sizes``); {} otherwise."""
+    total: dict[str, int] = {}
+    for record in records:
+        for size, count in (record.get("cp_sizes") or {}).items():
+            total[str(size)] = total.get(str(size), 0) + int(count)
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
+
+
+def run_summary(records: list[dict[str, Any]], world_size: int | None = None) -> dict[str, Any]:
+    """End-of-run summary values (W&B run summary; the same statistics as the comparison):
+    ``steady/<metric>`` medians over the steady state, ``peak_mem_gb``, ``total_tokens``,
+    ``final_loss``, ``mean_loss``, the step counts, and ``cp_sizes/<d>`` under dynamic CP."""
+    if not records:
+        return {}
+    if world_size is None:
+        world_size = next((int(r["world_size"]) for r in records if r.get("world_size")), 1)
+    summary: dict[str, Any] = {"steady/steps": len(steady_records(records)),
+                               "steady/warmup_steps": warmup_steps(len(records))}
+    for metric, _ in STEP_METRICS:
+        stat = median_ci(step_values(records, metric, world_size))
+        if stat is not None:
+            summary[f"steady/{metric}"] = stat["median"]
+    for metric, _ in RUN_METRICS:
+        value = run_value(records, metric)
+        if value is not None:
+            summary[metric] = value
+    summary["total_tokens"] = int(sum(r.get("tokens") or 0 for r in records))
+    for size, count in cp_size_histogram(records).items():
+        summary[f"cp_sizes/{size}"] = count
+    return summary
+
+
+# ---- variants ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    label: str
+    config: dict[str, Any]  # its values of the varying keys
+    runs: list[Run]
+
+
+def _counts(key: str) -> bool:
+    return key not in IGNORED_KEYS and key not in REPEAT_KEYS and not key.startswith(IGNORED_KEY_PREFIXES)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def group_variants(runs: list[Run]) -> tuple[list[str], list[Variant]]:
+    """(varying keys, variants in order of first appearance)."""
+    keys = sorted({k for run in runs for k in run.config if _counts(k)})
+    varying = [k for k in keys if len({_canonical(run.config.get(k)) for run in runs}) > 1]
+    variants: dict[str, Variant] = {}
+    for run in runs:
+        config = {k: run.config.get(k) for k in varying}
+        label = ", ".join(f"{k}={_fmt_value(v)}" for k, v in config.items()) or "all runs"
+        variants.setdefault(label, Variant(label, config, [])).runs.append(run)
+    return varying, list(variants.values())
+
+
+def _fmt_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def find_baseline(variants: list[Variant], selectors: list[str]) -> Variant:
+    """The variant whose config matches every ``key=value`` selector; the first variant without."""
+    if not selectors:
+        return variants[0]
+    wanted = []
+    for selector in selectors:
+        if "=" not in selector:
+            raise ValueError(f"--baseline {selector!r}: expected key=value, e.g. gdn.cp_mode=headwise")
+        wanted.append(tuple(selector.split("=", 1)))
+    for variant in variants:
+        run_config = variant.runs[0].config
+        if all(_fmt_value(run_config.get(k)) == v for k, v in wanted):
+            return variant
+    raise ValueError(f"--baseline {' '.join(selectors)} matches no variant; variants: "
+                     + "; ".join(v.label for v in variants))
+
+
+# ---- statistics and verdicts ---------------------------------------------------------------------
+
+
+def variant_stats(variant: Variant) -> dict[str, Any]:
+    stats: dict[str, Any] = {}
+    for metric, _ in STEP_METRICS:
+        pooled = [x for run in variant.runs for x in step_values(run.records, metric, run.world_size)]
+        stats[metric] = median_ci(pooled)
+    for metric, _ in RUN_METRICS:
+        stats[metric] = median_ci(_finite(run_value(run.records, metric) for run in variant.runs))
+    return stats
+
+
+def _run_median_tps(run: Run) -> float | None:
+    values = step_values(run.records, "tokens_per_s", run.world_size)
+    return float(np.median(values)) if values else None
+
+
+def _curve(run: Run, key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in run.records if r.get(key) is not None
+            and math.isfinite(float(r[key]))}
+
+
+def _mean_curve(variant: Variant, key: str) -> dict[int, float]:
+    curves = [_curve(run, key) for run in variant.runs]
+    steps = set.intersection(*(set(c) for c in curves)) if curves else set()
+    return {s: float(np.mean([c[s] for c in curves])) for s in sorted(steps)}
+
+
+def noise_floor(variants: list[Variant]) -> dict[str, Any]:
+    """The A/A spreads (module docstring) from every variant with >= 2 runs."""
+    repeated = [v for v in variants if len(v.runs) >= 2]
+    throughput = None
+    curves: dict[str, dict[int, float]] = {key: {} for key in CURVES}
+    per_variant = []
+    for variant in repeated:
+        medians = _finite(_run_median_tps(run) for run in variant.runs)
+        spread = (max(medians) - min(medians)) / float(np.median(medians)) if len(medians) >= 2 else None
+        if spread is not None:
+            throughput = spread if throughput is None else max(throughput, spread)
+        entry = {"variant": variant.label, "runs": len(variant.runs), "tokens_per_s_spread": spread}
+        for key in CURVES:
+            run_curves = [_curve(run, key) for run in variant.runs]
+            common = sorted(set.intersection(*(set(c) for c in run_curves)))
+            band = {s: max(c[s] for c in run_curves) - min(c[s] for c in run_curves) for s in common}
+            for s, width in band.items():
+                curves[key][s] = max(curves[key].get(s, 0.0), width)
+            entry[f"{key}_max_spread"] = max(band.values()) if band else None
+        per_variant.append(entry)
+    return {"available": bool(repeated), "tokens_per_s_spread": throughput, "curve_bands": curves,
+            "variants": per_variant}
+
+
+def throughput_verdict(variant: dict[str, Any], baseline: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]:
+    v, b = variant["tokens_per_s"], baseline["tokens_per_s"]
+    if v is None or b is None or not b["median"]:
+        return {"verdict": "no data"}
+    ratio = v["median"] / b["median"]
+    overlap = v["lo"] <= b["hi"] and b["lo"] <= v["hi"]
+    spread = noise["tokens_per_s_spread"]
+    out = {"ratio": ratio, "diff": ratio - 1.0, "noise": spread, "intervals_overlap": overlap}
+    if spread is None:
+        out["verdict"] = "no A/A"
+    else:
+        out["verdict"] = "differs" if abs(ratio - 1.0) > spread and not overlap else "within noise"
+    return out
+
+
+def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str, Any]) -> dict[str, Any]:
+    a, b = _mean_curve(baseline, key), _mean_curve(variant, key)
+    steps = sorted(set(a) & set(b))
+    if not steps:
+        return {"verdict": "no data", "steps": 0}
+    band = noise["curve_bands"][key]
+    diffs = {s: abs(b[s] - a[s]) for s in steps}
+    limits = {s: max(band.get(s, 0.0), CURVE_RTOL * abs(a[s])) for s in steps}
+    outside = [s for s in steps if diffs[s] > limits[s]]
+    worst = max(steps, key=lambda s: diffs[s])
+    out = {"steps": len(steps), "outside": len(outside), "max_abs_diff": diffs[worst], "at_step": worst,
+           "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
+           "mean_abs_diff": float(np.mean(list(diffs.values()))),
+           "first_outside": outside[0] if outside else None}
+    if not noise["available"]:
+        out["verdict"] = "no A/A"
+    else:
+        out["verdict"] = "differs" if len(outside) > CURVE_MAX_OUTSIDE * len(steps) else "within noise"
+    return out
+
+
+def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str, Any]:
+    """Everything the reports show, as one JSON-ready dict (``summary.json``)."""
+    if not runs:
+        raise ValueError("no runs to compare (no metrics.jsonl with step records)")
+    varying, variants = group_variants(runs)
+    base = find_baseline(variants, baseline or [])
+    noise = noise_floor(variants)
+    stats = {v.label: variant_stats(v) for v in variants}
+    out_variants = []
+    for variant in variants:
+        ratios = {}
+        for metric in METRIC_LABELS:
+            s, b = stats[variant.label][metric], stats[base.label][metric]
+            ratios[metric] = s["median"] / b["median"] if s and b and b["median"] else None
+        out_variants.append({
+            "label": variant.label, "config": variant.config, "baseline": variant is base,
+            "runs": [{"name": r.name, "source": r.source, "steps": len(r.records), "world_size": r.world_size,
+                      "steady_steps": len(steady_records(r.records)), "summary": run_summary(r.records, r.world_size)}
+                     for r in variant.runs],
+            "stats": stats[variant.label], "ratio_to_baseline": ratios,
+        })
+    comparisons = []
+    for variant in variants:
+        if variant is base:
+            continue
+        comparisons.append({
+            "variant": variant.label, "baseline": base.label,
+            "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
+            **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
+        })
+    noise_out = {k: v for k, v in noise.items() if k != "curve_bands"}
+    return {
+        "schema": "relax_gdn.compare/1",
+        "rules": {"warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
+                  "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
+                  "curve_band": f"max(A/A spread, {CURVE_RTOL:g} x baseline value); differs when more than "
+                                f"{100 * CURVE_MAX_OUTSIDE:g} % of steps are outside",
+                  "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap"},
+        "varying_keys": varying, "baseline": base.label, "variants": out_variants,
+        "noise": noise_out, "comparisons": comparisons,
+    }
+
+
+def variant_curves(runs_by_variant: dict[str, list[Run]], key: str) -> dict[str, list[tuple[list[int], list[float]]]]:
+    """Per variant, one (steps, values) line per run (for plots)."""
+    out = {}
+    for label, runs in runs_by_variant.items():
+        lines = []
+        for run in runs:
+            curve = _curve(run, key)
+            lines.append((list(curve), list(curve.values())))
+        out[label] = lines
+    return out
