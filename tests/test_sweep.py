@@ -95,8 +95,10 @@ def test_jobs_failing_inside_are_reported_and_the_next_still_runs(tmp_path):
     assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]  # two failed jobs
     jobs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["failed", "failed"]
-    for job in jobs:
-        assert job["rc"] == 1 and "no usable record" in job["error"] and job["started"] < job["ended"], job
+    for job, path in zip(jobs, bad):
+        # the recipe's refusal (exit code 2) with its message, naming the file
+        assert job["rc"] == 2 and "no usable record" in job["error"] and str(path) in job["error"], job
+        assert job["started"] < job["ended"]
 
 
 def test_multirun_under_torchrun_is_refused(tmp_path):

@@ -127,15 +127,14 @@ class _SweepLauncher(BaseSubmititLauncher):
             if ret.status != JobStatus.COMPLETED:
                 error = ret._return_value
                 result = JobFailure(1, "".join(traceback.format_exception(error))[-4000:])
-        except SystemExit as e:  # train.py's refusal (exit code 2, message already logged) or any exit
+        except SystemExit as e:  # train.py's refusal of a config or data (exit code 2) or any other exit
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if code == 0:
                 result = JobReturn(status=JobStatus.COMPLETED)
-            elif code == 2:  # relax_gdn.errors.USER_ERROR_EXIT_CODE
-                result = JobFailure(code, "the recipe refused the config or data (exit code 2); the job log in "
-                                          f"{job_env.paths.folder} says why")
+            elif e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
+                result = JobFailure(code, str(e.__context__))
             else:
-                result = JobFailure(code, f"exited with code {code}")
+                result = JobFailure(code, f"exited with code {code}; the task logs in {job_env.paths.folder} say why")
         except BaseException as e:  # noqa: BLE001 - reported in the manifest, the sweep goes on
             result = JobFailure(1, "".join(traceback.format_exception(e))[-4000:])
         if rank == 0:
