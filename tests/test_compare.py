@@ -193,9 +193,12 @@ def test_benchmark_json_variants(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"variants": [
         {"name": "headwise", "config": {"gdn": {"cp_mode": "headwise"}}, "records": _records(100)},
-        {"name": "chunkwise", "config": {"gdn.cp_mode": "chunkwise"}, "records": _records(200)}]}))
+        {"name": "chunkwise", "config": {"gdn.cp_mode": "chunkwise"}, "summary": {},
+         "records": _records(200) + [{"step": 21, "loss": 1.0, "tokens_per_s": 1.0, "profiled": True}]}],
+        "meta": {}}))
     runs = load_bench_json(path)
     assert [r.config["gdn.cp_mode"] for r in runs] == ["headwise", "chunkwise"]
+    assert len(runs[1].records) == 20  # the profiled step is left out
     summary = compare_runs(runs)
     assert summary["variants"][1]["ratio_to_baseline"]["tokens_per_s"] == pytest.approx(201 / 101, rel=1e-3)
     path.write_text("[]")

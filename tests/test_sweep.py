@@ -150,3 +150,37 @@ def test_manifest_merges_job_files_atomically(tmp_path):
     with pytest.raises(AssertionError):
         manifest.update_job(2, status="done")
     assert wandb_run_id(tmp_path, 3) == wandb_run_id(tmp_path, 3) != wandb_run_id(tmp_path, 4)
+
+
+def test_slurm_launcher_writes_the_sbatch_script_it_promises(tmp_path, monkeypatch):
+    """hydra/launcher=slurm composed from conf/ as a user would set it; submitit's sbatch text
+    carries the shape, the signal, requeue and the container flags. No cluster here: submitit only
+    looks for an ``srun`` on PATH before writing the script, so a placeholder one stands in."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.relax_gdn_launcher.launcher import SlurmSweepLauncher
+    from relax_gdn.config.hydra_io import register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True, overrides=[
+            "hydra/launcher=slurm", "hydra.launcher.partition=h200", "hydra.launcher.account=llm",
+            "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=90", "hydra.launcher.container_image=/img.sqsh",
+            "hydra.launcher.container_mounts=/data:/data", f"hydra.sweep.dir={tmp_path}", "hydra.job.name=train"])
+    launcher = SlurmSweepLauncher(**OmegaConf.to_container(cfg.hydra.launcher, resolve=True))
+    assert launcher._world_size() == 16
+    text = launcher._executor()._executor._make_submission_file_text("python -m submitit.core._submit x", "u")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=h200", "#SBATCH --account=llm", "#SBATCH --time=90",
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", "export NCCL_NVLS_ENABLE=0"):
+        assert line in text, (line, text)
+    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert "--container-image=/img.sqsh" in srun and "--container-mounts=/data:/data" in srun
+    assert launcher._extra_overrides(str(tmp_path / "3")) == [
+        "checkpoint.resume=auto", f"checkpoint.dir='{tmp_path / '3' / 'checkpoints'}'"]

@@ -26,6 +26,7 @@ import copy
 import logging
 import os
 import socket
+import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -41,13 +42,19 @@ from omegaconf import OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
+# What train.py exits with after a stop request (SIGUSR1/SIGTERM) made it save a checkpoint:
+# sysexits' EX_TEMPFAIL, the training lifecycle's PREEMPTED_EXIT_CODE.
+PREEMPTED_EXIT_CODE = 75
 MAX_FAILED_EXIT_CODE = 125  # exit codes above are the shell's (126: not executable, 128+n: signal n)
 POLL_SECONDS = 1.0
 
 
 @dataclass
 class LocalSweepConf(LocalQueueConf):
+    """``hydra/launcher=local``: the keys of hydra-submitit-launcher's local launcher and these."""
+
     _target_: str = "hydra_plugins.relax_gdn_launcher.launcher.LocalSweepLauncher"
+    tasks_per_node: int = 1  # processes per job (the job's world size)
     timeout_min: int = 24 * 60
     parallel_jobs: int = 1  # jobs running at once on this machine (each is tasks_per_node processes)
     wandb_group: Optional[str] = None  # null: sweep-<date>_<time> from the sweep directory
@@ -55,15 +62,26 @@ class LocalSweepConf(LocalQueueConf):
 
 @dataclass
 class SlurmSweepConf(SlurmQueueConf):
+    """``hydra/launcher=slurm``: the keys of hydra-submitit-launcher's SLURM launcher (partition,
+    account, qos, constraint, exclude, mem_gb, additional_parameters, array_parallelism, ...) and these."""
+
     _target_: str = "hydra_plugins.relax_gdn_launcher.launcher.SlurmSweepLauncher"
-    timeout_min: int = 4 * 60
     nodes: int = 1
     gpus_per_node: Optional[int] = 8
-    tasks_per_node: int = 8  # one process per GPU: submitit's tasks are the ranks (no torchrun)
-    requeue: bool = True  # requeue on preemption/time-out; jobs continue with checkpoint.resume=auto
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
+    tasks_per_node: int = 8  # one rank per GPU: submitit's tasks are the ranks (no torchrun)
+    cpus_per_task: Optional[int] = 12
+    timeout_min: int = 4 * 60  # the job's time limit
+    # SIGUSR1 to every rank this long before the limit: each finishes its step, saves, exits 75
+    signal_delay_s: int = 120
+    # on exit 75 rank 0 requeues the job (and sbatch --requeue); every job runs with
+    # checkpoint.resume=auto checkpoint.dir=<run dir>/checkpoints
+    requeue: bool = True
+    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image (a .sqsh or registry#image)
     container_mounts: Optional[str] = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
     srun_args: List[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
+    # lines run in the sbatch script before srun (the same environment as slurm/train.sbatch)
+    setup: Optional[List[str]] = field(default_factory=lambda: ["export NCCL_NVLS_ENABLE=0",
+                                                                "export TRITON_CACHE_AUTOTUNING=1"])
     wandb_group: Optional[str] = None
 
 
@@ -131,6 +149,15 @@ class _SweepLauncher(BaseSubmititLauncher):
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if code == 0:
                 result = JobReturn(status=JobStatus.COMPLETED)
+            elif code == PREEMPTED_EXIT_CODE and self._requeues():
+                if rank == 0:
+                    entry = manifest.update_job(job_num, status="submitted", ended=None,
+                                                requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
+                    log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
+                                job_num, entry["requeues"])
+                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+                # leave no result behind (submitit would report the job done): the requeued job writes it
+                raise SystemExit(code) from None
             elif e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
                 result = JobFailure(code, str(e.__context__))
             else:
@@ -145,6 +172,9 @@ class _SweepLauncher(BaseSubmititLauncher):
         return result
 
     # ---- in the launching process ----------------------------------------------------------------
+
+    def _requeues(self) -> bool:
+        return False
 
     def _executor(self):
         import submitit
@@ -165,31 +195,38 @@ class _SweepLauncher(BaseSubmititLauncher):
     def _executor_extras(self) -> Dict[str, Any]:
         return {}
 
-    def _extra_overrides(self, overrides: List[str]) -> List[str]:
+    def _extra_overrides(self, run_dir: str) -> List[str]:
         return []
 
     def _world_size(self) -> int:
         return int(self.params.get("nodes", 1)) * int(self.params.get("tasks_per_node", 1))
 
-    def _preflight(self, overrides: List[str], job_num: int) -> Tuple[str, Optional[str]]:
-        """(run directory, the recipe's refusal or None): the job's config composed and validated
-        here, with the job's world size, before anything is submitted."""
+    def _job_config(self, overrides: List[str], job_num: int):
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(sweep_config.hydra.job):
+            sweep_config.hydra.job.num = job_num
+        return sweep_config
+
+    def _run_dir(self, overrides: List[str], job_num: int) -> str:
+        sweep_config = self._job_config(overrides, job_num)
+        return str(Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir))
+
+    def _refusal(self, overrides: List[str], job_num: int) -> Optional[str]:
+        """The recipe's refusal of the job's config (composed and validated here, with the job's
+        world size, before anything is submitted), or None."""
         from relax_gdn.config import validate
         from relax_gdn.config.hydra_io import run_config_from_hydra
         from relax_gdn.errors import RecipeError
 
-        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(sweep_config.hydra.job):
-            sweep_config.hydra.job.num = job_num
-        run_dir = str(Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir))
+        sweep_config = self._job_config(overrides, job_num)
         task_config = copy.deepcopy(sweep_config)  # what the task function gets: no hydra node
         with read_write(task_config), open_dict(task_config):
             del task_config["hydra"]
         try:
             validate(run_config_from_hydra(task_config), self._world_size())
         except RecipeError as e:
-            return run_dir, str(e)
-        return run_dir, None
+            return str(e)
+        return None
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from relax_gdn.sweep import SweepManifest, override_key, sweep_wandb_group, variant_label, varying_keys
@@ -214,9 +251,10 @@ class _SweepLauncher(BaseSubmititLauncher):
             variant = variant_label(filter_overrides(user), varying)
             added = [f"{k}={v}" for k, v in (("logging.wandb.group", _quoted(group)),
                                              ("logging.wandb.job_type", _quoted(variant))) if k not in keys]
-            added += [o for o in self._extra_overrides(user) if override_key(o) not in keys]
+            run_dir = self._run_dir(user, num)
+            added += [o for o in self._extra_overrides(run_dir) if override_key(o) not in keys]
             overrides = user + added
-            run_dir, refusal = self._preflight(overrides, num)
+            refusal = self._refusal(overrides, num)
             if refusal is not None:  # no run directory: nothing ran
                 log.error("job #%d (%s) refused, not submitted: %s", num, " ".join(user), refusal)
                 manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=None,
@@ -309,6 +347,9 @@ class SlurmSweepLauncher(_SweepLauncher):
 
     _EXECUTOR = "slurm"
 
+    def _requeues(self) -> bool:
+        return bool(self.params.get("requeue"))
+
     def _executor_extras(self) -> Dict[str, Any]:
         srun = list(self.params.get("srun_args") or [])
         if self.params.get("container_image"):
@@ -316,12 +357,19 @@ class SlurmSweepLauncher(_SweepLauncher):
         if self.params.get("container_mounts"):
             srun.append(f"--container-mounts={self.params['container_mounts']}")
         extras: Dict[str, Any] = {"srun_args": srun} if srun else {}
+        additional = dict(self.params.get("additional_parameters") or {})
+        # SIGUSR1 to every rank signal_delay_s before the time limit: the training loop finishes its
+        # step, saves a checkpoint and exits with PREEMPTED_EXIT_CODE (submitit's own USR2 handler
+        # would requeue without saving).
+        additional.setdefault("signal", f"USR1@{self.params.get('signal_delay_s', 120)}")
         if self.params.get("requeue"):
-            additional = dict(self.params.get("additional_parameters") or {})
             additional.setdefault("requeue", True)  # sbatch --requeue: Slurm may requeue on preemption
-            extras["additional_parameters"] = additional
+        extras["additional_parameters"] = additional
         return extras
 
-    def _extra_overrides(self, overrides: List[str]) -> List[str]:
-        # A requeued job runs the same overrides again and continues from its latest checkpoint.
-        return ["checkpoint.resume=auto"] if self.params.get("requeue") else []
+    def _extra_overrides(self, run_dir: str) -> List[str]:
+        # A requeued job runs the same overrides again and continues from the newest checkpoint
+        # in its own run directory (the same path after every requeue).
+        if not self.params.get("requeue"):
+            return []
+        return ["checkpoint.resume=auto", f"checkpoint.dir={_quoted(str(Path(run_dir) / 'checkpoints'))}"]

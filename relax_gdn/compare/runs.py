@@ -12,7 +12,8 @@ Benchmark results (e.g. ``python -m relax_gdn.bench.train_e2e``) are read from o
                    "records": [{"step": 1, "loss": ..., "tokens_per_s": ...}, ...]}, ...]}
 
 Each entry is one run; entries with the same ``name`` and config are repeats of one variant.
-``config`` may be nested or dotted; the name is kept as the config key ``bench.variant``.
+``config`` (optional) may be nested or dotted; the name is kept as the config key
+``bench.variant``; other keys (``summary``, ``meta``) are ignored.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def clean_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Training step records in step order, one per step: a resumed run appends to its file and
     may repeat the steps between its last checkpoint and the stop; the later record wins. Eval
-    records (no ``loss``/``tokens_per_s``) are left out."""
+    records (no ``loss``) and steps run under the profiler (``"profiled": true``, benchmarks) are
+    left out."""
     by_step: dict[int, dict[str, Any]] = {}
     for record in records:
-        if "step" not in record or record.get("loss") is None:
+        if "step" not in record or record.get("loss") is None or record.get("profiled"):
             continue
         by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
