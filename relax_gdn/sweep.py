@@ -115,6 +115,29 @@ class SweepManifest:
         return manifest
 
 
+def visible_gpu_ids(cuda_visible_devices: str | None, device_count: int) -> list[int]:
+    """The GPU ids this process may hand out: ``CUDA_VISIBLE_DEVICES`` when set (numeric ids),
+    else ``0..device_count-1``."""
+    if cuda_visible_devices is None:
+        return list(range(device_count))
+    ids = [part.strip() for part in cuda_visible_devices.split(",") if part.strip()]
+    if not all(part.isdigit() for part in ids):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}: local sweeps need numeric GPU ids")
+    return [int(part) for part in ids]
+
+
+def gpu_slots(visible: Sequence[int], per_job: int, parallel_jobs: int) -> list[tuple[int, ...]]:
+    """Disjoint GPU sets for jobs running at once on one machine: ``parallel_jobs`` slots of
+    ``per_job`` GPUs each (fewer slots when the GPUs run out); ``per_job=0``: CPU jobs, no GPUs."""
+    if per_job == 0:
+        return [()] * parallel_jobs
+    if per_job > len(visible):
+        raise ValueError(f"a job needs {per_job} GPUs (hydra.launcher.gpus_per_node, default tasks_per_node) "
+                         f"but {len(visible)} are visible ({list(visible)})")
+    n = min(parallel_jobs, len(visible) // per_job)
+    return [tuple(visible[k * per_job:(k + 1) * per_job]) for k in range(n)]
+
+
 def export_torch_distributed_env(single_host: bool) -> dict[str, str]:
     """Inside a submitit task: set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT (torch's env:// rendezvous, what torchrun would set) from submitit's view of the job

@@ -1,5 +1,5 @@
 """Sweeps as a user runs them: ``python train.py -m hydra/launcher=local ...`` starts each job as
-its own 2-process group (submitit's local executor, gloo); a job the config validation refuses is
+its own 2-process group (submitit's local executor, gloo; two jobs at once); a job the config validation refuses is
 recorded as failed and the others still run; the exit code counts the failed jobs; ``sweep.json``
 says what happened; the comparison reads the sweep directory. Plus the refusals and the plain
 sbatch path's dry run."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_gdn.sweep import SweepManifest, variant_label, varying_keys, wandb_run_id
+from relax_gdn.sweep import SweepManifest, gpu_slots, variant_label, varying_keys, visible_gpu_ids, wandb_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
@@ -34,7 +34,7 @@ def sweep(tmp_path_factory):
     sweep_dir = tmp / "sweep"
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
-         "parallel.cp=2", "gdn.cp_mode=headwise,chunkwise,all_gather", f"hydra.sweep.dir={sweep_dir}", *TINY],
+         "hydra.launcher.parallel_jobs=2", "parallel.cp=2", "gdn.cp_mode=headwise,chunkwise,all_gather", f"hydra.sweep.dir={sweep_dir}", *TINY],
         cwd=tmp, env=_env(), capture_output=True, text=True, timeout=900)
     return sweep_dir, done
 
@@ -184,3 +184,15 @@ def test_slurm_launcher_writes_the_sbatch_script_it_promises(tmp_path, monkeypat
     assert "--container-image=/img.sqsh" in srun and "--container-mounts=/data:/data" in srun
     assert launcher._extra_overrides(str(tmp_path / "3")) == [
         "checkpoint.resume=auto", f"checkpoint.dir='{tmp_path / '3' / 'checkpoints'}'"]
+
+
+def test_local_jobs_running_at_once_get_disjoint_gpus():
+    assert visible_gpu_ids(None, 4) == [0, 1, 2, 3] and visible_gpu_ids("2, 5", 8) == [2, 5]
+    assert visible_gpu_ids("", 8) == []
+    assert gpu_slots(list(range(8)), 2, 3) == [(0, 1), (2, 3), (4, 5)]
+    assert gpu_slots(list(range(8)), 4, 3) == [(0, 1, 2, 3), (4, 5, 6, 7)]  # GPUs for two at once
+    assert gpu_slots([], 0, 2) == [(), ()]  # CPU jobs
+    with pytest.raises(ValueError, match="needs 4 GPUs .* but 2 are visible"):
+        gpu_slots([0, 1], 4, 1)
+    with pytest.raises(ValueError, match="numeric GPU ids"):
+        visible_gpu_ids("GPU-abc", 1)

@@ -266,7 +266,13 @@ class _SweepLauncher(BaseSubmititLauncher):
             to_run.append((num, overrides))
         manifest.merge()
 
-        results = self._run(to_run, manifest)
+        from relax_gdn.errors import RecipeError
+
+        try:
+            results = self._run(to_run, manifest)
+        except RecipeError as e:  # the launcher's own settings (e.g. more GPUs per job than visible)
+            log.error("%s", e)
+            raise SystemExit(2) from None
         entries = [manifest.read_job(initial_job_idx + i) for i in range(len(job_overrides))]
         failed = [e for e in entries if e.get("status") != "ok"]
         manifest.merge(finished=time.time())
@@ -278,30 +284,45 @@ class _SweepLauncher(BaseSubmititLauncher):
             raise SystemExit(min(len(failed), MAX_FAILED_EXIT_CODE))
         return [results[num] for num in sorted(results)]
 
+    def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
+        """Executor parameters per concurrent job (each job takes a free slot), or None to submit
+        every job at once (the scheduler decides)."""
+        return None
+
     def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
-        """Submit ``jobs`` (at most ``parallel_jobs`` at a time; all at once when None) and wait
-        for every one, recording each result as it arrives."""
+        """Submit ``jobs`` (one per free slot, or all at once as a job array) and wait for every
+        one, recording each result as it arrives."""
         if not jobs:
             return {}
         executor = self._executor()
-        limit = self.params.get("parallel_jobs") or len(jobs)
-        pending, running, results = list(jobs), {}, {}
         state = Singleton.get_state()
+        slots = self._slots(len(jobs))
+        free = list(range(len(slots))) if slots is not None else []
+        pending, running, results = list(jobs), {}, {}
+
+        def submit(batch, slot=None):
+            if slot is not None:
+                executor.update_parameters(**slots[slot])
+            with executor.batch():  # a job array on SLURM
+                submitted = [executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
+                             for num, ov in batch]
+            for (num, _), job in zip(batch, submitted):
+                running[num] = (job, slot)
+                manifest.update_job(num, submitit_job_id=job.job_id)
+            manifest.merge()
+
+        if slots is None:
+            submit(pending)
+            pending = []
         while pending or running:
-            batch = pending[:max(limit - len(running), 0)]
-            del pending[:len(batch)]
-            if batch:
-                with executor.batch():  # a job array on SLURM
-                    submitted = [executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
-                                 for num, ov in batch]
-                for (num, _), job in zip(batch, submitted):
-                    running[num] = job
-                    manifest.update_job(num, submitit_job_id=job.job_id)
-                manifest.merge()
-            for num, job in list(running.items()):
+            while pending and free:
+                submit([pending.pop(0)], free.pop(0))
+            for num, (job, slot) in list(running.items()):
                 if job.done():
                     results[num] = self._collect(num, job, manifest)
                     del running[num]
+                    if slot is not None:
+                        free.append(slot)
                     manifest.merge()
             if running:
                 time.sleep(POLL_SECONDS)
@@ -340,6 +361,35 @@ class LocalSweepLauncher(_SweepLauncher):
 
     def _world_size(self) -> int:
         return int(self.params.get("tasks_per_node", 1))  # one host
+
+    def _executor(self):
+        """submitit's LocalExecutor itself (not through AutoExecutor, which does not pass on the
+        GPU ids each slot sets)."""
+        import submitit
+
+        executor = submitit.LocalExecutor(folder=self.params["submitit_folder"])
+        executor.update_parameters(**{k: self.params[k] for k in ("timeout_min", "tasks_per_node", "stderr_to_stdout")
+                                      if self.params.get(k) is not None})
+        return executor
+
+    def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
+        """``parallel_jobs`` slots, each with its own GPUs: submitit's local executor shows a job
+        only the GPUs it is given (``CUDA_VISIBLE_DEVICES``), none by default."""
+        import torch
+
+        from relax_gdn.errors import RecipeError
+        from relax_gdn.sweep import gpu_slots, visible_gpu_ids
+
+        parallel = max(1, min(int(self.params.get("parallel_jobs") or 1), n_jobs))
+        visible = visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        per_job = self.params.get("gpus_per_node")
+        if per_job is None:  # one GPU per process where there are GPUs
+            per_job = int(self.params.get("tasks_per_node", 1)) if visible else 0
+        try:
+            return [{"gpus_per_node": len(gpus), "visible_gpus": gpus}
+                    for gpus in gpu_slots(visible, int(per_job), parallel)]
+        except ValueError as e:
+            raise RecipeError(f"hydra/launcher=local: {e}") from None
 
 
 class SlurmSweepLauncher(_SweepLauncher):
