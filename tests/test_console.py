@@ -72,13 +72,13 @@ def test_terminal_bar_shows_elapsed_eta_loss_and_throughput():
 def test_summary_uses_the_steady_state_and_names_the_outputs(tmp_path):
     records = [_record(s) for s in range(1, 21)]
     records[-1]["eval/loss"] = 0.5
-    assert [r["step"] for r in steady_state(records)] == list(range(3, 21))  # first tenth is warm-up
+    assert [r["step"] for r in steady_state(records)] == list(range(4, 21))  # 10 %, at least 3: warm-up
     (tmp_path / "metrics.jsonl").write_text("")
     result = TrainResult(records=records, run_dir=tmp_path, checkpoints=[tmp_path / "checkpoints" / "step_000020"],
                          wandb_dir=str(tmp_path / "wandb"))
     rows = dict(run_summary(result))
-    assert rows["median tok/s"].startswith("11,500")  # median of 3000..20000
-    assert rows["median MFU"] == "1.15" and rows["peak memory"] == "22.0 GiB (rank 0)"
+    assert rows["median tok/s"].startswith("12,000")  # median of 4000..20000
+    assert rows["median MFU"] == "1.2" and rows["peak memory"] == "22.0 GiB (rank 0)"
     assert rows["loss"] == "4 -> -15" and rows["eval loss"].startswith("0.5 (step 20")
     assert rows["checkpoints"] == f"{tmp_path / 'checkpoints'} (last: step_000020)"
     assert rows["metrics"] == str(tmp_path / "metrics.jsonl") and rows["W&B"] == str(tmp_path / "wandb")

@@ -105,11 +105,12 @@ class ConsoleProgress:
 
 
 def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The steps that measure speed: the first tenth of the run (at least one step, when there is
-    more than one) is warm-up (kernel autotuning, allocator growth, caches) and left out."""
-    if len(records) < 2:
-        return list(records)
-    return records[max(1, len(records) // 10):]
+    """The steps that measure speed, by the rule the comparison and the W&B summary use
+    (``relax_gdn.compare.stats.warmup_steps``: the first 10 % of the run, at least 3 steps, are
+    warm-up: kernel autotuning, allocator growth, caches)."""
+    from relax_gdn.compare.stats import steady_records
+
+    return steady_records(records)
 
 
 def _median(values: list[float | None]) -> float | None:
