@@ -1,13 +1,14 @@
 # Two commands set everything up on a fresh machine (see README):
 #   make run    - the main job on its embedded default (CPU if no GPU)
-#   make test   - the CPU test suite
+#   make test   - the CPU test suite (what CI runs); make test-fast leaves out the slow
+#                 multi-process cases (a quick check while editing)
 # Both create .venv first (Python 3.12, the pinned set in requirements.lock).
 
 PYTHON ?= python3.12
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-gpu gpu-check gpu-check-train bench-routes clean
+.PHONY: setup run test test-fast test-gpu gpu-check gpu-check-train bench-routes clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"need Python >= 3.12, got {sys.version}"'
@@ -28,6 +29,9 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 # On a GPU host (2 GPUs for the NCCL tests).
 test-gpu: setup

@@ -2,19 +2,38 @@
 
 Importing torch and Megatron-Core costs seconds per process on a 2-core machine, so a test
 should spawn ONE group per world size and run many cases inside ``fn``, returning results
-(picklable) that the parent asserts on. Exceptions in any rank are re-raised in the parent with
-the rank's traceback.
+(picklable) that the parent asserts on.
+
+A run fails, never hangs:
+- the ranks meet through a ``file://`` store in a fresh temporary directory (no port to race for);
+- the first rank that raises (or dies) fails the run at once with that rank's traceback, and the
+  other ranks are killed (they may be blocked in a collective the failed rank never joins);
+- the whole run has a time limit (``timeout_s``, default ``RELAX_GDN_TEST_TIMEOUT_S`` or 900 s);
+  past it every rank's Python stack is dumped into the failure message before the ranks are
+  killed, and every collective has that limit too (``init_process_group(timeout=...)``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
-import socket
+import pickle
+import signal
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+# Generous: the 4-rank model fixtures take minutes on a loaded 2-core machine. A hang costs this
+# much once, instead of blocking the suite until someone kills it.
+DEFAULT_TIMEOUT_S = float(os.environ.get("RELAX_GDN_TEST_TIMEOUT_S", 900))
+_STACK_DUMP_GRACE_S = 3.0
 
 
 def value_error_message(fn: Callable[[], Any]) -> str | None:
@@ -27,53 +46,126 @@ def value_error_message(fn: Callable[[], Any]) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _write_atomically(path: Path, payload: Any) -> None:
+    partial = path.with_suffix(".partial")
+    with open(partial, "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(partial, path)  # the parent never reads half a result
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: Any
+    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, fn: Callable, args: tuple
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
+    run = Path(run_dir)
+    # The parent sends SIGUSR1 when the run is past its limit: every thread's stack lands here.
+    stacks = open(run / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says: every rank on this host
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
-        import faulthandler
-
         faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
+
+    import torch
+    import torch.distributed as dist
+
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend,
+            init_method=f"file://{run / 'store'}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
-        results[rank] = ("ok", fn(*args))
+        result = fn(*args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results[rank] = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        (run / f"rank{rank}.error").write_text(traceback.format_exc())
+        os._exit(1)  # no teardown: the other ranks may be blocked in a collective with this one
+    _write_atomically(run / f"rank{rank}.result", result)
+    dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
+def _failures(run: Path, procs: list, exited: list[int]) -> list[str]:
+    """One section per failed rank, the earliest traceback first: once a rank dies, its peers'
+    collectives fail too ("connection closed"), and those later errors are only its echo."""
+    raised = sorted(run.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    sections = [f"--- rank {p.stem.removeprefix('rank')} raised ---\n{p.read_text()}" for p in raised]
+    for rank in exited:
+        code = procs[rank].exitcode
+        produced = (run / f"rank{rank}.result").exists()
+        if not (run / f"rank{rank}.error").exists() and (code != 0 or not produced):
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+            sections.append(f"--- rank {rank} {how} without a result ---")
+    return sections
+
+
+def _stacks_of_ranks_alive(run: Path, procs: list) -> str:
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    stacks = {r: run / f"rank{r}.stacks" for r in alive}
+    for r in alive:
+        os.kill(procs[r].pid, signal.SIGUSR1)
+    deadline = time.monotonic() + _STACK_DUMP_GRACE_S
+    while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size for p in stacks.values()):
+        time.sleep(0.1)  # polling for the files the signal handlers write, not timing anything
+    return "\n".join(
+        f"--- rank {r} stacks ---\n" + (p.read_text() if p.exists() else "(not started yet)\n")
+        for r, p in stacks.items()
+    )
+
+
+def _join(run: Path, procs: list, timeout_s: float) -> str | None:
+    """Wait for every rank; None when all succeeded, else the failure message (ranks still alive
+    are left for the caller to kill)."""
+    deadline = time.monotonic() + timeout_s
+    running = {p.sentinel: r for r, p in enumerate(procs)}
+    while running:
+        ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return (
+                f"distributed run passed its {timeout_s:.0f} s limit "
+                f"(RELAX_GDN_TEST_TIMEOUT_S); stacks of the ranks still running:\n"
+                + _stacks_of_ranks_alive(run, procs)
+            )
+        exited = [running.pop(sentinel) for sentinel in ready]
+        for rank in exited:
+            procs[rank].join()
+        if any(procs[r].exitcode != 0 or not (run / f"rank{r}.result").exists() for r in exited):
+            others = sorted(running.values())
+            killed = f"\n(ranks {others} were still running and are killed)" if others else ""
+            return "distributed run failed:\n" + "\n".join(_failures(run, procs, exited)) + killed
+    return None
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None
+) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1`` with the default process group initialised
-    (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r); return each rank's result."""
+    (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r); return each rank's result.
+
+    Raises AssertionError with the failing rank's traceback as soon as one rank fails, or with
+    every rank's stack when the run takes longer than ``timeout_s``."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(
-            _worker,
-            args=(world_size, _free_port(), backend, fn, args, results),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        outcome = [results.get(rank, ("error", "rank produced no result")) for rank in range(world_size)]
-    errors = [f"--- rank {r} ---\n{payload}" for r, (status, payload) in enumerate(outcome) if status != "ok"]
-    if errors:
-        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-    return [payload for _, payload in outcome]
+    with tempfile.TemporaryDirectory(prefix="relax-gdn-ranks-") as run_dir:
+        run = Path(run_dir)
+        procs = [
+            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, fn, args))
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            failure = _join(run, procs, timeout_s)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failure is not None:
+            raise AssertionError(failure)
+        results = []
+        for rank in range(world_size):
+            with open(run / f"rank{rank}.result", "rb") as f:
+                results.append(pickle.load(f))
+        return results

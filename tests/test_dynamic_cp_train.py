@@ -9,6 +9,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.test_train import EQ_TOL, MODES, _cfg, _step
 
+pytestmark = pytest.mark.slow  # one 4-process group runs every case
+
 
 def _mixed(mode: str, dynamic: bool):
     # samples of ~150-1800 tokens at 512 tokens per rank: this step needs CP 1, 2 and 4

@@ -240,6 +240,7 @@ def _transport_cases(w: int):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w", [2, 4])
 def test_swap_layout_on_gloo(w):
     per_rank = run_distributed(_swap_cases, w, w)

@@ -368,6 +368,7 @@ def model_results():
     return run_distributed(_model_cases, 4)
 
 
+@pytest.mark.slow
 def test_cp2_every_mode_and_dynamic_cp_match_single_rank(model_results):
     for rank, results in enumerate(model_results):
         for mode in MODES + (("chunkwise", "dynamic"),):
@@ -377,6 +378,7 @@ def test_cp2_every_mode_and_dynamic_cp_match_single_rank(model_results):
             assert not bad, (rank, mode, bad)
 
 
+@pytest.mark.slow
 def test_tp2_cp2_with_and_without_sp_matches_single_rank(model_results):
     for rank, results in enumerate(model_results):
         cases = [k for k in results if isinstance(k, tuple) and k[0] == "tp2cp2"]
@@ -386,10 +388,12 @@ def test_tp2_cp2_with_and_without_sp_matches_single_rank(model_results):
             assert not bad, (rank, case, bad)
 
 
+@pytest.mark.slow
 def test_packed_documents_do_not_leak(model_results):
     assert model_results[0]["packed_vs_alone"]["loss"] < LOSS_TOL
 
 
+@pytest.mark.slow
 def test_nine_b_preset_shapes(model_results):
     counts = model_results[1]["counts"]
     assert abs(counts["total"] - 8.954e9) < 0.5e6, counts  # QWEN3_5.md: 8.954 B
@@ -400,6 +404,7 @@ def test_nine_b_preset_shapes(model_results):
     assert counts["tied"] == 0
 
 
+@pytest.mark.slow
 def test_configuration_errors(model_results):
     errors = model_results[2]["errors"]
     assert "pipeline_model_parallel_size=2" in errors["pp"] and "parallel.pp=1" in errors["pp"]
@@ -412,6 +417,7 @@ def test_configuration_errors(model_results):
     assert "position_ids" in errors["no_positions"]
 
 
+@pytest.mark.slow
 def test_spec_provider_auto_is_local_without_te_and_te_refuses(model_results):
     outcome = model_results[3]["spec_provider"]
     if outcome["te_imports"]:
@@ -425,6 +431,7 @@ def test_spec_provider_auto_is_local_without_te_and_te_refuses(model_results):
     assert "['hidden_sise'] are not TransformerConfig fields" in outcome["field"]
 
 
+@pytest.mark.slow
 def test_token_rope_equals_megatron_thd_rope(model_results):
     errors = model_results[3]["rope"]
     assert set(errors) == {1, 2, 4} and max(errors.values()) < 1e-6, errors

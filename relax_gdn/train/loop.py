@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,12 +186,6 @@ class ProfileWindow:
         return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device: torch.device) -> bool:
     """Join torchrun's group (env://), or make a one-process group; True when created here."""
     if dist.is_initialized():
@@ -203,7 +196,8 @@ def init_distributed(device: torch.device) -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, init_method="env://")
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        # An in-process store: one rank has nobody to meet, so no port to pick (and race for).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
