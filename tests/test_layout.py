@@ -353,6 +353,39 @@ def test_resolver_runs_once_per_micro_batch(monkeypatch):
     assert resolve_cu_seqlens(psp, 24, 4).cu_seqlens is padded  # another W is another key
 
 
+def _overwrite_through_data(cu: torch.Tensor, values: list[int]) -> None:
+    cu.data.copy_(torch.tensor(values, dtype=cu.dtype))
+
+
+def _overwrite_through_numpy(cu: torch.Tensor, values: list[int]) -> None:
+    cu.numpy()[:] = values
+
+
+@pytest.mark.parametrize("overwrite", [_overwrite_through_data, _overwrite_through_numpy])
+def test_reattaching_other_values_drops_what_was_built_from_the_old_ones(overwrite):
+    psp, cu = _packed([0, 8, 24])
+    attach_host_cu_seqlens(psp, cu, [0, 8, 24])
+    old_route = get_route(psp, cu, 2, 0, "zigzag", "contiguous")
+    assert resolve_cu_seqlens(psp, 24, 2).max_seqlen == 16
+    version = cu._version
+    overwrite(cu, [0, 16, 24])
+    assert cu._version == version  # invisible to the provenance check
+    attach_host_cu_seqlens(psp, cu, [0, 16, 24])
+    route = get_route(psp, cu, 2, 0, "zigzag", "contiguous")
+    expected = build_route([0, 16, 24], 2, 0, "zigzag", "contiguous")
+    assert route.pair_rows == expected.pair_rows != old_route.pair_rows
+    resolved = resolve_cu_seqlens(psp, 24, 2)
+    assert resolved.host.tolist() == [0, 16, 24] and resolved.max_seqlen == 16
+
+
+def test_reattaching_the_same_values_keeps_the_route(build_calls):
+    psp, cu = _packed([0, 8, 24])
+    attach_host_cu_seqlens(psp, cu, [0, 8, 24])
+    route = get_route(psp, cu, 2, 0, "zigzag", "contiguous")
+    attach_host_cu_seqlens(psp, cu, np.array([0, 8, 24]))
+    assert get_route(psp, cu, 2, 0, "zigzag", "contiguous") is route and len(build_calls) == 1
+
+
 # ---------------------------------------------------------------- errors
 
 

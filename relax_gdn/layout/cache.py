@@ -33,18 +33,37 @@ CP_LAYOUT_PAIR = ("zigzag", "contiguous")  # the conversion chunkwise GDN perfor
 
 _HOST_ATTR = "_relax_gdn_host_cu_seqlens"  # list of (device tensor, its _version, host array)
 _ROUTES_ATTR = "_relax_gdn_routes"  # {frozenset(layouts): Route}
+_PER_MICRO_BATCH_ATTR = "_relax_gdn_per_micro_batch"  # {(name, key): (sources, value)}
 
 
 def attach_host_cu_seqlens(
     packed_seq_params: PackedSeqParams, cu_seqlens: torch.Tensor, host: torch.Tensor | np.ndarray | list
 ) -> None:
-    """Record that ``host`` holds the values of ``cu_seqlens`` (a tensor of this micro-batch)."""
+    """Record that ``host`` holds the values of ``cu_seqlens`` (a tensor of this micro-batch).
+
+    Values other than the ones attached before (or a first attach after something was already
+    built from the tensor) drop every route and per-micro-batch answer built from ``cu_seqlens``:
+    a write through ``.data`` or a numpy view changes the values without bumping ``_version``,
+    so the provenance check alone would keep the old packing's routes."""
+    values = host_boundaries(host)
     records = getattr(packed_seq_params, _HOST_ATTR, None)
     if records is None:
         records = []
         setattr(packed_seq_params, _HOST_ATTR, records)
+    previous = next((rec[2] for rec in records if rec[0] is cu_seqlens), None)
+    if previous is None or not np.array_equal(previous, values):
+        _forget_built_from(packed_seq_params, cu_seqlens)
     records[:] = [rec for rec in records if rec[0] is not cu_seqlens]
-    records.append((cu_seqlens, cu_seqlens._version, host_boundaries(host)))
+    records.append((cu_seqlens, cu_seqlens._version, values))
+
+
+def _forget_built_from(packed_seq_params: PackedSeqParams, cu_seqlens: torch.Tensor) -> None:
+    routes = getattr(packed_seq_params, _ROUTES_ATTR, {})
+    for key in [k for k, route in routes.items() if route.cu_seqlens is cu_seqlens]:
+        del routes[key]
+    answers = getattr(packed_seq_params, _PER_MICRO_BATCH_ATTR, {})
+    for key in [k for k, (sources, _) in answers.items() if any(t is cu_seqlens for t, _ in sources)]:
+        del answers[key]
 
 
 def host_cu_seqlens(packed_seq_params: PackedSeqParams | None, cu_seqlens: torch.Tensor) -> np.ndarray:
@@ -80,9 +99,6 @@ def _route_matches(
         and route.serves(source, target)
         and route.device == device
     )
-
-
-_PER_MICRO_BATCH_ATTR = "_relax_gdn_per_micro_batch"  # {(name, key): (sources, value)}
 
 
 def _sources(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
