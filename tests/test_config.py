@@ -1,6 +1,6 @@
 """relax_gdn.config: every validation rule fires with a message naming its key(s); the Hydra tree
 composes (default, cpu_demo, S1-S4) and each preset validates for its intended world size; the
-FLOPs module reproduces QWEN3_5.md. All in the pytest process (no process group)."""
+FLOPs module reproduces docs/design/QWEN3_5.md. All in the pytest process (no process group)."""
 
 from __future__ import annotations
 

@@ -223,7 +223,7 @@ def _model_cases():
             )
             leak = max(leak, (alone - whole[:, a:b]).abs().max().item())
         results["packed_vs_alone"] = {"loss": leak}
-    if rank == 1:  # the 9B preset on the meta device: parameter counts of QWEN3_5.md
+    if rank == 1:  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
         results["counts"] = _nine_b_counts(single)
     if rank == 2:
         results["errors"] = _configuration_errors(single)
@@ -396,7 +396,7 @@ def test_packed_documents_do_not_leak(model_results):
 @pytest.mark.slow
 def test_nine_b_preset_shapes(model_results):
     counts = model_results[1]["counts"]
-    assert abs(counts["total"] - 8.954e9) < 0.5e6, counts  # QWEN3_5.md: 8.954 B
+    assert abs(counts["total"] - 8.954e9) < 0.5e6, counts  # docs/design/QWEN3_5.md: 8.954 B
     assert round(counts["gdn"] / 1e6, 2) == 67.40
     assert round(counts["attention"] / 1e6, 2) == 58.72
     assert round(counts["mlp"] / 1e6, 2) == 150.99

@@ -1,4 +1,4 @@
-"""The only bridge between Hydra/OmegaConf and the typed config (ARCHITECTURE.md: only train.py
+"""The only bridge between Hydra/OmegaConf and the typed config (docs/design/ARCHITECTURE.md: only train.py
 and relax_gdn/config read Hydra)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ without communication:
    then tokens balanced over DP ranks with the SAME number of micro-batches on every rank).
 3. :func:`make_micro_batch`: pack one micro-batch, pad each document to a multiple of ``2·cp``,
    build the GLOBAL padded ``cu_seqlens`` (device tensor + host copy) and cut every per-token
-   tensor to this CP rank's zigzag shard (LAYOUTS.md §1).
+   tensor to this CP rank's zigzag shard (docs/design/LAYOUTS.md §1).
 
 Loss accounting: a label position belongs to exactly one document and each global position
 to exactly one CP rank's shard, and each sample to exactly one DP rank's micro-batch, so summing

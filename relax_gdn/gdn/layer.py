@@ -8,7 +8,7 @@ mode (checkpoints move freely between modes); only ``forward`` differs. Per micr
   once (``get_route`` / ``per_micro_batch``), all from host copies: zero host syncs per layer;
 * CP = 1 means no conversion and no collective in any mode.
 
-Modes (LAYOUTS.md §4):
+Modes (docs/design/LAYOUTS.md §4):
 
 ``headwise``   all-to-all from the zigzag sequence split to a head split, every rank scans the
                whole sequence for 1/W of the heads, all-to-all back (Megatron-Core's scheme).

@@ -28,7 +28,7 @@ Conventions (those of FLA 0.6, so the plain functions are drop-ins for
 * Precision: everything is computed in fp32, or fp64 for fp64 inputs. Outputs are cast back to
   the input dtype; states (initial, final, exchanged) stay in the compute dtype.
 
-The CP functions implement the contiguous layout of LAYOUTS.md §1 (rank ``r`` holds global rows
+The CP functions implement the contiguous layout of docs/design/LAYOUTS.md §1 (rank ``r`` holds global rows
 ``[r T/W, (r+1) T/W)`` of the packed stream, documents may span ranks) and return, for the rows a
 rank holds, exactly what the plain function computes on the whole stream.
 """

@@ -1,6 +1,6 @@
 """THD layouts of a packed micro-batch across CP ranks, and the all-to-all that converts them.
 
-Knows nothing of GDN (ARCHITECTURE.md): partitions, interval routes, the autograd swap, and
+Knows nothing of GDN (docs/design/ARCHITECTURE.md): partitions, interval routes, the autograd swap, and
 the per-micro-batch caches for routes and cu_seqlens checks.
 """
 

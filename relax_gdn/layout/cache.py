@@ -1,4 +1,4 @@
-"""Per-micro-batch caches on the ``PackedSeqParams`` object itself (LAYOUTS.md §3).
+"""Per-micro-batch caches on the ``PackedSeqParams`` object itself (docs/design/LAYOUTS.md §3).
 
 A route and the cu_seqlens checks depend only on (cu_seqlens, W, r, layouts, device), which are
 constant within a micro-batch: every GDN layer, both swap directions and every recompute replay

@@ -1,4 +1,4 @@
-"""The two THD partitions of a packed micro-batch across CP ranks (LAYOUTS.md §1).
+"""The two THD partitions of a packed micro-batch across CP ranks (docs/design/LAYOUTS.md §1).
 
 * ``zigzag`` (per sequence): every sequence is cut into ``2W`` equal chunks; rank ``r`` holds
   chunks ``r`` and ``2W-1-r`` of EVERY sequence, stored sequence by sequence. This is what
@@ -100,7 +100,8 @@ def check_divisible(cu: np.ndarray, cp_size: int, layout: str) -> None:
 
 
 def validated_boundaries(cu_seqlens: CuSeqlens, cp_size: int, cp_rank: int, *layouts: str) -> np.ndarray:
-    """Every rule of LAYOUTS.md §1 for (cu_seqlens, W, r, layouts); returns the host boundaries."""
+    """Every rule of docs/design/LAYOUTS.md §1 for (cu_seqlens, W, r, layouts); returns the host
+    boundaries."""
     for layout in layouts:
         check_layout(layout)
     check_cp(cp_size, cp_rank)

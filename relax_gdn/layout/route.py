@@ -1,4 +1,4 @@
-"""All-to-all routes between two THD layouts, built by interval intersection (LAYOUTS.md §2).
+"""All-to-all routes between two THD layouts, built by interval intersection (docs/design/LAYOUTS.md §2).
 
 Both layouts tile the global rows ``[0, T)`` with a few intervals per rank. Cutting ``[0, T)`` at
 every interval start of both layouts gives elementary runs that lie in exactly one source interval

@@ -1,5 +1,6 @@
-"""Execute a route: pack -> one ``all_to_all_single`` -> scatter, with autograd (LAYOUTS.md §2.6),
-or, on GPUs of one host, pack -> device barrier -> pull from peers' memory (``peer_memory``).
+"""Execute a route: pack -> one ``all_to_all_single`` -> scatter, with autograd
+(docs/design/LAYOUTS.md §2.6), or, on GPUs of one host, pack -> device barrier -> pull from peers'
+memory (``peer_memory``).
 
 Nothing here reads device data on the host: split sizes are host ints from the route, row lists
 are device tensors, so a swap issues no device->host sync.

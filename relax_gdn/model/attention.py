@@ -2,7 +2,7 @@
 Engine: a drop-in for ``SelfAttentionSubmodules.core_attention``.
 
 Megatron-Core's local ``DotProductAttention`` refuses CP and packed input. Here every rank holds
-chunks ``r`` and ``2W-1-r`` of every document (LAYOUTS.md §1), so:
+chunks ``r`` and ``2W-1-r`` of every document (docs/design/LAYOUTS.md §1), so:
 
 1. All-gather K and V over the CP group (one collective; its backward is a reduce-scatter SUM).
 2. Each local query attends to the keys of its own document up to its own GLOBAL position.

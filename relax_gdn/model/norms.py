@@ -1,7 +1,7 @@
 """RMSNorm for Qwen3.5 on Megatron-Core's local (non Transformer Engine) path.
 
 Megatron-Core's ``WrappedTorchNorm`` refuses ``layernorm_zero_centered_gamma`` and sequence
-parallelism, and Qwen3.5 needs both kinds of RMSNorm (QWEN3_5.md):
+parallelism, and Qwen3.5 needs both kinds of RMSNorm (docs/design/QWEN3_5.md):
 
 * zero-centred ``x̂ · (1 + w)``, ``w`` initialised to 0: the two norms of every layer, the final
   norm and the attention QK-norms (Megatron's ``layernorm_zero_centered_gamma``);

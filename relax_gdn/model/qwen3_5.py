@@ -1,7 +1,7 @@
 """Qwen3.5 (text) on Megatron-Core 0.19.2: presets, layer specs, and the model.
 
 One place decides the presets (:data:`PRESETS`); :func:`qwen3_5_config` turns one into a
-``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (QWEN3_5.md):
+``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (docs/design/QWEN3_5.md):
 
 * 3 GDN layers then 1 full-attention layer, repeated (``linear_attention_freq=4``);
 * GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` with the chosen ``cp_mode``; in

@@ -1,4 +1,4 @@
-"""The ONE place that decides which CP group a micro-batch runs on (LAYOUTS.md §5).
+"""The ONE place that decides which CP group a micro-batch runs on (docs/design/LAYOUTS.md §5).
 
 Static CP: the model's CP group. Dynamic CP: the data side puts a sub-group and its size on
 ``PackedSeqParams.cp_group`` / ``local_cp_size`` for this micro-batch; every GDN and attention

@@ -1,4 +1,4 @@
-"""Dynamic CP: a CP size per micro-batch (LAYOUTS.md §5).
+"""Dynamic CP: a CP size per micro-batch (docs/design/LAYOUTS.md §5).
 
 A static CP group of ``max_cp`` ranks runs each micro-batch as ``max_cp / d`` independent
 sub-micro-batches, one per sub-group of ``d`` consecutive CP ranks. Short samples then run at
@@ -111,7 +111,7 @@ def plan_dynamic_cp_over_dp(
     lengths_per_dp_rank: list[list[list[int]]], *, max_tokens_per_gpu: int, max_cp: int
 ) -> list[list[DynamicCPPlan]]:
     """Plans for ``[dp_rank][micro_batch]`` (sample lengths) where every DP rank uses the same
-    ``d`` for the same micro-batch index: the largest any DP rank needs (LAYOUTS.md §5: MAX over
+    ``d`` for the same micro-batch index: the largest any DP rank needs (docs/design/LAYOUTS.md §5: MAX over
     DP), so the data-parallel ranks of one step stay in lock-step."""
     counts = {len(mbs) for mbs in lengths_per_dp_rank}
     if len(counts) > 1:

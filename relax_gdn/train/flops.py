@@ -1,4 +1,4 @@
-"""Model FLOPs of the Qwen3.5 hybrid — the ONE place that counts them (QWEN3_5.md).
+"""Model FLOPs of the Qwen3.5 hybrid — the ONE place that counts them (docs/design/QWEN3_5.md).
 
 Headline: Megatron-Core's accounting (``megatron.training.training.num_floating_point_operations``,
 its GDN branch, THD form): for a step with real tokens ``N = Σ L_i`` and ``Σ L_i²`` over the packed

@@ -297,7 +297,7 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
 
 
 def _dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups, max_tokens_per_gpu: int):
-    """Dynamic CP (LAYOUTS.md §5) on top of the static plan: micro-batch ``i`` of every DP rank runs
+    """Dynamic CP (docs/design/LAYOUTS.md §5) over the static plan: micro-batch ``i`` of every DP rank runs
     at one CP size ``d`` (the MAX over DP ranks), its samples split over the CP group's sub-groups
     of size ``d``. Returns this rank's ``(samples, d, rank in sub-group, sub-group)`` list, the
     step's padded tokens and ``{d: packed micro-batches run at CP size d}`` for the whole step."""

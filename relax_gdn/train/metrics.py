@@ -1,6 +1,6 @@
 """Per-step metrics in one place (torchtitan's metrics processor): throughput, TFLOP/s, MFU, memory.
 
-Conventions (QWEN3_5.md): ``tokens`` are REAL (non-padding) tokens of the global batch;
+Conventions (docs/design/QWEN3_5.md): ``tokens`` are REAL (non-padding) tokens of the global batch;
 ``tokens_per_s`` divides them by the step's wall time; ``tflops_per_gpu`` and ``mfu`` use
 Megatron-Core's FLOPs accounting (the headline), ``mfu_relax`` the Relax/verl one (embedding
 counted as a GEMM). MFU is null where the accelerator's peak is unknown (CPU).
