@@ -3,11 +3,9 @@ no files; plus the checkpoint-key and model-name lookups the file side shares.""
 
 from __future__ import annotations
 
-
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-
 
 import torch
 
@@ -108,7 +106,13 @@ class TextKeys:
             )
 
 
+_HF_FIX = (
+    "the checkpoint does not match the model's dimensions (compare its config.json with the model config)"
+)
+
+
 def merge_rule(rule: TensorRule, fetch: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """``rule``'s full Megatron-Core tensor from its HF tensors (``fetch(name)``, shapes checked)."""
     tensors = []
     for name, shape in zip(rule.hf, rule.hf_shapes):
         tensor = fetch(name)
@@ -118,6 +122,7 @@ def merge_rule(rule: TensorRule, fetch: Callable[[str], torch.Tensor]) -> torch.
 
 
 def split_rule(rule: TensorRule, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``rule``'s HF tensors from its full Megatron-Core tensor (shape checked)."""
     check_shape(
         "model", rule.mcore, tensor, rule.mcore_shape, "the model does not match the dimensions given"
     )
@@ -129,11 +134,6 @@ def check_shape(what: str, name: str, tensor: torch.Tensor, expected: tuple[int,
         raise CheckpointMismatchError(
             f"{what} tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}; {fix}"
         )
-
-
-_HF_FIX = (
-    "the checkpoint does not match the model's dimensions (compare its config.json with the model config)"
-)
 
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the next linear
@@ -151,6 +151,7 @@ _FUSED_NORM_ALIASES = (
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors as the live parameters (``keep_vars``), no ``_extra_state``."""
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
 
 

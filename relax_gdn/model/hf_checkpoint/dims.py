@@ -4,13 +4,11 @@ model (:func:`dims_from_model`, which also probes how each kind of norm computes
 
 from __future__ import annotations
 
-
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 import torch
 

@@ -5,13 +5,11 @@ text-layout safetensors + ``config.json``."""
 
 from __future__ import annotations
 
-
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-
 
 import torch
 import torch.distributed as dist

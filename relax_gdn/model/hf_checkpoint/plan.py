@@ -27,10 +27,8 @@ Layout facts (checked against transformers 5.23 ``modeling_qwen3_5`` and Megatro
 
 from __future__ import annotations
 
-
 from collections.abc import Callable
 from dataclasses import dataclass
-
 
 import torch
 
