@@ -19,6 +19,7 @@ import faulthandler
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -46,11 +47,10 @@ def value_error_message(fn: Callable[[], Any]) -> str | None:
     return None
 
 
-def _write_atomically(path: Path, payload: Any) -> None:
+def _write_atomically(path: Path, data: bytes) -> None:
     partial = path.with_suffix(".partial")
-    with open(partial, "wb") as f:
-        pickle.dump(payload, f)
-    os.replace(partial, path)  # the parent never reads half a result
+    partial.write_bytes(data)
+    os.replace(partial, path)  # the parent never reads half a file
 
 
 def _worker(
@@ -80,9 +80,11 @@ def _worker(
         )
         result = fn(*args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        (run / f"rank{rank}.error").write_text(traceback.format_exc())
+        _write_atomically(run / f"rank{rank}.error", traceback.format_exc().encode())
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(1)  # no teardown: the other ranks may be blocked in a collective with this one
-    _write_atomically(run / f"rank{rank}.result", result)
+    _write_atomically(run / f"rank{rank}.result", pickle.dumps(result))
     dist.destroy_process_group()
 
 
