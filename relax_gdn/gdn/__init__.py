@@ -4,7 +4,7 @@
 (FLA on CUDA, reference elsewhere), ``layer`` the CP-mode ``GatedDeltaNet``.
 """
 
-from relax_gdn.choices import CP_MODES  # noqa: F401 - the public name ARCHITECTURE.md promises
+from relax_gdn.choices import CP_MODES  # noqa: F401 - the public name docs/design/ARCHITECTURE.md promises
 
 # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
 # recomputed by the next rank instead of passing the recurrent state between ranks

@@ -1,4 +1,4 @@
-"""The Qwen3.5 presets as plain numbers (QWEN3_5.md): one place decides every shape.
+"""The Qwen3.5 presets as plain numbers (docs/design/QWEN3_5.md): one place decides every shape.
 
 Torch-free on purpose: ``relax_gdn.config.validate`` checks head counts against TP and CP from
 here before anything heavy is imported (``python train.py`` reports a configuration mistake in
