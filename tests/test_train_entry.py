@@ -16,8 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow  # each case starts train.py in a fresh interpreter
-
 
 def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -31,6 +29,7 @@ def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
     )
 
 
+@pytest.mark.slow  # trains (or starts torchrun)
 def test_short_run_writes_config_and_metrics_in_the_run_dir(tmp_path):
     before = sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
     done = _train(tmp_path, "train.steps=2", "optim.warmup_steps=1", "train.global_batch_size=4",
@@ -108,6 +107,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
     assert done.returncode != 0 and "Traceback" in done.stderr and "train.steps=0" in done.stderr
 
 
+@pytest.mark.slow  # trains (or starts torchrun)
 def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
@@ -123,6 +123,7 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # trains (or starts torchrun)
 @pytest.mark.parametrize("steps", [1, 3])
 def test_any_step_count_trains_with_the_default_warmup(tmp_path, steps):
     done = _train(tmp_path, f"train.steps={steps}")
@@ -132,6 +133,7 @@ def test_any_step_count_trains_with_the_default_warmup(tmp_path, steps):
     assert records[0]["lr"] > 0  # no warm-up step at rate 0: 0.1 x 1 or 3 steps rounds to none
 
 
+@pytest.mark.slow  # trains (or starts torchrun)
 def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_path):
     records = [{"problem": f"What is {i} + {i}?", "generated_solution": f"{2 * i}"} for i in range(20)]
     records.append({"problem": "Repeat x.", "generated_solution": "x" * 3000})  # > 2048 byte tokens
