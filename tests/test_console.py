@@ -29,6 +29,7 @@ def quiet_and_loud(tmp_path_factory):
     return quiet, loud
 
 
+@pytest.mark.slow  # two short train.py runs
 def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_loud):
     quiet, loud = quiet_and_loud
     assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr[-3000:] + loud.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_
         assert re.search(rf"^  {re.escape(label)} +\S", summary, re.M), (label, summary)
 
 
+@pytest.mark.slow  # two short train.py runs
 def test_non_terminal_output_is_plain_lines_without_redraws(quiet_and_loud):
     quiet, _ = quiet_and_loud
     assert "\r" not in quiet.stdout and "\x1b" not in quiet.stdout
