@@ -181,6 +181,7 @@ def _bad(errors: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in errors.items() if not v < _tolerance(k)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [4, 6])
 def test_cp2_and_cp4_equal_cp1_with_the_switch_on_and_off(results, layers):
     for rank, res in enumerate(results):
@@ -191,12 +192,14 @@ def test_cp2_and_cp4_equal_cp1_with_the_switch_on_and_off(results, layers):
             assert not _bad(res[case]), (rank, case, _bad(res[case]))
 
 
+@pytest.mark.slow
 def test_full_recompute_and_dynamic_cp_are_covered(results):
     cases = {k for k in results[0] if len(k) == 4}
     assert {(4, "cp2", "on", "recompute"), (4, "cp4", "on", "recompute"), (6, "cp2", "on", "recompute"),
             (4, "cp2", "on", "dynamic")} <= cases
 
 
+@pytest.mark.slow
 def test_cp1_with_the_switch_on_is_bit_identical_and_swaps_nothing(results):
     for res in results:
         for layers in (4, 6):
@@ -205,6 +208,7 @@ def test_cp1_with_the_switch_on_is_bit_identical_and_swaps_nothing(results):
             assert res[(layers, "cp1", "off", "swaps")] == {"forward": 0, "backward": 0}
 
 
+@pytest.mark.slow
 def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(results):
     gdn_layers, runs = {4: 3, 6: 5}, {4: 1, 6: 2}
     for res in results:
@@ -220,11 +224,13 @@ def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(results):
         assert res[(4, "cp2", "on", "dynamic", "swaps")] == {"forward": 2, "backward": 2}
 
 
+@pytest.mark.slow
 def test_gdn_layers_of_a_run_are_contiguous_layers(results):
     assert results[0]["layer_kinds"] == ["ContiguousGDNLayer"] * 3 + ["TransformerLayer"]
     assert results[0]["errors"]["sp_layer_kinds"] == ["TransformerLayer"] * 4
 
 
+@pytest.mark.slow
 def test_contiguous_hidden_layout_needs_chunkwise(results):
     errors = results[0]["errors"]
     assert "hidden_layout='contiguous' needs gdn.cp_mode=chunkwise" in errors["headwise"]

@@ -1,6 +1,6 @@
 """Where runs come from: run directories, sweep directories, benchmark JSON files and W&B.
 
-A run is its step records (the ``metrics.jsonl`` schema, ARCHITECTURE.md: one JSON object per
+A run is its step records (the ``metrics.jsonl`` schema, docs/design/ARCHITECTURE.md: one JSON object per
 step with at least ``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``tokens_per_s``,
 ``mfu``; optional ``step_time_s``, ``peak_mem_gb``, ``host_syncs``, ``world_size``, ``cp_sizes``)
 and its resolved config (``config.yaml`` beside it), flattened to dotted keys. Nothing from the

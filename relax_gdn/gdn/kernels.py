@@ -108,7 +108,7 @@ def fla_zigzag_cp():
     swapping them to the contiguous layout and back (A/B of the FLA kernels; FLA backend only).
 
     FLA's zigzag is a zigzag of the whole packed stream (rank r holds parts r and 2W-1-r of the
-    stream cut in 2W), the data's is per document (LAYOUTS.md §1): they are the same rows only
+    stream cut in 2W), the data's is per document (docs/design/LAYOUTS.md §1): they are the same rows only
     when the micro-batch holds one document. With several, FLA's layout would need a swap as
     well, into a layout with twice the rank cuts to pass the state across. The previous setting
     after the block."""

@@ -1,7 +1,7 @@
 """Keep the residual stream in the contiguous layout through each run of consecutive GDN layers.
 
 Chunkwise GDN scans each CP rank's contiguous slice of the packed micro-batch, while attention
-(and the data, labels and loss) use the per-document zigzag split (LAYOUTS.md §1). A GDN layer on
+(and the data, labels and loss) use the per-document zigzag split (docs/design/LAYOUTS.md §1). A GDN layer on
 its own swaps zigzag -> contiguous before its scan and back after it: two all-to-alls per layer,
 six per Qwen3.5 block of [GDN, GDN, GDN, attention]. Everything else in a layer (norms, MLP,
 residual adds) works token by token and does not care which rows a rank holds, so the residual
