@@ -19,11 +19,15 @@ SpecProvider = Literal["auto", "local", "te"]  # auto: Transformer Engine specs 
 CoreAttentionBackend = Literal["auto", "varlen", "sdpa"]  # relax_gdn.model.attention.CPDotProductAttention
 ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa"]  # te: Transformer Engine's core attention
 RecomputeGranularity = Literal["full", "selective", "none"]
+# what recompute.granularity=selective recomputes (relax_gdn.model.recompute says what each is)
+RecomputeModule = Literal["core_attn", "mlp_act", "gdn_core"]
 DataSource = Literal["synthetic", "jsonl", "parquet", "hf_disk"]
 RecordFormat = Literal["auto", "messages", "prompt_response"]  # auto: a `messages` field -> messages, per file
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 on CUDA, fp32 on CPU
 Device = Literal["auto", "cuda", "cpu"]
-OptimizerName = Literal["adam"]
+# none: gradients computed and reduced (DDP), no update and no optimizer state: benchmarks of models
+# whose optimizer state does not fit (the full 9B on one GPU)
+OptimizerName = Literal["adam", "none"]
 LRSchedule = Literal["cosine", "linear", "constant"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -36,6 +40,7 @@ SPEC_PROVIDERS: tuple[str, ...] = get_args(SpecProvider)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(CoreAttentionBackend)
 MODEL_ATTENTION_BACKENDS: tuple[str, ...] = get_args(ModelAttentionBackend)
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = get_args(RecomputeGranularity)
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 DATA_SOURCES: tuple[str, ...] = get_args(DataSource)
 RECORD_FORMATS: tuple[str, ...] = get_args(RecordFormat)
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_gdn.choices import (
+    RECOMPUTE_MODULES,
     CPMode,
     DataSource,
     RecordFormat,
@@ -42,6 +43,16 @@ class ModelConfig:
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
     spec_provider: SpecProvider = "auto"  # auto: Transformer Engine specs where it imports, else local
     attention_backend: ModelAttentionBackend = "auto"
+    # relax_gdn.model.fusion: one-kernel RMSNorms (and the GDN gated norm on CUDA); off: fp32 formulas
+    fused_norms: bool = True
+    # output layer + per-token cross-entropy in token chunks (no full-vocabulary logits); TP > 1 keeps
+    # Megatron-Core's vocab-parallel loss
+    fused_cross_entropy: bool = True
+    # SwiGLU as Megatron-Core's fused (torch.compile) SwiGLUFunction on CUDA, which keeps only its input
+    fused_swiglu: bool = True
+    # weight gradients accumulated into the fp32 main grads inside the wgrad GEMM (CUDA;
+    # relax_gdn.compat.wgrad), instead of a bf16 grad plus an add per parameter
+    fused_grad_accumulation: bool = True
 
 
 @dataclass
@@ -76,6 +87,8 @@ class ParallelConfig:
 @dataclass
 class RecomputeConfig:
     granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
+    # what granularity=selective recomputes (relax_gdn.model.recompute says what each one is)
+    modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))  # of relax_gdn.choices.RecomputeModule
 
 
 @dataclass

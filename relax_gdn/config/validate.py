@@ -32,6 +32,7 @@ from relax_gdn.choices import (
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_MODULES,
     RECORD_FORMATS,
     ROUTE_STRATEGIES,
     SPEC_PROVIDERS,
@@ -114,6 +115,9 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     for key, value, allowed in choices:
         if value not in allowed:
             add(f"{key}={value!r} is not one of {list(allowed)}")
+    unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))
+    if unknown_modules:
+        add(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
 
     # --- mesh: world = dp x cp x tp --------------------------------------------------------
     sizes_ok = True

@@ -35,6 +35,7 @@ import contextlib
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net.common import (
     GatedDeltaNetSubmodules,
@@ -117,6 +118,11 @@ class CPGatedDeltaNet(GatedDeltaNet):
     # per process, like the swap transport: ``set_max_recomputed_prefix`` (the training loop, from
     # gdn.max_recomputed_prefix), ``prefixes_recomputed_up_to`` (A/Bs and tests).
     max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
+    # Selective recompute of the layer's cheap, activation-heavy middle (conv -> gates -> scan ->
+    # gated norm): only its input, the in_proj GEMM output, is kept; the conv output, the scan's
+    # saved q/k/v, the gate copy and the norm's input are recomputed in backward. One value per
+    # process: ``set_core_recompute`` (the training loop, from recompute.modules: "gdn_core").
+    recompute_core: bool = False
 
     def __init__(
         self,
@@ -318,7 +324,22 @@ class CPGatedDeltaNet(GatedDeltaNet):
 
     # ------------------------------------------------------------------ the math, any split
 
+    def _apply_gated_norm(self, x, gate):
+        # The out_norm's one-kernel gated form where it has one (relax_gdn's RMSNorm on CUDA),
+        # else Megatron-Core's norm-then-gate.
+        forward_gated = getattr(self.out_norm, "forward_gated", None)
+        if forward_gated is not None and self.act_fn is torch.nn.functional.silu:
+            fused = forward_gated(x.reshape(-1, x.shape[-1]), gate.reshape(-1, gate.shape[-1]))
+            if fused is not None:
+                return fused
+        return super()._apply_gated_norm(x, gate)
+
     def _core(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
+        if self.recompute_core and torch.is_grad_enabled() and self.config.recompute_granularity != "full":
+            return torch.utils.checkpoint.checkpoint(self._core_body, qkvzba, rows, parts, part, use_reentrant=False)
+        return self._core_body(qkvzba, rows, parts, part)
+
+    def _core_body(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
         """conv -> gated delta rule -> gated norm for the heads of share ``part`` of ``parts``.
 
         ``qkvzba [S, B, D/parts]`` (sections q, k, v, z, beta, alpha, each 1/parts of this TP
@@ -369,6 +390,11 @@ def set_max_recomputed_prefix(tokens: int) -> None:
             f"(0 turns prefix recompute off, the default is {DEFAULT_MAX_RECOMPUTED_PREFIX})"
         )
     CPGatedDeltaNet.max_recomputed_prefix = tokens
+
+
+def set_core_recompute(enabled: bool) -> None:
+    """Recompute every GDN layer's conv -> scan -> gated norm in backward (``CPGatedDeltaNet.recompute_core``)."""
+    CPGatedDeltaNet.recompute_core = bool(enabled)
 
 
 @contextlib.contextmanager

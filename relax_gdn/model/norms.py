@@ -8,7 +8,10 @@ parallelism, and Qwen3.5 needs both kinds of RMSNorm (docs/design/QWEN3_5.md):
 * plain ``x̂ · w``, ``w`` initialised to 1: the gated output norm inside GDN (HF's
   ``Qwen3_5RMSNormGated``), whatever the config flag says.
 
-The normalisation runs in fp32 and casts back to the input dtype, as the HF reference does.
+The plain path normalises in fp32 and casts back to the input dtype, as the HF reference does;
+with ``model.fused_norms`` (:mod:`relax_gdn.model.fusion`, the default) the same formula is one
+fused ``rms_norm`` kernel, and the GDN layer's gated norm one FLA kernel on CUDA
+(:meth:`RMSNorm.forward_gated`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
+
+from relax_gdn.model import fusion
 
 
 class RMSNorm(torch.nn.Module):
@@ -67,10 +72,23 @@ class RMSNorm(torch.nn.Module):
         weight = self.weight
         if self.grad_sum_group is not None:
             weight = _sum_grad_over(weight, self.grad_sum_group)
+        if fusion.active_fusion().norms:
+            return fusion.fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = weight.float() + 1.0 if self.zero_centered_gamma else weight.float()
         return (normed * scale).to(x.dtype)
+
+    def forward_gated(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+        """``norm(x) · silu(gate)`` in one kernel (the GDN output's gated norm, ``[N, D]`` each), or
+        None where that fused path does not apply (fused norms off, not CUDA, zero-centred scale):
+        the caller then runs ``norm(x)`` and the gate itself."""
+        if self.zero_centered_gamma or not fusion.gated_rms_norm_applies(x):
+            return None
+        weight = self.weight
+        if self.grad_sum_group is not None:
+            weight = _sum_grad_over(weight, self.grad_sum_group)
+        return fusion.fused_gated_rms_norm(x, gate, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

@@ -49,8 +49,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
+from relax_gdn.model import fusion
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
+from relax_gdn.model.mlp import Qwen3_5MLP
 from relax_gdn.model.norms import RMSNorm
 from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
 
@@ -242,6 +244,7 @@ def _local_block_spec(config, gdn_spec_for, attention_backend: str) -> Transform
     )
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
+    mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args, **mlp.keywords)  # same submodules
     layers = [
         ModuleSpec(
             module=TransformerLayer,
@@ -379,6 +382,15 @@ class Qwen3_5Model(GPTModel):
             )
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         return (out[0], self.rotary_pos_emb.for_positions(position_ids), *out[2:])
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        # model.fused_cross_entropy: output layer + per-token loss in token chunks (no full-vocabulary
+        # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
+        if (fusion.active_fusion().cross_entropy and kwargs.get("labels") is not None
+                and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
+                and self.pg_collection.tp.size() == 1):
+            kwargs["output_processor"] = fusion.fused_output_loss
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
 
 def _process_groups(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:

@@ -38,7 +38,7 @@ from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_loss
-from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, StepTimer
+from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -214,13 +214,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def recompute_overrides(granularity: str) -> dict[str, Any]:
-    """``recompute.granularity`` -> TransformerConfig fields."""
-    if granularity == "full":  # every layer recomputed as a whole (what all_gather CP needs)
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if granularity == "selective":  # Megatron-Core's default selective set (core attention)
-        return dict(recompute_granularity="selective")
-    return dict(recompute_granularity=None)
+def recompute_overrides(granularity: str, modules=None) -> dict[str, Any]:
+    """``recompute.granularity`` (+ ``recompute.modules``) -> TransformerConfig fields."""
+    from relax_gdn.model.recompute import SELECTIVE_MODULES, recompute_config_fields
+
+    return recompute_config_fields(granularity, SELECTIVE_MODULES if modules is None else modules)
+
+
+def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
+                      log: bool) -> None:
+    """Log the per-GPU memory model; on CUDA, refuse (before building the model) a run whose
+    estimate exceeds the GPU's memory."""
+    from relax_gdn.errors import RecipeError
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.train.memory import GIB, estimate_memory
+
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    estimate = estimate_memory(
+        shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
+        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
+        fused_norms=cfg.model.fused_norms, fused_cross_entropy=cfg.model.fused_cross_entropy,
+        optimizer=cfg.optim.name,
+    )
+    if log:
+        logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
+                    cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, estimate.summary())
+    if device.type != "cuda":
+        return
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    if estimate.total > capacity:
+        raise RecipeError(
+            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()}, above its {capacity / GIB:.0f} GiB. "
+            "Lower train.max_tokens_per_gpu, use recompute.granularity=selective or full, or spread the "
+            "optimizer state over more GPUs (parallel.cp / data parallel); benchmarks of a model whose "
+            "optimizer state cannot fit can set optim.name=none (gradients without an update)"
+        )
 
 
 def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
@@ -235,17 +263,23 @@ def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_training(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> TrainResult:
     """Train ``cfg`` (already validated or not: validated again here, before anything is built).
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one.
+    Uses the initialized default process group, else makes a one-process one. ``data``: a prepared
+    ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
+    what ``cfg.data`` names.
     """
     dims = validate(cfg, env_world_size())
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
-    tokenizer, dataset, eval_set = load_data(cfg)
+    if data is None:
+        tokenizer, dataset, eval_set = load_data(cfg)
+    else:
+        (tokenizer, dataset), eval_set = data, None
+        check_samples_fit(dataset.samples, cfg)
     if device.type == "cpu":
         from relax_gdn.compat.cpu import apply_cpu_shims
 
@@ -269,6 +303,12 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
 def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
 
+    fuse_wgrad = False
+    if cfg.model.fused_grad_accumulation and device.type == "cuda":
+        from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
+
+        fuse_wgrad = enable_wgrad_accumulation_fusion()
+
     tconfig = qwen3_5_config(
         cfg.model.preset,
         tensor_model_parallel_size=dims.tp,
@@ -278,7 +318,9 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         deterministic_mode=cfg.train.deterministic,
         calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
-        **recompute_overrides(cfg.recompute.granularity),
+        bias_activation_fusion=cfg.model.fused_swiglu and device.type == "cuda",  # compiled SwiGLU kernels
+        gradient_accumulation_fusion=fuse_wgrad,
+        **recompute_overrides(cfg.recompute.granularity, cfg.recompute.modules),
     )
     max_cp = cfg.effective_max_cp
     model = build_qwen3_5_preset_model(
@@ -365,6 +407,12 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
 
     set_swap_transport(cfg.gdn.swap_transport)  # process-wide, like torch.backends flags
     set_max_recomputed_prefix(cfg.gdn.max_recomputed_prefix)
+    from relax_gdn.model.fusion import Fusion, set_fusion
+    from relax_gdn.model.recompute import set_own_recompute
+
+    set_fusion(Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy))
+    set_own_recompute(cfg.recompute.granularity, cfg.recompute.modules)
+    check_memory_fits(cfg, dims, device, bf16, vocab_size, log=is_rank0)
     tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
     if device.type == "cuda":
         from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
@@ -465,7 +513,9 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
                     mb_loss = summed_token_loss(model, mb)
                     (mb_loss / max(global_loss_tokens, 1)).backward()
                 loss_sum += mb_loss.detach()
+            optimizer_timer = OptimizerTimer(device)
             updated, grad_norm = optimizer.step()
+            optimizer_timer.stop()
             # One collective and one host read per step carry the loss (summed over DP x CP; TP ranks
             # hold the same value, hence / tp) and whether any rank was asked to stop.
             stats = torch.stack((loss_sum / dims.tp, torch.tensor(float(preemption.requested), device=device)))
@@ -482,6 +532,7 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
             if host_syncs.count and is_rank0 and step <= start_step + 2:  # where (first steps only)
                 logger.info("step %d: %d host syncs in forward+backward, at %s", step, host_syncs.count,
                             dict(host_syncs.locations.most_common(8)))
+            record["optimizer_time_s"] = optimizer_timer.seconds()  # the step's host read has waited
             if dynamic_cp:
                 record["cp_sizes"] = cp_size_counts  # micro-batches per CP size, whole step
             if evaluator.due(step):  # after the step's timing: evaluation is not in tok/s

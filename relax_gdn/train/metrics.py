@@ -114,6 +114,30 @@ class StepTimer:
         return time.perf_counter() - self._start
 
 
+class OptimizerTimer:
+    """Time of the optimizer step: CUDA events (read after the step's one host sync, so no sync of
+    its own), wall time on CPU."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self._cuda:
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._t1 - self._t0
+
+
 class MetricsProcessor:
     """Turns what the loop measured into a :class:`StepRecord`."""
 

@@ -49,6 +49,7 @@ class CPUGradSyncOptimizer:
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.clip_grad = cfg.optim.clip_grad
+        self.update = cfg.optim.name != "none"  # "none": gradients synced and measured, no update
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._norm_params = [p for _, p in self.named_params if param_is_not_tensor_parallel_duplicate(p)]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
@@ -109,6 +110,8 @@ class CPUGradSyncOptimizer:
             if coeff < 1.0:
                 for _, p in self.named_params:
                     p.grad.mul_(coeff)
+        if not self.update:
+            return False, norm
         self.optimizer.step()
         return True, norm
 
@@ -119,6 +122,31 @@ class CPUGradSyncOptimizer:
         if state.get("kind") != "cpu_adamw":
             raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses the CPU AdamW path")
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+class GradientsOnly:
+    """``optim.name=none`` on CUDA: Megatron-Core DDP's gradient reduction (``finalize_model_grads``)
+    and no update, no optimizer state (benchmarks of models whose Adam state does not fit).
+    ``param_groups`` only carries the scheduled learning rate."""
+
+    def __init__(self, ddp_model, lr: float):
+        self.model = ddp_model
+        self.param_groups = [{"lr": lr, "weight_decay": 0.0, "wd_mult": 1.0, "lr_mult": 1.0}]
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+
+    def step(self) -> tuple[bool, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        return False, float("nan")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "none"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 class MegatronOptimizerAdapter:
@@ -191,6 +219,8 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
     )
     ddp = DistributedDataParallel(transformer_config, ddp_config, model)
     o = cfg.optim
+    if o.name == "none":
+        return ddp, GradientsOnly(ddp, o.lr)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,

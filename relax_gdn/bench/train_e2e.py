@@ -1,0 +1,430 @@
+"""End-to-end training throughput of whole-model variants side by side, in one process group.
+
+    python -m relax_gdn.bench.train_e2e --preset qwen3_5_9b --max-tokens-per-gpu 8192 \\
+        --variants "fused=off,recompute=full;recompute=full;recompute=selective;recompute=none" \\
+        --profile --out e2e.json                                      # 1 GPU, full 9B
+    torchrun --nproc-per-node 2 -m relax_gdn.bench.train_e2e --preset qwen3_5_9b \\
+        --variants "static:chunkwise,recompute=selective;static:headwise,recompute=selective"
+    python -m relax_gdn.bench.train_e2e --preset qwen3_5_tiny --steps 3 --skip 1 \\
+        --mean-tokens 60 --min-tokens 16 --max-tokens 200 --max-tokens-per-gpu 256   # CPU smoke
+
+Each variant is a short ``run_training`` of the same global batches (same seed): ``;`` separates
+variants, ``,`` the settings of one. A setting is a shorthand or any dotted config key:
+
+``static:<mode>`` / ``dynamic:<mode>``  ``parallel.cp`` = world size with ``gdn.cp_mode=<mode>``
+                                         (dynamic: ``parallel.dynamic_cp`` with ``max_cp`` = world)
+``recompute=<full|selective|none>``      ``recompute.granularity``
+``fused=<on|off>``                       every ``model.fused_*`` switch (norms, cross-entropy, SwiGLU,
+                                         gradient accumulation)
+``mt=<tokens>``                          ``train.max_tokens_per_gpu``
+``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
+
+Data: random-token SFT samples whose lengths follow a log-normal distribution (default mean
+3,000 tokens, σ 0.8, clipped to 128-16,384: the shape of long chain-of-thought SFT sets such as
+OpenMathReasoning; ``relax_gdn.data.LengthProfile``), or the lengths listed in ``--lengths-file``
+(one ``length`` or ``length count`` per line). Samples longer than one micro-batch
+(``max_tokens_per_gpu x cp``) are cut to it. The vocabulary is the preset's (248,320 for the 9B,
+padded to a multiple of 1024), so the output layer and the loss cost what they cost in training.
+
+Optimizer: Megatron-Core's distributed Adam when the memory model
+(:mod:`relax_gdn.train.memory`) says it fits the GPU; otherwise (``--optimizer auto``, e.g. the full
+9B on one GPU) forward + backward + DDP gradient reduction without an update
+(``optim.name=none``), and the summary says so.
+
+Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
+tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
+step time and optimizer time; the peak memory, the most host syncs in one step, the memory
+model's estimate; with ``--profile``, one more step under ``torch.profiler`` (left out of the
+medians) split into kernel categories (GEMM / elementwise / copy / GDN / attention /
+communication) and idle GPU time. ``--out`` writes ``{"meta": ..., "variants": [{"name",
+"config", "records", "summary"}]}`` (the record schema of metrics.jsonl); the table gives
+ratios to the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CP_MODES = ("chunkwise", "headwise", "all_gather")
+KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "elementwise")
+
+
+# ---------------------------------------------------------------------------------------------
+# variants
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_value(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "on", "yes"):
+        return True
+    if lowered in ("false", "off", "no"):
+        return False
+    if lowered == "null":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def variant_overrides(variant: str, world: int) -> dict:
+    """Config overrides of one ``--variants`` entry (see the module docstring)."""
+    overrides: dict = {}
+    for setting in filter(None, (s.strip() for s in variant.split(","))):
+        kind, colon, mode = setting.partition(":")
+        if colon and kind in ("static", "dynamic"):
+            if mode not in CP_MODES:
+                raise ValueError(f"variant setting {setting!r}: the mode must be one of {CP_MODES}")
+            overrides |= {"gdn.cp_mode": mode, "parallel.cp": world}
+            if kind == "dynamic":
+                overrides |= {"parallel.dynamic_cp.enabled": True, "parallel.dynamic_cp.max_cp": world}
+            continue
+        key, eq, value = setting.partition("=")
+        if not eq:
+            raise ValueError(f"variant setting {setting!r}: want static|dynamic:<mode>, recompute=, fused=, mt= "
+                             "or <group.key>=<value>")
+        key = key.strip()
+        if key == "recompute":
+            overrides["recompute.granularity"] = value.strip()
+        elif key == "fused":
+            on = _parse_value(value)
+            overrides |= {"model.fused_norms": on, "model.fused_cross_entropy": on, "model.fused_swiglu": on,
+                          "model.fused_grad_accumulation": on}
+        elif key == "mt":
+            overrides["train.max_tokens_per_gpu"] = int(value)
+        elif "." in key:
+            overrides[key] = _parse_value(value)
+        else:
+            raise ValueError(f"variant setting {setting!r}: unknown shorthand {key!r}")
+    return overrides
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VocabularyOnly:
+    """What the training loop asks of a tokenizer when the samples are already token ids."""
+
+    vocab_size: int
+    pad_id: int = 0
+    eos_id: int = 1
+
+
+def read_length_file(path: str) -> list[int]:
+    """Lengths from a file of ``length`` or ``length count`` lines (``#`` comments allowed)."""
+    lengths: list[int] = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        try:
+            length, count = int(fields[0]), int(fields[1]) if len(fields) > 1 else 1
+        except ValueError:
+            raise ValueError(f"{path}:{line_no}: want 'length' or 'length count', got {line!r}") from None
+        if length < 2 or count < 0:
+            raise ValueError(f"{path}:{line_no}: length must be >= 2 and count >= 0, got {line!r}")
+        lengths += [length] * count
+    if not lengths:
+        raise ValueError(f"{path} lists no lengths")
+    return lengths
+
+
+def benchmark_data(args, vocab_size: int, capacity: int, num_samples: int):
+    """``(tokenizer, dataset)`` of random-token samples with the benchmark's length distribution."""
+    import numpy as np
+
+    from relax_gdn.data import LengthProfile, SFTDataset, SkipCounts, length_matched_samples
+
+    profile = LengthProfile(mean_tokens=args.mean_tokens, sigma=args.sigma, min_tokens=args.min_tokens,
+                            max_tokens=args.max_tokens, prompt_tokens=min(96, args.min_tokens - 1))
+    if args.lengths_file:
+        pool = read_length_file(args.lengths_file)
+        lengths = np.random.default_rng(args.seed).choice(pool, size=num_samples).tolist()
+    else:
+        lengths = profile.sample_lengths(num_samples, args.seed)
+    lengths = [min(int(n), capacity) for n in lengths]
+    samples = length_matched_samples(num_samples, vocab_size=vocab_size, seed=args.seed, profile=profile,
+                                     lengths=lengths, eos_id=1)
+    counts = SkipCounts(total=num_samples, kept=num_samples)
+    return VocabularyOnly(vocab_size), SFTDataset(samples=samples, source="lognormal" if not args.lengths_file
+                                                  else args.lengths_file, counts=counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# profile -> kernel categories
+# ---------------------------------------------------------------------------------------------
+
+_CATEGORY_PATTERNS = (  # first match wins; lower-case substrings of kernel names
+    ("communication", ("nccl",)),
+    ("gdn", ("chunk_", "gated_delta", "causal_conv", "conv1d", "kkt", "solve_tril", "recompute_w_u", "l2norm",
+             "tilelang", "fla_", "wy_fast", "cumsum")),
+    ("attention", ("flash", "fmha", "attn", "varlen")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "splitk")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter", "fill", "transpose")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, patterns in _CATEGORY_PATTERNS:
+        if any(p in lowered for p in patterns):
+            return category
+    return "elementwise"  # element-wise / reductions / norms / softmax
+
+
+def kernel_split(trace_path: Path, step_time_s: float) -> dict:
+    """Seconds of GPU time per kernel category in a chrome trace of ONE step, and the idle time
+    (step wall time minus the union of kernel intervals)."""
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    seconds = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
+    by_name: dict[str, float] = {}
+    intervals = []
+    count = 0
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        category = "copy" if e["cat"] != "kernel" else kernel_category(e.get("name", ""))
+        seconds[category] += dur / 1e6
+        name = e.get("name", "")[:90]
+        by_name[name] = by_name.get(name, 0.0) + dur / 1e6
+        intervals.append((start, start + dur))
+        count += 1
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):  # union of the intervals (kernels on several streams overlap)
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    busy_s = busy / 1e6
+    return {"seconds": {k: round(v, 6) for k, v in seconds.items()}, "kernels": count,
+            "busy_s": round(busy_s, 6), "idle_s": round(max(step_time_s - busy_s, 0.0), 6),
+            "step_time_s": round(step_time_s, 4),
+            "top_kernels": [[n, round(t, 5), kernel_category(n)] for n, t in
+                            sorted(by_name.items(), key=lambda kv: -kv[1])[:25]]}
+
+
+# ---------------------------------------------------------------------------------------------
+# one variant
+# ---------------------------------------------------------------------------------------------
+
+
+def _median(records, key):
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(records: list[dict], skip: int, world: int) -> dict:
+    timed = [r for r in records[skip:] if not r.get("profiled")] or records
+    tok_s = _median(timed, "tokens_per_s")
+    return {
+        "steps_timed": len(timed), "tokens_per_s": tok_s,
+        # the steps' batches differ in size: all their tokens over all their time weighs them fairly
+        "tokens_per_s_total": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed), "tokens_per_s_per_gpu": tok_s / world if tok_s else None,
+        "mfu": _median(timed, "mfu"), "mfu_relax": _median(timed, "mfu_relax"),
+        "tflops_per_gpu": _median(timed, "tflops_per_gpu"), "step_time_s": _median(timed, "step_time_s"),
+        "optimizer_time_s": _median(timed, "optimizer_time_s"),
+        "peak_mem_gib": max((r["peak_mem_gb"] or 0.0 for r in timed), default=None),
+        "host_syncs_max": max((r["host_syncs"] or 0 for r in timed), default=None),
+        "loss_last": timed[-1]["loss"], "tokens_per_step": _median(timed, "tokens"),
+    }
+
+
+def _memory_estimate(cfg, world: int, bf16: bool, vocab_size: int, optimizer: str):
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.train.flops import ModelShape
+    from relax_gdn.train.memory import estimate_memory
+
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    tp, cp = cfg.parallel.tp, cfg.parallel.cp
+    return estimate_memory(shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=tp, cp=cp,
+                           dp=world // (tp * cp), sequence_parallel=cfg.parallel.sp, bf16=bf16,
+                           recompute=cfg.recompute.granularity, fused_norms=cfg.model.fused_norms,
+                           fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=optimizer)
+
+
+def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
+    from relax_gdn.model import qwen3_5_preset
+    from relax_gdn.train.loop import _vocab_size, run_training
+    from relax_gdn.train.memory import GIB
+
+    vocab = qwen3_5_preset(cfg.model.preset).vocab_size
+    padded_vocab = _vocab_size(cfg, VocabularyOnly(vocab), cfg.parallel.tp)
+    bf16 = device.type == "cuda"
+    optimizer, why = args.optimizer, "requested"
+    if optimizer == "auto":
+        optimizer, why = "adam", "fits"
+        if device.type == "cuda":
+            need = _memory_estimate(cfg, world, bf16, padded_vocab, "adam").total
+            have = torch.cuda.get_device_properties(device).total_memory
+            if need > have:
+                optimizer = "none"
+                why = (f"Adam state does not fit: estimate {need / GIB:.0f} GiB > {have / GIB:.0f} GiB; "
+                       "forward + backward + DDP gradient reduction, no update")
+    capacity = cfg.train.max_tokens_per_gpu * cfg.parallel.cp
+    cfg = cfg.with_overrides({"optim.name": optimizer, "data.max_sample_tokens": capacity})
+    estimate = _memory_estimate(cfg, world, bf16, padded_vocab, optimizer)
+    data = benchmark_data(args, vocab, capacity, cfg.data.num_samples)
+    from relax_gdn.data import length_stats
+    from relax_gdn.errors import RecipeError
+
+    entry = {"name": name, "optimizer": optimizer, "optimizer_note": why,
+             "lengths": length_stats(data[1].lengths())}
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = cfg.train.steps
+        run_dir = None
+        if args.profile:  # one more step under the profiler, left out of the medians
+            cfg = cfg.with_overrides({"train.steps": steps + 1, "logging.profile_steps": [steps + 1, steps + 1]})
+            run_dir = Path(tmp) / name.replace("/", "_")
+        try:
+            result = run_training(cfg, run_dir, data=data)
+        except RecipeError:  # a wrong setting: every variant would need fixing
+            raise
+        except Exception as e:  # noqa: BLE001 - one variant failing (e.g. out of memory) must not end the rest
+            entry |= {"records": [], "summary": {"error": f"{type(e).__name__}: {e}"[:2000]}}
+            return entry
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        records = result.records
+        if args.profile and records:
+            records[-1]["profiled"] = True
+        summary = summarize(records, args.skip, world)
+        summary["memory_estimate_gib"] = estimate.as_gib()
+        trace = result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
+        if trace is not None and trace.exists() and dist.get_rank() == 0:
+            summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"])
+    entry |= {"records": records, "summary": summary}
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def format_table(result: dict) -> str:
+    rows = [v for v in result["variants"]]
+    first = next((v["summary"].get("tokens_per_s") for v in rows if v["summary"].get("tokens_per_s")), None)
+    first_total = next((v["summary"].get("tokens_per_s_total") for v in rows
+                        if v["summary"].get("tokens_per_s_total")), None)
+    lines = [f"{'variant':<34}{'tok/s':>9}{'/GPU':>8}{'vs 1st':>8}{'Σtok/Σs':>9}{'vs 1st':>8}{'step s':>8}{'opt s':>7}{'MFU':>7}"
+             f"{'MFU-R':>7}{'GiB':>7}{'est':>7}{'syncs':>6}"]
+    for v in rows:
+        s = v["summary"]
+        if "error" in s:
+            lines.append(f"{v['name']:<34}  FAILED: {s['error'][:160]}")
+            continue
+        ratio = s["tokens_per_s"] / first if first else float("nan")
+
+        def fmt(x, spec):
+            return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0].rstrip("d")))
+        lines.append(
+            f"{v['name']:<34}{fmt(s['tokens_per_s'], '9.0f')}{fmt(s['tokens_per_s_per_gpu'], '8.0f')}"
+            f"{ratio:7.3f}x{s['tokens_per_s_total']:9.0f}{s['tokens_per_s_total'] / first_total:7.3f}x"
+            f"{fmt(s['step_time_s'], '8.3f')}{fmt(s['optimizer_time_s'], '7.3f')}"
+            f"{fmt(s['mfu'], '7.3f')}{fmt(s['mfu_relax'], '7.3f')}{fmt(s['peak_mem_gib'], '7.1f')}"
+            f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}")
+    for v in rows:
+        split = v["summary"].get("kernel_split")
+        if split:
+            parts = ", ".join(f"{k} {t:.3f}" for k, t in split["seconds"].items())
+            lines.append(f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
+                         f"of {split['step_time_s']:.3f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="fused=off,recompute=full;recompute=full;recompute=selective;"
+                                              "recompute=none")
+    parser.add_argument("--preset", default="qwen3_5_9b_reduced")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=8192)
+    parser.add_argument("--mean-tokens", type=float, default=3000.0)
+    parser.add_argument("--sigma", type=float, default=0.8)
+    parser.add_argument("--min-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--lengths-file", help="lengths to draw from: 'length' or 'length count' per line")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--optimizer", choices=("auto", "adam", "none"), default="auto")
+    parser.add_argument("--profile", action="store_true", help="kernel-category split of one extra step")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.skip >= args.steps:
+        parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
+
+    from relax_gdn.config import RunConfig
+    from relax_gdn.train.loop import init_distributed, select_device
+
+    base = RunConfig().with_overrides({
+        "model.preset": args.preset, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
+        "train.max_tokens_per_gpu": args.max_tokens_per_gpu, "train.device": args.device,
+        "train.seed": args.seed, "data.num_samples": args.global_batch_size * (args.steps + 1),
+        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6,
+        "logging.console": False, "logging.jsonl": False,
+    })
+    device = select_device(base)
+    created = init_distributed(device)
+    world = dist.get_world_size()
+    result = {"meta": {
+        "preset": args.preset, "world_size": world, "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _commit(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
+    }, "variants": []}
+    for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
+        overrides = variant_overrides(variant, world)
+        entry = run_variant(variant, base.with_overrides(overrides), args, world, device)
+        entry["config"] = overrides
+        result["variants"].append(entry)
+        if dist.get_rank() == 0:
+            s = entry["summary"]
+            print(f"[train_e2e] {variant}: " + (s["error"] if "error" in s else
+                  f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} GiB, "
+                  f"optimizer {entry['optimizer']}"), flush=True)
+    if dist.get_rank() == 0:
+        print(f"\n{args.preset}, world {world}, global batch {args.global_batch_size}, max_tokens_per_gpu "
+              f"{args.max_tokens_per_gpu}, medians of steps {args.skip + 1}-{args.steps}")
+        print(format_table(result))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    if created:
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,211 @@
+"""Fused forms of the model's memory-bound pieces, each behind one switch for A/B.
+
+* ``norms`` (``model.fused_norms``): the zero-centred RMSNorm ``x̂ · (1 + w)`` and the plain one as
+  ONE ``torch.nn.functional.rms_norm`` call (one kernel forward, one backward on CUDA) instead of
+  the fp32 pow/mean/rsqrt/mul chain; the GDN output's gated norm ``rmsnorm(o) · w · silu(z)`` as
+  FLA's Triton ``rms_norm_gated`` (CUDA only; elsewhere the plain formula).
+* ``cross_entropy`` (``model.fused_cross_entropy``): the output layer and the cross-entropy over
+  the vocabulary (248,320 for Qwen3.5) in token chunks, :func:`linear_cross_entropy`: the fp32
+  logits of the whole micro-batch (≈ 8 GB at 8k tokens, plus the softmax saved for backward) are
+  never materialised; per-token losses come out as before. Tensor parallelism > 1 (vocabulary
+  split over TP) keeps Megatron-Core's vocab-parallel path.
+
+Numerics against the plain path (tests/test_fusion.py, tests/test_fusion_gpu.py): fp32 equal to
+rounding (rel. 1e-5); bf16 within bf16 rounding (rel. 2e-2 of the output norm), because the fused
+norm multiplies by ``1 + w`` rounded to the activation dtype (the plain path keeps it fp32) and the
+chunked cross-entropy accumulates the output layer's weight gradient in the weight's dtype chunk by
+chunk.
+
+SwiGLU (``model.fused_swiglu``) is Megatron-Core's own fused form (``bias_activation_fusion``: a
+compiled ``SwiGLUFunction`` that saves only its input), switched on CUDA by the training loop;
+FLA's ``swiglu`` measured no faster than the plain form on an H200 (1.51 vs 1.52 ms fwd+bwd at
+8192 x 12288).
+
+The setting is process-wide (like the swap transport): the training loop sets it from the config
+with :func:`set_fusion`; :func:`fusion_set_to` switches it inside a block for A/B and tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Fusion:
+    norms: bool = True
+    cross_entropy: bool = True
+
+
+_active = Fusion()
+
+
+def set_fusion(fusion: Fusion) -> None:
+    global _active
+    _active = fusion
+
+
+def active_fusion() -> Fusion:
+    return _active
+
+
+@contextlib.contextmanager
+def fusion_set_to(**switches: bool):
+    """``set_fusion`` with ``switches`` changed inside the block, the previous setting after it."""
+    before = _active
+    set_fusion(dataclasses.replace(before, **switches))
+    try:
+        yield
+    finally:
+        set_fusion(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# norms
+# ---------------------------------------------------------------------------------------------
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """``x / rms(x) · (1 + w)`` (or ``· w``) as one ``F.rms_norm`` call. Its fused CUDA kernel needs
+    the scale in the input's dtype (a mixed-dtype call falls back to the composite), so ``1 + w``
+    is formed in fp32 and rounded once to ``x.dtype``."""
+    scale = weight.float() + 1.0 if zero_centered else weight
+    return F.rms_norm(x, (x.shape[-1],), scale.to(x.dtype), eps)
+
+
+def gated_rms_norm_applies(x: torch.Tensor) -> bool:
+    """Whether :func:`fused_gated_rms_norm` runs for ``x`` (CUDA, fused norms on)."""
+    return _active.norms and x.is_cuda
+
+
+def fused_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rmsnorm(x) · w · silu(gate)`` over the last dimension in one Triton kernel per direction
+    (FLA's ``rms_norm_gated``); ``x``, ``gate`` ``[N, D]``; output in ``x.dtype``."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x.contiguous(), gate.contiguous(), weight, None, activation="swish", eps=eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# output layer + cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+_LOGITS_CHUNK_BYTES = 2**31  # fp32 logits of one chunk: 2 GiB (2048 tokens at 248,320 words)
+
+
+def cross_entropy_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within 2 GiB, a multiple of 256."""
+    tokens = _LOGITS_CHUNK_BYTES // (4 * vocab_size)
+    return max(256, tokens // 256 * 256)
+
+
+def _chunk_lse(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-sum-exp of each row of one chunk's (bf16) logits."""
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """``(softmax(logits) - onehot(labels)) · grad_loss`` per row, in the logits' dtype."""
+    probs = (logits.float() - lse[:, None]).exp()
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == labels[:, None]
+    return ((probs - onehot.float()) * grad_loss[:, None]).to(logits.dtype)
+
+
+_compiled: dict = {}
+
+
+def _elementwise(fn, logits: torch.Tensor):
+    """``fn`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's logits
+    instead of several eager fp32 ones), eager elsewhere or if compiling fails (logged once)."""
+    if not logits.is_cuda:
+        return fn
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        try:
+            compiled = torch.compile(fn, dynamic=True)
+        except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
+            logger.warning("torch.compile unavailable for the chunked cross-entropy (%s); running eager", e)
+            compiled = fn
+        _compiled[fn] = compiled
+    return compiled
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token ``logsumexp(h Wᵀ) - (h Wᵀ)[label]`` in token chunks. Forward keeps only the
+    per-token log-sum-exp; backward recomputes each chunk's logits (one GEMM more than the plain
+    path) because the per-token upstream gradient (loss mask / loss tokens) is known only then.
+    The element-wise work on a chunk is one compiled kernel each way. No host syncs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk: int):
+        n = hidden.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(loss)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = hidden[start:end] @ weight.t()
+            lse[start:end] = _elementwise(_chunk_lse, logits)(logits)
+            loss[start:end] = lse[start:end] - logits.gather(1, labels[start:end, None]).squeeze(1).float()
+            del logits
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_loss = grad_loss.float()
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end]
+            logits = h @ weight.t()
+            grad_logits = _elementwise(_chunk_grad, logits)(logits, lse[start:end], labels[start:end],
+                                                            grad_loss[start:end])
+            del logits
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:
+                grad_weight.addmm_(grad_logits.t(), h)
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]`` (fp32
+    ``[N]``), never holding more than one chunk's logits. Same value as
+    ``F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none")``."""
+    chunk = chunk_tokens or cross_entropy_chunk_tokens(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, labels.long(), chunk)
+
+
+def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, **unused) -> torch.Tensor:
+    """A Megatron-Core ``GPTModel`` ``output_processor``: the output layer and the per-token loss in
+    one chunked pass (``hidden_states [s, b, h]``, ``labels [b, s]``; returns ``[b, s]`` like
+    ``compute_language_model_loss``)."""
+    weight = output_weight if output_weight is not None else output_layer.weight
+    s, b, h = hidden_states.shape
+    loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.t().reshape(s * b))
+    return loss.view(s, b).t()
+
+
+__all__ = [
+    "Fusion",
+    "active_fusion",
+    "cross_entropy_chunk_tokens",
+    "fused_gated_rms_norm",
+    "fused_output_loss",
+    "fused_rms_norm",
+    "fusion_set_to",
+    "gated_rms_norm_applies",
+    "linear_cross_entropy",
+    "set_fusion",
+]

@@ -1,0 +1,113 @@
+"""Per-GPU memory model of a training run: weights, gradients, optimizer state, activations.
+
+Pure arithmetic on the model's shape and the run's settings (CPU-tested); the training loop logs it
+at start and, on CUDA, refuses before building anything a run whose estimate exceeds the GPU.
+
+* weights: bf16 (2 bytes) or fp32 parameters, split over TP;
+* gradients: Megatron-Core DDP's fp32 gradient buffer (``grad_reduce_in_fp32``), 4 bytes each;
+* optimizer: the distributed optimizer's fp32 main weights and two Adam moments (12 bytes),
+  sharded over data parallel x context parallel; none with ``optim.name=none``;
+* activations: what autograd keeps for backward, per local token and layer, by recompute setting
+  (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss's logits and a fixed workspace.
+
+The per-token activation figures are estimates of what the tensors saved for backward hold (bf16
+activations, Qwen3.5-9B widths), scaled with the hidden size for other presets; measured peaks on
+an H200 are in docs/benchmarks-e2e.md next to the estimate the benchmark prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from relax_gdn.train.flops import ModelShape
+
+GIB = 2**30
+
+# Bytes kept for backward per local token, per layer, at the 9B widths (hidden 4096), bf16.
+# (GDN layer, attention layer): each includes that layer's two norms, its MLP and residuals.
+ACTIVATION_BYTES_PER_TOKEN = {
+    # fused norms (default)
+    ("none", True): (217_000, 206_000),
+    ("selective", True): (119_000, 106_000),
+    ("full", True): (8_192, 8_192),  # the layer input; one layer's activations live during its recompute
+    # the fp32 formula chain of the plain norms keeps several fp32 copies of each norm's input
+    ("none", False): (290_000, 260_000),
+    ("selective", False): (150_000, 130_000),
+    ("full", False): (8_192, 8_192),
+}
+WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, autotune buffers
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes; ``total`` is what must fit."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.workspace
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items()}
+
+    def summary(self) -> str:
+        g = self.as_gib()
+        return (f"weights {g['weights']:.1f} + grads {g['gradients']:.1f} + optimizer {g['optimizer']:.1f} + "
+                f"activations {g['activations']:.1f} + logits {g['logits']:.1f} + workspace {g['workspace']:.1f} "
+                f"= {g['total']:.1f} GiB per GPU")
+
+
+def parameter_count(shape: ModelShape) -> int:
+    """Parameters of the Qwen3.5 hybrid (untied embedding and output layer)."""
+    h, ffn = shape.hidden_size, shape.ffn_hidden_size
+    q = shape.kv_channels * shape.num_attention_heads
+    kv = shape.kv_channels * shape.num_query_groups
+    gate = q if shape.attention_output_gate else 0
+    qk = shape.linear_key_head_dim * shape.linear_num_key_heads
+    v = shape.linear_value_head_dim * shape.linear_num_value_heads
+    hv = shape.linear_num_value_heads
+    mlp = h * ffn * (3 if shape.swiglu else 2)
+    norms = 2 * h
+    gdn = (h * (2 * qk + 2 * v + 2 * hv) + (2 * qk + v) * shape.linear_conv_kernel_dim + 2 * hv
+           + shape.linear_value_head_dim + v * h)
+    attention = h * (q + gate + 2 * kv) + q * h + 2 * shape.kv_channels
+    per_layer = mlp + norms
+    return (2 * shape.vocab_size * h + h + shape.num_gdn_layers * (per_layer + gdn)
+            + shape.num_attention_layers * (per_layer + attention))
+
+
+def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
+                    sequence_parallel: bool = False, bf16: bool = True, recompute: str = "none",
+                    fused_norms: bool = True, fused_cross_entropy: bool = True,
+                    optimizer: str = "adam") -> MemoryEstimate:
+    """The per-GPU memory of one training step (see the module docstring)."""
+    params = parameter_count(shape) / tp
+    weights = params * (2 if bf16 else 4)
+    gradients = params * 4
+    optimizer_bytes = 0.0 if optimizer == "none" else params * 12 / (dp * cp)
+    gdn_bytes, attn_bytes = ACTIVATION_BYTES_PER_TOKEN[(recompute, fused_norms)]
+    width = shape.hidden_size / 4096
+    act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
+    per_token = (shape.num_gdn_layers * gdn_bytes + shape.num_attention_layers * attn_bytes) * width
+    activations = act_tokens * per_token
+    if recompute == "full":  # the one layer being recomputed holds its full activations meanwhile
+        activations += act_tokens * ACTIVATION_BYTES_PER_TOKEN[("none", fused_norms)][0] * width
+    vocab = shape.vocab_size / tp
+    if fused_cross_entropy and tp == 1:
+        from relax_gdn.model.fusion import cross_entropy_chunk_tokens
+
+        # one chunk's logits (bf16 + fp32 + softmax temporaries) and the output layer's gradient
+        logits = min(tokens_per_gpu, cross_entropy_chunk_tokens(shape.vocab_size)) * vocab * 10
+    else:  # bf16 logits and the fp32 softmax kept for backward
+        logits = tokens_per_gpu * vocab * 6
+    return MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer_bytes, activations=activations,
+                          logits=logits, workspace=WORKSPACE_BYTES)
+
+
+__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MemoryEstimate", "estimate_memory", "parameter_count"]

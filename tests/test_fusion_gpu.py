@@ -1,0 +1,137 @@
+"""The fused paths on one GPU against the plain formulas (forward and gradients), with no host
+syncs: torch's fused rms_norm kernel, FLA's gated-norm Triton kernel, the chunked output layer +
+cross-entropy; then the reduced 9B trained with fusion on vs off and selective recompute vs none.
+
+Tolerances, relative to the reference's norm: fp32 1e-4 (Triton's fp32 reductions order sums
+differently); bf16 2e-2 (one bf16 rounding of 1 + w, of the logits chunk's gradient, of the
+output); model losses 1e-3 and grad norms 2e-2 (bf16 end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relax_gdn.bench.timing import count_host_syncs
+from relax_gdn.model import fusion
+from tests.test_fusion import _plain_rms_norm, _rel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _run(fn, tensors, grad):
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_cuda(dtype):
+    torch.manual_seed(0)
+    x = (2 * torch.randn(4096, 4096, device="cuda")).to(dtype)
+    w = (0.1 * torch.randn(4096, device="cuda")).to(dtype)
+    grad = torch.randn_like(x)
+    want = _run(lambda a, b: _plain_rms_norm(a, b, 1e-6, True), (x, w), grad)
+    got = _run(lambda a, b: fusion.fused_rms_norm(a, b, 1e-6, True), (x, w), grad)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and _rel(g, r) < TOL[dtype]
+    assert count_host_syncs(lambda: _run(lambda a, b: fusion.fused_rms_norm(a, b, 1e-6, True), (x, w), grad)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gated_rms_norm_cuda(dtype):
+    torch.manual_seed(1)
+    o = torch.randn(8192 * 4, 128, device="cuda").to(dtype)
+    z = torch.randn_like(o)
+    w = (1 + 0.1 * torch.randn(128, device="cuda")).to(dtype)
+    grad = torch.randn_like(o)
+
+    def plain(a, g, b):
+        return (_plain_rms_norm(a, b, 1e-6, False).float() * F.silu(g.float())).to(a.dtype)
+
+    want = _run(plain, (o, z, w), grad)
+    got = _run(lambda a, g, b: fusion.fused_gated_rms_norm(a, g, b, 1e-6), (o, z, w), grad)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and _rel(g, r) < TOL[dtype]
+    assert count_host_syncs(lambda: _run(lambda a, g, b: fusion.fused_gated_rms_norm(a, g, b, 1e-6), (o, z, w),
+                                         grad)) == 0
+
+
+def test_chunked_cross_entropy_cuda_bf16():
+    torch.manual_seed(2)
+    n, h, vocab = 3000, 1024, 50_000  # 3 chunks of 1024 tokens, the last one short
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    weight = (0.05 * torch.randn(vocab, h, device="cuda")).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    upstream = torch.rand(n, device="cuda") * (torch.rand(n, device="cuda") > 0.3)
+
+    def plain(a, b):
+        return F.cross_entropy((a @ b.t()).float(), labels, reduction="none")
+
+    def chunked(a, b):
+        return fusion.linear_cross_entropy(a, b, labels, chunk_tokens=1024)
+
+    want = _run(plain, (hidden, weight), upstream)
+    got = _run(chunked, (hidden, weight), upstream)
+    assert _rel(got[0], want[0]) < 1e-3  # the same bf16 logits, fp32 log-sum-exp
+    for g, r in zip(got[1:], want[1:]):
+        assert g.dtype == torch.bfloat16 and _rel(g, r) < TOL[torch.bfloat16]
+    assert count_host_syncs(lambda: _run(chunked, (hidden, weight), upstream)) == 0
+
+
+def test_fused_swiglu_cuda_bf16():
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    torch.manual_seed(3)
+    y = torch.randn(4096, 2 * 12288, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(4096, 12288, device="cuda", dtype=torch.bfloat16)
+
+    def plain(t):
+        a, b = torch.chunk(t.float(), 2, dim=-1)
+        return (F.silu(a) * b).to(t.dtype)
+
+    want = _run(plain, (y,), grad)
+    got = _run(lambda t: bias_swiglu_impl(t, None), (y,), grad)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and _rel(g, r) < TOL[torch.bfloat16]
+
+
+def test_wgrad_accumulation_fusion_cuda():
+    from relax_gdn.compat.wgrad import FUSED_WGRAD_MODULE
+
+    torch.manual_seed(4)
+    x = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(3000, 768, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.randn(768, 1024, device="cuda")
+    want = main_grad + (g.t() @ x).float()  # the unfused path: bf16 grad, then DDP's fp32 add
+    FUSED_WGRAD_MODULE.wgrad_gemm_accum_fp32(x, g, main_grad)
+    assert _rel(main_grad, want) < 1e-2
+
+
+def _train_reduced(**overrides):
+    from relax_gdn.config import RunConfig
+    from relax_gdn.train.loop import run_training
+
+    cfg = RunConfig().with_overrides({
+        "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
+        "train.steps": 2, "train.global_batch_size": 8, "train.max_tokens_per_gpu": 2048,
+        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 64,
+        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
+        "logging.jsonl": False, **overrides,
+    })
+    return run_training(cfg, None).records
+
+
+def test_reduced_9b_fused_and_selective_match_plain():
+    plain = _train_reduced(**{"model.fused_norms": False, "model.fused_cross_entropy": False,
+                              "model.fused_swiglu": False, "model.fused_grad_accumulation": False})
+    fused = _train_reduced()
+    selective = _train_reduced(**{"recompute.granularity": "selective"})
+    for runs in (fused, selective):
+        for got, want in zip(runs, plain):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2)
+        assert runs[-1]["host_syncs"] == 0  # the first step autotunes kernels (Triton may sync there)

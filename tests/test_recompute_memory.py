@@ -1,0 +1,89 @@
+"""Selective recompute gives the no-recompute gradients (tiny model, CPU, fp32), its module list is
+checked, and the per-GPU memory model is right where it can be checked exactly (the parameter
+count against the built model) and says what fits an H200."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relax_gdn.model.recompute import SELECTIVE_MODULES, recompute_config_fields
+from relax_gdn.train.flops import ModelShape
+from relax_gdn.train.memory import GIB, estimate_memory, parameter_count
+from tests.test_fusion import _train
+
+H200_GIB = 139.8  # what torch reports as the card's total memory
+
+
+def _shape(preset: str, vocab: int | None = None) -> ModelShape:
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+
+    return ModelShape.from_transformer_config(qwen3_5_config(preset), vocab or qwen3_5_preset(preset).vocab_size)
+
+
+def test_selective_recompute_matches_no_recompute():
+    none = _train(**{"recompute.granularity": "none"})
+    for modules in (list(SELECTIVE_MODULES), ["gdn_core"]):
+        selective = _train(**{"recompute.granularity": "selective", "recompute.modules": modules})
+        for s, n in zip(selective, none):
+            assert s["loss"] == pytest.approx(n["loss"], rel=1e-6)
+            assert s["grad_norm"] == pytest.approx(n["grad_norm"], rel=1e-5)
+
+
+def test_recompute_fields_split_megatron_and_own_modules():
+    assert recompute_config_fields("selective", ["core_attn", "mlp_act"]) == dict(
+        recompute_granularity="selective", recompute_modules=["core_attn"])
+    # none of Megatron-Core's modules: its selective machinery stays off, ours runs
+    assert recompute_config_fields("selective", ["gdn_core"]) == dict(recompute_granularity=None)
+    assert recompute_config_fields("full")["recompute_granularity"] == "full"
+    with pytest.raises(ValueError, match="layernorm"):
+        recompute_config_fields("selective", ["layernorm"])
+
+
+def test_unknown_recompute_module_is_a_config_error():
+    from relax_gdn.config import ConfigError, RunConfig, validate
+
+    with pytest.raises(ConfigError, match="recompute.modules"):
+        validate(RunConfig().with_overrides({"recompute.modules": ["core_attn", "everything"]}), 1)
+
+
+def test_parameter_count_matches_the_built_model():
+    from megatron.core import parallel_state
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.train.loop import init_distributed
+
+    apply_cpu_shims()
+    created = init_distributed(torch.device("cpu"))
+    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    try:
+        model = build_qwen3_5_preset_model("qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True))
+        assert parameter_count(_shape("qwen3_5_tiny")) == sum(p.numel() for p in model.parameters())
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def test_nine_b_parameter_count():
+    assert parameter_count(_shape("qwen3_5_9b")) == pytest.approx(8.95e9, rel=0.01)
+
+
+def test_memory_model_on_one_and_two_h200():
+    shape = _shape("qwen3_5_9b", 248_832)
+    one_gpu_adam = estimate_memory(shape, tokens_per_gpu=8192, recompute="full", optimizer="adam")
+    assert one_gpu_adam.optimizer / GIB == pytest.approx(12 * parameter_count(shape) / GIB)
+    assert one_gpu_adam.total / GIB > H200_GIB  # Adam state of the 9B does not fit one GPU
+    for recompute in ("full", "selective", "none"):
+        fits = estimate_memory(shape, tokens_per_gpu=8192, recompute=recompute, optimizer="none")
+        assert fits.total / GIB < H200_GIB
+    # CP 2 on 2 GPUs shards the optimizer over DP x CP: selective fits, no recompute does not
+    cp2 = dict(tokens_per_gpu=8192, cp=2, optimizer="adam")
+    assert estimate_memory(shape, recompute="selective", **cp2).total / GIB < H200_GIB
+    assert estimate_memory(shape, recompute="none", **cp2).total / GIB > H200_GIB
+    # less kept per token: none > selective > full, and the plain loss's logits dwarf the chunked one's
+    sizes = [estimate_memory(shape, tokens_per_gpu=8192, recompute=r).activations for r in ("none", "selective", "full")]
+    assert sizes == sorted(sizes, reverse=True)
+    plain = estimate_memory(shape, tokens_per_gpu=8192, fused_cross_entropy=False)
+    assert plain.logits > 2 * estimate_memory(shape, tokens_per_gpu=8192).logits
