@@ -120,20 +120,24 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g
 _compiled: dict = {}
 
 
-def _elementwise(fn, logits: torch.Tensor):
-    """``fn`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's logits
-    instead of several eager fp32 ones), eager elsewhere or if compiling fails (logged once)."""
-    if not logits.is_cuda:
-        return fn
+def _elementwise(fn, *args):
+    """``fn(*args)`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's
+    logits instead of several eager fp32 ones); eager elsewhere, or for good if compiling fails
+    (logged once)."""
+    if not args[0].is_cuda:
+        return fn(*args)
     compiled = _compiled.get(fn)
     if compiled is None:
-        try:
-            compiled = torch.compile(fn, dynamic=True)
-        except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
-            logger.warning("torch.compile unavailable for the chunked cross-entropy (%s); running eager", e)
-            compiled = fn
-        _compiled[fn] = compiled
-    return compiled
+        compiled = _compiled[fn] = torch.compile(fn, dynamic=True)
+    if compiled is fn:
+        return fn(*args)
+    try:
+        return compiled(*args)
+    except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
+        logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager",
+                       type(e).__name__, e)
+        _compiled[fn] = fn
+        return fn(*args)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -150,7 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = hidden[start:end] @ weight.t()
-            lse[start:end] = _elementwise(_chunk_lse, logits)(logits)
+            lse[start:end] = _elementwise(_chunk_lse, logits)
             loss[start:end] = lse[start:end] - logits.gather(1, labels[start:end, None]).squeeze(1).float()
             del logits
         ctx.save_for_backward(hidden, weight, labels, lse)
@@ -168,8 +172,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:end]
             logits = h @ weight.t()
-            grad_logits = _elementwise(_chunk_grad, logits)(logits, lse[start:end], labels[start:end],
-                                                            grad_loss[start:end])
+            grad_logits = _elementwise(_chunk_grad, logits, lse[start:end], labels[start:end], grad_loss[start:end])
             del logits
             if want_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
