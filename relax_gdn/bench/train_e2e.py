@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:
+            if args.out:  # after every variant: a run cut short keeps what it measured
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
             s = entry["summary"]
             print(f"[train_e2e] {variant}: " + (s["error"] if "error" in s else
                   f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} GiB, "
@@ -417,9 +420,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\n{args.preset}, world {world}, global batch {args.global_batch_size}, max_tokens_per_gpu "
               f"{args.max_tokens_per_gpu}, medians of steps {args.skip + 1}-{args.steps}")
         print(format_table(result))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     if created:
         dist.destroy_process_group()
     return result
