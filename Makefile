@@ -67,5 +67,5 @@ gpu-check-train:
 	mkdir -p $(OUT)
 	-$(call GPU_STEP,200,$(PY) -m pytest -q -s -m gpu tests/test_qwen3_5_model_gpu.py,test_qwen3_5_model_gpu)
 	-$(call GPU_STEP,220,$(PY) -m pytest -q -s -m gpu tests/test_train_gpu.py,test_train_gpu)
-	-$(call GPU_STEP,120,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.train_cp $(BENCH_TRAIN_ARGS),bench_train_cp)
+	-$(call GPU_STEP,300,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.train_e2e --variants "static:chunkwise;dynamic:chunkwise;static:headwise" --out $(OUT)/bench_train_e2e.json $(BENCH_TRAIN_ARGS),bench_train_e2e)
 	cat $(OUT)/summary.txt
