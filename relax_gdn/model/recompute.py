@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax_gdn.choices import RECOMPUTE_MODULES as SELECTIVE_MODULES
+
 MEGATRON_MODULES = ("core_attn",)  # what TransformerConfig.recompute_modules gets
 
 

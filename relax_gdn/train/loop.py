@@ -214,13 +214,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def recompute_overrides(granularity: str, modules=None) -> dict[str, Any]:
-    """``recompute.granularity`` (+ ``recompute.modules``) -> TransformerConfig fields."""
-    from relax_gdn.model.recompute import SELECTIVE_MODULES, recompute_config_fields
-
-    return recompute_config_fields(granularity, SELECTIVE_MODULES if modules is None else modules)
-
-
 def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
                       log: bool) -> None:
     """Log the per-GPU memory model; on CUDA, refuse (before building the model) a run whose
@@ -302,6 +295,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
 def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.model.recompute import recompute_config_fields
 
     fuse_wgrad = False
     if cfg.model.fused_grad_accumulation and device.type == "cuda":
@@ -320,7 +314,7 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
         bias_activation_fusion=cfg.model.fused_swiglu and device.type == "cuda",  # compiled SwiGLU kernels
         gradient_accumulation_fusion=fuse_wgrad,
-        **recompute_overrides(cfg.recompute.granularity, cfg.recompute.modules),
+        **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules),
     )
     max_cp = cfg.effective_max_cp
     model = build_qwen3_5_preset_model(
