@@ -92,6 +92,7 @@ def _train(**overrides):
     return run_training(cfg, None).records
 
 
+@pytest.mark.slow  # trains the tiny model (in this process)
 def test_tiny_model_trains_the_same_with_fusion_on_and_off():
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
     and the chunked loss compute the plain path's function and gradients inside the real model."""

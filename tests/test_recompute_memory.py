@@ -21,6 +21,7 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
     return ModelShape.from_transformer_config(qwen3_5_config(preset), vocab or qwen3_5_preset(preset).vocab_size)
 
 
+@pytest.mark.slow  # trains the tiny model (in this process)
 def test_selective_recompute_matches_no_recompute():
     none = _train(**{"recompute.granularity": "none"})
     for modules in (list(SELECTIVE_MODULES), ["gdn_core"]):

@@ -50,6 +50,7 @@ def test_kernel_split(tmp_path):
     assert split["idle_s"] == pytest.approx(0.00125)
 
 
+@pytest.mark.slow  # trains the tiny model (in this process)
 def test_cpu_smoke(tmp_path):
     out = tmp_path / "e2e.json"
     result = train_e2e.main([
