@@ -11,7 +11,7 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
   (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss's logits and a fixed workspace.
 
 The per-token activation figures are fitted to peaks measured on an H200 (the full 9B at 8k tokens,
-``bench.train_e2e``; docs/benchmarks-e2e.md gives each measured peak next to its estimate) and
+``bench.train_e2e``; docs/benchmarks.md gives each measured peak next to its estimate) and
 scaled with the hidden size for other presets; they round up, so the check errs towards refusing.
 """
 
