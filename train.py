@@ -100,6 +100,7 @@ def main(hydra_cfg: DictConfig) -> float | None:
         silence_known_warnings()
     # imported here, after check_command_line: torch and Megatron-Core take 10-20 s to import
     from relax_gdn.train.console import print_run_summary
+    from relax_gdn.train.lifecycle import PREEMPTED_EXIT_CODE
     from relax_gdn.train.loop import run_training
 
     # Read here, not the module's RANK: a sweep job (hydra/launcher=local|slurm) runs this function
@@ -113,6 +114,11 @@ def main(hydra_cfg: DictConfig) -> float | None:
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
         report_user_error(e)
+    if result.preempted_at is not None:  # checkpointed (see the loop's warning); a requeued job resumes
+        if rank == 0:
+            log.warning("preempted after step %d: exiting with %d for the job to be requeued",
+                        result.preempted_at, PREEMPTED_EXIT_CODE)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
     if result.records and rank == 0:
         if hydra_cfg.logging.console:
             print_run_summary(result)

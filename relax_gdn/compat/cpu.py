@@ -39,6 +39,16 @@ def apply_cpu_shims() -> None:
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: None
     mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
+    # Distributed checkpointing (torch_dist) stages tensors with ``preload_tensors(buckets,
+    # non_blocking=True)``, which ends in torch.cuda.synchronize(); CPU tensors need no staging
+    # wait, so stage them blocking (the same copies, no synchronize).
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    assert isinstance(FileSystemWriterAsync.__dict__.get("preload_tensors"), staticmethod)
+    preload_tensors = FileSystemWriterAsync.preload_tensors
+    FileSystemWriterAsync.preload_tensors = staticmethod(
+        lambda write_buckets, non_blocking=True: preload_tensors(write_buckets, False))
+
     # jit_fuser = torch.compile: ~20 s of Inductor + gcc per process on 2 cores for no benefit.
     from torch import _dynamo
 

@@ -141,6 +141,9 @@ class OptimConfig:
     beta2: float = 0.98
     eps: float = 1e-8
     clip_grad: float = 1.0
+    # a resumed run whose schedule (lr, min_lr, warmup, decay steps / train.steps, style) differs
+    # from the checkpoint's: false refuses it, true continues on the new schedule from the saved step
+    reset_schedule_on_resume: bool = False
 
 
 @dataclass
@@ -169,7 +172,10 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run dir>/checkpoints
     every_steps: int = 0  # save every N steps and at the end; 0: no periodic saves
     save_final: bool = False  # also save at the end when every_steps is 0
-    resume: str | None = None  # a checkpoint directory (.../step_000010) or its parent (latest step)
+    resume: str | None = None  # a step_NNNNNN directory, the directory holding them, or auto (needs dir)
+    keep_last: int = 3  # complete checkpoints kept in dir (older ones deleted after a save); 0: all
+    async_save: bool = False  # GPU: write in the background (Megatron-Core's async queue); CPU saves inline
+    export_hf_final: bool = False  # after the last step, write a Hugging Face directory <run dir>/hf
 
 
 @dataclass

@@ -267,8 +267,13 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         add(f"logging.log_every={cfg.logging.log_every!r} must be an integer >= 1")
     if not _is_int(cfg.checkpoint.every_steps) or cfg.checkpoint.every_steps < 0:
         add(f"checkpoint.every_steps={cfg.checkpoint.every_steps!r} must be an integer >= 0 (0: no periodic saves)")
-    if cfg.checkpoint.resume is not None and not os.path.isdir(cfg.checkpoint.resume):
-        add(f"checkpoint.resume={cfg.checkpoint.resume!r} is not a directory (a step_NNNNNN checkpoint or its parent)")
+    if cfg.checkpoint.resume not in (None, "auto") and not os.path.isdir(cfg.checkpoint.resume):
+        add(f"checkpoint.resume={cfg.checkpoint.resume!r} is not a directory (a step_NNNNNN checkpoint or its parent) "
+            "nor auto")
+    if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
+        add("checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and read from)")
+    if not _is_int(cfg.checkpoint.keep_last) or cfg.checkpoint.keep_last < 0:
+        add(f"checkpoint.keep_last={cfg.checkpoint.keep_last!r} must be an integer >= 0 (0: keep every checkpoint)")
 
     if problems:
         raise ConfigError(problems)

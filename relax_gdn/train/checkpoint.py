@@ -1,26 +1,38 @@
-"""Checkpoint / resume: per-rank ``torch.save`` of state dicts.
+"""Checkpoints: Megatron-Core distributed checkpointing (``torch_dist``), saved so that no work is lost.
 
-Layout: ``<checkpoint.dir>/step_NNNNNN/rank_RRRRR.pt`` (every rank) plus ``meta.json`` written by
-global rank 0 AFTER every rank has saved (its presence marks the checkpoint complete).
+Layout of ``checkpoint.dir``::
 
-Each rank file holds the model state dict, the optimizer state (on CUDA also this rank's
-distributed-optimizer shard), the LR scheduler, the step, every RNG (Python, NumPy, torch CPU,
-CUDA and Megatron-Core's CUDA RNG tracker) and the data position. The data position is the
-step: the global batch of step s is a pure function of (dataset, seed, global batch size, s)
-(``relax_gdn.data.global_batch_at_step``), so a resumed run reads exactly the batches the
-uninterrupted run would have read; ``meta.json`` records what that function depends on and a
-resume with different values is refused.
+    step_000010/            one checkpoint: Megatron-Core's files (.metadata, __<rank>_<i>.distcp,
+                            metadata.json, common state) + relax_gdn.json (this recipe's manifest)
+    step_000020/
+    latest                  the name of the newest complete checkpoint, written last
+    .step_000030.partial/   a save in progress (or killed); never read, removed by the next save
 
-Why not Megatron-Core dist checkpointing: it needs CUDA for its default strategies and reshards
-across world sizes, which this recipe does not need; per-rank files restore bit-identically on
-CPU and GPU. The price: resume needs the same world size, TP and CP (checked).
+What is saved: the model's ``sharded_state_dict`` (global tensor keys and offsets, so a
+checkpoint written at one world size / TP / CP loads at another), the optimizer's sharded state
+keyed like the parameters (CPU: AdamW's moments; GPU: the distributed optimizer's state in its
+``fully_reshardable`` form), and as common state (rank 0's, identical on every rank) the step,
+the LR scheduler, the CPU RNGs and everything ``relax_gdn.json`` holds: the resolved config, the
+data position's inputs (the global batch of step s is a pure function of seed, batch size,
+dataset and s, ``relax_gdn.data.global_batch_at_step``, so the step IS the data position), the
+parallel layout it was written at and the W&B run id. CUDA RNG states are per rank and are
+restored only when the layout is unchanged (they only drive dropout, 0 in every preset).
+
+Atomicity: every rank writes into ``.step_N.partial``; when all are done, rank 0 writes the
+manifest, renames the directory to ``step_N`` (one rename: a checkpoint is either complete or
+invisible) and then rewrites ``latest`` (temporary file + rename). A ``kill -9`` at any point
+leaves the previous checkpoint complete and loadable.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
-from dataclasses import dataclass
+import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,102 +40,368 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-META = "meta.json"
+from relax_gdn.errors import RecipeError
+
+logger = logging.getLogger("relax_gdn.train")
+
+MANIFEST = "relax_gdn.json"
+LATEST = "latest"
+FORMAT = "megatron-core-dist-checkpoint"
+FORMAT_VERSION = 1
+_PARTIAL_SUFFIX = ".partial"
+# the distributed optimizer's form that reshards across TP / CP / DP (Megatron-Core's canonical,
+# per-parameter optimizer state); dp_reshardable would only reshard DP
+DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
+
+
+class CheckpointError(RecipeError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------
+# names on disk
+# ---------------------------------------------------------------------------------------------
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def _rank_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank_{rank:05d}.pt"
+def _partial_dir(final: Path) -> Path:
+    return final.parent / f".{final.name}{_PARTIAL_SUFFIX}"
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["mcore_tracker"] = get_cuda_rng_tracker().get_states()
-    return state
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """``step_*`` directories with a manifest under ``root``, newest first. A save in progress or
+    killed lives under a hidden ``.partial`` name and is never listed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None and (p / MANIFEST).is_file()]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def _old_format_files(path: Path) -> list[Path]:
+    """Per-rank ``torch.save`` files (``rank_NNNNN.pt`` + ``meta.json``) of the recipe's first format."""
+    files = sorted(path.glob("rank_*.pt"))
+    if not files and path.is_dir():
+        files = sorted(path.glob("step_*/rank_*.pt"))
+    return files
+
+
+def _refuse_old_format(path: Path) -> None:
+    files = _old_format_files(path)
+    if files:
+        raise CheckpointError(
+            f"{path} holds per-rank torch.save checkpoint files ({files[0]}"
+            f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}), a format this recipe no longer reads: "
+            "checkpoints are Megatron-Core distributed checkpoints now (docs/checkpoints.md). Finish that run "
+            "with the relax-gdn commit that wrote it, or start fresh (checkpoint.resume=null, another checkpoint.dir)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and checking a checkpoint (no process group needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); "
+                              "the checkpoint is incomplete or corrupt: resume from another one") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "step" not in manifest:
+        raise CheckpointError(f"checkpoint manifest {path} is not a relax-gdn {FORMAT} manifest "
+                              f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    return manifest
+
+
+def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """The manifest of ``directory`` after checking that every file the checkpoint's index names
+    is there and long enough (a truncated or half-copied checkpoint fails here, naming the file,
+    instead of deep inside the load). Raises :class:`CheckpointError`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    megatron_meta = directory / "metadata.json"
+    try:
+        backend = json.loads(megatron_meta.read_text()).get("sharded_backend")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint file {megatron_meta} cannot be read ({type(e).__name__}: {e}); the "
+                              "checkpoint is corrupt: resume from another one") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"checkpoint file {megatron_meta} names backend {backend!r}, expected 'torch_dist'")
+    index = directory / ".metadata"
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a pickle of anything: any failure means an unreadable index
+        raise CheckpointError(f"checkpoint index {index} cannot be read ({type(e).__name__}: {e}); the checkpoint "
+                              "is corrupt: resume from another one") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        actual = path.stat().st_size if path.is_file() else None
+        if actual is None or actual < size:
+            what = "is missing" if actual is None else f"is truncated ({actual} of {size} bytes)"
+            raise CheckpointError(f"checkpoint file {path} {what}; the checkpoint is incomplete or corrupt: "
+                                  "resume from another one")
+    return manifest
+
+
+def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[str]]:
+    """The checkpoint directory to load for ``checkpoint.resume`` (``auto`` or a path), and notes
+    for the log. ``auto``: the newest complete checkpoint under ``checkpoint.dir`` that passes
+    :func:`verify_checkpoint` (a damaged newest one is skipped, saying so), or None (a fresh
+    start). A path: that checkpoint, or the newest under that directory; any damage is an error."""
+    notes: list[str] = []
+    if resume == "auto":
+        if root is None:
+            raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
+        _refuse_old_format(root)
+        for candidate in complete_checkpoints(root):
+            try:
+                verify_checkpoint(candidate)
+            except CheckpointError as e:
+                notes.append(f"skipping {candidate}: {e}; falling back to the previous complete checkpoint")
+                continue
+            return candidate, notes
+        notes.append(f"checkpoint.resume=auto: no complete checkpoint in {root}, starting fresh")
+        return None, notes
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.resume={resume!r} does not exist; give a step_NNNNNN directory, the "
+                              "checkpoint.dir holding them, or auto")
+    _refuse_old_format(path)
+    if (path / MANIFEST).is_file() or path.name.endswith(_PARTIAL_SUFFIX) or _step_of(path) is not None:
+        verify_checkpoint(path)
+        return path, notes
+    candidates = complete_checkpoints(path)
+    if not candidates:
+        raise CheckpointError(f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
+                              f"directory with {MANIFEST}); point it at one or at the directory that contains them")
+    verify_checkpoint(candidates[0])
+    return candidates[0], notes
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch CPU generators: seeded alike and drawn alike on every rank."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_cpu_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+
+
+def _cuda_rng_sharded(is_loading: bool):
+    """This rank's CUDA generator + Megatron-Core tracker as a per-rank ShardedObject."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = None if is_loading else {"cuda": torch.cuda.get_rng_state(),
+                                     "tracker": get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state.cuda", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Saver:
+    """Saves into ``root`` (a collective: every rank calls :meth:`save` at the same steps).
+
+    ``async_save`` (CUDA only): Megatron-Core writes the shards in a background process
+    (``AsyncCallsQueue``); the rename and ``latest`` happen when every rank's write is done,
+    checked without blocking after each step (:meth:`poll`) and at the end (:meth:`finish`)."""
+
+    root: Path
+    keep_last: int
+    dp_cp_group: Any
+    async_save: bool = False
+    # (step, seconds the training loop was blocked, seconds until the checkpoint was published)
+    timings: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._queue = None
+        if self.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
+
+    def save(self, step: int, *, model, optimizer, scheduler, manifest: dict[str, Any]) -> Path:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        started = time.perf_counter()
+        rank = dist.get_rank()
+        final = step_dir(self.root, step)
+        partial = _partial_dir(final)
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        model_sd = model.sharded_state_dict()
+        state = {
+            "model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd),
+            "scheduler": scheduler.state_dict(),
+            "rng": cpu_rng_state(),
+            "step": step,
+        }
+        if torch.cuda.is_available():
+            state["rng_cuda"] = _cuda_rng_sharded(is_loading=False)
+        # replicated tensors (DP and CP replicas) are written by one rank each, spread over the group
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), self.dp_cp_group)
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **manifest}
+
+        blocked = 0.0
+
+        def publish() -> None:
+            dist.barrier()
+            if rank == 0:
+                self._publish(partial, final, manifest)
+            dist.barrier()
+            total = time.perf_counter() - started
+            self.timings.append((step, blocked or total, total))
+            if rank == 0:
+                logger.info("checkpoint %s saved (%.1f s%s)", final, total,
+                            f", training blocked {blocked:.1f} s" if blocked else "")
+
+        if self._queue is None:
+            dist_checkpointing.save(state, str(partial), strategy, async_strategy="mcore")
+            publish()
+        else:
+            request = dist_checkpointing.save(state, str(partial), strategy, async_sharded_save=True,
+                                              async_strategy="mcore")
+            request.add_finalize_fn(publish)
+            self._queue.schedule_async_request(request)
+            blocked = time.perf_counter() - started
+        return final
+
+    def poll(self) -> None:
+        """Publish finished background saves (a collective; call it on every rank every step)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def finish(self) -> None:
+        """Wait for the save in flight and publish it."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.close()
+            self._queue = None
+
+    def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
+        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
+        if final.exists():  # the same step saved again (a rerun): the new one replaces it
+            stale = final.parent / f".{final.name}.replaced"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
+        _write_atomically(final.parent / LATEST, final.name + "\n")
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints (0: all); drop abandoned partial saves."""
+        for stale in self.root.glob(f".step_*{_PARTIAL_SUFFIX}"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.keep_last > 0:
+            for old in complete_checkpoints(self.root)[self.keep_last:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedCheckpoint:
+    directory: Path
+    step: int
+    manifest: dict[str, Any]
+    scheduler_state: dict[str, Any]
+
+
+def load_checkpoint(directory: Path, *, model, optimizer, same_layout: bool) -> LoadedCheckpoint:
+    """Load ``directory`` into ``model`` and ``optimizer`` (a collective) and restore the RNGs; the
+    scheduler state is returned for the caller to apply (a changed schedule is its decision).
+    ``same_layout``: the checkpoint was written at this run's world size / TP / CP, so per-rank
+    CUDA RNG states apply. Call :func:`verify_checkpoint` first (it names damaged files)."""
+    from megatron.core import dist_checkpointing
+
+    manifest = read_manifest(directory)
+    model_sd = model.sharded_state_dict()
+    request = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    if same_layout and torch.cuda.is_available():
+        request["rng_cuda"] = _cuda_rng_sharded(is_loading=True)
+    try:
+        state = dist_checkpointing.load(request, str(directory))
+    except Exception as e:  # noqa: BLE001 - torch DCP / pickle / shape errors: the checkpoint does not fit
+        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
+                              f"{str(e)[:500]}); check that model.* matches the run that wrote it") from None
+    model.load_state_dict(state["model"])
+    optimizer.load_sharded_state_dict(state["optimizer"])
+    set_cpu_rng_state(state["rng"])
+    if "rng_cuda" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        torch.cuda.set_rng_state(state["cuda"])
-        get_cuda_rng_tracker().set_states(state["mcore_tracker"])
+        torch.cuda.set_rng_state(state["rng_cuda"]["cuda"])
+        get_cuda_rng_tracker().set_states(state["rng_cuda"]["tracker"])
+    return LoadedCheckpoint(directory=directory, step=int(state["step"]), manifest=manifest,
+                            scheduler_state=state["scheduler"])
 
 
-@dataclass(frozen=True)
-class ResumeKey:
-    """What must match between the saving and the resuming run."""
+def load_model_weights(directory: Path, model) -> dict[str, Any]:
+    """Only the model's tensors of ``directory`` (any TP / CP of the checkpoint), e.g. for export."""
+    from megatron.core import dist_checkpointing
 
-    world_size: int
-    tp: int
-    cp: int
-    seed: int
-    global_batch_size: int
-    num_samples: int  # dataset size after skips
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-def save_checkpoint(root: str | Path, step: int, *, model, optimizer, scheduler, key: ResumeKey,
-                    extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank writes its file, then rank 0 writes ``meta.json``."""
-    rank = dist.get_rank()
-    directory = step_dir(root, step)
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    state = {
-        "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "rng": rng_state(), "data": {"next_step": step},
-        "extra": extra or {},
-    }
-    tmp = _rank_file(directory, rank).with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(_rank_file(directory, rank))
-    dist.barrier()
-    if rank == 0:
-        (directory / META).write_text(json.dumps({"step": step, **key.as_dict()}, indent=2))
-    dist.barrier()
-    return directory
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself when it is a complete checkpoint, else its latest complete ``step_*`` child."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    candidates = sorted(p for p in path.glob("step_*") if (p / META).is_file())
-    if not candidates:
-        raise FileNotFoundError(
-            f"checkpoint.resume={str(path)!r} holds no complete checkpoint (a step_NNNNNN directory with {META}); "
-            "point it at one or at the directory that contains them"
-        )
-    return candidates[-1]
-
-
-def load_checkpoint(path: str | Path, *, model, optimizer, scheduler, key: ResumeKey) -> int:
-    """Restore everything saved by :func:`save_checkpoint`; returns the step it was saved at."""
-    directory = find_checkpoint(path)
-    meta = json.loads((directory / META).read_text())
-    mismatched = {k: (meta.get(k), v) for k, v in key.as_dict().items() if meta.get(k) != v}
-    if mismatched:
-        detail = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in mismatched.items())
-        raise ValueError(f"cannot resume from {directory}: {detail}; resume with the same world size, "
-                         "parallel.tp/cp, train.seed, train.global_batch_size and data")
-    state = torch.load(_rank_file(directory, dist.get_rank()), map_location="cpu", weights_only=False)
+    manifest = verify_checkpoint(directory)
+    try:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
+                              f"{str(e)[:500]})") from None
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
-    return int(state["step"])
+    return manifest

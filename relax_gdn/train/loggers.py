@@ -66,7 +66,7 @@ class WandbLogger:
     """W&B in ``online``/``offline`` mode; every call is guarded: a failure warns ONCE and turns W&B
     off, training goes on."""
 
-    def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any]):
+    def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any], run_id: str | None = None):
         self.run = None
         self._failed = False
         self._records: list[dict[str, Any]] = []  # for the end-of-run summary
@@ -79,6 +79,8 @@ class WandbLogger:
                 name=w.name or default_run_name(cfg), job_type=w.job_type, tags=run_tags(cfg), config=config_dict,
                 mode=w.mode,
                 dir=os.environ.get("WANDB_DIR") or str(run_dir), reinit="finish_previous",
+                # a resumed run continues the W&B run its checkpoint names
+                id=run_id, resume="allow" if run_id else None,
             )
         except Exception as e:  # noqa: BLE001 - any W&B problem must not stop training
             self._fail("init", e)
@@ -94,6 +96,10 @@ class WandbLogger:
     @property
     def active(self) -> bool:
         return self.run is not None
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else getattr(self.run, "id", None)
 
     @property
     def run_dir(self) -> str | None:
@@ -132,7 +138,7 @@ class RunLoggers:
 
     @classmethod
     def create(cls, cfg, run_dir: Path | None, *, is_rank0: bool, config_dict: dict[str, Any],
-               append: bool = False, start_step: int = 0) -> "RunLoggers":
+               append: bool = False, start_step: int = 0, wandb_run_id: str | None = None) -> "RunLoggers":
         if not is_rank0:
             return cls([])
         sinks: list = []
@@ -141,7 +147,7 @@ class RunLoggers:
         if cfg.logging.jsonl and run_dir is not None:
             sinks.append(JsonlLogger(Path(run_dir) / "metrics.jsonl", append=append))
         if cfg.logging.wandb.mode != "disabled":
-            sinks.append(WandbLogger(cfg, Path(run_dir) if run_dir else Path.cwd(), config_dict))
+            sinks.append(WandbLogger(cfg, Path(run_dir) if run_dir else Path.cwd(), config_dict, wandb_run_id))
         return cls(sinks)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -150,6 +156,10 @@ class RunLoggers:
 
     def wandb(self) -> WandbLogger | None:
         return next((s for s in self.sinks if isinstance(s, WandbLogger)), None)
+
+    def wandb_run_id(self) -> str | None:
+        wandb = self.wandb()
+        return wandb.run_id if wandb is not None else None
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.errors import ConfigError, DataError
 from relax_gdn.layout import set_swap_transport
-from relax_gdn.train.checkpoint import ResumeKey, load_checkpoint, save_checkpoint
 from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
+from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_loss
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
@@ -51,6 +51,8 @@ class TrainResult:
     start_step: int = 0  # steps already done when this run started (resume)
     wandb_dir: str | None = None  # rank 0: the W&B run's files directory, when W&B ran
     preempted_at: int | None = None  # the step after which SIGTERM/SIGUSR1 stopped the run
+    # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
+    save_timings: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,18 +429,13 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
     from relax_gdn.train.optimizer import build_scheduler
 
     scheduler = build_scheduler(optimizer, cfg)
-    key = ResumeKey(world_size=dims.world_size, tp=dims.tp, cp=dims.cp, seed=cfg.train.seed,
-                    global_batch_size=cfg.train.global_batch_size, num_samples=len(dataset))
-    start_step = 0
-    if cfg.checkpoint.resume:
-        start_step = load_checkpoint(cfg.checkpoint.resume, model=core_model, optimizer=optimizer,
-                                     scheduler=scheduler, key=key)
-        if start_step >= cfg.train.steps:
-            raise ValueError(f"checkpoint.resume is at step {start_step}, not below train.steps={cfg.train.steps}")
-    checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (run_dir / "checkpoints" if run_dir else None)
-    if checkpoint_root is None and (cfg.checkpoint.every_steps or cfg.checkpoint.save_final):
-        raise ValueError("checkpoints requested (checkpoint.every_steps / save_final) but there is neither a run "
-                         "directory nor checkpoint.dir")
+    # checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run
+    lifecycle = RunLifecycle.start(
+        cfg, run_dir=run_dir, model=core_model, optimizer=optimizer, scheduler=scheduler, vocab_size=vocab_size,
+        layout=Layout(dims.world_size, dims.tp, dims.cp, dynamic_cp, cfg.effective_max_cp),
+        data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(dataset)),
+        tokenizer_vocab_size=tokenizer.vocab_size, device=device, dp_cp_group=dp_cp_group)
+    start_step, run_dir = lifecycle.start_step, lifecycle.run_dir
 
     config_dict = {**cfg.to_dict(), "derived": {"world_size": dims.world_size, "dp": dims.dp, "device": str(device),
                                                "bf16": bf16, "vocab_size": vocab_size, "run_name": default_run_name(cfg),
@@ -449,7 +446,9 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
 
         run_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, run_dir)
-    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step)
+    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step,
+                                append=lifecycle.resumed is not None, wandb_run_id=lifecycle.wandb_run_id)
+    lifecycle.wandb_run_id = loggers.wandb_run_id()  # saved in checkpoints: a resume continues this W&B run
     if is_rank0:
         n_params = sum(p.numel() for p in core_model.parameters())
         logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
@@ -482,8 +481,8 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
                           micro_batches=lambda samples: (build(*planned) for planned in plan_this_rank(samples)[0]))
     metrics = MetricsProcessor(ModelShape.from_transformer_config(tconfig, vocab_size), dims.world_size, device)
     records: list[dict[str, Any]] = []
-    checkpoints: list[Path] = []
-    result = TrainResult(records=records, run_dir=run_dir, checkpoints=checkpoints, start_step=start_step)
+    result = TrainResult(records=records, run_dir=run_dir, checkpoints=lifecycle.saved, start_step=start_step,
+                         save_timings=lifecycle.saver.timings if lifecycle.saver else [])
     preemption = PreemptionRequest()
     trace_root = run_dir / "traces" if run_dir is not None else None  # no run directory: no traces
     profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, rank, device)
@@ -538,21 +537,16 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
             trace = profile_window.after_step(step)
             if trace is not None and is_rank0:
                 logger.info("profiler traces of steps %s written to %s", cfg.logging.profile_steps, trace.parent)
-            every = cfg.checkpoint.every_steps
-            last = step == cfg.train.steps
-            # every N steps, at the end whenever periodic saves are on (or save_final asks), and
-            # when preempted (SIGTERM / SIGUSR1 on any rank)
-            if checkpoint_root is not None and ((every and step % every == 0) or stop_requested
-                                                or (last and (every or cfg.checkpoint.save_final))):
-                checkpoints.append(save_checkpoint(checkpoint_root, step, model=core_model, optimizer=optimizer,
-                                                   scheduler=scheduler, key=key))
-            if stop_requested and not last:
+            saved = lifecycle.after_step(step, stop_requested=bool(stop_requested), model=core_model,
+                                         optimizer=optimizer, scheduler=scheduler)
+            if stop_requested and step != cfg.train.steps:
                 result.preempted_at = step
                 if is_rank0:
                     logger.warning("stop requested (SIGTERM/SIGUSR1): stopped after step %d%s", step,
-                                   f", checkpoint {checkpoints[-1]}" if checkpoint_root is not None else
+                                   f", checkpoint {saved}" if saved is not None else
                                    " without a checkpoint (no run directory or checkpoint.dir)")
                 break
+        lifecycle.finish(completed=result.preempted_at is None, model=core_model)
         wandb = loggers.wandb()
         result.wandb_dir = wandb.run_dir if wandb is not None else None
     finally:

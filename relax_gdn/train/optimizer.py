@@ -115,13 +115,41 @@ class CPUGradSyncOptimizer:
         self.optimizer.step()
         return True, norm
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": "cpu_adamw", "optimizer": self.optimizer.state_dict()}
+    def _parameters(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
+        """AdamW's state as Megatron-Core sharded tensors keyed like the parameters they belong to
+        (``optimizer.state.exp_avg.<parameter key>``), so the moments reshard with the model across
+        TP / CP / DP exactly like the weights; the step count (one for all parameters) and the
+        param groups are common state. Loading builds zero moments first for the load to fill."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        if is_loading:
+            for p in self._parameters():
+                if p not in self.optimizer.state:
+                    self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        state = self.optimizer.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values()}
+        if len(steps) > 1:
+            raise RuntimeError(f"AdamW parameters are at different steps {sorted(steps)}; expected one")
+        id_to_sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, self._parameters())
+        optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+        state["state"]["common_step"] = steps.pop() if steps else 0.0
+        return {"kind": "cpu_adamw", "optimizer": state}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "cpu_adamw":
             raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses the CPU AdamW path")
-        self.optimizer.load_state_dict(state["optimizer"])
+        optim = state["optimizer"]
+        step = optim["state"].pop("common_step")
+        for param_state in optim["state"].values():
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+        self.optimizer.load_state_dict(optim)
 
 
 class GradientsOnly:
@@ -171,41 +199,20 @@ class MegatronOptimizerAdapter:
         updated, grad_norm, _ = self.optimizer.step()
         return bool(updated), float("nan") if grad_norm is None else float(grad_norm)
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"kind": "megatron", "optimizer": self.optimizer.state_dict()}
-        # the distributed optimizer keeps its fp32 main params and Adam moments in per-rank shards,
-        # which state_dict() leaves out: save this rank's shards as they are (same world/TP/CP on
-        # resume). get_megatron_optimizer may return a ChainedOptimizer: one shard per member.
-        state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in self._members()
-                                if hasattr(opt, "get_parameter_state_dp_reshardable")]
-        return state
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
+        """The distributed optimizer's state in Megatron-Core's fully reshardable form (fp32 main
+        params and Adam moments per parameter, any TP / CP / DP on load)."""
+        from relax_gdn.train.checkpoint import DISTRIBUTED_OPTIMIZER_SHARDING
 
-    def _members(self) -> list:
-        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
+            model_sharded_state_dict, is_loading,
+            metadata={"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING,
+                      "chained_optim_avoid_prefix": True})}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "megatron":
             raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses Megatron's optimizer")
         self.optimizer.load_state_dict(state["optimizer"])
-        members = [opt for opt in self._members() if hasattr(opt, "load_parameter_state_from_dp_reshardable")]
-        if len(members) != len(state["param_state"]):
-            raise ValueError(f"checkpoint has {len(state['param_state'])} optimizer shards, this run {len(members)}")
-        for opt, shard in zip(members, state["param_state"]):
-            opt.load_parameter_state_from_dp_reshardable(_loadable(shard))
-
-
-def _loadable(param_state: dict) -> dict:
-    """Megatron-Core 0.19.2's ``load_parameter_state_from_dp_reshardable`` drops bucket elements
-    whose ``padding`` flag is set, a flag that only its dist-checkpointing wrapper
-    (``sharded_param_state_dp_reshardable``) adds; the raw ``get_parameter_state_dp_reshardable``
-    returns parameter elements only, without the flag (KeyError on load). Mark them as what they are."""
-    for key, per_dtype in param_state.items():
-        if isinstance(key, int):  # buffer index -> {dtype: [bucket: [element, ...]]}
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for element in bucket:
-                        element.setdefault("padding", False)
-    return param_state
 
 
 def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):

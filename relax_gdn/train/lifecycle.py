@@ -1,0 +1,279 @@
+"""The life of a run around its steps: where checkpoints go, resuming (``checkpoint.resume``,
+``auto`` included), periodic / final / preemption saves, and the Hugging Face export at the end.
+
+The loop calls four things: :meth:`RunLifecycle.start` (before step 1: checks ``checkpoint.dir``,
+loads the checkpoint, decides the run directory), :meth:`~RunLifecycle.after_step` (saves when
+due), :meth:`~RunLifecycle.finish` (waits for a background save, exports) and
+:data:`PREEMPTED_EXIT_CODE` for ``train.py``.
+
+A resumed run continues the run it resumes: the run directory recorded in the checkpoint (its
+``metrics.jsonl`` is cut back to the checkpoint's step and appended to, ``config.yaml`` is
+rewritten) and the W&B run id recorded there (``wandb.init(id=..., resume="allow")``). The
+directory this invocation was given (Hydra's) is used only when the recorded one is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from relax_gdn.errors import RecipeError
+from relax_gdn.train.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    Saver,
+    load_checkpoint,
+    resolve_resume,
+)
+
+logger = logging.getLogger("relax_gdn.train")
+
+# SIGTERM / SIGUSR1 stopped the run after a checkpoint: "temporary failure, try again" (BSD
+# sysexits EX_TEMPFAIL), what a requeueing job script checks for. Every rank exits with it.
+PREEMPTED_EXIT_CODE = 75
+
+# the scheduler fields that decide the learning rate and weight decay of every step
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
+
+
+@dataclass(frozen=True)
+class DataKey:
+    """What the data position (the step) means: it must match between saving and resuming."""
+
+    seed: int
+    global_batch_size: int
+    num_samples: int  # dataset size after skips
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    cp: int
+    dynamic_cp: bool
+    max_cp: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def checkpoint_root(cfg, run_dir: Path | None) -> Path | None:
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir).absolute()
+    return run_dir / "checkpoints" if run_dir is not None else None
+
+
+def estimated_checkpoint_bytes(model: torch.nn.Module, tp: int, on_gpu: bool) -> int:
+    """An upper bound of one checkpoint's size: the full model (this rank's TP shard x TP) plus the
+    optimizer (fp32 Adam moments; on GPU also the fp32 main params)."""
+    per_element = 12 if on_gpu else 8
+    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters()) * tp
+
+
+def check_checkpoint_dir(root: Path, needed_bytes: int, device: torch.device) -> None:
+    """Before step 1, on every rank (all of them write shards): ``root`` can be created and written
+    and has room for a checkpoint. A collective: every rank raises when any rank fails."""
+    problem = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_test.rank{dist.get_rank()}"
+        probe.write_bytes(b"relax-gdn")
+        probe.unlink()
+        free = shutil.disk_usage(root).free
+        if free < needed_bytes:
+            problem = (f"checkpoint.dir={str(root)!r} has {free / 2**30:.2f} GiB free, a checkpoint needs about "
+                       f"{needed_bytes / 2**30:.2f} GiB: free space there or point checkpoint.dir elsewhere")
+    except OSError as e:
+        problem = (f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
+                   f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere")
+    failed = torch.tensor([int(problem is not None)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise CheckpointError(problem or f"checkpoint.dir={str(root)!r} cannot be used on another rank (see its log)")
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= ``last_step`` (the checkpoint's): steps logged after it by the
+    interrupted run are run again, and a line cut by a kill is dropped."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", last_step + 1) <= last_step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def apply_schedule(scheduler, saved: dict[str, Any], cfg, directory: Path) -> str | None:
+    """Continue the saved LR schedule; a different one in this run's config is refused unless
+    ``optim.reset_schedule_on_resume`` applies it from the saved step. Returns a note for the log."""
+    current = scheduler.state_dict()
+    changed = {k: (saved.get(k), current[k]) for k in _SCHEDULE_KEYS if saved.get(k) != current[k]}
+    if not changed:
+        scheduler.load_state_dict(saved)
+        return None
+    detail = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+    if not cfg.optim.reset_schedule_on_resume:
+        raise RecipeError(
+            f"the learning-rate schedule differs from the one checkpoint {directory} was trained with ({detail}; "
+            "lr_decay_steps follows optim.decay_steps, else train.steps): set optim.reset_schedule_on_resume=true "
+            f"to continue on this run's schedule from step {saved['num_steps']}, or resume with the saved values"
+        )
+    scheduler.step(increment=saved["num_steps"])
+    return f"schedule changed at resume ({detail}): continuing on the new schedule from step {saved['num_steps']}"
+
+
+@dataclass
+class RunLifecycle:
+    cfg: Any
+    root: Path | None
+    run_dir: Path | None
+    saver: Saver | None
+    manifest_base: dict[str, Any]
+    start_step: int = 0
+    resumed: LoadedCheckpoint | None = None
+    wandb_run_id: str | None = None
+    saved: list[Path] = field(default_factory=list)
+    tokenizer_vocab_size: int | None = None  # the export trims the padded vocabulary to it
+
+    @classmethod
+    def start(cls, cfg, *, run_dir: Path | None, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
+              vocab_size: int, tokenizer_vocab_size: int, device: torch.device, dp_cp_group) -> "RunLifecycle":
+        """Everything before step 1 that concerns checkpoints and the run directory."""
+        is_rank0 = dist.get_rank() == 0
+        root = checkpoint_root(cfg, run_dir)
+        wants_saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
+        if root is None and wants_saves:
+            raise RecipeError("checkpoints requested (checkpoint.every_steps / save_final) but there is neither a "
+                              "run directory nor checkpoint.dir")
+        if root is not None and wants_saves:
+            check_checkpoint_dir(root, estimated_checkpoint_bytes(model, layout.tp, device.type == "cuda"), device)
+        async_save = cfg.checkpoint.async_save and device.type == "cuda"
+        if cfg.checkpoint.async_save and not async_save and is_rank0:
+            logger.warning("checkpoint.async_save=true needs CUDA (Megatron-Core's async writer); this CPU run "
+                           "saves inline")
+        saver = Saver(root, cfg.checkpoint.keep_last, dp_cp_group, async_save=async_save) if root else None
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
+                         "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype},
+                         "tokenizer": {"vocab_size": tokenizer_vocab_size, "path": cfg.data.tokenizer}}
+        life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
+                   tokenizer_vocab_size=tokenizer_vocab_size)
+        if cfg.checkpoint.resume:
+            directory, notes = resolve_resume(cfg.checkpoint.resume, root)
+            if is_rank0:
+                for note in notes:
+                    logger.warning("%s", note)
+            if directory is not None:
+                life._resume(directory, layout, data_key, model, optimizer, scheduler, vocab_size)
+        if is_rank0 and life.resumed is not None and life.run_dir is not None:
+            trim_metrics(life.run_dir / "metrics.jsonl", life.start_step)
+        return life
+
+    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
+                vocab_size: int) -> None:
+        from relax_gdn.train.checkpoint import read_manifest
+
+        manifest = read_manifest(directory)
+        saved_data = manifest.get("data", {})
+        mismatched = {k: (saved_data.get(k), v) for k, v in data_key.as_dict().items() if saved_data.get(k) != v}
+        if mismatched:
+            detail = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in mismatched.items())
+            raise RecipeError(f"cannot resume from {directory}: the data position would mean other batches ({detail}); "
+                              "resume with the same train.seed, train.global_batch_size and data")
+        saved_model = manifest.get("model", {})
+        if (saved_model.get("preset"), saved_model.get("vocab_size")) != (self.cfg.model.preset, vocab_size):
+            raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
+                              f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
+                              f"{self.cfg.model.preset!r} with {vocab_size}")
+        same_layout = manifest.get("layout") == layout.as_dict()
+        loaded = load_checkpoint(directory, model=model, optimizer=optimizer, same_layout=same_layout)
+        if loaded.step >= self.cfg.train.steps:
+            raise RecipeError(f"checkpoint {directory} is at step {loaded.step}, not below train.steps="
+                              f"{self.cfg.train.steps}: raise train.steps to train further")
+        note = apply_schedule(scheduler, loaded.scheduler_state, self.cfg, directory)
+        self.resumed, self.start_step = loaded, loaded.step
+        self.wandb_run_id = manifest.get("wandb_run_id")
+        saved_run_dir = manifest.get("run_dir")
+        if saved_run_dir and Path(saved_run_dir).is_dir():
+            self.run_dir = Path(saved_run_dir)
+        if dist.get_rank() == 0:
+            logger.info("resumed from step %d (%s)%s", loaded.step, directory,
+                        "" if same_layout else f"; resharded from {manifest.get('layout')} to {layout.as_dict()}")
+            if self.run_dir is not None:
+                logger.info("continuing run directory %s", self.run_dir)
+            if note:
+                logger.warning("%s", note)
+
+    # -------------------------------------------------------------------------------- per step
+
+    def after_step(self, step: int, *, stop_requested: bool, model, optimizer, scheduler) -> Path | None:
+        """Save when due: every ``checkpoint.every_steps``, at the end whenever periodic saves are
+        on (or ``save_final`` asks) and when preempted. A collective."""
+        if self.saver is None:
+            return None
+        self.saver.poll()
+        every, last = self.cfg.checkpoint.every_steps, step == self.cfg.train.steps
+        if not ((every and step % every == 0) or stop_requested or (last and (every or self.cfg.checkpoint.save_final))):
+            return None
+        manifest = {**self.manifest_base, "wandb_run_id": self.wandb_run_id,
+                    "run_dir": str(self.run_dir.absolute()) if self.run_dir is not None else None}
+        path = self.saver.save(step, model=model, optimizer=optimizer, scheduler=scheduler, manifest=manifest)
+        self.saved.append(path)
+        return path
+
+    def finish(self, *, completed: bool, model) -> Path | None:
+        """Wait for a background save; after the last step, the HF export when asked."""
+        if self.saver is not None:
+            self.saver.finish()
+        if not (completed and self.cfg.checkpoint.export_hf_final):
+            return None
+        if self.run_dir is None:
+            if dist.get_rank() == 0:
+                logger.warning("checkpoint.export_hf_final=true but the run has no run directory: not exported")
+            return None
+        out = self.run_dir / "hf"
+        write_hf_export(model, out, vocab_size=self.manifest_base["model"]["vocab_size"],
+                        tokenizer_vocab_size=self.tokenizer_vocab_size,
+                        tokenizer_path=local_tokenizer_dir(self.cfg.data.tokenizer))
+        if dist.get_rank() == 0:
+            logger.info("Hugging Face export written to %s", out)
+        return out
+
+
+def local_tokenizer_dir(tokenizer_key: str | None) -> str | None:
+    """``data.tokenizer`` when it is a local HF tokenizer directory (what an export can copy)."""
+    if tokenizer_key and tokenizer_key not in ("embedded", "byte") and Path(tokenizer_key).is_dir():
+        return tokenizer_key
+    return None
+
+
+def write_hf_export(model, out: Path, *, vocab_size: int, tokenizer_vocab_size: int | None,
+                    tokenizer_path: str | None) -> None:
+    """A directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads: config.json and
+    safetensors (the vocabulary trimmed to the tokenizer's), plus the tokenizer when the run used a
+    local one. A collective over the model's TP group; global rank 0 writes."""
+    from relax_gdn.model.hf_checkpoint import save_hf_checkpoint
+
+    save_hf_checkpoint(model, out, vocab_size=min(tokenizer_vocab_size or vocab_size, vocab_size))
+    if dist.get_rank() == 0 and tokenizer_path is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)

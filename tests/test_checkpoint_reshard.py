@@ -1,0 +1,151 @@
+"""Distributed checkpoints reshard (CPU, gloo, two processes, the tiny preset in fp32).
+
+A checkpoint written at one layout resumes at another and the run goes on as if uninterrupted:
+the two steps after the resume equal those of the uninterrupted run that wrote the checkpoint
+(loss, grad norm, lr; relative 1e-5). The second step after the resume depends on the Adam moments, so it also shows that the
+optimizer state moved. Pairs: CP 2 -> CP 1 (DP 2), CP 1 (DP 2) -> CP 2, TP 2 -> TP 1 x CP 2 and
+static CP 2 -> dynamic CP <= 2, each resumed into every GDN mode.
+
+Then the CP 2 checkpoint is exported with ``python -m relax_gdn.export_hf`` and transformers'
+``AutoModelForCausalLM`` gives the project's logits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_train import _cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("chunkwise", "headwise", "all_gather")
+TOL = 1e-5
+LAYOUTS = {
+    "cp2": dict(parallel__cp=2),
+    "cp1": dict(parallel__cp=1),  # two processes: DP 2
+    "tp2": dict(parallel__tp=2),
+    "dynamic": dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=2), train__max_tokens_per_gpu=256),
+}
+# (saved at, resumed at): the CP 2 checkpoint is the reference run's own (per mode)
+PAIRS = (("cp2", "cp1"), ("cp1", "cp2"), ("tp2", "cp2"), ("cp2", "dynamic"))
+LOGIT_TOL = 1e-4  # max |ours - transformers| relative to max |logit| (fp32; the scans sum in another order)
+
+
+def _run_cfg(layout: str, mode: str, steps: int, **dotted):
+    # decay_steps fixed: a 2-step run that saves and its 4-step continuation share one schedule
+    return _cfg(train__steps=steps, optim__decay_steps=4, gdn__cp_mode=mode,
+                recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False,
+                **{**LAYOUTS[layout], **dotted})
+
+
+def _key(record: dict) -> dict:
+    return {k: record[k] for k in ("step", "loss", "grad_norm", "lr")}
+
+
+def _reshard_cases(tmp: str) -> dict:
+    import torch.distributed as dist
+
+    from relax_gdn.train.loop import run_training
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    out = {"reference": {}, "resumed": {}}
+    saved = {}
+
+    def uninterrupted(layout: str, mode: str) -> None:  # 4 steps, the checkpoint of step 2 kept
+        run = run_training(_run_cfg(layout, mode, 4, checkpoint__dir=str(tmp / f"{layout}_{mode}"),
+                                    checkpoint__every_steps=2), None)
+        out["reference"][(layout, mode)] = [_key(r) for r in run.records]
+        saved[(layout, mode)] = run.checkpoints[0]
+
+    # mode-independent sources (CP 1 runs no GDN CP path): written once, by chunkwise
+    for layout in ("cp1", "tp2"):
+        uninterrupted(layout, "chunkwise")
+    for mode in MODES:
+        uninterrupted("cp2", mode)
+        for source, target in PAIRS:
+            source_key = (source, mode if source == "cp2" else "chunkwise")
+            resumed = run_training(_run_cfg(target, mode, 4, checkpoint__resume=str(saved[source_key])), None)
+            out["resumed"][(mode, source, target)] = (source_key, resumed.start_step,
+                                                      [_key(r) for r in resumed.records])
+    out["export_source"] = str(tmp / "cp2_chunkwise" / "step_000004")  # written at CP 2
+    dist.barrier()
+    return out
+
+
+def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
+    """The project's model (TP 1, CP 1) with the checkpoint's weights: ``[t, vocab]`` logits."""
+    from megatron.core import parallel_state
+
+    from relax_gdn.config import run_config_from_dict
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    torch.set_num_threads(1)
+    manifest = read_manifest(checkpoint)
+    cfg = run_config_from_dict(manifest["config"])
+    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    try:
+        tconfig = qwen3_5_config(cfg.model.preset, use_cpu_initialization=True)
+        model = build_qwen3_5_preset_model(cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
+                                           kernel_backend="torch", training=False).eval()
+        load_model_weights(Path(checkpoint), model)
+        with torch.no_grad():
+            logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
+        return logits.reshape(-1, logits.shape[-1])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def reshard(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    return tmp, run_distributed(_reshard_cases, 2, str(tmp))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}_to_{p[1]}")
+def test_resumed_steps_equal_the_uninterrupted_run(reshard, mode, pair):
+    for rank_out in reshard[1]:
+        source, start, resumed = rank_out["resumed"][(mode, *pair)]
+        reference = rank_out["reference"][source]
+        assert start == 2 and [r["step"] for r in resumed] == [3, 4]
+        for got, want in zip(resumed, reference[2:]):
+            assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=TOL), (mode, pair, key, got, want)
+
+
+def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(reshard, tmp_path):
+    from tests.test_hf_checkpoint import _force_transformers_pure_torch
+
+    source = reshard[1][0]["export_source"]
+    out = tmp_path / "hf"
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "relax_gdn.export_hf", source, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+
+    _force_transformers_pure_torch()
+    from transformers import AutoModelForCausalLM
+
+    hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager",
+                                                    dtype=torch.float32)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched tensors
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 47), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf.eval()(input_ids=ids).logits[0]
+    ours = run_distributed(_project_logits, 1, source, ids)[0][:, :vocab]
+    err = (ours - theirs).abs().max().item() / theirs.abs().max().item()
+    assert err < LOGIT_TOL, err
