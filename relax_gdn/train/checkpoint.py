@@ -10,9 +10,9 @@ Layout of ``checkpoint.dir``::
 
 What is saved: the model's ``sharded_state_dict`` (global tensor keys and offsets, so a
 checkpoint written at one world size / TP / CP loads at another), the optimizer's sharded state
-keyed like the parameters (CPU: AdamW's moments; GPU: the distributed optimizer's state in its
-``fully_reshardable`` form), and as common state (rank 0's, identical on every rank) the step,
-the LR scheduler, the CPU RNGs and everything ``relax_gdn.json`` holds: the resolved config, the
+keyed like the parameters (CPU: AdamW's moments; GPU: the distributed optimizer's state, see
+``relax_gdn.train.optimizer.DISTRIBUTED_OPTIMIZER_SHARDING``), and as common state (rank 0's,
+identical on every rank) the step, the LR scheduler, the CPU RNGs and everything ``relax_gdn.json`` holds: the resolved config, the
 data position's inputs (the global batch of step s is a pure function of seed, batch size,
 dataset and s, ``relax_gdn.data.global_batch_at_step``, so the step IS the data position), the
 parallel layout it was written at and the W&B run id. CUDA RNG states are per rank and are
@@ -49,9 +49,6 @@ LATEST = "latest"
 FORMAT = "megatron-core-dist-checkpoint"
 FORMAT_VERSION = 1
 _PARTIAL_SUFFIX = ".partial"
-# the distributed optimizer's form that reshards across TP / CP / DP (Megatron-Core's canonical,
-# per-parameter optimizer state); dp_reshardable would only reshard DP
-DISTRIBUTED_OPTIMIZER_SHARDING = "fully_reshardable"
 
 
 class CheckpointError(RecipeError):

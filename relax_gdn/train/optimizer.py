@@ -33,6 +33,15 @@ from relax_gdn.config import RunConfig
 logger = logging.getLogger("relax_gdn.train")
 
 
+# The distributed optimizer's checkpoint form: each rank writes its own slice of every
+# parameter's fp32 main weight and Adam moments at their place in the canonical (model-shaped)
+# tensors, so it reshards across TP / CP / DP with no gather. (dp_reshardable reshards DP only;
+# fully_reshardable gathers a TP shard's whole optimizer state into every DP rank's host memory,
+# ~100 GB per rank for the 9B at TP 1. Megatron-Core 0.19 lists this form for deprecation: switch
+# to fully_reshardable with its memory-efficient gather when it goes.)
+DISTRIBUTED_OPTIMIZER_SHARDING = "fully_sharded_model_space"
+
+
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     # Megatron-Core's default rule (optimizer/__init__.py: biases and 1-D params get no decay)
     return name.endswith(".bias") or param.dim() == 1
@@ -200,10 +209,8 @@ class MegatronOptimizerAdapter:
         return bool(updated), float("nan") if grad_norm is None else float(grad_norm)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
-        """The distributed optimizer's state in Megatron-Core's fully reshardable form (fp32 main
-        params and Adam moments per parameter, any TP / CP / DP on load)."""
-        from relax_gdn.train.checkpoint import DISTRIBUTED_OPTIMIZER_SHARDING
-
+        """The distributed optimizer's state in Megatron-Core's model-space form (fp32 main params
+        and Adam moments as slices of model-shaped tensors: any TP / CP / DP on load)."""
         return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING,

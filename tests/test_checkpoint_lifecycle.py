@@ -1,0 +1,333 @@
+"""Saving never loses work, resume=auto continues the run, bad checkpoints get one message (CPU).
+
+* kill -9 of the whole run (its process group) at a seeded random step, while shards are being
+  written, and between the rename of a checkpoint and the ``latest`` marker; then the same
+  command with ``checkpoint.resume=auto`` finishes the run: its ``metrics.jsonl`` (one file, the
+  steps logged after the last checkpoint dropped) equals the uninterrupted run's, step by step.
+* ``keep_last``, ``latest``, a damaged newest checkpoint skipped by resume=auto, a changed
+  schedule refused or applied, W&B offline continuing the same run id.
+* ``python train.py`` with a truncated shard, a garbage index, an unwritable checkpoint.dir and a
+  per-rank checkpoint of the first format: exit code 2, one message naming the path, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.test_train import _cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+def _lifecycle_cfg(case_dir: Path, **dotted):
+    return _cfg(**{"train__steps": STEPS, "checkpoint__every_steps": 2, "checkpoint__keep_last": 2,
+                   "checkpoint__dir": str(case_dir / "checkpoints"), "checkpoint__resume": "auto", **dotted})
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _kill_whole_run() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)  # this process and the checkpoint writer's helper
+
+
+def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
+    """A run that kills its own process group at ``kill_point`` (in a fresh process group)."""
+    os.setpgid(0, 0)
+    import torch
+
+    torch.set_num_threads(1)  # as the runs it is compared with
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from relax_gdn.train import checkpoint, loggers
+    from relax_gdn.train.loop import run_training
+
+    if kill_point == "after_step":
+        log = loggers.RunLoggers.log
+
+        def log_then_kill(self, record):
+            log(self, record)
+            if record["step"] == kill_step:
+                _kill_whole_run()
+
+        loggers.RunLoggers.log = log_then_kill
+    elif kill_point == "writing_shards":
+        write = FileSystemWriterAsync.write_preloaded_data
+
+        def write_some_then_kill(*args, **kwargs):
+            if kwargs["write_bucket"][0].count(f"step_{kill_step:06d}"):
+                _kill_whole_run()
+            return write(*args, **kwargs)
+
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(write_some_then_kill)
+    elif kill_point == "before_latest":
+        replace = os.replace
+
+        def replace_then_kill(src, dst):
+            if Path(dst).name == checkpoint.LATEST and f"step_{kill_step:06d}" in Path(src).read_text():
+                _kill_whole_run()
+            replace(src, dst)
+
+        checkpoint.os.replace = replace_then_kill
+    case_dir = Path(case_dir)
+    run_training(_lifecycle_cfg(case_dir), case_dir / "run")
+    raise AssertionError("the run was not killed")
+
+
+def _finish_runs(tmp: str, cases: list[str]) -> dict:
+    """The uninterrupted run, then every killed run again with the same command (resume=auto)."""
+    import torch
+
+    from relax_gdn.train.loop import run_training
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    out = {}
+    run_training(_lifecycle_cfg(tmp / "uninterrupted"), tmp / "uninterrupted" / "run")
+    out["uninterrupted"] = _metrics(tmp / "uninterrupted" / "run")
+    for case in cases:
+        before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
+        result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir")
+        out[case] = dict(before=before, start=result.start_step, run_dir=str(result.run_dir),
+                         metrics=_metrics(tmp / case / "run"),
+                         after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()))
+    return out
+
+
+KILL_CASES = {  # name: (kill point, step)
+    "after_step": ("after_step", random.Random(17).randint(3, STEPS - 1)),  # a seeded random step
+    "writing_shards": ("writing_shards", 4),
+    "before_latest": ("before_latest", 4),
+}
+
+
+@pytest.fixture(scope="module")
+def killed_and_finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("killed")
+    ctx = mp.get_context("spawn")
+    for case, (point, step) in KILL_CASES.items():
+        process = ctx.Process(target=_run_killed, args=(str(tmp / case), point, step))
+        process.start()
+        process.join(600)
+        assert process.exitcode == -signal.SIGKILL, (case, process.exitcode)
+    return tmp, run_distributed(_finish_runs, 1, str(tmp), list(KILL_CASES))[0]
+
+
+@pytest.mark.parametrize("case", list(KILL_CASES))
+def test_kill_9_then_resume_auto_repeats_the_uninterrupted_run(killed_and_finished, case):
+    tmp, out = killed_and_finished
+    reference, finished = out["uninterrupted"], out[case]
+    assert [r["step"] for r in finished["metrics"]] == list(range(1, STEPS + 1))  # one file, no repeats
+    for got, want in zip(finished["metrics"], reference):
+        assert (got["loss"], got["lr"], got["tokens"]) == (want["loss"], want["lr"], want["tokens"]), (case, got)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-12), (case, got)  # a float64 sum
+    assert finished["run_dir"] == str(tmp / case / "run")  # the checkpoint's run directory, not the new one
+    assert finished["after"] == ["latest", "step_000004", "step_000006"]  # keep_last=2, no partial left
+
+
+def test_what_the_kill_left_behind(killed_and_finished):
+    out = killed_and_finished[1]
+    step = KILL_CASES["after_step"][1]
+    assert out["after_step"]["start"] == 2 * ((step - 1) // 2)  # killed after logging, before that step's save
+    # killed while writing step 4: step 2 is the newest complete checkpoint, step 4 never visible
+    assert out["writing_shards"]["before"] == [".step_000004.partial", "latest", "step_000002"]
+    assert out["writing_shards"]["start"] == 2
+    # killed after the rename, before latest was replaced: step 4 is complete and used
+    assert out["before_latest"]["before"] == [".latest.tmp", "latest", "step_000002", "step_000004"]
+    assert out["before_latest"]["start"] == 4
+
+
+# ------------------------------------------------------------------ one process: resume=auto details
+
+
+def _auto_resume_cases(tmp: str) -> dict:
+    import logging
+
+    import torch
+
+    from relax_gdn.errors import RecipeError
+    from relax_gdn.train.loop import run_training
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    out = {}
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("relax_gdn.train").addHandler(Collect())
+    logging.getLogger("relax_gdn.train").setLevel(logging.INFO)
+    os.environ["WANDB_DIR"] = str(tmp / "wandb")
+    os.environ["WANDB_SILENT"] = "true"
+    (tmp / "wandb").mkdir()
+    wandb = dict(mode="offline", project="relax-gdn-test", entity=None, group=None, tags=[], name=None)
+
+    first = run_training(_lifecycle_cfg(tmp, train__steps=4, optim__decay_steps=6, logging__wandb=wandb), tmp / "run")
+    out["fresh_note"] = [m for m in messages if "starting fresh" in m]
+    out["first_id"] = first.wandb_dir
+    # damage the newest checkpoint (step 4): resume=auto falls back to step 2, saying so
+    shard = next((tmp / "checkpoints" / "step_000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    messages.clear()
+    second = run_training(_lifecycle_cfg(tmp, optim__decay_steps=6, logging__wandb=wandb), tmp / "other_run")
+    out["fallback_notes"] = [m for m in messages if "falling back" in m]
+    out["resumed_notes"] = [m for m in messages if m.startswith("resumed from step")]
+    out["second_start"], out["second_wandb_dir"] = second.start_step, second.wandb_dir
+    out["metrics_steps"] = [r["step"] for r in _metrics(tmp / "run")]
+
+    # a changed schedule (train.steps decides decay_steps here) is refused, or applied on request
+    longer = _lifecycle_cfg(tmp, train__steps=8)
+    try:
+        run_training(longer, tmp / "run")
+        out["refused"] = None
+    except RecipeError as e:
+        out["refused"] = str(e)
+    messages.clear()
+    applied = run_training(_lifecycle_cfg(tmp, train__steps=8, optim__reset_schedule_on_resume=True), tmp / "run")
+    out["applied"] = (applied.start_step, [m for m in messages if "schedule changed" in m],
+                      [r["lr"] for r in applied.records])
+    return out
+
+
+@pytest.fixture(scope="module")
+def auto_resume(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auto")
+    return tmp, run_distributed(_auto_resume_cases, 1, str(tmp))[0]
+
+
+def test_resume_auto_starts_fresh_then_falls_back_past_a_damaged_checkpoint(auto_resume):
+    tmp, out = auto_resume
+    assert len(out["fresh_note"]) == 1 and str(tmp / "checkpoints") in out["fresh_note"][0]
+    (note,) = out["fallback_notes"]
+    assert "step_000004" in note and "is truncated" in note
+    assert out["resumed_notes"] == [f"resumed from step 2 ({tmp / 'checkpoints' / 'step_000002'})"]
+    assert out["second_start"] == 2
+    assert out["metrics_steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resumed_run_continues_the_same_wandb_run(auto_resume):
+    out = auto_resume[1]
+    # offline runs live in .../offline-run-<time>-<id>/files: the same id both times
+    assert out["first_id"] and out["second_wandb_dir"]
+    assert Path(out["first_id"]).parent.name.split("-")[-1] == Path(out["second_wandb_dir"]).parent.name.split("-")[-1]
+
+
+def test_changed_schedule_is_refused_unless_asked_for(auto_resume):
+    out = auto_resume[1]
+    assert "optim.reset_schedule_on_resume=true" in out["refused"] and "lr_decay_steps 6 -> 8" in out["refused"]
+    start, notes, lrs = out["applied"]
+    assert start == 6 and len(notes) == 1 and len(lrs) == 2
+    assert lrs[-1] == pytest.approx(3e-4)  # the new schedule reaches min_lr at its own last step
+
+
+# ------------------------------------------------------------------ python train.py: bad checkpoints
+
+
+def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    small = ("train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
+             "optim.warmup_steps=1", "optim.decay_steps=4")
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *small,
+                           *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("saved")
+    done = _train(tmp, "train.steps=1", "checkpoint.save_final=true", f"checkpoint.dir={tmp / 'ckpt'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "ckpt" / "step_000001"
+
+
+def _damaged_copy(saved: Path, tmp_path: Path, damage) -> Path:
+    import shutil
+
+    copy = tmp_path / "ckpt" / saved.name
+    shutil.copytree(saved, copy)
+    return damage(copy)
+
+
+def _truncate_shard(directory: Path) -> Path:
+    shard = next(directory.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard
+
+
+def _garbage_index(directory: Path) -> Path:
+    (directory / ".metadata").write_bytes(b"not a pickle at all")
+    return directory / ".metadata"
+
+
+def _garbage_manifest(directory: Path) -> Path:
+    (directory / "relax_gdn.json").write_text("{ half a json")
+    return directory / "relax_gdn.json"
+
+
+def _old_format(directory: Path) -> Path:
+    import shutil
+
+    old = directory.parent / "step_000002"
+    old.mkdir()
+    (old / "rank_00000.pt").write_bytes(b"\x80")
+    (old / "meta.json").write_text("{}")
+    shutil.rmtree(directory)
+    return old / "rank_00000.pt"
+
+
+@pytest.mark.parametrize("damage", [_truncate_shard, _garbage_index, _garbage_manifest, _old_format],
+                         ids=["truncated_shard", "garbage_index", "garbage_manifest", "old_format"])
+def test_bad_checkpoint_exits_2_naming_the_file(saved_checkpoint, tmp_path, damage):
+    path = _damaged_copy(saved_checkpoint, tmp_path, damage)
+    done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={path.parent}")
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert str(path) in text and "Traceback" not in text, text[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unwritable_checkpoint_dir_exits_2_before_step_1(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("checkpoint.dir cannot be created under a file")
+    done = _train(tmp_path, "train.steps=2", "checkpoint.every_steps=1", f"checkpoint.dir={blocker / 'ckpt'}")
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert f"checkpoint.dir={str(blocker / 'ckpt')!r} cannot be written" in text and "Traceback" not in text
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "train.steps=40",
+               "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
+               f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    lines = []
+    for line in process.stdout:  # the console prints one line per step
+        lines.append(line)
+        if "step 2/40" in line:
+            process.send_signal(signal.SIGUSR1)
+    text = "".join(lines)
+    assert process.wait(timeout=300) == 75, text[-3000:]
+    assert "preempted after step" in text and "Traceback" not in text, text[-3000:]
+    saved = (tmp_path / "ckpt" / "latest").read_text().strip()
+    stopped_after = int(saved.removeprefix("step_"))
+    assert 2 <= stopped_after < 40 and f"step {stopped_after + 1}/40" not in text
