@@ -173,7 +173,7 @@ class RunLifecycle:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
                          "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype},
-                         "tokenizer": {"vocab_size": tokenizer_vocab_size, "path": cfg.data.tokenizer}}
+                         "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
                    tokenizer_vocab_size=tokenizer_vocab_size)
         if cfg.checkpoint.resume:
