@@ -197,9 +197,15 @@ def _auto_resume_cases(tmp: str) -> dict:
     except RecipeError as e:
         out["refused"] = str(e)
     messages.clear()
-    applied = run_training(_lifecycle_cfg(tmp, train__steps=8, optim__reset_schedule_on_resume=True), tmp / "run")
+    applied = run_training(_lifecycle_cfg(tmp, train__steps=8, optim__reset_schedule_on_resume=True,
+                                          checkpoint__export_hf_final=True), tmp / "run")
     out["applied"] = (applied.start_step, [m for m in messages if "schedule changed" in m],
                       [r["lr"] for r in applied.records])
+    out["export_files"] = sorted(p.name for p in (tmp / "run" / "hf").iterdir())
+    out["export_config"] = json.loads((tmp / "run" / "hf" / "config.json").read_text())
+    from relax_gdn.data import load_tokenizer
+
+    out["tokenizer_vocab"] = load_tokenizer(None).vocab_size
     return out
 
 
@@ -224,6 +230,12 @@ def test_resumed_run_continues_the_same_wandb_run(auto_resume):
     # offline runs live in .../offline-run-<time>-<id>/files: the same id both times
     assert out["first_id"] and out["second_wandb_dir"]
     assert Path(out["first_id"]).parent.name.split("-")[-1] == Path(out["second_wandb_dir"]).parent.name.split("-")[-1]
+
+
+def test_export_hf_final_writes_a_transformers_directory_after_the_last_step(auto_resume):
+    out = auto_resume[1]
+    assert out["export_files"] == ["config.json", "model.safetensors"]  # the embedded tokenizer is no HF one
+    assert out["export_config"]["vocab_size"] == out["tokenizer_vocab"]  # the padded rows trimmed
 
 
 def test_changed_schedule_is_refused_unless_asked_for(auto_resume):
@@ -331,3 +343,29 @@ def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
     saved = (tmp_path / "ckpt" / "latest").read_text().strip()
     stopped_after = int(saved.removeprefix("step_"))
     assert 2 <= stopped_after < 40 and f"step {stopped_after + 1}/40" not in text
+
+
+def test_sigusr1_under_torchrun_every_worker_saves_then_exits_75(tmp_path):
+    import psutil
+
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel.cp=2", "train.steps=40",
+               "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
+               f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
+    torchrun = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    lines = []
+    for line in torchrun.stdout:
+        lines.append(line)
+        if "step 2/40" in line:  # as SLURM does: the signal goes to the workers, not to torchrun
+            for worker in psutil.Process(torchrun.pid).children():
+                worker.send_signal(signal.SIGUSR1)
+    torchrun.wait(timeout=300)
+    text = "".join(lines)
+    assert text.count("exitcode  : 75") == 2, text[-3000:]  # torchrun's summary of both workers
+    assert "preempted after step" in text and (tmp_path / "ckpt" / "latest").is_file()
+    # the one traceback is torchrun's own report of the non-zero exits, none from a worker
+    assert text.count("Traceback") == 1 and "ChildFailedError" in text, text[-3000:]
