@@ -27,6 +27,7 @@ from tests.distributed import run_distributed
 from tests.test_train import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)
 STEPS = 6
 
 

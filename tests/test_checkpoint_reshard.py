@@ -24,6 +24,7 @@ from tests.distributed import run_distributed
 from tests.test_train import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)
 MODES = ("chunkwise", "headwise", "all_gather")
 TOL = 1e-5
 LAYOUTS = {
@@ -109,7 +110,7 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
-    return tmp, run_distributed(_reshard_cases, 2, str(tmp))
+    return tmp, run_distributed(_reshard_cases, 2, str(tmp), timeout_s=1800)  # 14 short runs
 
 
 @pytest.mark.parametrize("mode", MODES)
