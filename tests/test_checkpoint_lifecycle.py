@@ -7,7 +7,7 @@
 * ``keep_last``, ``latest``, a damaged newest checkpoint skipped by resume=auto, a changed
   schedule refused or applied, W&B offline continuing the same run id.
 * ``python train.py`` with a truncated shard, a garbage index, an unwritable checkpoint.dir and a
-  per-rank checkpoint of the first format: exit code 2, one message naming the path, no traceback.
+  per-rank torch.save checkpoint: exit code 2, one message naming the path, no traceback.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def _garbage_manifest(directory: Path) -> Path:
     return directory / "relax_gdn.json"
 
 
-def _old_format(directory: Path) -> Path:
+def _per_rank_torch_save_files(directory: Path) -> Path:
     import shutil
 
     old = directory.parent / "step_000002"
@@ -303,8 +303,8 @@ def _old_format(directory: Path) -> Path:
     return old / "rank_00000.pt"
 
 
-@pytest.mark.parametrize("damage", [_truncate_shard, _garbage_index, _garbage_manifest, _old_format],
-                         ids=["truncated_shard", "garbage_index", "garbage_manifest", "old_format"])
+@pytest.mark.parametrize("damage", [_truncate_shard, _garbage_index, _garbage_manifest, _per_rank_torch_save_files],
+                         ids=["truncated_shard", "garbage_index", "garbage_manifest", "per_rank_torch_save"])
 def test_bad_checkpoint_exits_2_naming_the_file(saved_checkpoint, tmp_path, damage):
     path = _damaged_copy(saved_checkpoint, tmp_path, damage)
     done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={path.parent}")

@@ -85,21 +85,21 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return sorted(found, key=_step_of, reverse=True)
 
 
-def _old_format_files(path: Path) -> list[Path]:
-    """Per-rank ``torch.save`` files (``rank_NNNNN.pt`` + ``meta.json``) of the recipe's first format."""
+def _per_rank_files(path: Path) -> list[Path]:
+    """Per-rank ``torch.save`` files (``rank_NNNNN.pt`` + ``meta.json``): a format this module does not read."""
     files = sorted(path.glob("rank_*.pt"))
     if not files and path.is_dir():
         files = sorted(path.glob("step_*/rank_*.pt"))
     return files
 
 
-def _refuse_old_format(path: Path) -> None:
-    files = _old_format_files(path)
+def _refuse_per_rank_files(path: Path) -> None:
+    files = _per_rank_files(path)
     if files:
         raise CheckpointError(
             f"{path} holds per-rank torch.save checkpoint files ({files[0]}"
-            f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}), a format this recipe no longer reads: "
-            "checkpoints are Megatron-Core distributed checkpoints now (docs/checkpoints.md). Finish that run "
+            f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}), a format this recipe does not read: "
+            "it reads and writes Megatron-Core distributed checkpoints (docs/checkpoints.md). Finish that run "
             "with the relax-gdn commit that wrote it, or start fresh (checkpoint.resume=null, another checkpoint.dir)"
         )
 
@@ -166,7 +166,7 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     if resume == "auto":
         if root is None:
             raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
-        _refuse_old_format(root)
+        _refuse_per_rank_files(root)
         for candidate in complete_checkpoints(root):
             try:
                 verify_checkpoint(candidate)
@@ -180,7 +180,7 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume={resume!r} does not exist; give a step_NNNNNN directory, the "
                               "checkpoint.dir holding them, or auto")
-    _refuse_old_format(path)
+    _refuse_per_rank_files(path)
     if (path / MANIFEST).is_file() or path.name.endswith(_PARTIAL_SUFFIX) or _step_of(path) is not None:
         verify_checkpoint(path)
         return path, notes
