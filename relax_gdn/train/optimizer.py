@@ -179,10 +179,10 @@ class GradientsOnly:
         finalize_model_grads([self.model])
         return False, float("nan")
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": "none"}
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
+        return {"kind": "none"}  # no optimizer state to save
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
