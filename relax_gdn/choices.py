@@ -48,3 +48,10 @@ DEVICES: tuple[str, ...] = get_args(Device)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+
+
+def choice_problem(key: str, value: object, allowed: tuple[str, ...]) -> str | None:
+    """The one wording for a value outside its choices (None when it is one of them)."""
+    if value in allowed:
+        return None
+    return f"{key}={value!r} is not one of {list(allowed)}"

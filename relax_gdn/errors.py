@@ -31,13 +31,16 @@ class ConfigError(RecipeError, ValueError):
 
     same_on_every_rank = True
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         if len(self.problems) == 1:
             super().__init__(f"configuration problem: {self.problems[0]}")
         else:
             super().__init__(f"{len(self.problems)} configuration problems:\n"
                              + "\n".join(f"  - {p}" for p in self.problems))
+
+    def __reduce__(self):  # pickled whole (multiprocessing), not rebuilt from the message
+        return type(self), (self.problems,)
 
 
 class DataError(RecipeError, ValueError):

@@ -35,6 +35,7 @@ from relax_gdn.choices import (
 )
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
+from relax_gdn.gdn.options import GDNOptions
 
 
 @dataclass
@@ -216,6 +217,15 @@ class RunConfig:
         """The largest CP group a micro-batch can run on (what head splits must divide)."""
         dyn = self.parallel.dynamic_cp
         return dyn.max_cp if dyn.enabled else self.parallel.cp
+
+    @property
+    def gdn_options(self) -> GDNOptions:
+        """What every GDN layer of this run is told (``gdn.*`` and the largest CP size), built
+        once and passed to the model builder."""
+        g = self.gdn
+        return GDNOptions(cp_mode=g.cp_mode, route=g.route, kernel_backend=g.kernel_backend,
+                          swap_transport=g.swap_transport, max_recomputed_prefix=g.max_recomputed_prefix,
+                          max_cp_size=self.effective_max_cp, training=True)
 
     @property
     def sample_token_limit(self) -> int:

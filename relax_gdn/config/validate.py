@@ -14,6 +14,9 @@ Decisions recorded here:
   tokens, so an even budget is always a whole number of ``2·cp`` units.
 * ``parallel.dynamic_cp`` : ``max_cp`` must be a power of two ``== parallel.cp``. GDN head splits
   (headwise) must divide ``tp × max_cp`` where dynamic CP is on, else ``tp × cp``.
+
+The GDN rules are :func:`relax_gdn.gdn.options.gdn_cp_problems`'s, the same the layer checks
+when it is built; each group's rules are one function below.
 """
 
 from __future__ import annotations
@@ -22,10 +25,8 @@ import os
 from dataclasses import dataclass
 
 from relax_gdn.choices import (
-    CP_MODES,
     DATA_SOURCES,
     DEVICES,
-    KERNEL_BACKENDS,
     LR_SCHEDULES,
     MODEL_ATTENTION_BACKENDS,
     MODEL_PRESETS,
@@ -34,13 +35,13 @@ from relax_gdn.choices import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODULES,
     RECORD_FORMATS,
-    ROUTE_STRATEGIES,
     SPEC_PROVIDERS,
-    SWAP_TRANSPORTS,
     WANDB_MODES,
+    choice_problem,
 )
 from relax_gdn.config.schema import RunConfig
 from relax_gdn.errors import ConfigError
+from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
 from relax_gdn.model.presets import PRESETS
 
 
@@ -58,7 +59,7 @@ class ParallelDims:
 
 
 def _is_power_of_two(n: int) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+    return _is_int(n) and n >= 1 and n & (n - 1) == 0
 
 
 def _is_int(value) -> bool:
@@ -90,192 +91,194 @@ def _check_eval(cfg: RunConfig, add) -> None:
 
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
     """Raise :class:`ConfigError` naming every broken rule; return the parallel dims otherwise."""
-    problems: list[str] = []
-    add = problems.append
-    par, gdn, train, optim, data = cfg.parallel, cfg.gdn, cfg.train, cfg.optim, cfg.data
-
-    # --- choices ---------------------------------------------------------------------------
-    choices = [
-        ("model.preset", cfg.model.preset, MODEL_PRESETS),
-        ("model.spec_provider", cfg.model.spec_provider, SPEC_PROVIDERS),
-        ("model.attention_backend", cfg.model.attention_backend, MODEL_ATTENTION_BACKENDS),
-        ("gdn.cp_mode", gdn.cp_mode, CP_MODES),
-        ("gdn.route", gdn.route, ROUTE_STRATEGIES),
-        ("gdn.kernel_backend", gdn.kernel_backend, KERNEL_BACKENDS),
-        ("gdn.swap_transport", gdn.swap_transport, SWAP_TRANSPORTS),
-        ("recompute.granularity", cfg.recompute.granularity, RECOMPUTE_GRANULARITIES),
-        ("data.source", data.source, DATA_SOURCES),
-        ("data.format", data.format, RECORD_FORMATS),
-        ("train.precision", train.precision, PRECISIONS),
-        ("train.device", train.device, DEVICES),
-        ("optim.name", optim.name, OPTIMIZERS),
-        ("optim.schedule", optim.schedule, LR_SCHEDULES),
-        ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
-    ]
-    for key, value, allowed in choices:
-        if value not in allowed:
-            add(f"{key}={value!r} is not one of {list(allowed)}")
-    unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))
-    if unknown_modules:
-        add(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
-
-    # --- mesh: world = dp x cp x tp --------------------------------------------------------
-    sizes_ok = True
-    for key, value in (("parallel.tp", par.tp), ("parallel.cp", par.cp)):
-        if not _is_int(value) or value < 1:
-            add(f"{key}={value!r} must be an integer >= 1")
-            sizes_ok = False
-    if not _is_int(world_size) or world_size < 1:
-        add(f"world size {world_size!r} must be an integer >= 1 (torchrun --nproc-per-node / WORLD_SIZE)")
-        sizes_ok = False
-    if sizes_ok and world_size % (par.tp * par.cp):
-        add(
-            f"world size {world_size} is not divisible by parallel.tp x parallel.cp = {par.tp} x {par.cp} = "
-            f"{par.tp * par.cp}: data parallel = world / (tp*cp) must be a whole number; change parallel.tp, "
-            "parallel.cp or the number of processes"
-        )
-        sizes_ok = False
-    dims = ParallelDims(world_size, par.tp, par.cp) if sizes_ok else None
-
-    if not _is_int(gdn.max_recomputed_prefix) or gdn.max_recomputed_prefix < 0:
-        add(f"gdn.max_recomputed_prefix={gdn.max_recomputed_prefix!r} must be an integer >= 0 tokens "
-            "(0: chunkwise always passes the recurrent state between ranks)")
-    if not isinstance(gdn.contiguous_between_layers, bool):
-        add(f"gdn.contiguous_between_layers={gdn.contiguous_between_layers!r} must be true or false")
-
-    # --- sequence parallelism --------------------------------------------------------------
-    if par.sp and sizes_ok and par.tp == 1:
-        add("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP ranks); "
-            "set parallel.sp=false or parallel.tp >= 2")
-
-    # --- profiling window ------------------------------------------------------------------
-    window = cfg.logging.profile_steps
-    if window is not None:
-        ok = (isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_int(v) for v in window)
-              and 1 <= window[0] <= window[1])
-        if not ok:
-            add(f"logging.profile_steps={window!r} must be null or [first, last] with 1 <= first <= last "
-                "(steps to trace with the torch profiler), e.g. logging.profile_steps=[10,12]")
-
-    # --- dynamic CP -------------------------------------------------------------------------
-    dyn = par.dynamic_cp
-    if dyn.enabled and sizes_ok:
-        if not _is_power_of_two(dyn.max_cp):
-            add(f"parallel.dynamic_cp.max_cp={dyn.max_cp!r} must be a power of two (CP groups of 1, 2, 4, ...)")
-        elif dyn.max_cp != par.cp:
-            add(f"parallel.dynamic_cp.max_cp={dyn.max_cp} must equal parallel.cp={par.cp}: each micro-batch runs at "
-                "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value")
-
-    # --- heads vs TP / CP --------------------------------------------------------------------
-    preset = PRESETS.get(cfg.model.preset)
-    if preset is not None and sizes_ok:
-        shapes = preset.config
-        for name in ("num_attention_heads", "num_query_groups", "linear_num_key_heads", "linear_num_value_heads"):
-            if shapes[name] % par.tp:
-                add(f"model.preset={preset.name} has {name}={shapes[name]}, not divisible by parallel.tp={par.tp}")
-        max_cp = cfg.effective_max_cp if _is_int(cfg.effective_max_cp) and cfg.effective_max_cp >= 1 else par.cp
-        if gdn.cp_mode == "headwise" and max_cp > 1:
-            for name in ("linear_num_key_heads", "linear_num_value_heads"):
-                if shapes[name] % (par.tp * max_cp):
-                    add(
-                        f"gdn.cp_mode=headwise splits GDN heads over TP x CP but model.preset={preset.name} has "
-                        f"{name}={shapes[name]}, not divisible by parallel.tp x cp = {par.tp} x {max_cp}; use "
-                        "gdn.cp_mode=chunkwise or a smaller parallel.cp"
-                    )
-
-    # --- GDN mode vs recompute / determinism ---------------------------------------------------
-    cp_in_use = sizes_ok and (par.cp > 1)
-    if gdn.cp_mode == "all_gather" and cp_in_use and cfg.recompute.granularity != "full":
-        add(
-            "gdn.cp_mode=all_gather recomputes the whole sequence on every CP rank (activations grow with the "
-            f"global length): it needs recompute.granularity=full (got {cfg.recompute.granularity!r})"
-        )
-    if gdn.cp_mode == "chunkwise" and cp_in_use and train.deterministic:
-        add("gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels: set train.deterministic=false or "
-            "use gdn.cp_mode=headwise")
-
-    # --- batch / tokens ---------------------------------------------------------------------
-    if not _is_int(train.steps) or train.steps < 1:
-        add(f"train.steps={train.steps!r} must be an integer >= 1")
-    if not _is_int(train.global_batch_size) or train.global_batch_size < 1:
-        add(f"train.global_batch_size={train.global_batch_size!r} must be an integer >= 1")
-    elif dims is not None and train.global_batch_size % dims.dp:
-        add(
-            f"train.global_batch_size={train.global_batch_size} is not divisible by the data-parallel size "
-            f"{dims.dp} (= world {world_size} / (tp {par.tp} x cp {par.cp})): every DP rank takes the same "
-            "number of samples; use a multiple of the DP size"
-        )
-    mtpg = train.max_tokens_per_gpu
-    if not _is_int(mtpg) or mtpg < 2 or mtpg % 2:
-        add(f"train.max_tokens_per_gpu={mtpg!r} must be an even integer >= 2 (documents are padded to multiples "
-            "of 2*cp; the per-GPU budget must hold a whole number of those units)")
-    elif sizes_ok and _is_int(data.max_sample_tokens) and _is_int(cfg.effective_max_cp) and \
-            data.max_sample_tokens > mtpg * cfg.effective_max_cp:
-        cp_key = "parallel.dynamic_cp.max_cp" if dyn.enabled else "parallel.cp"
-        add(
-            f"data.max_sample_tokens={data.max_sample_tokens} exceeds what one micro-batch holds, "
-            f"train.max_tokens_per_gpu x {cp_key} = {mtpg} x {cfg.effective_max_cp} = "
-            f"{mtpg * cfg.effective_max_cp}: lower data.max_sample_tokens or raise train.max_tokens_per_gpu"
-        )
-    if data.max_sample_tokens is not None and (not _is_int(data.max_sample_tokens) or data.max_sample_tokens < 2):
-        add(f"data.max_sample_tokens={data.max_sample_tokens!r} must be an integer >= 2 or null")
-
-    # --- data source ----------------------------------------------------------------------------
-    if data.source == "synthetic":
-        if not _is_int(data.num_samples) or data.num_samples < 1:
-            add(f"data.num_samples={data.num_samples!r} must be an integer >= 1 for data.source=synthetic")
-        elif _is_int(train.global_batch_size) and data.num_samples < train.global_batch_size:
-            add(f"data.num_samples={data.num_samples} is below train.global_batch_size={train.global_batch_size}")
-    elif data.source in DATA_SOURCES:
-        if not data.path:
-            add(f"data.path is required for data.source={data.source} (a file or directory to read)")
-        elif not os.path.exists(data.path):
-            add(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the data file "
-                "or directory")
-    _check_eval(cfg, add)
-    if data.tokenizer is None:
-        add(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer directory "
-            "(e.g. the checkpoint's), or 'embedded'")
-    elif data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
-        add(f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
-            "tokenizer directory")
-    if cfg.model.hf_checkpoint is not None and not os.path.isdir(cfg.model.hf_checkpoint):
-        add(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r} is not a directory (a local HF checkpoint)")
-
-    # --- optimizer ------------------------------------------------------------------------------
-    if not optim.lr > 0:
-        add(f"optim.lr={optim.lr!r} must be > 0")
-    if not 0 <= optim.min_lr <= optim.lr:
-        add(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
-    warmup = optim.warmup_steps
-    if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
-            (warmup >= 1 and warmup != int(warmup)):
-        add(f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or a "
-            "whole number of steps")
-    if optim.decay_steps is not None and (not _is_int(optim.decay_steps) or optim.decay_steps < 1):
-        add(f"optim.decay_steps={optim.decay_steps!r} must be an integer >= 1 or null")
-    for key, beta in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):
-        if not 0 <= beta < 1:
-            add(f"{key}={beta!r} must be in [0, 1)")
-    if optim.weight_decay < 0:
-        add(f"optim.weight_decay={optim.weight_decay!r} must be >= 0")
-    if optim.clip_grad < 0:
-        add(f"optim.clip_grad={optim.clip_grad!r} must be >= 0 (0 disables clipping)")
-
-    # --- logging / checkpoint ---------------------------------------------------------------------
-    if not _is_int(cfg.logging.log_every) or cfg.logging.log_every < 1:
-        add(f"logging.log_every={cfg.logging.log_every!r} must be an integer >= 1")
-    if not _is_int(cfg.checkpoint.every_steps) or cfg.checkpoint.every_steps < 0:
-        add(f"checkpoint.every_steps={cfg.checkpoint.every_steps!r} must be an integer >= 0 (0: no periodic saves)")
-    if cfg.checkpoint.resume not in (None, "auto") and not os.path.isdir(cfg.checkpoint.resume):
-        add(f"checkpoint.resume={cfg.checkpoint.resume!r} is not a directory (a step_NNNNNN checkpoint or its parent) "
-            "nor auto")
-    if cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir:
-        add("checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and read from)")
-    if not _is_int(cfg.checkpoint.keep_last) or cfg.checkpoint.keep_last < 0:
-        add(f"checkpoint.keep_last={cfg.checkpoint.keep_last!r} must be an integer >= 0 (0: keep every checkpoint)")
-
+    dims, problems = _mesh(cfg, world_size)
+    problems += _choices(cfg)
+    if dims is not None:
+        problems += _model_and_gdn(cfg, dims)
+    problems += _parallel(cfg, dims)
+    problems += _batch(cfg, dims)
+    problems += _data(cfg)
+    problems += _optim(cfg)
+    problems += _logging_and_checkpoint(cfg)
+    _check_eval(cfg, problems.append)
     if problems:
         raise ConfigError(problems)
     assert dims is not None
     return dims
+
+
+def _choices(cfg: RunConfig) -> list[str]:
+    """Every ``Literal`` field of the schema holds one of its options (the ``gdn.*`` ones: the GDN rules)."""
+    m = cfg.model
+    fields = [
+        ("model.preset", m.preset, MODEL_PRESETS),
+        ("model.spec_provider", m.spec_provider, SPEC_PROVIDERS),
+        ("model.attention_backend", m.attention_backend, MODEL_ATTENTION_BACKENDS),
+        ("recompute.granularity", cfg.recompute.granularity, RECOMPUTE_GRANULARITIES),
+        ("data.source", cfg.data.source, DATA_SOURCES),
+        ("data.format", cfg.data.format, RECORD_FORMATS),
+        ("train.precision", cfg.train.precision, PRECISIONS),
+        ("train.device", cfg.train.device, DEVICES),
+        ("optim.name", cfg.optim.name, OPTIMIZERS),
+        ("optim.schedule", cfg.optim.schedule, LR_SCHEDULES),
+        ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
+    ]
+    problems = [p for key, value, allowed in fields if (p := choice_problem(key, value, allowed))]
+    unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))
+    if unknown_modules:
+        problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
+    if not isinstance(cfg.gdn.contiguous_between_layers, bool):
+        problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
+    return problems + gdn_option_problems(cfg.gdn_options)
+
+
+def _mesh(cfg: RunConfig, world_size: int) -> tuple[ParallelDims | None, list[str]]:
+    """world = dp x cp x tp with whole numbers."""
+    par, problems = cfg.parallel, []
+    for key, value in (("parallel.tp", par.tp), ("parallel.cp", par.cp)):
+        if not _is_int(value) or value < 1:
+            problems.append(f"{key}={value!r} must be an integer >= 1")
+    if not _is_int(world_size) or world_size < 1:
+        problems.append(f"world size {world_size!r} must be an integer >= 1 (torchrun --nproc-per-node / WORLD_SIZE)")
+    if problems:
+        return None, problems
+    if world_size % (par.tp * par.cp):
+        return None, [
+            f"world size {world_size} is not divisible by parallel.tp x parallel.cp = {par.tp} x {par.cp} = "
+            f"{par.tp * par.cp}: data parallel = world / (tp*cp) must be a whole number; change parallel.tp, "
+            "parallel.cp or the number of processes"
+        ]
+    return ParallelDims(world_size, par.tp, par.cp), []
+
+
+def _model_and_gdn(cfg: RunConfig, dims: ParallelDims) -> list[str]:
+    """Head counts of the preset against TP (attention) and the GDN rules (relax_gdn.gdn.options)."""
+    preset = PRESETS.get(cfg.model.preset)
+    max_cp = cfg.effective_max_cp
+    if preset is None or not _is_int(max_cp) or max_cp < 1:
+        return []  # reported by _choices / _parallel
+    shapes = preset.config
+    problems = [f"{name}={shapes[name]} is not divisible by parallel.tp={dims.tp} (model.preset={preset.name})"
+                for name in ("num_attention_heads", "num_query_groups") if shapes[name] % dims.tp]
+    return problems + gdn_shape_problems(
+        cfg.gdn_options, key_heads=shapes["linear_num_key_heads"], value_heads=shapes["linear_num_value_heads"],
+        tp_size=dims.tp, max_cp_size=max_cp, deterministic=cfg.train.deterministic,
+        recompute_granularity=cfg.recompute.granularity,
+    )
+
+
+def _parallel(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
+    """Sequence parallelism and dynamic CP."""
+    par, problems = cfg.parallel, []
+    if par.sp and dims is not None and par.tp == 1:
+        problems.append("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP "
+                        "ranks); set parallel.sp=false or parallel.tp >= 2")
+    dyn = par.dynamic_cp
+    if dyn.enabled and dims is not None:
+        if not _is_power_of_two(dyn.max_cp):
+            problems.append(f"parallel.dynamic_cp.max_cp={dyn.max_cp!r} must be a power of two (CP groups of 1, 2, "
+                            "4, ...)")
+        elif dyn.max_cp != par.cp:
+            problems.append(
+                f"parallel.dynamic_cp.max_cp={dyn.max_cp} must equal parallel.cp={par.cp}: each micro-batch runs at "
+                "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value")
+    return problems
+
+
+def _batch(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
+    """Steps, global batch against DP, the per-GPU token budget against the longest sample."""
+    train, data, problems = cfg.train, cfg.data, []
+    if not _is_int(train.steps) or train.steps < 1:
+        problems.append(f"train.steps={train.steps!r} must be an integer >= 1")
+    if not _is_int(train.global_batch_size) or train.global_batch_size < 1:
+        problems.append(f"train.global_batch_size={train.global_batch_size!r} must be an integer >= 1")
+    elif dims is not None and train.global_batch_size % dims.dp:
+        problems.append(
+            f"train.global_batch_size={train.global_batch_size} is not divisible by the data-parallel size "
+            f"{dims.dp} (= world {dims.world_size} / (tp {dims.tp} x cp {dims.cp})): every DP rank takes the same "
+            "number of samples; use a multiple of the DP size")
+    mtpg, max_cp = train.max_tokens_per_gpu, cfg.effective_max_cp
+    if not _is_int(mtpg) or mtpg < 2 or mtpg % 2:
+        problems.append(f"train.max_tokens_per_gpu={mtpg!r} must be an even integer >= 2 (documents are padded to "
+                        "multiples of 2*cp; the per-GPU budget must hold a whole number of those units)")
+    elif dims is not None and _is_int(data.max_sample_tokens) and _is_int(max_cp) and \
+            data.max_sample_tokens > mtpg * max_cp:
+        cp_key = "parallel.dynamic_cp.max_cp" if cfg.parallel.dynamic_cp.enabled else "parallel.cp"
+        problems.append(
+            f"data.max_sample_tokens={data.max_sample_tokens} exceeds what one micro-batch holds, "
+            f"train.max_tokens_per_gpu x {cp_key} = {mtpg} x {max_cp} = {mtpg * max_cp}: lower "
+            "data.max_sample_tokens (or set it to null: skip what does not fit) or raise train.max_tokens_per_gpu")
+    if data.max_sample_tokens is not None and (not _is_int(data.max_sample_tokens) or data.max_sample_tokens < 2):
+        problems.append(f"data.max_sample_tokens={data.max_sample_tokens!r} must be an integer >= 2 or null")
+    return problems
+
+
+def _data(cfg: RunConfig) -> list[str]:
+    """The source's files and sizes, the tokenizer, the checkpoint to start from."""
+    data, train, problems = cfg.data, cfg.train, []
+    if data.source == "synthetic":
+        if not _is_int(data.num_samples) or data.num_samples < 1:
+            problems.append(f"data.num_samples={data.num_samples!r} must be an integer >= 1 for data.source=synthetic")
+        elif _is_int(train.global_batch_size) and data.num_samples < train.global_batch_size:
+            problems.append(f"data.num_samples={data.num_samples} is below train.global_batch_size="
+                            f"{train.global_batch_size}")
+    elif data.source in DATA_SOURCES:
+        if not data.path:
+            problems.append(f"data.path is required for data.source={data.source} (a file or directory to read)")
+        elif not os.path.exists(data.path):
+            problems.append(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the "
+                            "data file or directory")
+    if data.tokenizer is None:
+        problems.append(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer "
+                        "directory (e.g. the checkpoint's), or 'embedded'")
+    elif data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
+        problems.append(f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
+                        "tokenizer directory")
+    if cfg.model.hf_checkpoint is not None and not os.path.isdir(cfg.model.hf_checkpoint):
+        problems.append(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r} is not a directory (a local HF checkpoint)")
+    return problems
+
+
+def _optim(cfg: RunConfig) -> list[str]:
+    optim, problems = cfg.optim, []
+    if not optim.lr > 0:
+        problems.append(f"optim.lr={optim.lr!r} must be > 0")
+    if not 0 <= optim.min_lr <= optim.lr:
+        problems.append(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
+    warmup = optim.warmup_steps
+    if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
+            (warmup >= 1 and warmup != int(warmup)):
+        problems.append(f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or "
+                        "a whole number of steps")
+    if optim.decay_steps is not None and (not _is_int(optim.decay_steps) or optim.decay_steps < 1):
+        problems.append(f"optim.decay_steps={optim.decay_steps!r} must be an integer >= 1 or null")
+    for key, beta in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{key}={beta!r} must be in [0, 1)")
+    if optim.weight_decay < 0:
+        problems.append(f"optim.weight_decay={optim.weight_decay!r} must be >= 0")
+    if optim.clip_grad < 0:
+        problems.append(f"optim.clip_grad={optim.clip_grad!r} must be >= 0 (0 disables clipping)")
+    return problems
+
+
+def _logging_and_checkpoint(cfg: RunConfig) -> list[str]:
+    log, ckpt, problems = cfg.logging, cfg.checkpoint, []
+    window = log.profile_steps
+    if window is not None and not (isinstance(window, (list, tuple)) and len(window) == 2
+                                   and all(_is_int(v) for v in window) and 1 <= window[0] <= window[1]):
+        problems.append(f"logging.profile_steps={window!r} must be null or [first, last] with 1 <= first <= last "
+                        "(steps to trace with the torch profiler), e.g. logging.profile_steps=[10,12]")
+    if not _is_int(log.log_every) or log.log_every < 1:
+        problems.append(f"logging.log_every={log.log_every!r} must be an integer >= 1")
+    if not _is_int(ckpt.every_steps) or ckpt.every_steps < 0:
+        problems.append(f"checkpoint.every_steps={ckpt.every_steps!r} must be an integer >= 0 (0: no periodic saves)")
+    if ckpt.resume not in (None, "auto") and not os.path.isdir(ckpt.resume):
+        problems.append(f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint or its "
+                        "parent) nor auto")
+    if ckpt.resume == "auto" and not ckpt.dir:
+        problems.append("checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and "
+                        "read from)")
+    if not _is_int(ckpt.keep_last) or ckpt.keep_last < 0:
+        problems.append(f"checkpoint.keep_last={ckpt.keep_last!r} must be an integer >= 0 (0: keep every checkpoint)")
+    return problems

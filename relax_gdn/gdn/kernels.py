@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from relax_gdn.choices import KERNEL_BACKENDS
+from relax_gdn.choices import KERNEL_BACKENDS, choice_problem
 from relax_gdn.gdn import fla_cp_summaries, reference
 from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
 from relax_gdn.layout.route import upload_rows
@@ -238,8 +238,9 @@ def select_kernels(backend: str, device: torch.device) -> GDNKernels:
 
 @functools.cache
 def _kernels(backend: str, device_type: str) -> GDNKernels:  # noqa: D103 - see select_kernels
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"unknown gdn.kernel_backend {backend!r}: use one of {KERNEL_BACKENDS}")
+    problem = choice_problem("gdn.kernel_backend", backend, KERNEL_BACKENDS)
+    if problem:
+        raise ValueError(problem)
     if backend == "auto":
         backend = "fla" if device_type == "cuda" else "torch"
     if backend == "fla" and device_type != "cuda":

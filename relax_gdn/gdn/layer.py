@@ -47,12 +47,18 @@ from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
+from relax_gdn.gdn.options import (
+    GDNOptions,
+    all_gather_recompute_problem,
+    gdn_cp_problems,
+    max_recomputed_prefix_problem,
+)
 from relax_gdn.gdn.reference import RecomputedPrefix, recomputed_prefix
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
     LAYOUTS,
-    ROUTE_STRATEGIES,
     Route,
     cached_gathered_zigzag_order,
     get_route,
@@ -64,43 +70,21 @@ from relax_gdn.layout.collectives import all_gather_rows, last_rows_to_next_rank
 from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
-from relax_gdn.gdn import CP_MODES, DEFAULT_MAX_RECOMPUTED_PREFIX
-
-
-def _check_all_gather_recompute(config: TransformerConfig) -> None:
-    if config.recompute_granularity != "full":
-        raise ValueError(
-            "gdn.cp_mode=all_gather recomputes the whole sequence on every rank, so its activations grow "
-            f"with the global length: training needs recompute.granularity=full (got {config.recompute_granularity})"
-        )
-
 
 def check_gdn_cp_config(
     config: TransformerConfig, cp_mode: str, tp_size: int, max_cp_size: int, route_strategy: str = "lazy_cache",
     training: bool = True,
 ) -> None:
-    """Refuse impossible combinations before anything is built; messages name the setting to fix."""
-    if cp_mode not in CP_MODES:
-        raise ValueError(f"unknown gdn.cp_mode {cp_mode!r}: use one of {CP_MODES}")
-    if route_strategy not in ROUTE_STRATEGIES:
-        raise ValueError(f"unknown gdn.route {route_strategy!r}: use one of {ROUTE_STRATEGIES}")
-    heads = {"linear_num_key_heads": config.linear_num_key_heads, "linear_num_value_heads": config.linear_num_value_heads}
-    for name, n in heads.items():
-        if n % tp_size:
-            raise ValueError(f"{name}={n} is not divisible by tensor parallel size parallel.tp={tp_size}")
-        if cp_mode == "headwise" and n % (tp_size * max_cp_size):
-            raise ValueError(
-                f"gdn.cp_mode=headwise splits heads over TP x CP but {name}={n} is not divisible by "
-                f"tp x cp = {tp_size} x {max_cp_size}; use gdn.cp_mode=chunkwise (needs heads % tp only) "
-                "or a smaller parallel.cp"
-            )
-    if cp_mode == "chunkwise" and config.deterministic_mode and max_cp_size > 1:
-        raise ValueError(
-            "gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels; turn off deterministic mode "
-            "or use gdn.cp_mode=headwise"
-        )
-    if cp_mode == "all_gather" and training and max_cp_size > 1:
-        _check_all_gather_recompute(config)
+    """Refuse impossible combinations before anything is built (``gdn_cp_problems``, the rules the
+    run configuration is validated with); the message names the setting to fix."""
+    options = GDNOptions(cp_mode=cp_mode, route=route_strategy, training=training)
+    problems = gdn_cp_problems(
+        options, key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads, tp_size=tp_size,
+        max_cp_size=max_cp_size, deterministic=config.deterministic_mode,
+        recompute_granularity=config.recompute_granularity,
+    )
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def _head_share(param: torch.Tensor, sections: list[int], parts: int, part: int) -> torch.Tensor:
@@ -188,8 +172,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
             return self._forward_chunkwise(hidden_states, packed_seq_params, resolved, cp)
         if self.cp_mode == "headwise":
             return self._forward_headwise(hidden_states, packed_seq_params, resolved, cp)
-        if torch.is_grad_enabled():
-            _check_all_gather_recompute(self.config)
+        if torch.is_grad_enabled() and (problem := all_gather_recompute_problem(self.config.recompute_granularity)):
+            raise ValueError(problem)
         return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
 
     def convert_hidden_layout(
@@ -384,11 +368,9 @@ def one_document(cu_host: np.ndarray) -> bool:
 def set_max_recomputed_prefix(tokens: int) -> None:
     """Chunkwise recomputes crossing sequences' prefixes of up to ``tokens`` tokens instead of
     passing the state (``CPGatedDeltaNet.max_recomputed_prefix``; 0 always passes the state)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise ValueError(
-            f"max recomputed prefix {tokens!r} must be an integer >= 0 tokens; set gdn.max_recomputed_prefix "
-            f"(0 turns prefix recompute off, the default is {DEFAULT_MAX_RECOMPUTED_PREFIX})"
-        )
+    problem = max_recomputed_prefix_problem(tokens)
+    if problem:
+        raise ValueError(problem)
     CPGatedDeltaNet.max_recomputed_prefix = tokens
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from relax_gdn.choices import SWAP_TRANSPORTS
+from relax_gdn.choices import SWAP_TRANSPORTS, choice_problem
 from relax_gdn.layout.peer_memory import exchange_through_peer_memory, group_is_on_this_host
 from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
@@ -29,8 +29,9 @@ def set_swap_transport(name: str) -> None:
     (peer_memory when the CP group is on this host, else all_to_all). Swaps on gloo always use
     the all-to-all."""
     global _transport
-    if name not in SWAP_TRANSPORTS:
-        raise ValueError(f"swap transport {name!r} is not one of {SWAP_TRANSPORTS}; set gdn.swap_transport to one of them")
+    problem = choice_problem("gdn.swap_transport", name, SWAP_TRANSPORTS)
+    if problem:
+        raise ValueError(problem)
     _transport = name
 
 
