@@ -11,6 +11,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import build_module
 
 from relax_gdn.gdn.layer import gdn_cp_layer_spec
+from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.layout import attach_host_cu_seqlens, prebuild_routes, thd_rank_indices
 
 # documents of different lengths (multiples of 8 = 2W for W <= 4), an empty padding slot,
@@ -40,8 +41,8 @@ def self_group() -> dist.ProcessGroup:
     return mine
 
 
-def build_gdn(config, cp_group, tp_group, cp_mode="chunkwise", **params):
-    spec = gdn_cp_layer_spec(cp_mode, **params)
+def build_gdn(config, cp_group, tp_group, cp_mode="chunkwise", hidden_layout="zigzag", **options):
+    spec = gdn_cp_layer_spec(GDNOptions(cp_mode=cp_mode, **options), hidden_layout=hidden_layout)
     pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
     return build_module(spec, config=config, layer_number=1, pg_collection=pgs)
 

@@ -44,7 +44,7 @@ def _parity_cases(world_size: int):
         results = {}
         for mode in ("chunkwise", "headwise", "all_gather"):
             for strategy in ("lazy_cache", "prebuild"):
-                layer = h.build_gdn(config, world, single, mode, route_strategy=strategy)
+                layer = h.build_gdn(config, world, single, mode, route=strategy)
                 layer.load_state_dict(reference.state_dict())
                 psp = h.packed_params(h.PACKED, "cpu")
                 got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
@@ -153,6 +153,12 @@ def _single_process_checks():
     outs = [layers[m](x, None, packed_seq_params=psp)[0] for m in layers]
     outcome["cp1_modes_agree"] = all(torch.equal(outs[0], o) for o in outs[1:])
 
+    # a layer told its prefix limit keeps it; one built without follows the A/B switch
+    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
+
+    told, untold = h.build_gdn(config, world, world, max_recomputed_prefix=0), h.build_gdn(config, world, world)
+    with prefixes_recomputed_up_to(64):
+        outcome["prefix_limits"] = (told.max_recomputed_prefix, untold.max_recomputed_prefix)
     outcome["unknown_mode"] = value_error_message(lambda: h.build_gdn(config, world, world, "ringwise"))
     outcome["headwise_heads"] = value_error_message(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
     outcome["chunkwise_deterministic"] = value_error_message(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
@@ -167,6 +173,7 @@ def _single_process_checks():
 def test_state_dict_cp1_and_errors():
     (outcome,) = run_distributed(_single_process_checks, 1)
     assert outcome["same_state_dict"] and outcome["stock_keys"] and outcome["cp1_modes_agree"]
+    assert outcome["prefix_limits"] == (0, 64)
     assert "gdn.cp_mode='ringwise'" in outcome["unknown_mode"]
     assert "linear_num_key_heads=2" in outcome["headwise_heads"] and "chunkwise" in outcome["headwise_heads"]
     assert "deterministic" in outcome["chunkwise_deterministic"]

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.distributed import run_distributed
 
@@ -276,10 +277,9 @@ def _build_model(checkpoint_dir, tp_group, single_group):
     return build_qwen3_5_model(
         config,
         pg_collection=groups,
-        kernel_backend="torch",
+        gdn=GDNOptions(kernel_backend="torch", training=False),
         spec_provider="local",
         attention_backend="sdpa",
-        training=False,
         **model_kwargs,
     ).eval()
 

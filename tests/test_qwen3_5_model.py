@@ -52,15 +52,16 @@ def _batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def _build(config, tp, cp, single, mode="chunkwise", **kwargs):
+def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model
 
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
-        "qwen3_5_tiny", config, pg_collection=pgs, cp_mode=mode, attention_backend="sdpa",
-        kernel_backend="torch", **kwargs,
+        "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
+        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers,
     )
 
 
@@ -265,6 +266,7 @@ def _build_9b(config, single):
 def _configuration_errors(single) -> dict[str, str | None]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_model, qwen3_5_config
 
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
@@ -281,7 +283,7 @@ def _configuration_errors(single) -> dict[str, str | None]:
         "te_specs": value_error_message(lambda: build(spec_provider="te")),
         "te_attention": value_error_message(lambda: build(spec_provider="local", attention_backend="te")),
         "tp_mismatch": value_error_message(lambda: build(tp2)),
-        "all_gather": value_error_message(lambda: build(cp_mode="all_gather", max_cp_size=2)),
+        "all_gather": value_error_message(lambda: build(gdn=GDNOptions(cp_mode="all_gather", max_cp_size=2))),
         "missing_groups": value_error_message(lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))),
         "no_positions": value_error_message(lambda: build()(torch.zeros(1, 8, dtype=torch.long), None, None)),
     }

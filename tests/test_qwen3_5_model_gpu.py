@@ -40,6 +40,7 @@ def _gpu_cases(spec_provider: str):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import random as mcore_random
 
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from tests.gdn_harness import packed_params, self_group
@@ -52,7 +53,7 @@ def _gpu_cases(spec_provider: str):
     def build(config, cp_group, mode):
         pgs = ProcessGroupCollection(tp=single, cp=cp_group, pp=single, embd=single)
         return build_qwen3_5_preset_model(
-            "qwen3_5_9b_reduced", config, pg_collection=pgs, cp_mode=mode, spec_provider=spec_provider,
+            "qwen3_5_9b_reduced", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode), spec_provider=spec_provider,
             vocab_size=VOCAB,
         )
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, cuda_pipelined_ms, host_enqueue_ms
+from relax_gdn.gdn.options import GDNOptions
 
 # The first two (the seed's) have the CP 2 cut (T/2) on a document boundary, so chunkwise scans
 # each slice alone; in the third, as in the 64k ones, a document spans the cut.
@@ -199,7 +200,7 @@ def main() -> None:
     config = qwen35_gdn_config()
 
     def make(mode, cp_group, stock=False):
-        spec = gdn_layer.gdn_cp_layer_spec(mode, max_cp_size=2)
+        spec = gdn_layer.gdn_cp_layer_spec(GDNOptions(cp_mode=mode, max_cp_size=2))
         if stock:
             spec = ModuleSpec(module=GatedDeltaNet, submodules=spec.submodules)
         pgs = ProcessGroupCollection(tp=single, cp=cp_group)

@@ -92,13 +92,14 @@ def main() -> None:
     from relax_gdn.bench.gdn_layer import packed_seq_params, qwen35_gdn_config
     from relax_gdn.gdn.kernels import FlaKernels, TorchKernels
     from relax_gdn.gdn.layer import gdn_cp_layer_spec
+    from relax_gdn.gdn.options import GDNOptions
 
     world = dist.group.WORLD
     config = qwen35_gdn_config(hidden_size=HIDDEN, params_dtype=torch.float32, bf16=False)
 
     def layer(dtype, state=None):
         pgs = ProcessGroupCollection(tp=world, cp=world)
-        built = build_module(gdn_cp_layer_spec("chunkwise", max_cp_size=1), config=config, layer_number=1,
+        built = build_module(gdn_cp_layer_spec(GDNOptions(max_cp_size=1)), config=config, layer_number=1,
                              pg_collection=pgs).to(device)
         if state is not None:
             built.load_state_dict(state)

@@ -92,6 +92,7 @@ def main() -> None:
     from relax_gdn.bench.gdn_layer import packed_seq_params
     from relax_gdn.gdn.layer import CPGatedDeltaNet
     from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 
     cuda = torch.cuda.is_available()
@@ -131,7 +132,8 @@ def main() -> None:
     for label, contiguous in VARIANTS.items():
         torch.manual_seed(0)
         models[label] = build_qwen3_5_preset_model(
-            preset, config, pg_collection=pgs, cp_mode="chunkwise", contiguous_between_layers=contiguous,
+            preset, config, pg_collection=pgs, gdn=GDNOptions(cp_mode="chunkwise"),
+            contiguous_between_layers=contiguous,
         ).to(device)
     state = models["per-layer swaps"].state_dict()
     models["contiguous runs"].load_state_dict(state)

@@ -71,13 +71,9 @@ from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
 
-def check_gdn_cp_config(
-    config: TransformerConfig, cp_mode: str, tp_size: int, max_cp_size: int, route_strategy: str = "lazy_cache",
-    training: bool = True,
-) -> None:
+def check_gdn_cp_config(config: TransformerConfig, options: GDNOptions, tp_size: int, max_cp_size: int) -> None:
     """Refuse impossible combinations before anything is built (``gdn_cp_problems``, the rules the
     run configuration is validated with); the message names the setting to fix."""
-    options = GDNOptions(cp_mode=cp_mode, route=route_strategy, training=training)
     problems = gdn_cp_problems(
         options, key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads, tp_size=tp_size,
         max_cp_size=max_cp_size, deterministic=config.deterministic_mode,
@@ -98,9 +94,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
     """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring)."""
 
     # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
-    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). One value
-    # per process, like the swap transport: ``set_max_recomputed_prefix`` (the training loop, from
-    # gdn.max_recomputed_prefix), ``prefixes_recomputed_up_to`` (A/Bs and tests).
+    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). A layer
+    # given ``GDNOptions.max_recomputed_prefix`` (every training run) keeps its own; this class
+    # value serves layers built without one, and ``prefixes_recomputed_up_to`` flips it for A/Bs.
     max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
     # Selective recompute of the layer's cheap, activation-heavy middle (conv -> gates -> scan ->
     # gated norm): only its input, the in_proj GEMM output, is kept; the conv output, the scan's
@@ -113,26 +109,23 @@ class CPGatedDeltaNet(GatedDeltaNet):
         config: TransformerConfig,
         submodules: GatedDeltaNetSubmodules,
         *args,
-        cp_mode: str = "chunkwise",
-        route_strategy: str = "lazy_cache",
-        kernel_backend: str = "auto",
-        max_cp_size: int | None = None,
-        training: bool = True,
+        options: GDNOptions = GDNOptions(),
         hidden_layout: str = "zigzag",
         **kwargs,
     ):
         super().__init__(config, submodules, *args, **kwargs)
-        check_gdn_cp_config(
-            config, cp_mode, self.tp_size, max_cp_size or self.cp_size, route_strategy, training=training
-        )
+        check_gdn_cp_config(config, options, self.tp_size, options.max_cp_size or self.cp_size)
         if hidden_layout not in LAYOUTS:
             raise ValueError(f"unknown GDN hidden_layout {hidden_layout!r}: use one of {LAYOUTS}")
-        if hidden_layout == "contiguous" and (cp_mode != "chunkwise" or self.sp_size > 1):
+        if hidden_layout == "contiguous" and (options.cp_mode != "chunkwise" or self.sp_size > 1):
             raise ValueError(
                 "GDN hidden_layout='contiguous' needs gdn.cp_mode=chunkwise without sequence parallelism "
-                f"(got cp_mode={cp_mode!r}, sequence-parallel size {self.sp_size}); build it with 'zigzag'"
+                f"(got cp_mode={options.cp_mode!r}, sequence-parallel size {self.sp_size}); build it with 'zigzag'"
             )
-        self.cp_mode, self.route_strategy, self.kernel_backend = cp_mode, route_strategy, kernel_backend
+        self.options = options
+        self.cp_mode, self.route_strategy, self.kernel_backend = options.cp_mode, options.route, options.kernel_backend
+        if options.max_recomputed_prefix is not None:
+            self.max_recomputed_prefix = options.max_recomputed_prefix
         # The layout of this rank's rows of ``hidden_states`` in and out of ``forward`` when CP > 1:
         # "zigzag" (what attention uses; chunkwise swaps around its scan) or "contiguous" (the
         # caller keeps the residual stream in the scan's layout; no swap here).
@@ -187,7 +180,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
             return hidden_states  # (unpacked input at CP > 1 is refused by forward)
         resolved = resolve_cu_seqlens(packed_seq_params, hidden_states.shape[0] * self.sp_size * cp.size, cp.size)
         route = self._route(packed_seq_params, resolved, cp, hidden_states.device, source, target)
-        return swap_layout(hidden_states, route, cp.group)
+        return swap_layout(hidden_states, route, cp.group, 0, self.options.swap_transport)
 
     def _route(
         self, psp: PackedSeqParams, resolved, cp: CPGroup, device: torch.device, source: str = CP_LAYOUT_PAIR[0],
@@ -238,19 +231,21 @@ class CPGatedDeltaNet(GatedDeltaNet):
             return self._forward_zigzag_scan(hidden_states, psp, resolved, cp)
         rows, prefix = self._contiguous_rows(psp, resolved, cp)
         route = None if self.hidden_layout == "contiguous" else self._route(psp, resolved, cp, hidden_states.device)
+        transport = self.options.swap_transport
         if route is None:  # the rows already are this rank's contiguous slice
             qkvzba, _ = self.in_proj(self._with_prefix(hidden_states, prefix, cp))
         elif self.sp_size == 1:  # projections are per token: swap the narrower input instead
-            qkvzba, _ = self.in_proj(self._with_prefix(swap_layout(hidden_states, route, cp.group), prefix, cp))
+            qkvzba, _ = self.in_proj(self._with_prefix(swap_layout(hidden_states, route, cp.group, 0, transport),
+                                                       prefix, cp))
         else:
             qkvzba, _ = self.in_proj(hidden_states)
-            qkvzba = self._with_prefix(swap_layout(qkvzba, route, cp.group), prefix, cp)
+            qkvzba = self._with_prefix(swap_layout(qkvzba, route, cp.group, 0, transport), prefix, cp)
         core = self._core(qkvzba, rows, parts=1, part=0)
         if prefix is not None and prefix.recv:
             core = core[prefix.recv:]  # the recomputed rows belong to the previous rank
         if route is None:
             return self.out_proj(core)
-        return self.out_proj(swap_layout(core, route.reverse(), cp.group))
+        return self.out_proj(swap_layout(core, route.reverse(), cp.group, 0, transport))
 
     def _scans_zigzag_rows(self, resolved, device: torch.device) -> bool:
         """FLA's native zigzag CP (``kernels.fla_zigzag_cp``, an A/B) on a micro-batch of one
@@ -391,11 +386,10 @@ def prefixes_recomputed_up_to(tokens: int):
 
 
 def gdn_cp_layer_spec(
-    cp_mode: str, route_strategy: str = "lazy_cache", kernel_backend: str = "auto", training: bool = True,
-    max_cp_size: int | None = None, in_proj=None, out_norm=None, out_proj=None, hidden_layout: str = "zigzag",
+    options: GDNOptions, in_proj=None, out_norm=None, out_proj=None, hidden_layout: str = "zigzag",
 ) -> ModuleSpec:
-    """A ModuleSpec for the CP-mode GDN (local Megatron-Core linears and norm unless given;
-    ``hidden_layout``: see :class:`CPGatedDeltaNet`)."""
+    """A ModuleSpec for the CP-mode GDN told ``options`` (local Megatron-Core linears and norm
+    unless given; ``hidden_layout``: see :class:`CPGatedDeltaNet`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -406,8 +400,5 @@ def gdn_cp_layer_spec(
             out_norm=out_norm or WrappedTorchNorm,
             out_proj=out_proj or RowParallelLinear,
         ),
-        params={
-            "cp_mode": cp_mode, "route_strategy": route_strategy, "kernel_backend": kernel_backend,
-            "training": training, "max_cp_size": max_cp_size, "hidden_layout": hidden_layout,
-        },
+        params={"options": options, "hidden_layout": hidden_layout},
     )

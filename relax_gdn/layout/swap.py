@@ -23,7 +23,9 @@ _on_one_host: dict[str, bool] = {}  # group name -> every rank on this host (aut
 
 
 def set_swap_transport(name: str) -> None:
-    """How swaps of CUDA tensors over NCCL move rows, for the whole process: ``all_to_all``
+    """How swaps of CUDA tensors over NCCL move rows when the caller names no transport (the
+    process-wide switch benchmarks and tests flip; a training run passes gdn.swap_transport to
+    every swap): ``all_to_all``
     (NCCL, any topology), ``peer_memory`` (symmetric memory: the group's GPUs on one host, see
     ``relax_gdn.layout.peer_memory``; measured faster on 2 x H200, README) or ``auto``
     (peer_memory when the CP group is on this host, else all_to_all). Swaps on gloo always use
@@ -50,10 +52,11 @@ def swap_transport_set_to(name: str):
         set_swap_transport(before)
 
 
-def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    if _transport == "all_to_all" or not x.is_cuda or dist.get_backend(group) != "nccl":
+def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup, transport: str | None) -> bool:
+    transport = transport or _transport
+    if transport == "all_to_all" or not x.is_cuda or dist.get_backend(group) != "nccl":
         return False
-    if _transport == "peer_memory":
+    if transport == "peer_memory":
         return True
     if group.group_name not in _on_one_host:  # host facts, identical on every rank of the group
         _on_one_host[group.group_name] = group_is_on_this_host(group)
@@ -71,18 +74,18 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
     return dtype not in _GLOO_NATIVE and dist.get_backend(group) == "gloo"
 
 
-def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str | None) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     process_group = group or dist.group.WORLD
-    if _uses_peer_memory(x, process_group):
-        transport = exchange_through_peer_memory
+    if _uses_peer_memory(x, process_group, transport):
+        exchange = exchange_through_peer_memory
     else:
-        transport = _exchange_rows
+        exchange = _exchange_rows
     if not torch.autograd._profiler_enabled():  # the range costs ~10 us of host time per swap
-        return transport(x, route, process_group)
+        return exchange(x, route, process_group)
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
-        return transport(x, route, process_group)
+        return exchange(x, route, process_group)
 
 
 def _exchange_rows(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -119,22 +122,26 @@ class _SwapLayout(torch.autograd.Function):
     """Forward moves rows along the route; backward moves gradients along its mirror."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.route, ctx.group = route, group
-        return _exchange(x, route, group)
+    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None,
+                transport: str | None) -> torch.Tensor:
+        ctx.route, ctx.group, ctx.transport = route, group, transport
+        return _exchange(x, route, group, transport)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.route.reverse(), ctx.group), None, None
+        return _exchange(grad, ctx.route.reverse(), ctx.group, ctx.transport), None, None, None
 
 
 def swap_layout(
-    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0
+    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0,
+    transport: str | None = None,
 ) -> torch.Tensor:
     """Convert ``x`` (this rank's rows in ``route.source`` layout along ``seq_dim``) to ``route.target``.
 
     Any trailing shape and dtype; differentiable (the backward is the reverse swap). An identity
-    route (CP = 1, or source == target) returns ``x`` itself with no collective.
+    route (CP = 1, or source == target) returns ``x`` itself with no collective. ``transport``:
+    one of :data:`SWAP_TRANSPORTS` (the caller's ``gdn.swap_transport``); None follows the
+    process-wide A/B switch (:func:`swap_transport_set_to`).
     """
     if x.shape[seq_dim] != route.local_rows:
         raise ValueError(
@@ -150,6 +157,6 @@ def swap_layout(
     if route.is_identity:
         return x
     if seq_dim % x.dim() == 0:
-        return _SwapLayout.apply(x, route, cp_group)
-    moved = _SwapLayout.apply(x.movedim(seq_dim, 0), route, cp_group)
+        return _SwapLayout.apply(x, route, cp_group, transport)
+    moved = _SwapLayout.apply(x.movedim(seq_dim, 0), route, cp_group, transport)
     return moved.movedim(0, seq_dim)

@@ -4,7 +4,8 @@ One place decides the presets (:data:`PRESETS`); :func:`qwen3_5_config` turns on
 ``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (docs/design/QWEN3_5.md):
 
 * 3 GDN layers then 1 full-attention layer, repeated (``linear_attention_freq=4``);
-* GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` with the chosen ``cp_mode``; in
+* GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` told one frozen
+  :class:`~relax_gdn.gdn.options.GDNOptions` (CP mode, route, kernels, swap transport, ...); in
   ``chunkwise`` mode the residual stream stays contiguous through each run of GDN layers
   (:mod:`relax_gdn.model.gdn_runs`, switch ``contiguous_between_layers``);
 * attention has GQA, QK-norm, a sigmoid output gate and partial RoPE (64 of 256 dims, θ=1e7);
@@ -49,6 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
+from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import fusion
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
@@ -298,12 +300,8 @@ def qwen3_5_block_spec(
     config: TransformerConfig,
     *,
     spec_provider: str = "auto",
-    cp_mode: str = "chunkwise",
-    route_strategy: str = "lazy_cache",
-    kernel_backend: str = "auto",
+    gdn: GDNOptions = GDNOptions(),
     attention_backend: str = "auto",
-    max_cp_size: int | None = None,
-    training: bool = True,
     tp_group: torch.distributed.ProcessGroup | None = None,
     contiguous_between_layers: bool = True,
 ) -> TransformerBlockSubmodules:
@@ -321,17 +319,14 @@ def qwen3_5_block_spec(
         tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def gdn_spec_for(in_proj, out_proj) -> ModuleSpec:
-        return gdn_cp_layer_spec(
-            cp_mode, route_strategy, kernel_backend, training, max_cp_size,
-            in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group), out_proj=out_proj,
-        )
+        return gdn_cp_layer_spec(gdn, in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group), out_proj=out_proj)
 
     if provider == "te":
         block = _te_block_spec(config, gdn_spec_for, attention_backend)
     else:
         block = _local_block_spec(config, gdn_spec_for, attention_backend)
     return with_contiguous_gdn_runs(
-        block, contiguous_between_layers=contiguous_between_layers, cp_mode=cp_mode,
+        block, contiguous_between_layers=contiguous_between_layers, cp_mode=gdn.cp_mode,
         sequence_parallel=config.sequence_parallel,
     )
 
@@ -421,13 +416,9 @@ def build_qwen3_5_model(
     vocab_size: int,
     max_sequence_length: int,
     pg_collection: ProcessGroupCollection | None = None,
-    cp_mode: str = "chunkwise",
-    route_strategy: str = "lazy_cache",
-    kernel_backend: str = "auto",
+    gdn: GDNOptions = GDNOptions(),
     attention_backend: str = "auto",
     spec_provider: str = "auto",
-    max_cp_size: int | None = None,
-    training: bool = True,
     rotary_percent: float = 0.25,
     rotary_base: float = 10_000_000.0,
     parallel_output: bool = True,
@@ -436,8 +427,8 @@ def build_qwen3_5_model(
     """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
 
     ``pg_collection``: explicit groups (``tp``, ``cp``, ``pp`` of size 1, ``embd``); None uses
-    Megatron-Core's ``parallel_state``. ``cp_mode``/``route_strategy``/``kernel_backend``/
-    ``max_cp_size``/``training``: the GDN layers' (``relax_gdn.gdn.layer``); ``attention_backend``:
+    Megatron-Core's ``parallel_state``. ``gdn``: what every GDN layer is told
+    (:class:`~relax_gdn.gdn.options.GDNOptions`, e.g. ``RunConfig.gdn_options``); ``attention_backend``:
     one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`;
     ``contiguous_between_layers``: chunkwise GDN runs keep the residual stream contiguous (two
     layout swaps per run of GDN layers instead of two per GDN layer; :mod:`relax_gdn.model.gdn_runs`).
@@ -457,7 +448,7 @@ def build_qwen3_5_model(
     if config.sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs tensor parallelism (tp > 1); turn it off for tp=1")
     # Fail before building anything on a GDN setting that cannot work.
-    check_gdn_cp_config(config, cp_mode, tp_size, max_cp_size or pgs.cp.size(), route_strategy, training)
+    check_gdn_cp_config(config, gdn, tp_size, gdn.max_cp_size or pgs.cp.size())
     if config.sequence_parallel:
         _ensure_global_memory_buffer()
     provider = resolve_spec_provider(spec_provider)
@@ -471,9 +462,8 @@ def build_qwen3_5_model(
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
     spec = qwen3_5_block_spec(
-        config, spec_provider=provider, cp_mode=cp_mode, route_strategy=route_strategy,
-        kernel_backend=kernel_backend, attention_backend=attention_backend, max_cp_size=max_cp_size,
-        training=training, tp_group=pgs.tp, contiguous_between_layers=contiguous_between_layers,
+        config, spec_provider=provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
+        contiguous_between_layers=contiguous_between_layers,
     )
     return Qwen3_5Model(
         config, spec, vocab_size, max_sequence_length,

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.errors import ConfigError, DataError
-from relax_gdn.layout import set_swap_transport
 from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
@@ -318,11 +317,9 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         gradient_accumulation_fusion=fuse_wgrad,
         **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules),
     )
-    max_cp = cfg.effective_max_cp
     model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=vocab_size, cp_mode=cfg.gdn.cp_mode, route_strategy=cfg.gdn.route,
-        kernel_backend=cfg.gdn.kernel_backend, attention_backend=cfg.model.attention_backend,
-        spec_provider=cfg.model.spec_provider, max_cp_size=max_cp, training=True,
+        cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
+        attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
     )
     if device.type == "cuda":
@@ -399,10 +396,6 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
         dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
 
     vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
-    from relax_gdn.gdn.layer import set_max_recomputed_prefix  # Megatron-Core: imported once it is needed
-
-    set_swap_transport(cfg.gdn.swap_transport)  # process-wide, like torch.backends flags
-    set_max_recomputed_prefix(cfg.gdn.max_recomputed_prefix)
     from relax_gdn.model.fusion import Fusion, set_fusion
     from relax_gdn.model.recompute import set_own_recompute
 
