@@ -93,6 +93,12 @@ def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
 def main(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
+    # Read here, not the module's RANK: a sweep job (hydra/launcher=local|slurm) runs this function
+    # in each of its processes from a pickled copy that carries the launching process's globals.
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if rank == 0 else None
+    hydra_files = _hydra_files_only(run_dir)  # before the imports below log into the job log
+
     # before Megatron-Core / FLA / torch extensions are imported: they warn on import, every rank
     if not hydra_cfg.logging.show_third_party_warnings:
         from relax_gdn.known_warnings import silence_known_warnings
@@ -103,11 +109,6 @@ def main(hydra_cfg: DictConfig) -> float | None:
     from relax_gdn.train.lifecycle import PREEMPTED_EXIT_CODE
     from relax_gdn.train.loop import run_training
 
-    # Read here, not the module's RANK: a sweep job (hydra/launcher=local|slurm) runs this function
-    # in each of its processes from a pickled copy that carries the launching process's globals.
-    rank = int(os.environ.get("RANK", "0"))
-    run_dir = Path(HydraConfig.get().runtime.output_dir) if rank == 0 else None
-    hydra_files = _hydra_files_only(run_dir)
     try:
         result = run_training(run_config_from_hydra(hydra_cfg), run_dir)
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it

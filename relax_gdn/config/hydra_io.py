@@ -123,3 +123,7 @@ def save_run_config(cfg: RunConfig, run_dir: str | Path) -> Path:
 def load_run_config(path: str | Path) -> RunConfig:
     """The typed config saved by :func:`save_run_config`."""
     return run_config_from_dict(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
+# Registered on import: whatever composes conf/ (train.py, tests, tools) reads Hydra through here.
+register_schema()

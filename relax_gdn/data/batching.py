@@ -170,7 +170,7 @@ def plan_micro_batches(
 
 def make_micro_batch(
     samples: list[Sample], *, cp_size: int, cp_rank: int, device: torch.device | str, pad_id: int,
-    route_strategy: str = "lazy_cache", cp_group: dist.ProcessGroup | None = None,
+    route_strategy: str = "lazy_cache", cp_group: dist.ProcessGroup | None = None, carries_cp_group: bool = False,
 ) -> MicroBatch:
     """Pack ``samples`` (in order) into this CP rank's zigzag shard.
 
@@ -180,7 +180,10 @@ def make_micro_batch(
     of global padded boundaries, with its host copy attached (``attach_host_cu_seqlens``) so no
     layer needs a device->host sync. With ``route_strategy="prebuild"`` and ``cp_size > 1`` the
     zigzag<->contiguous route (one object serves both directions) is built here; ``cp_group``,
-    when given, must have ``cp_size`` ranks with this process at ``cp_rank``.
+    when given, must have ``cp_size`` ranks with this process at ``cp_rank``. ``carries_cp_group``
+    (dynamic CP, where each micro-batch runs on its own sub-group): the ``PackedSeqParams`` carry
+    ``cp_group`` and ``local_cp_size``, where every layer finds them (``resolve_cp_group``); static
+    CP leaves them unset, the layers use the model's CP group.
     An empty ``samples`` gives a padding-only micro-batch of ``2·cp_size`` tokens, no loss.
     """
     check_cp(cp_size, cp_rank)
@@ -231,6 +234,10 @@ def make_micro_batch(
         max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
     )
     attach_host_cu_seqlens(params, cu, cu_host)
+    if carries_cp_group:
+        if cp_group is None:
+            raise ValueError("carries_cp_group=True needs the micro-batch's cp_group")
+        params.cp_group, params.local_cp_size = cp_group, cp_size
     if route_strategy == "prebuild" and cp_size > 1:
         prebuild_routes(params, cp_group, cp_size=cp_size, cp_rank=cp_rank)
     return MicroBatch(

@@ -5,6 +5,7 @@ from relax_gdn.parallel.dynamic_cp import (
     DynamicCPGroups,
     DynamicCPPlan,
     cp_sizes,
+    dynamic_cp_micro_batches,
     plan_dynamic_cp,
     plan_dynamic_cp_over_dp,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "DynamicCPGroups",
     "DynamicCPPlan",
     "cp_sizes",
+    "dynamic_cp_micro_batches",
     "plan_dynamic_cp",
     "plan_dynamic_cp_over_dp",
     "resolve_cp_group",

@@ -169,3 +169,23 @@ class DynamicCPGroups:
 
     def rank_in(self, cp_size: int) -> int:
         return self.cp_rank % cp_size
+
+
+def dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups: DynamicCPGroups, max_tokens_per_gpu: int):
+    """Dynamic CP on top of a step's static micro-batch plan (``plan[dp][i]``: the samples of
+    micro-batch ``i`` of DP rank ``dp``): micro-batch ``i`` of every DP rank runs at one CP size
+    ``d`` (the MAX over DP ranks), its samples split over the CP group's sub-groups of size ``d``.
+    Returns this rank's ``(samples, d, rank in sub-group, sub-group)`` list, the step's padded
+    tokens and ``{d: packed micro-batches run at CP size d}`` for the whole step."""
+    lengths = [[[len(s) for s in mb] for mb in mbs] for mbs in plan]
+    cp_plans = plan_dynamic_cp_over_dp(lengths, max_tokens_per_gpu=max_tokens_per_gpu, max_cp=groups.max_cp)
+    mine = []
+    for samples, cp_plan in zip(plan[dp_rank], cp_plans[dp_rank]):
+        d = cp_plan.cp_size
+        mine.append(([samples[j] for j in cp_plan.samples_for(cp_rank)], d, groups.rank_in(d), groups.group(d)))
+    padded_tokens, counts = 0, {}
+    for mbs, plans in zip(plan, cp_plans):
+        for samples, cp_plan in zip(mbs, plans):
+            padded_tokens += sum(padded_length(len(s), cp_plan.cp_size) for s in samples)
+            counts[str(cp_plan.cp_size)] = counts.get(str(cp_plan.cp_size), 0) + len(cp_plan.partitions)
+    return mine, padded_tokens, dict(sorted(counts.items(), key=lambda kv: int(kv[0])))

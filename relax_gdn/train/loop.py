@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,15 +31,37 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+from torch.profiler import ProfilerActivity, profile
 
+from relax_gdn.compat.cpu import apply_cpu_shims
 from relax_gdn.config import ParallelDims, RunConfig, validate
-from relax_gdn.errors import ConfigError, DataError
+from relax_gdn.config.hydra_io import save_run_config
+from relax_gdn.data import (
+    global_batch_at_step,
+    load_sft_dataset,
+    load_tokenizer,
+    make_micro_batch,
+    padded_length,
+    plan_micro_batches,
+    synthetic_math_dataset,
+)
+from relax_gdn.errors import ConfigError, DataError, RecipeError
+from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
+from relax_gdn.model.fusion import Fusion, set_fusion
+from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
+from relax_gdn.model.recompute import recompute_config_fields, set_own_recompute
+from relax_gdn.parallel import DynamicCPGroups, dynamic_cp_micro_batches
 from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_loss
+from relax_gdn.train.memory import GIB, estimate_memory
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
+from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -80,8 +104,6 @@ def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
 
 def load_data(cfg: RunConfig):
     """(tokenizer, training set, eval set or None): errors name the data.* / eval.* key to fix."""
-    from relax_gdn.data import load_sft_dataset, load_tokenizer, synthetic_math_dataset
-
     d = cfg.data
     tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
     if d.source == "synthetic":
@@ -115,8 +137,6 @@ def check_samples_fit(samples, cfg: RunConfig) -> None:
     """Every sample must fit one micro-batch at the largest CP size, checked before step 1 (not
     as an error or an OOM at whatever step first draws it). Skipping them instead is the data
     side's job: ``data.max_sample_tokens`` drops and counts them at load time."""
-    from relax_gdn.data import padded_length
-
     cp = cfg.parallel.cp  # with dynamic CP, max_cp == cp
     capacity = cfg.train.max_tokens_per_gpu * cp
     too_long = [s for s in samples if padded_length(len(s), cp) > capacity]
@@ -137,9 +157,6 @@ class PreemptionRequest:
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self) -> None:
-        import signal
-        import threading
-
         self.requested = False
         self._previous = {}
         if threading.current_thread() is not threading.main_thread():
@@ -152,8 +169,6 @@ class PreemptionRequest:
         self.requested = True
 
     def restore(self) -> None:
-        import signal
-
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -170,8 +185,6 @@ class ProfileWindow:
 
     def before_step(self, step: int) -> None:
         if step == self.first and self.trace_dir is not None:
-            from torch.profiler import ProfilerActivity, profile
-
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
@@ -219,10 +232,6 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
                       log: bool) -> None:
     """Log the per-GPU memory model; on CUDA, refuse (before building the model) a run whose
     estimate exceeds the GPU's memory."""
-    from relax_gdn.errors import RecipeError
-    from relax_gdn.model import qwen3_5_config
-    from relax_gdn.train.memory import GIB, estimate_memory
-
     shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
     estimate = estimate_memory(
         shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
@@ -275,15 +284,11 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
         (tokenizer, dataset), eval_set = data, None
         check_samples_fit(dataset.samples, cfg)
     if device.type == "cpu":
-        from relax_gdn.compat.cpu import apply_cpu_shims
-
         apply_cpu_shims()
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created_group = init_distributed(device)
-    from megatron.core import parallel_state
-
     try:
         run_dir = _broadcast_run_dir(Path(run_dir) if run_dir is not None else None)
         return _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir)
@@ -295,9 +300,6 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
 
 def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
-    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.model.recompute import recompute_config_fields
-
     fuse_wgrad = False
     if cfg.model.fused_grad_accumulation and device.type == "cuda":
         from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
@@ -325,37 +327,11 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
     if device.type == "cuda":
         model.cuda(device)
     if cfg.model.hf_checkpoint:
-        from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
-
         load_hf_checkpoint(model, cfg.model.hf_checkpoint)
     return tconfig, model
 
 
-def _dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups, max_tokens_per_gpu: int):
-    """Dynamic CP (docs/design/LAYOUTS.md §5) over the static plan: micro-batch ``i`` of every DP rank runs
-    at one CP size ``d`` (the MAX over DP ranks), its samples split over the CP group's sub-groups
-    of size ``d``. Returns this rank's ``(samples, d, rank in sub-group, sub-group)`` list, the
-    step's padded tokens and ``{d: packed micro-batches run at CP size d}`` for the whole step."""
-    from relax_gdn.data import padded_length
-    from relax_gdn.parallel import plan_dynamic_cp_over_dp
-
-    lengths = [[[len(s) for s in mb] for mb in mbs] for mbs in plan]
-    cp_plans = plan_dynamic_cp_over_dp(lengths, max_tokens_per_gpu=max_tokens_per_gpu, max_cp=groups.max_cp)
-    mine = []
-    for samples, cp_plan in zip(plan[dp_rank], cp_plans[dp_rank]):
-        d = cp_plan.cp_size
-        mine.append(([samples[j] for j in cp_plan.samples_for(cp_rank)], d, groups.rank_in(d), groups.group(d)))
-    padded_tokens, counts = 0, {}
-    for mbs, plans in zip(plan, cp_plans):
-        for samples, cp_plan in zip(mbs, plans):
-            padded_tokens += sum(padded_length(len(s), cp_plan.cp_size) for s in samples)
-            counts[str(cp_plan.cp_size)] = counts.get(str(cp_plan.cp_size), 0) + len(cp_plan.partitions)
-    return mine, padded_tokens, dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
-
-
 def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
-    from relax_gdn.model import qwen3_5_preset
-
     if cfg.model.hf_checkpoint:  # the checkpoint's embedding decides
         vocab = qwen3_5_preset(cfg.model.preset).vocab_size
         if tokenizer.vocab_size > vocab:
@@ -368,10 +344,6 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
 
 
 def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> TrainResult:
-    from megatron.core import parallel_state
-
-    from relax_gdn.data import global_batch_at_step, make_micro_batch, padded_length, plan_micro_batches
-
     rank = dist.get_rank()
     is_rank0 = rank == 0
     if cfg.train.deterministic:
@@ -381,8 +353,6 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
         tensor_model_parallel_size=dims.tp, context_parallel_size=dims.cp, create_gloo_process_groups=False,
     )
     if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
         model_parallel_cuda_manual_seed(cfg.train.seed)
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -391,36 +361,23 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
     tp_group = parallel_state.get_tensor_model_parallel_group()
     dynamic_cp = cfg.parallel.dynamic_cp.enabled
     if dynamic_cp:
-        from relax_gdn.parallel import DynamicCPGroups
-
         dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
 
     vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
-    from relax_gdn.model.fusion import Fusion, set_fusion
-    from relax_gdn.model.recompute import set_own_recompute
-
     set_fusion(Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy))
     set_own_recompute(cfg.recompute.granularity, cfg.recompute.modules)
     check_memory_fits(cfg, dims, device, bf16, vocab_size, log=is_rank0)
     tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
     if device.type == "cuda":
-        from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
-
         core_model = model
         if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
-            from megatron.core.transformer.module import Float16Module
-
             model = Float16Module(tconfig, model)
         model, optimizer = build_megatron_ddp_and_optimizer(model, tconfig, cfg, bf16=bf16)
         model.broadcast_params()  # every DP replica starts from rank 0's weights
     else:
-        from relax_gdn.train.optimizer import CPUGradSyncOptimizer
-
         optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=dp_cp_group, tp_group=tp_group,
                                          sequence_parallel=cfg.parallel.sp)
         core_model = model
-    from relax_gdn.train.optimizer import build_scheduler
-
     scheduler = build_scheduler(optimizer, cfg)
     # checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run
     lifecycle = RunLifecycle.start(
@@ -435,8 +392,6 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
                                                "tags": run_tags(cfg), "num_samples": len(dataset),
                                                "data_skips": dataset.counts.as_dict()}}
     if is_rank0 and run_dir is not None:
-        from relax_gdn.config.hydra_io import save_run_config
-
         run_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, run_dir)
     loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step,
@@ -457,17 +412,14 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
         plan = plan_micro_batches(batch, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, cp_size=dims.cp,
                                   dp_size=dims.dp)
         if dynamic_cp:
-            return _dynamic_cp_micro_batches(plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
+            return dynamic_cp_micro_batches(plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
         mine = [(samples, dims.cp, cp_rank, cp_group) for samples in plan[dp_rank]]
         return mine, sum(padded_length(len(s), dims.cp) for s in batch), None
 
     def build(samples, mb_cp_size, mb_cp_rank, mb_cp_group):
-        mb = make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
-                              pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group)
-        if dynamic_cp:  # the layers find this micro-batch's group here (resolve_cp_group)
-            mb.packed_seq_params.cp_group = mb_cp_group
-            mb.packed_seq_params.local_cp_size = mb_cp_size
-        return mb
+        return make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
+                                pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group,
+                                carries_cp_group=dynamic_cp)
 
     # the eval set packed exactly like a training global batch
     evaluator = Evaluator(eval_set, cfg.eval.every_steps, cfg.train.steps, tp=dims.tp, device=device,
