@@ -12,7 +12,6 @@ removes the run directory Hydra made for the attempt.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import sys
@@ -35,7 +34,6 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
                  "hydra.run.dir=."]
 
 register_schema()
-log = logging.getLogger("train")
 
 
 def check_command_line(overrides: list[str]) -> None:
