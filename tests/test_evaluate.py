@@ -60,13 +60,14 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
     from relax_gdn.config import ParallelDims
     from relax_gdn.data import make_micro_batch
     from relax_gdn.data.tokenizer import load_tokenizer
+    from relax_gdn.train.checkpoint import load_model_weights
     from relax_gdn.train.loop import _build_model, _vocab_size
 
     tokenizer = load_tokenizer(None)
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
         _, model = _build_model(cfg, ParallelDims(1, 1, 1), torch.device("cpu"), False, _vocab_size(cfg, tokenizer, 1))
-        model.load_state_dict(torch.load(checkpoint / "rank_00000.pt", weights_only=False)["model"])
+        load_model_weights(checkpoint, model)
         model.eval()
         total, tokens = 0.0, 0
         for line in eval_path.read_text().splitlines():
