@@ -461,8 +461,8 @@ def build_qwen3_5_model(
         aligned["context_parallel_size"] = pgs.cp.size()
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
-    spec = qwen3_5_block_spec(
-        config, spec_provider=provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
+    spec = qwen3_5_block_spec(  # the request, not `provider`: it resolves the same, and logs once
+        config, spec_provider=spec_provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
         contiguous_between_layers=contiguous_between_layers,
     )
     return Qwen3_5Model(
