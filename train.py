@@ -85,6 +85,12 @@ def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
     for path in hydra_files:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     run_dir.rmdir()
+    # and the parents Hydra made for it (outputs/runs/<date>/), while they are empty
+    cwd = Path.cwd().resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

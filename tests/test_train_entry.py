@@ -93,6 +93,20 @@ def test_bad_input_is_one_message_and_leaves_nothing(tmp_path, case):
     assert not (tmp_path / "run").exists()  # nothing written: Hydra's run directory is gone too
 
 
+def test_a_data_error_leaves_no_default_run_directory_behind(tmp_path):
+    """Without hydra.run.dir, Hydra makes outputs/runs/<date>/<time>/; an attempt that fails
+    while loading its data removes that and the empty parents made for it."""
+    _data_file(tmp_path, "empty.jsonl", "")
+    (tmp_path / "kept").mkdir()  # what was there before stays
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=jsonl", f"data.path={tmp_path}/empty.jsonl"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "kept"]
+
+
 def test_a_typo_is_reported_before_torch_is_imported(tmp_path):
     done = _train(tmp_path, "train.stepz=3", python_flags=("-X", "importtime"))
     assert done.returncode == 2
