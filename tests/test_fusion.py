@@ -69,16 +69,34 @@ def test_chunk_tokens_bound_the_logits():
 
 
 def test_fusion_set_to_restores_previous_setting():
-    fusion.set_fusion(fusion.Fusion(norms=True, cross_entropy=False))
-    try:
+    assert fusion.active_fusion() == fusion.Fusion()
+    with fusion.fusion_set_to(cross_entropy=False):
+        assert fusion.active_fusion() == fusion.Fusion(norms=True, cross_entropy=False)
         with fusion.fusion_set_to(norms=False):
             assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=False)
             with fusion.fusion_set_to(cross_entropy=True):
                 assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=True)
             assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=False)
         assert fusion.active_fusion() == fusion.Fusion(norms=True, cross_entropy=False)
-    finally:
-        fusion.set_fusion(fusion.Fusion())
+    assert fusion.active_fusion() == fusion.Fusion()
+
+
+def test_a_module_built_with_a_setting_keeps_it():
+    """A norm built with its own Fusion ignores the process-wide A/B switch; one built without
+    follows it (the GDN options' pattern)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from relax_gdn.model.norms import RMSNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, normalization="RMSNorm",
+                               use_cpu_initialization=True)
+    own = RMSNorm(config, 8, fusion=fusion.Fusion(norms=False))
+    follows = RMSNorm(config, 8)
+    with fusion.fusion_set_to(norms=True):
+        assert fusion.fusion_in_effect(own.fusion).norms is False
+        assert fusion.fusion_in_effect(follows.fusion).norms is True
+    with fusion.fusion_set_to(norms=False):
+        assert fusion.fusion_in_effect(follows.fusion).norms is False
 
 
 def _train(**overrides):

@@ -88,3 +88,31 @@ def test_memory_model_on_one_and_two_h200():
     assert sizes == sorted(sizes, reverse=True)
     plain = estimate_memory(shape, tokens_per_gpu=8192, fused_cross_entropy=False)
     assert plain.logits > 2 * estimate_memory(shape, tokens_per_gpu=8192).logits
+
+
+def test_run_settings_reach_the_modules_through_the_specs():
+    """recompute.* and model.fused_* travel builder -> spec -> module (no process-wide setting):
+    the GDN options carry gdn_core, the MLP spec mlp_act, every relax_gdn norm spec the Fusion."""
+    from relax_gdn.config import RunConfig
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model.fusion import Fusion
+    from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
+
+    selective = RunConfig().with_overrides({"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]})
+    assert selective.gdn_options.recompute_core is True
+    assert RunConfig().with_overrides({"recompute.granularity": "full"}).gdn_options.recompute_core is False
+
+    own = Fusion(norms=False, cross_entropy=True)
+    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), spec_provider="local", gdn=selective.gdn_options,
+                              tp_group=object(), fusion=own, recompute_mlp_activation=True)
+    assert spec.layer_norm.params["fusion"] is own
+    for layer in spec.layer_specs:
+        sub = layer.submodules
+        assert sub.input_layernorm.params["fusion"] is own and sub.pre_mlp_layernorm.params["fusion"] is own
+        assert sub.mlp.keywords["recompute_activation"] is True
+        attn = sub.self_attention
+        if "options" in attn.params:  # a GDN layer
+            assert attn.params["options"].recompute_core is True
+            assert attn.submodules.out_norm.params["fusion"] is own
+        else:
+            assert attn.submodules.q_layernorm.params["fusion"] is own

@@ -36,6 +36,7 @@ from relax_gdn.choices import (
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.options import GDNOptions
+from relax_gdn.model.recompute import recomputes
 
 
 @dataclass
@@ -220,12 +221,13 @@ class RunConfig:
 
     @property
     def gdn_options(self) -> GDNOptions:
-        """What every GDN layer of this run is told (``gdn.*`` and the largest CP size), built
-        once and passed to the model builder."""
+        """What every GDN layer of this run is told (``gdn.*``, the largest CP size and whether
+        ``recompute.*`` recomputes its core), built once and passed to the model builder."""
         g = self.gdn
         return GDNOptions(cp_mode=g.cp_mode, route=g.route, kernel_backend=g.kernel_backend,
                           swap_transport=g.swap_transport, max_recomputed_prefix=g.max_recomputed_prefix,
-                          max_cp_size=self.effective_max_cp, training=True)
+                          max_cp_size=self.effective_max_cp, training=True,
+                          recompute_core=recomputes(self.recompute.granularity, self.recompute.modules, "gdn_core"))
 
     @property
     def sample_token_limit(self) -> int:

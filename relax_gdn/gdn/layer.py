@@ -98,11 +98,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
     # given ``GDNOptions.max_recomputed_prefix`` (every training run) keeps its own; this class
     # value serves layers built without one, and ``prefixes_recomputed_up_to`` flips it for A/Bs.
     max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
-    # Selective recompute of the layer's cheap, activation-heavy middle (conv -> gates -> scan ->
-    # gated norm): only its input, the in_proj GEMM output, is kept; the conv output, the scan's
-    # saved q/k/v, the gate copy and the norm's input are recomputed in backward. One value per
-    # process: ``set_core_recompute`` (the training loop, from recompute.modules: "gdn_core").
-    recompute_core: bool = False
 
     def __init__(
         self,
@@ -126,6 +121,10 @@ class CPGatedDeltaNet(GatedDeltaNet):
         self.cp_mode, self.route_strategy, self.kernel_backend = options.cp_mode, options.route, options.kernel_backend
         if options.max_recomputed_prefix is not None:
             self.max_recomputed_prefix = options.max_recomputed_prefix
+        # Selective recompute of the cheap, activation-heavy middle (conv -> gates -> scan -> gated
+        # norm): only the in_proj output is kept; q/k/v, the gate copy and the norm's input are
+        # recomputed in backward (recompute.modules: gdn_core).
+        self.recompute_core = options.recompute_core
         # The layout of this rank's rows of ``hidden_states`` in and out of ``forward`` when CP > 1:
         # "zigzag" (what attention uses; chunkwise swaps around its scan) or "contiguous" (the
         # caller keeps the residual stream in the scan's layout; no swap here).
@@ -367,11 +366,6 @@ def set_max_recomputed_prefix(tokens: int) -> None:
     if problem:
         raise ValueError(problem)
     CPGatedDeltaNet.max_recomputed_prefix = tokens
-
-
-def set_core_recompute(enabled: bool) -> None:
-    """Recompute every GDN layer's conv -> scan -> gated norm in backward (``CPGatedDeltaNet.recompute_core``)."""
-    CPGatedDeltaNet.recompute_core = bool(enabled)
 
 
 @contextlib.contextmanager

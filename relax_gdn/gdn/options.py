@@ -29,6 +29,9 @@ class GDNOptions:
     micro-batch can run on and whether the layer trains), built once per run and passed
     builder -> spec -> layer.
 
+    ``recompute_core``: recompute the layer's conv -> gates -> scan -> gated norm in backward
+    (``recompute.modules: gdn_core`` under selective recompute).
+
     ``swap_transport`` and ``max_recomputed_prefix`` set to None follow the process-wide A/B
     switches (``relax_gdn.layout.swap_transport_set_to``,
     ``relax_gdn.gdn.layer.prefixes_recomputed_up_to``) that benchmarks and tests flip around
@@ -41,6 +44,7 @@ class GDNOptions:
     max_recomputed_prefix: int | None = None
     max_cp_size: int | None = None  # None: the CP group the layer is built with
     training: bool = True
+    recompute_core: bool = False
 
 
 def _is_count(value: object, minimum: int) -> bool:

@@ -21,8 +21,11 @@ compiled ``SwiGLUFunction`` that saves only its input), switched on CUDA by the 
 FLA's ``swiglu`` measured no faster than the plain form on an H200 (1.51 vs 1.52 ms fwd+bwd at
 8192 x 12288).
 
-The setting is process-wide (like the swap transport): the training loop sets it from the config
-with :func:`set_fusion`; :func:`fusion_set_to` switches it inside a block for A/B and tests.
+The setting travels with the model, like the GDN options: the training loop builds the model with
+``Fusion(norms=model.fused_norms, cross_entropy=model.fused_cross_entropy)`` and every norm and the
+model keep it. Modules built without one (None) follow the process-wide default instead, which
+:func:`fusion_set_to` switches inside a block: an A/B for benchmarks and tests around modules
+already built, with nothing for a training run to set.
 """
 
 from __future__ import annotations
@@ -39,31 +42,38 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Fusion:
+    """Which fused forms a model runs (``model.fused_norms``, ``model.fused_cross_entropy``),
+    passed builder -> spec -> module."""
+
     norms: bool = True
     cross_entropy: bool = True
 
 
+# What modules built without a Fusion follow; only fusion_set_to changes it.
 _active = Fusion()
 
 
-def set_fusion(fusion: Fusion) -> None:
-    global _active
-    _active = fusion
-
-
 def active_fusion() -> Fusion:
+    """The process-wide default (what modules built without a :class:`Fusion` run)."""
     return _active
+
+
+def fusion_in_effect(own: Fusion | None) -> Fusion:
+    """A module's own setting, or the process-wide default when it was built without one."""
+    return _active if own is None else own
 
 
 @contextlib.contextmanager
 def fusion_set_to(**switches: bool):
-    """``set_fusion`` with ``switches`` changed inside the block, the previous setting after it."""
+    """The process-wide default with ``switches`` changed inside the block, the previous one after
+    it. Reaches only modules built without a :class:`Fusion` (benchmark and test A/B)."""
+    global _active
     before = _active
-    set_fusion(dataclasses.replace(before, **switches))
+    _active = dataclasses.replace(before, **switches)
     try:
         yield
     finally:
-        set_fusion(before)
+        _active = before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,9 +89,10 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
     return F.rms_norm(x, (x.shape[-1],), scale.to(x.dtype), eps)
 
 
-def gated_rms_norm_applies(x: torch.Tensor) -> bool:
-    """Whether :func:`fused_gated_rms_norm` runs for ``x`` (CUDA, fused norms on)."""
-    return _active.norms and x.is_cuda
+def gated_rms_norm_applies(x: torch.Tensor, own: Fusion | None = None) -> bool:
+    """Whether :func:`fused_gated_rms_norm` runs for ``x`` (CUDA, fused norms on for a module whose
+    own setting is ``own``)."""
+    return fusion_in_effect(own).norms and x.is_cuda
 
 
 def fused_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -207,8 +218,8 @@ __all__ = [
     "fused_gated_rms_norm",
     "fused_output_loss",
     "fused_rms_norm",
+    "fusion_in_effect",
     "fusion_set_to",
     "gated_rms_norm_applies",
     "linear_cross_entropy",
-    "set_fusion",
 ]

@@ -13,10 +13,19 @@ class Qwen3_5MLP(MLP):
     """``MLP`` (same parameters, same forward) that, with ``recompute_activation`` on, frees the
     SwiGLU output after linear_fc2 has used it and recomputes it from linear_fc1's output before
     linear_fc2's backward: per token and layer it keeps ``2·ffn`` (fc1's output) instead of
-    ``4·ffn`` values (fc1's output, ``silu(a)`` and the product). One setting per process:
-    :func:`set_activation_recompute`."""
+    ``4·ffn`` values (fc1's output, ``silu(a)`` and the product). Set when the model is built
+    (``recompute.modules: mlp_act``, through :meth:`as_mlp_submodule`), so two models in one
+    process can differ."""
 
-    recompute_activation: bool = False
+    recompute_activation: bool = False  # what an MLP built without the setting does
+
+    @classmethod
+    def as_mlp_submodule(cls, *args, recompute_activation: bool = False, **kwargs) -> "Qwen3_5MLP":
+        """Megatron-Core's builder (a TransformerLayer's ``mlp`` submodule), told whether to
+        recompute the activation."""
+        mlp = super().as_mlp_submodule(*args, **kwargs)
+        mlp.recompute_activation = recompute_activation
+        return mlp
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         if not (self.recompute_activation and torch.is_grad_enabled() and per_token_scale is None
@@ -40,8 +49,4 @@ class Qwen3_5MLP(MLP):
         return self.config.activation_func(a) * (b + self.config.glu_linear_offset)
 
 
-def set_activation_recompute(enabled: bool) -> None:
-    Qwen3_5MLP.recompute_activation = bool(enabled)
-
-
-__all__ = ["Qwen3_5MLP", "set_activation_recompute"]
+__all__ = ["Qwen3_5MLP"]

@@ -9,9 +9,9 @@ parallelism, and Qwen3.5 needs both kinds of RMSNorm (docs/design/QWEN3_5.md):
   ``Qwen3_5RMSNormGated``), whatever the config flag says.
 
 The plain path normalises in fp32 and casts back to the input dtype, as the HF reference does;
-with ``model.fused_norms`` (:mod:`relax_gdn.model.fusion`, the default) the same formula is one
-fused ``rms_norm`` kernel, and the GDN layer's gated norm one FLA kernel on CUDA
-(:meth:`RMSNorm.forward_gated`).
+with ``model.fused_norms`` (:mod:`relax_gdn.model.fusion`, the default; given at build time as
+``fusion``) the same formula is one fused ``rms_norm`` kernel, and the GDN layer's gated norm one
+FLA kernel on CUDA (:meth:`RMSNorm.forward_gated`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ import torch
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 
-from relax_gdn.model import fusion
+from relax_gdn.model.fusion import (
+    Fusion,
+    fused_gated_rms_norm,
+    fused_rms_norm,
+    fusion_in_effect,
+    gated_rms_norm_applies,
+)
 
 
 class RMSNorm(torch.nn.Module):
@@ -28,6 +34,8 @@ class RMSNorm(torch.nn.Module):
     ``w``. Built like any Megatron-Core norm: ``RMSNorm(config=..., hidden_size=..., eps=...)``.
 
     ``zero_centered_gamma``: ``None`` follows ``config.layernorm_zero_centered_gamma``.
+    ``fusion``: whether the fused forms run (:class:`~relax_gdn.model.fusion.Fusion`); ``None``
+    follows the process-wide default (``fusion_set_to``, for A/B around built modules).
     ``grad_sum_group``: a group over which the weight's gradient is summed inside autograd. The GDN
     output norm needs it under tensor parallelism: its weight is shared by every value head, each
     TP rank holds other heads, and Megatron-Core's ``finalize_model_grads`` sums only norms marked
@@ -45,6 +53,7 @@ class RMSNorm(torch.nn.Module):
         eps: float = 1e-6,
         zero_centered_gamma: bool | None = None,
         grad_sum_group: torch.distributed.ProcessGroup | None = None,
+        fusion: Fusion | None = None,
         **unused,  # persist_layer_norm, normalization, ...: accepted like Megatron-Core's norms
     ):
         super().__init__()
@@ -55,6 +64,7 @@ class RMSNorm(torch.nn.Module):
             )
         self.hidden_size = hidden_size
         self.eps = eps
+        self.fusion = fusion
         self.zero_centered_gamma = (
             config.layernorm_zero_centered_gamma if zero_centered_gamma is None else zero_centered_gamma
         )
@@ -72,8 +82,8 @@ class RMSNorm(torch.nn.Module):
         weight = self.weight
         if self.grad_sum_group is not None:
             weight = _sum_grad_over(weight, self.grad_sum_group)
-        if fusion.active_fusion().norms:
-            return fusion.fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
+        if fusion_in_effect(self.fusion).norms:
+            return fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = weight.float() + 1.0 if self.zero_centered_gamma else weight.float()
@@ -83,12 +93,12 @@ class RMSNorm(torch.nn.Module):
         """``norm(x) · silu(gate)`` in one kernel (the GDN output's gated norm, ``[N, D]`` each), or
         None where that fused path does not apply (fused norms off, not CUDA, zero-centred scale):
         the caller then runs ``norm(x)`` and the gate itself."""
-        if self.zero_centered_gamma or not fusion.gated_rms_norm_applies(x):
+        if self.zero_centered_gamma or not gated_rms_norm_applies(x, self.fusion):
             return None
         weight = self.weight
         if self.grad_sum_group is not None:
             weight = _sum_grad_over(weight, self.grad_sum_group)
-        return fusion.fused_gated_rms_norm(x, gate, weight, self.eps)
+        return fused_gated_rms_norm(x, gate, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"

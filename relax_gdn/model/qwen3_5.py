@@ -51,7 +51,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
 from relax_gdn.gdn.options import GDNOptions
-from relax_gdn.model import fusion
+from relax_gdn.model.fusion import Fusion, fused_output_loss, fusion_in_effect
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.mlp import Qwen3_5MLP
@@ -221,18 +221,21 @@ def _core_attention_spec(provider: str, attention_backend: str, te_core):
     return ModuleSpec(module=CPDotProductAttention, params={"backend": attention_backend})
 
 
-def _gdn_output_norm_spec(tp_group) -> ModuleSpec:
+def _gdn_output_norm_spec(tp_group, fusion: Fusion | None) -> ModuleSpec:
     # HF's Qwen3_5RMSNormGated: plain weight (init 1) whatever layernorm_zero_centered_gamma says
-    return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group})
+    return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group,
+                                              "fusion": fusion})
 
 
-def _local_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerBlockSubmodules:
+def _local_block_spec(config, gdn_spec_for, attention_backend: str, fusion: Fusion | None,
+                      recompute_mlp_activation: bool) -> TransformerBlockSubmodules:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_linear_attention_pattern,
     )
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 
+    norm = ModuleSpec(module=RMSNorm, params={"fusion": fusion})
     attention = ModuleSpec(
         module=Qwen3_5SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -240,28 +243,29 @@ def _local_block_spec(config, gdn_spec_for, attention_backend: str) -> Transform
             linear_qkv=ColumnParallelLinear,
             core_attention=_core_attention_spec("local", attention_backend, None),
             linear_proj=RowParallelLinear,
-            q_layernorm=RMSNorm,  # zero-centred per config
-            k_layernorm=RMSNorm,
+            q_layernorm=norm,  # zero-centred per config
+            k_layernorm=norm,
         ),
     )
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
-    mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args, **mlp.keywords)  # same submodules
+    mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args,  # same submodules
+                            recompute_activation=recompute_mlp_activation, **mlp.keywords)
     layers = [
         ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=RMSNorm,
+                input_layernorm=norm,
                 self_attention=gdn if is_gdn else attention,
                 self_attn_bda=get_bias_dropout_add,
-                pre_mlp_layernorm=RMSNorm,
+                pre_mlp_layernorm=norm,
                 mlp=mlp,
                 mlp_bda=get_bias_dropout_add,
             ),
         )
         for is_gdn in get_linear_attention_pattern(config)
     ]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
 
 
 def _te_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerBlockSubmodules:
@@ -304,6 +308,8 @@ def qwen3_5_block_spec(
     attention_backend: str = "auto",
     tp_group: torch.distributed.ProcessGroup | None = None,
     contiguous_between_layers: bool = True,
+    fusion: Fusion | None = None,
+    recompute_mlp_activation: bool = False,
 ) -> TransformerBlockSubmodules:
     """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm.
 
@@ -311,6 +317,9 @@ def qwen3_5_block_spec(
     Megatron-Core's ``parallel_state``). ``config.transformer_impl`` must match the provider
     (:func:`build_qwen3_5_model` sees to it). ``contiguous_between_layers``: keep the residual
     stream contiguous between consecutive chunkwise GDN layers (:mod:`relax_gdn.model.gdn_runs`).
+    ``fusion``: what the relax_gdn norms run (:class:`~relax_gdn.model.fusion.Fusion`; None: the
+    process-wide default). ``recompute_mlp_activation``: the MLPs recompute their SwiGLU
+    (``recompute.modules: mlp_act``; local provider, whose MLP is :class:`Qwen3_5MLP`).
     """
     provider = resolve_spec_provider(spec_provider)
     if tp_group is None:
@@ -319,12 +328,13 @@ def qwen3_5_block_spec(
         tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def gdn_spec_for(in_proj, out_proj) -> ModuleSpec:
-        return gdn_cp_layer_spec(gdn, in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group), out_proj=out_proj)
+        return gdn_cp_layer_spec(gdn, in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group, fusion),
+                                 out_proj=out_proj)
 
     if provider == "te":
         block = _te_block_spec(config, gdn_spec_for, attention_backend)
     else:
-        block = _local_block_spec(config, gdn_spec_for, attention_backend)
+        block = _local_block_spec(config, gdn_spec_for, attention_backend, fusion, recompute_mlp_activation)
     return with_contiguous_gdn_runs(
         block, contiguous_between_layers=contiguous_between_layers, cp_mode=gdn.cp_mode,
         sequence_parallel=config.sequence_parallel,
@@ -342,10 +352,15 @@ class Qwen3_5Model(GPTModel):
     Megatron-Core's own position embedding is off (``position_embedding_type="none"``); the
     rotary angles for the micro-batch are computed once in ``_preprocess`` from ``position_ids``
     and handed to every attention layer.
+
+    ``fusion``: whether the loss runs chunked with the output layer
+    (:class:`~relax_gdn.model.fusion.Fusion` ``cross_entropy``); None follows the process-wide
+    default (``fusion_set_to``).
     """
 
     def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
-                 rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection, **kwargs):
+                 rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection,
+                 fusion: Fusion | None = None, **kwargs):
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
@@ -366,6 +381,7 @@ class Qwen3_5Model(GPTModel):
             use_cpu_initialization=True,  # moved to the positions' device on first use
             cp_group=pg_collection.cp,
         )
+        self.fusion = fusion
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         if kwargs.get("inference_context") is not None:
@@ -381,10 +397,10 @@ class Qwen3_5Model(GPTModel):
     def _postprocess(self, hidden_states, *args, **kwargs):
         # model.fused_cross_entropy: output layer + per-token loss in token chunks (no full-vocabulary
         # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
-        if (fusion.active_fusion().cross_entropy and kwargs.get("labels") is not None
+        if (fusion_in_effect(self.fusion).cross_entropy and kwargs.get("labels") is not None
                 and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
                 and self.pg_collection.tp.size() == 1):
-            kwargs["output_processor"] = fusion.fused_output_loss
+            kwargs["output_processor"] = fused_output_loss
         return super()._postprocess(hidden_states, *args, **kwargs)
 
 
@@ -423,6 +439,8 @@ def build_qwen3_5_model(
     rotary_base: float = 10_000_000.0,
     parallel_output: bool = True,
     contiguous_between_layers: bool = True,
+    fusion: Fusion | None = None,
+    recompute_mlp_activation: bool = False,
 ) -> Qwen3_5Model:
     """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
 
@@ -431,7 +449,11 @@ def build_qwen3_5_model(
     (:class:`~relax_gdn.gdn.options.GDNOptions`, e.g. ``RunConfig.gdn_options``); ``attention_backend``:
     one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`;
     ``contiguous_between_layers``: chunkwise GDN runs keep the residual stream contiguous (two
-    layout swaps per run of GDN layers instead of two per GDN layer; :mod:`relax_gdn.model.gdn_runs`).
+    layout swaps per run of GDN layers instead of two per GDN layer; :mod:`relax_gdn.model.gdn_runs`);
+    ``fusion``: the fused norms and loss (:class:`~relax_gdn.model.fusion.Fusion`, e.g.
+    ``model.fused_*``; None follows the process-wide default, for A/B with ``fusion_set_to``);
+    ``recompute_mlp_activation``: the MLPs recompute their SwiGLU (``recompute.modules: mlp_act``;
+    the GDN layers' own recompute is ``gdn.recompute_core``).
     Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
     returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels).
     """
@@ -463,12 +485,13 @@ def build_qwen3_5_model(
         config = dataclasses.replace(config, **aligned)
     spec = qwen3_5_block_spec(  # the request, not `provider`: it resolves the same, and logs once
         config, spec_provider=spec_provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
-        contiguous_between_layers=contiguous_between_layers,
+        contiguous_between_layers=contiguous_between_layers, fusion=fusion,
+        recompute_mlp_activation=recompute_mlp_activation,
     )
     return Qwen3_5Model(
         config, spec, vocab_size, max_sequence_length,
         rotary_percent=rotary_percent, rotary_base=rotary_base, pg_collection=pgs,
-        parallel_output=parallel_output,
+        parallel_output=parallel_output, fusion=fusion,
     )
 
 

@@ -9,7 +9,7 @@ The rule: recompute the cheap, activation-heavy parts and keep every GEMM output
                input linear_fc2 saves for its weight gradient) is freed and recomputed before
                linear_fc2's backward (:class:`relax_gdn.model.mlp.Qwen3_5MLP`).
 ``gdn_core``   every GDN layer's conv -> gates -> scan -> gated norm, recomputed from the in_proj
-               output (``CPGatedDeltaNet.recompute_core``).
+               output (``CPGatedDeltaNet.recompute_core``, from ``GDNOptions.recompute_core``).
 
 Megatron-Core's ``layernorm`` module is not offered: in 0.19.2 its output-discarding checkpoint
 (``CheckpointWithoutOutput()``, fp8 default False but ``self.fp8 = fp8 is not None``) reaches for
@@ -50,16 +50,11 @@ def recompute_config_fields(granularity: str, modules=SELECTIVE_MODULES) -> dict
     return dict(recompute_granularity=None)
 
 
-def set_own_recompute(granularity: str, modules=SELECTIVE_MODULES) -> None:
-    """Switch the recompute pieces Megatron-Core does not have (``mlp_act``, ``gdn_core``); one
-    setting per process, set by the training loop before the model runs."""
-    from relax_gdn.gdn.layer import set_core_recompute
-    from relax_gdn.model.mlp import set_activation_recompute
-
-    selective = granularity == "selective"
-    set_activation_recompute(selective and "mlp_act" in modules)
-    set_core_recompute(selective and "gdn_core" in modules)
+def recomputes(granularity: str, modules, module: str) -> bool:
+    """Whether this package's own ``module`` (``mlp_act``, ``gdn_core``: pieces Megatron-Core does
+    not have) is recomputed; the model builder tells the MLPs and GDN layers."""
+    return granularity == "selective" and module in modules
 
 
 __all__ = ["MEGATRON_MODULES", "SELECTIVE_MODULES", "check_recompute_modules", "recompute_config_fields",
-           "set_own_recompute"]
+           "recomputes"]

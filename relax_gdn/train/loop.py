@@ -50,9 +50,9 @@ from relax_gdn.data import (
 )
 from relax_gdn.errors import ConfigError, DataError, RecipeError
 from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
-from relax_gdn.model.fusion import Fusion, set_fusion
+from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
-from relax_gdn.model.recompute import recompute_config_fields, set_own_recompute
+from relax_gdn.model.recompute import recompute_config_fields, recomputes
 from relax_gdn.parallel import DynamicCPGroups, dynamic_cp_micro_batches
 from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
@@ -323,6 +323,9 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
         attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
+        # given at build time (no process-wide switch), so every module keeps this run's setting
+        fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy),
+        recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
     )
     if device.type == "cuda":
         model.cuda(device)
@@ -364,8 +367,6 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
         dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
 
     vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
-    set_fusion(Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy))
-    set_own_recompute(cfg.recompute.granularity, cfg.recompute.modules)
     check_memory_fits(cfg, dims, device, bf16, vocab_size, log=is_rank0)
     tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
     if device.type == "cuda":
