@@ -12,6 +12,7 @@ removes the run directory Hydra made for the attempt.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -23,6 +24,8 @@ from omegaconf import DictConfig
 from relax_gdn.config import validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
 from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError, report_user_error
+
+log = logging.getLogger("train")
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 RANK = int(os.environ.get("RANK", "0"))

@@ -42,6 +42,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "che
         apply_cpu_shims()
     from megatron.core import parallel_state
 
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.loop import init_distributed
 
@@ -51,9 +52,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "che
         tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, use_cpu_initialization=True,
                                  params_dtype=torch.float32)
         model = build_qwen3_5_preset_model(
-            cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"], kernel_backend="torch",
-            spec_provider=cfg.model.spec_provider,
-            attention_backend=cfg.model.attention_backend, training=False,
+            cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
+            gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
+            attention_backend=cfg.model.attention_backend,
         )
         load_model_weights(directory, model)
         target = DTYPES[dtype] or getattr(torch, manifest["model"].get("dtype", "float32"))
