@@ -85,6 +85,7 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     from relax_gdn.config import run_config_from_dict
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.checkpoint import load_model_weights, read_manifest
 
@@ -98,7 +99,7 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     try:
         tconfig = qwen3_5_config(cfg.model.preset, use_cpu_initialization=True)
         model = build_qwen3_5_preset_model(cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
-                                           kernel_backend="torch", training=False).eval()
+                                           gdn=GDNOptions(kernel_backend="torch", training=False)).eval()
         load_model_weights(Path(checkpoint), model)
         with torch.no_grad():
             logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
