@@ -17,15 +17,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without a surrounding launcher's rank variables (and without
+    HYDRA_FULL_ERROR unless ``extra`` sets it), plus ``extra``."""
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
-        if key not in (env or {}):
-            env.pop(key, None)
+        env.pop(key, None)
+    return {**env, **(extra or {})}
+
+
+def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
+           env: dict[str, str] | None = None, run_dir: bool = True) -> subprocess.CompletedProcess:
+    """``python train.py`` in ``tmp_path``; ``run_dir``: pin Hydra's run directory to tmp_path/run
+    (False: Hydra's default outputs/runs/<date>/<time>/ under tmp_path)."""
+    pinned = [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir else []
     return subprocess.run(
-        [sys.executable, *python_flags, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
+        cwd=tmp_path, env=_clean_env(env), capture_output=True, text=True, timeout=300,
     )
 
 
@@ -98,11 +106,7 @@ def test_a_data_error_leaves_no_default_run_directory_behind(tmp_path):
     while loading its data removes that and the empty parents made for it."""
     _data_file(tmp_path, "empty.jsonl", "")
     (tmp_path / "kept").mkdir()  # what was there before stays
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
-        env.pop(key, None)
-    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "data=jsonl", f"data.path={tmp_path}/empty.jsonl"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = _train(tmp_path, "data=jsonl", f"data.path={tmp_path}/empty.jsonl", run_dir=False)
     assert done.returncode == 2, done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "kept"]
 
@@ -123,9 +127,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
 
 @pytest.mark.slow  # trains (or starts torchrun)
 def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
-        env.pop(key, None)
+    env = _clean_env()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "train.py"),
          f"hydra.run.dir={tmp_path / 'run'}", "train.steps=0"],
