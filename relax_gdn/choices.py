@@ -29,6 +29,8 @@ Device = Literal["auto", "cuda", "cpu"]
 # whose optimizer state does not fit (the full 9B on one GPU)
 OptimizerName = Literal["adam", "none"]
 LRSchedule = Literal["cosine", "linear", "constant"]
+# how the GPU distributed optimizer's state is checkpointed (relax_gdn.train.optimizer says what each costs)
+OptimizerCheckpointSharding = Literal["dp_reshardable", "fully_reshardable"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 CP_MODES: tuple[str, ...] = get_args(CPMode)
@@ -47,6 +49,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 DEVICES: tuple[str, ...] = get_args(Device)
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
+OPTIMIZER_CHECKPOINT_SHARDINGS: tuple[str, ...] = get_args(OptimizerCheckpointSharding)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 
 

@@ -1,8 +1,9 @@
 """Distributed checkpoints on GPUs (NCCL, bf16, Megatron-Core DDP + distributed optimizer), the
-reduced 9B: saved with ``checkpoint.async_save=true`` (Megatron-Core's async calls queue) and
-resumed at another layout, the step after the resume agreeing with the uninterrupted run to bf16
-kernel noise. Two GPUs: saved at CP 2, resumed at CP 1 (DP 2). One GPU: saved and resumed at
-TP 1. Prints the save times (training blocked / until published)."""
+reduced 9B: saved in both forms of the optimizer state (``checkpoint.optimizer_sharding``), inline
+and with ``checkpoint.async_save=true`` (Megatron-Core's async calls queue), then resumed at
+another layout, the step after the resume agreeing with the uninterrupted run to bf16 kernel
+noise. Two GPUs: saved at CP 2, resumed at CP 1 (DP 2). One GPU: saved and resumed at TP 1.
+Prints the save times (training blocked / until published)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _overrides(**extra) -> dict:
     }
 
 
-def _save_async_then_resume(tmp: str, save_cp: int, resume_cp: int) -> dict:
+def _save_then_resume(tmp: str, save_cp: int, resume_cp: int, sharding: str, async_save: bool) -> dict:
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import run_training
 
@@ -35,15 +36,20 @@ def _save_async_then_resume(tmp: str, save_cp: int, resume_cp: int) -> dict:
 
     tmp = Path(tmp)
     full = run(**{"parallel.cp": save_cp, "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.every_steps": 2,
-                  "checkpoint.async_save": True})
+                  "checkpoint.async_save": async_save, "checkpoint.optimizer_sharding": sharding})
     resumed = run(**{"parallel.cp": resume_cp, "checkpoint.resume": str(tmp / "ckpt" / "step_000002")})
     return {"full": full.records, "resumed": resumed.records, "start": resumed.start_step,
             "saved": sorted(p.name for p in (tmp / "ckpt").iterdir()), "timings": full.save_timings}
 
 
-def _check(out: dict) -> None:
+# (optimizer form, async save)
+CASES = [("dp_reshardable", True), ("dp_reshardable", False), ("fully_reshardable", False)]
+IDS = ["dp_reshardable-async", "dp_reshardable-sync", "fully_reshardable-sync"]
+
+
+def _check(out: dict, case: str) -> None:
     full, resumed = out["full"], out["resumed"]
-    print(f"save timings (step, blocked s, total s): {out['timings']}")
+    print(f"{case} save timings (step, blocked s, total s): {out['timings']}")
     assert out["start"] == 2 and [r["step"] for r in resumed] == [3]
     assert out["saved"] == ["latest", "step_000002", "step_000003"]
     # bf16 with FLA's atomics in the backward: agreement to kernel noise, not bit-equality
@@ -53,10 +59,13 @@ def _check(out: dict) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_async_save_at_cp2_resumes_at_cp1(tmp_path):
-    for out in run_distributed(_save_async_then_resume, 2, str(tmp_path), 2, 1, backend="nccl"):
-        _check(out)
+@pytest.mark.parametrize("sharding,async_save", CASES, ids=IDS)
+def test_save_at_cp2_resumes_at_cp1(tmp_path, sharding, async_save):
+    for out in run_distributed(_save_then_resume, 2, str(tmp_path), 2, 1, sharding, async_save, backend="nccl"):
+        _check(out, f"{sharding}, async={async_save}")
 
 
-def test_async_save_on_one_gpu_resumes(tmp_path):
-    _check(run_distributed(_save_async_then_resume, 1, str(tmp_path), 1, 1, backend="nccl")[0])
+@pytest.mark.parametrize("sharding,async_save", CASES, ids=IDS)
+def test_save_on_one_gpu_resumes(tmp_path, sharding, async_save):
+    out = run_distributed(_save_then_resume, 1, str(tmp_path), 1, 1, sharding, async_save, backend="nccl")[0]
+    _check(out, f"{sharding}, async={async_save}")

@@ -314,6 +314,37 @@ def test_bad_checkpoint_exits_2_naming_the_file(saved_checkpoint, tmp_path, dama
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_optimizer_state_of_another_kind_exits_2_naming_the_fix(saved_checkpoint, tmp_path):
+    copy = _damaged_copy(saved_checkpoint, tmp_path, lambda directory: directory)
+    manifest = json.loads((copy / "relax_gdn.json").read_text())
+    assert manifest["optimizer"] == {"kind": "cpu_adamw"}
+    manifest["optimizer"] = {"kind": "megatron", "sharding": "dp_reshardable"}  # as a GPU run writes it
+    (copy / "relax_gdn.json").write_text(json.dumps(manifest))
+    done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={copy}")
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert f"checkpoint {copy} holds Megatron-Core's distributed optimizer state" in text, text[-3000:]
+    assert "relax_gdn.export_hf" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("sharding,saved_tp,tp,refused", [
+    ("dp_reshardable", 2, 1, True), ("dp_reshardable", 1, 1, False), ("fully_reshardable", 2, 1, False)])
+def test_dp_reshardable_optimizer_state_is_refused_at_another_tp(sharding, saved_tp, tp, refused):
+    from relax_gdn.train.checkpoint import optimizer_reshard_problem
+
+    manifest = {"optimizer": {"kind": "megatron", "sharding": sharding},
+                "layout": {"world_size": 2, "tp": saved_tp, "cp": 2 // saved_tp, "dynamic_cp": False, "max_cp": 1}}
+    layout = {"world_size": 2, "tp": tp, "cp": 2 // tp, "dynamic_cp": True, "max_cp": 2}
+    problem = optimizer_reshard_problem(Path("/ckpt/step_000004"), manifest, {"kind": "megatron",
+                                                                              "sharding": "dp_reshardable"}, layout)
+    if refused:
+        assert problem.startswith("checkpoint /ckpt/step_000004 was written at TP 2 with "
+                                  "checkpoint.optimizer_sharding=dp_reshardable")
+        assert "parallel.tp=2 with checkpoint.optimizer_sharding=fully_reshardable" in problem
+    else:
+        assert problem is None
+
+
 def test_unwritable_checkpoint_dir_exits_2_before_step_1(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("checkpoint.dir cannot be created under a file")

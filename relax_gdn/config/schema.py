@@ -25,6 +25,7 @@ from relax_gdn.choices import (
     LRSchedule,
     ModelAttentionBackend,
     ModelPreset,
+    OptimizerCheckpointSharding,
     OptimizerName,
     Precision,
     RecomputeGranularity,
@@ -177,6 +178,10 @@ class CheckpointConfig:
     resume: str | None = None  # a step_NNNNNN directory, the directory holding them, or auto (needs dir)
     keep_last: int = 3  # complete checkpoints kept in dir (older ones deleted after a save); 0: all
     async_save: bool = False  # GPU: write in the background (Megatron-Core's async queue); CPU saves inline
+    # GPU distributed optimizer: dp_reshardable (every rank writes its own shard; resumes at any DP /
+    # CP / dynamic CP, same TP) or fully_reshardable (gathered into model-shaped tensors; resumes at
+    # any TP too, holding the TP shard's whole fp32 optimizer state in each rank's host memory)
+    optimizer_sharding: OptimizerCheckpointSharding = "dp_reshardable"
     export_hf_final: bool = False  # after the last step, write a Hugging Face directory <run dir>/hf
 
 

@@ -30,6 +30,7 @@ from relax_gdn.choices import (
     LR_SCHEDULES,
     MODEL_ATTENTION_BACKENDS,
     MODEL_PRESETS,
+    OPTIMIZER_CHECKPOINT_SHARDINGS,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_GRANULARITIES,
@@ -122,6 +123,7 @@ def _choices(cfg: RunConfig) -> list[str]:
         ("optim.name", cfg.optim.name, OPTIMIZERS),
         ("optim.schedule", cfg.optim.schedule, LR_SCHEDULES),
         ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
+        ("checkpoint.optimizer_sharding", cfg.checkpoint.optimizer_sharding, OPTIMIZER_CHECKPOINT_SHARDINGS),
     ]
     problems = [p for key, value, allowed in fields if (p := choice_problem(key, value, allowed))]
     unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))

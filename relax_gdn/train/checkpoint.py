@@ -10,8 +10,9 @@ Layout of ``checkpoint.dir``::
 
 What is saved: the model's ``sharded_state_dict`` (global tensor keys and offsets, so a
 checkpoint written at one world size / TP / CP loads at another), the optimizer's sharded state
-keyed like the parameters (CPU: AdamW's moments; GPU: the distributed optimizer's state, see
-``relax_gdn.train.optimizer.DISTRIBUTED_OPTIMIZER_SHARDING``), and as common state (rank 0's,
+keyed like the parameters (CPU: AdamW's moments; GPU: the distributed optimizer's state in the
+form ``checkpoint.optimizer_sharding`` names, see ``MegatronOptimizerAdapter.sharded_state_dict``
+and :func:`optimizer_reshard_problem`), and as common state (rank 0's,
 identical on every rank) the step, the LR scheduler, the CPU RNGs and everything ``relax_gdn.json`` holds: the resolved config, the
 data position's inputs (the global batch of step s is a pure function of seed, batch size,
 dataset and s, ``relax_gdn.data.global_batch_at_step``, so the step IS the data position), the
@@ -157,6 +158,30 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def optimizer_reshard_problem(directory: Path, manifest: dict[str, Any], optimizer_form: dict[str, Any],
+                              layout: dict[str, Any]) -> str | None:
+    """Why the optimizer state of the checkpoint in ``directory`` cannot load into this run's
+    optimizer (``optimizer_form``) at this run's parallel ``layout``, or None. Checked before the
+    load, so the message names the fix instead of a missing tensor key deep in the reader."""
+    saved = manifest.get("optimizer")
+    if not saved or optimizer_form["kind"] == "none":
+        return None  # written before forms were recorded, or a run with no optimizer state to load
+    if saved["kind"] != optimizer_form["kind"]:
+        names = {"cpu_adamw": "the CPU AdamW state", "megatron": "Megatron-Core's distributed optimizer state",
+                 "none": "no optimizer state (optim.name=none)"}
+        return (f"checkpoint {directory} holds {names.get(saved['kind'], saved['kind'])}, this run needs "
+                f"{names.get(optimizer_form['kind'], optimizer_form['kind'])}: the two do not convert. Resume "
+                "on the device type that wrote it, or start from its weights (python -m relax_gdn.export_hf, "
+                "then model.hf_checkpoint=<that directory>)")
+    saved_tp = (manifest.get("layout") or {}).get("tp")
+    if saved.get("sharding") == "dp_reshardable" and saved_tp != layout["tp"]:
+        return (f"checkpoint {directory} was written at TP {saved_tp} with checkpoint.optimizer_sharding="
+                f"dp_reshardable, whose optimizer state loads at any DP / CP but only at TP {saved_tp} (this run: "
+                f"TP {layout['tp']}). Resume once at parallel.tp={saved_tp} with "
+                "checkpoint.optimizer_sharding=fully_reshardable and save, then move to the new TP")
+    return None
+
+
 def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[str]]:
     """The checkpoint directory to load for ``checkpoint.resume`` (``auto`` or a path), and notes
     for the log. ``auto``: the newest complete checkpoint under ``checkpoint.dir`` that passes
@@ -272,7 +297,8 @@ class Saver:
             state["rng_cuda"] = _cuda_rng_sharded(is_loading=False)
         # replicated tensors (DP and CP replicas) are written by one rank each, spread over the group
         strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), self.dp_cp_group)
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **manifest}
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+                    "optimizer": optimizer.checkpoint_form, **manifest}
 
         blocked = 0.0
 
@@ -370,7 +396,9 @@ def load_checkpoint(directory: Path, *, model, optimizer, same_layout: bool) -> 
 
     manifest = read_manifest(directory)
     model_sd = model.sharded_state_dict()
-    request = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    saved_sharding = (manifest.get("optimizer") or {}).get("sharding")
+    request = {"model": model_sd,
+               "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, sharding=saved_sharding)}
     if same_layout and torch.cuda.is_available():
         request["rng_cuda"] = _cuda_rng_sharded(is_loading=True)
     try:

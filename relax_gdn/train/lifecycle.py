@@ -31,6 +31,8 @@ from relax_gdn.train.checkpoint import (
     LoadedCheckpoint,
     Saver,
     load_checkpoint,
+    optimizer_reshard_problem,
+    read_manifest,
     resolve_resume,
 )
 
@@ -189,8 +191,6 @@ class RunLifecycle:
 
     def _resume(self, directory: Path, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
                 vocab_size: int) -> None:
-        from relax_gdn.train.checkpoint import read_manifest
-
         manifest = read_manifest(directory)
         saved_data = manifest.get("data", {})
         mismatched = {k: (saved_data.get(k), v) for k, v in data_key.as_dict().items() if saved_data.get(k) != v}
@@ -203,6 +203,9 @@ class RunLifecycle:
             raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
                               f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
                               f"{self.cfg.model.preset!r} with {vocab_size}")
+        problem = optimizer_reshard_problem(directory, manifest, optimizer.checkpoint_form, layout.as_dict())
+        if problem:
+            raise RecipeError(problem)
         same_layout = manifest.get("layout") == layout.as_dict()
         loaded = load_checkpoint(directory, model=model, optimizer=optimizer, same_layout=same_layout)
         if loaded.step >= self.cfg.train.steps:

@@ -33,13 +33,6 @@ from relax_gdn.config import RunConfig
 logger = logging.getLogger("relax_gdn.train")
 
 
-# The distributed optimizer's checkpoint form: each rank writes its own slice of every
-# parameter's fp32 main weight and Adam moments at their place in the canonical (model-shaped)
-# tensors, so it reshards across TP / CP / DP with no gather. (dp_reshardable reshards DP only;
-# fully_reshardable gathers a TP shard's whole optimizer state into every DP rank's host memory,
-# ~100 GB per rank for the 9B at TP 1. Megatron-Core 0.19 lists this form for deprecation: switch
-# to fully_reshardable with its memory-efficient gather when it goes.)
-DISTRIBUTED_OPTIMIZER_SHARDING = "fully_sharded_model_space"
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -127,7 +120,10 @@ class CPUGradSyncOptimizer:
     def _parameters(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
+    checkpoint_form = {"kind": "cpu_adamw"}  # one form, resharding at any TP / CP / DP
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           sharding: str | None = None) -> dict[str, Any]:
         """AdamW's state as Megatron-Core sharded tensors keyed like the parameters they belong to
         (``optimizer.state.exp_avg.<parameter key>``), so the moments reshard with the model across
         TP / CP / DP exactly like the weights; the step count (one for all parameters) and the
@@ -179,7 +175,10 @@ class GradientsOnly:
         finalize_model_grads([self.model])
         return False, float("nan")
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
+    checkpoint_form = {"kind": "none"}
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           sharding: str | None = None) -> dict[str, Any]:
         return {"kind": "none"}  # no optimizer state to save
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
@@ -189,9 +188,10 @@ class GradientsOnly:
 class MegatronOptimizerAdapter:
     """Megatron-Core DDP + distributed optimizer (CUDA)."""
 
-    def __init__(self, ddp_model, optimizer):
+    def __init__(self, ddp_model, optimizer, checkpoint_sharding: str):
         self.model = ddp_model
         self.optimizer = optimizer
+        self.checkpoint_sharding = checkpoint_sharding
 
     @property
     def param_groups(self):
@@ -208,13 +208,43 @@ class MegatronOptimizerAdapter:
         updated, grad_norm, _ = self.optimizer.step()
         return bool(updated), float("nan") if grad_norm is None else float(grad_norm)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict[str, Any]:
-        """The distributed optimizer's state in Megatron-Core's model-space form (fp32 main params
-        and Adam moments as slices of model-shaped tensors: any TP / CP / DP on load)."""
-        return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
+    @property
+    def checkpoint_form(self) -> dict[str, Any]:
+        return {"kind": "megatron", "sharding": self.checkpoint_sharding}
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           sharding: str | None = None) -> dict[str, Any]:
+        """The distributed optimizer's state in one of Megatron-Core's two current forms
+        (``checkpoint.optimizer_sharding``; a load passes the form the checkpoint was written in):
+
+        - ``dp_reshardable``: each rank writes its own slice of the optimizer's flat buffers, with
+          no gather and no host copy of the whole state (and async save stays async). The
+          distributed optimizer shards over DP x CP, so the state resumes at any DP, CP and
+          dynamic CP; it does not resume at another TP.
+        - ``fully_reshardable``: the slices are all-gathered over DP x CP and cut into
+          model-shaped fp32 tensors, loadable at any TP / CP / DP. The price is the gather and
+          every rank holding its TP shard's whole optimizer state (main params + 2 moments,
+          12 bytes a parameter) in host memory at save and at load.
+        """
+        sharding = sharding or self.checkpoint_sharding
+        if is_loading:
+            self._create_empty_adam_state()
+        return {"kind": "megatron", "sharding": sharding, "optimizer": self.optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading,
-            metadata={"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_SHARDING,
-                      "chained_optim_avoid_prefix": True})}
+            metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
+
+    def _create_empty_adam_state(self) -> None:
+        """Give every parameter of a not-yet-stepped torch Adam its state (step 0, zero moments)
+        for the load to fill. Without Transformer Engine or Apex (the local specs), Megatron-Core's
+        ``DistributedOptimizer.state_dict`` reads each state's ``step`` and asserts that there is
+        exactly one, which an optimizer that has not stepped yet does not have."""
+        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            adam = megatron_optimizer.optimizer
+            for group in adam.param_groups:
+                for p in group["params"]:
+                    if not adam.state[p]:
+                        adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                         "exp_avg_sq": torch.zeros_like(p)}
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "megatron":
@@ -244,7 +274,7 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
         [ddp],
         use_gloo_process_groups=False,
     )
-    return ddp, MegatronOptimizerAdapter(ddp, optimizer)
+    return ddp, MegatronOptimizerAdapter(ddp, optimizer, cfg.checkpoint.optimizer_sharding)
 
 
 def resolve_warmup_steps(warmup: int | float, steps: int) -> int:
