@@ -172,6 +172,28 @@ def test_seed_repeats_are_one_variant_and_throughput_verdicts():
     assert alone["comparisons"][0]["throughput"]["verdict"] == "no A/A"
 
 
+def test_curve_verdict_weighs_the_whole_curve_against_the_seed_noise():
+    """Four runs drawn from one noisy curve (two seeds per variant) are within noise even though
+    at some steps the two repeats of a variant cross and their spread is ~0; the same curve shifted
+    by three times the seed noise differs."""
+    rng = np.random.default_rng(0)
+    steps = 150
+
+    def run(name, variant, seed, shift=0.0):
+        records = [{"step": s, "loss": 3.0 / s ** 0.3 + shift + rng.normal(0, 0.05), "grad_norm": 1.0 + rng.normal(0, 0.1),
+                    "tokens": 100, "tokens_per_s": 1000.0, "world_size": 1} for s in range(1, steps + 1)]
+        return Run(name, name, {"recompute.granularity": variant, "train.seed": seed}, records)
+
+    same = [run("f1", "full", 1), run("f2", "full", 2), run("s1", "selective", 1), run("s2", "selective", 2)]
+    (cmp,) = compare_runs(same, ["recompute.granularity=full"])["comparisons"]
+    assert cmp["loss"]["verdict"] == "within noise" and 0.5 < cmp["loss"]["noise_ratio"] < 1.5, cmp["loss"]
+    assert cmp["loss"]["outside"] > 0  # single steps outside 2 sigma happen: they are not a verdict
+    shifted = same[:2] + [run("s1", "selective", 1, shift=0.15), run("s2", "selective", 2, shift=0.15)]
+    (cmp,) = compare_runs(shifted, ["recompute.granularity=full"])["comparisons"]
+    assert cmp["loss"]["verdict"] == "differs" and cmp["loss"]["noise_ratio"] > 2, cmp["loss"]
+    assert cmp["grad_norm"]["verdict"] == "within noise"
+
+
 def test_run_summary_holds_cp_size_histogram_and_per_gpu_throughput():
     records = _records(1000, cp_sizes={"1": 2, "2": 1})
     summary = run_summary(records)

@@ -70,8 +70,9 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
             k = c[key]
             text += f"; {name} **{k['verdict']}**"
             if k.get("steps"):
-                text += (f" (max |diff| {_num(k['max_abs_diff'])} at step {k['at_step']}, {k['outside']} of "
-                         f"{k['steps']} steps outside the A/A band)")
+                text += (f" (RMS diff {_num(k['rms_diff'])} = {k['noise_ratio']:.2f}x the A/A noise "
+                         f"{_num(k['rms_noise'])} over {k['steps']} steps; max |diff| {_num(k['max_abs_diff'])} "
+                         f"at step {k['at_step']})")
         lines.append(text)
     return lines
 

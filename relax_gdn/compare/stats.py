@@ -14,13 +14,16 @@ Rules (docs/compare.md repeats them):
   are repeats of one variant).
 * **Noise floor (A/A).** Variants with >= 2 runs give it: for throughput, the largest spread
   (max - min) / median of the runs' steady-state median tok/s; for a curve (loss, grad norm), the
-  largest spread between runs of one variant at each step.
+  run-to-run variance at each step, pooled over those variants (and the largest max - min spread,
+  reported).
 * **Verdict (A/B).** Throughput *differs* when the ratio to the baseline is further from 1 than
-  the noise floor AND the two bootstrap intervals do not overlap. A curve *differs* when more
-  than 10 % of the common steps lie outside the band max(A/A spread at that step, 0.1 % of the
-  baseline's value) — the relative floor keeps reordered floating-point reductions (a different
-  CP mode) from counting as a difference when the A/A runs are bit-identical. Without a variant
-  of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
+  the noise floor AND the two bootstrap intervals do not overlap. A curve *differs* when the RMS
+  over the common steps of (variant mean curve - baseline mean curve) is more than twice the RMS
+  that the A/A variance predicts for that difference (per step: variance x (1/n_variant +
+  1/n_baseline), at least (0.1 % of the baseline's value)^2 — the floor keeps reordered
+  floating-point reductions from counting when the A/A runs are bit-identical). One number over
+  all steps: a per-step test would flag noise at the steps where two repeats happen to cross.
+  Without a variant of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from relax_gdn.compare.runs import Run
 WARMUP_FRACTION = 0.1
 MIN_WARMUP_STEPS = 3
 BOOTSTRAP_RESAMPLES = 2000
-CURVE_RTOL = 1e-3  # relative floor of the curve band
-CURVE_MAX_OUTSIDE = 0.10  # fraction of steps outside the band that still counts as noise
+CURVE_RTOL = 1e-3  # relative floor of the per-step noise
+CURVE_NOISE_RATIO = 2.0  # a curve differs when its RMS difference exceeds this many times the A/A prediction
 REPEAT_KEYS = ("train.seed",)
 IGNORED_KEY_PREFIXES = ("logging.", "checkpoint.", "derived.", "hydra.")
 IGNORED_KEYS = ("run_name",)
@@ -228,10 +231,10 @@ def _mean_curve(variant: Variant, key: str) -> dict[int, float]:
 
 
 def noise_floor(variants: list[Variant]) -> dict[str, Any]:
-    """The A/A spreads (module docstring) from every variant with >= 2 runs."""
+    """The A/A spreads and per-step curve variances (module docstring) from every variant with >= 2 runs."""
     repeated = [v for v in variants if len(v.runs) >= 2]
     throughput = None
-    curves: dict[str, dict[int, float]] = {key: {} for key in CURVES}
+    sums: dict[str, dict[int, list[float]]] = {key: {} for key in CURVES}  # step -> [sum of var x dof, dof]
     per_variant = []
     for variant in repeated:
         medians = _finite(_run_median_tps(run) for run in variant.runs)
@@ -242,12 +245,17 @@ def noise_floor(variants: list[Variant]) -> dict[str, Any]:
         for key in CURVES:
             run_curves = [_curve(run, key) for run in variant.runs]
             common = sorted(set.intersection(*(set(c) for c in run_curves)))
-            band = {s: max(c[s] for c in run_curves) - min(c[s] for c in run_curves) for s in common}
-            for s, width in band.items():
-                curves[key][s] = max(curves[key].get(s, 0.0), width)
-            entry[f"{key}_max_spread"] = max(band.values()) if band else None
+            spreads = []
+            for s in common:
+                values = [c[s] for c in run_curves]
+                spreads.append(max(values) - min(values))
+                acc = sums[key].setdefault(s, [0.0, 0.0])
+                acc[0] += float(np.var(values, ddof=1)) * (len(values) - 1)
+                acc[1] += len(values) - 1
+            entry[f"{key}_max_spread"] = max(spreads) if spreads else None
         per_variant.append(entry)
-    return {"available": bool(repeated), "tokens_per_s_spread": throughput, "curve_bands": curves,
+    variance = {key: {s: total / dof for s, (total, dof) in by_step.items()} for key, by_step in sums.items()}
+    return {"available": bool(repeated), "tokens_per_s_spread": throughput, "curve_variance": variance,
             "variants": per_variant}
 
 
@@ -271,19 +279,24 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
     steps = sorted(set(a) & set(b))
     if not steps:
         return {"verdict": "no data", "steps": 0}
-    band = noise["curve_bands"][key]
+    variance = noise["curve_variance"][key]
+    scale = 1.0 / len(baseline.runs) + 1.0 / len(variant.runs)
     diffs = {s: abs(b[s] - a[s]) for s in steps}
-    limits = {s: max(band.get(s, 0.0), CURVE_RTOL * abs(a[s])) for s in steps}
-    outside = [s for s in steps if diffs[s] > limits[s]]
+    # the variance of (mean of variant runs - mean of baseline runs) at each step if only noise differs
+    expected = {s: max(variance.get(s, 0.0), (CURVE_RTOL * a[s]) ** 2) * scale for s in steps}
+    rms_diff = math.sqrt(float(np.mean([d * d for d in diffs.values()])))
+    rms_noise = math.sqrt(float(np.mean(list(expected.values()))))
     worst = max(steps, key=lambda s: diffs[s])
-    out = {"steps": len(steps), "outside": len(outside), "max_abs_diff": diffs[worst], "at_step": worst,
+    out = {"steps": len(steps), "rms_diff": rms_diff, "rms_noise": rms_noise,
+           "noise_ratio": rms_diff / rms_noise if rms_noise else math.inf,
+           "outside": sum(diffs[s] > 2.0 * math.sqrt(expected[s]) for s in steps),
+           "max_abs_diff": diffs[worst], "at_step": worst,
            "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
-           "mean_abs_diff": float(np.mean(list(diffs.values()))),
-           "first_outside": outside[0] if outside else None}
+           "mean_abs_diff": float(np.mean(list(diffs.values())))}
     if not noise["available"]:
         out["verdict"] = "no A/A"
     else:
-        out["verdict"] = "differs" if len(outside) > CURVE_MAX_OUTSIDE * len(steps) else "within noise"
+        out["verdict"] = "differs" if out["noise_ratio"] > CURVE_NOISE_RATIO else "within noise"
     return out
 
 
@@ -317,13 +330,14 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
             "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
             **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
         })
-    noise_out = {k: v for k, v in noise.items() if k != "curve_bands"}
+    noise_out = {k: v for k, v in noise.items() if k != "curve_variance"}
     return {
         "schema": "relax_gdn.compare/1",
         "rules": {"warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
                   "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
-                  "curve_band": f"max(A/A spread, {CURVE_RTOL:g} x baseline value); differs when more than "
-                                f"{100 * CURVE_MAX_OUTSIDE:g} % of steps are outside",
+                  "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
+                           f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
+                           f"({CURVE_RTOL:g} x baseline value)^2)",
                   "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap"},
         "varying_keys": varying, "baseline": base.label, "variants": out_variants,
         "noise": noise_out, "comparisons": comparisons,
