@@ -37,6 +37,21 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("RELAX_GDN_TEST_TIMEOUT_S", 900))
 _STACK_DUMP_GRACE_S = 3.0
 
 
+# what a launcher around pytest (torchrun, SLURM, HYDRA_FULL_ERROR for tracebacks) may have set
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                       "HYDRA_FULL_ERROR")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child command that starts its own run (``python train.py``,
+    torchrun, a sweep): this process's, without a surrounding launcher's variables, with
+    ``torch.compile`` off and one OpenMP thread (2-core machines), plus ``extra``."""
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    for key in _LAUNCHER_VARIABLES:
+        env.pop(key, None)
+    return {**env, **(extra or {})}
+
+
 def value_error_message(fn: Callable[[], Any]) -> str | None:
     """``str`` of the ``ValueError`` that ``fn()`` raises, None if it returns: a picklable outcome
     for a check that runs inside a rank and is asserted in the parent."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.distributed import child_env, run_distributed
 from tests.test_train import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,9 +251,7 @@ def test_changed_schedule_is_refused_unless_asked_for(auto_resume):
 
 
 def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     small = ("train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
              "optim.warmup_steps=1", "optim.decay_steps=4")
     return subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *small,
@@ -356,9 +354,7 @@ def test_unwritable_checkpoint_dir_exits_2_before_step_1(tmp_path):
 
 
 def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     command = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "train.steps=40",
                "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
                f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
@@ -380,9 +376,7 @@ def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
 def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path):
     import psutil
 
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel.cp=2", "train.steps=40",
                "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",

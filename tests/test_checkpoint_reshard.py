@@ -12,7 +12,6 @@ Then the CP 2 checkpoint is exported with ``python -m relax_gdn.export_hf`` and 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import child_env, run_distributed
 from tests.test_train import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +131,7 @@ def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(reshard, tmp_path)
 
     source = reshard[1][0]["export_source"]
     out = tmp_path / "hf"
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env()
     done = subprocess.run([sys.executable, "-m", "relax_gdn.export_hf", source, str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

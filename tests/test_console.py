@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 

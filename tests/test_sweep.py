@@ -15,17 +15,11 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.sweep import SweepManifest, gpu_slots, variant_label, varying_keys, visible_gpu_ids, wandb_run_id
+from tests.distributed import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
         "data.synthetic_max_steps=1", "logging.console=false"]
-
-
-def _env() -> dict:
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +29,7 @@ def sweep(tmp_path_factory):
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
          "hydra.launcher.parallel_jobs=2", "parallel.cp=2", "gdn.cp_mode=headwise,chunkwise,all_gather", f"hydra.sweep.dir={sweep_dir}", *TINY],
-        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=900)
+        cwd=tmp, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=900)
     return sweep_dir, done
 
 
@@ -91,7 +85,7 @@ def test_jobs_failing_inside_are_reported_and_the_next_still_runs(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "data.source=jsonl",
          f"data.path={bad[0]},{bad[1]}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]  # two failed jobs
     jobs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["failed", "failed"]
@@ -102,7 +96,7 @@ def test_jobs_failing_inside_are_reported_and_the_next_still_runs(tmp_path):
 
 
 def test_multirun_under_torchrun_is_refused(tmp_path):
-    env = {**_env(), "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    env = {**child_env({"PYTHONPATH": str(ROOT)}), "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "gdn.cp_mode=headwise,chunkwise"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -111,7 +105,7 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
 
 
 def test_seed_table_dry_run_prints_the_array_and_every_task(tmp_path):
-    env = {**_env(), "DRY_RUN": "1", "SEEDS": "1 2", "OUT_DIR": str(tmp_path / "logs")}
+    env = {**child_env({"PYTHONPATH": str(ROOT)}), "DRY_RUN": "1", "SEEDS": "1 2", "OUT_DIR": str(tmp_path / "logs")}
     done = subprocess.run(["bash", str(ROOT / "slurm" / "seed_table.sh"), "data.path=/d"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

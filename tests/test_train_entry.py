@@ -6,7 +6,6 @@ and leaves no run directory behind."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,16 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment without a surrounding launcher's rank variables (and without
-    HYDRA_FULL_ERROR unless ``extra`` sets it), plus ``extra``."""
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HYDRA_FULL_ERROR"):
-        env.pop(key, None)
-    return {**env, **(extra or {})}
 
 
 def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
@@ -33,7 +25,7 @@ def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
     pinned = [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir else []
     return subprocess.run(
         [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
-        cwd=tmp_path, env=_clean_env(env), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=child_env(env), capture_output=True, text=True, timeout=300,
     )
 
 
@@ -127,7 +119,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
 
 @pytest.mark.slow  # trains (or starts torchrun)
 def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
-    env = _clean_env()
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "train.py"),
          f"hydra.run.dir={tmp_path / 'run'}", "train.steps=0"],

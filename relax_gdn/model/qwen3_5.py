@@ -56,7 +56,7 @@ from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.mlp import Qwen3_5MLP
 from relax_gdn.model.norms import RMSNorm
-from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
+from relax_gdn.model.presets import Qwen3_5Preset, qwen3_5_preset
 
 logger = logging.getLogger(__name__)
 
