@@ -230,8 +230,8 @@ def seed_everything(seed: int) -> None:
 
 def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
                       log: bool) -> None:
-    """Log the per-GPU memory model; on CUDA, refuse (before building the model) a run whose
-    estimate exceeds the GPU's memory."""
+    """On CUDA: log the per-GPU memory model and refuse (before building the model) a run whose
+    estimate exceeds the GPU's memory. (A CPU run has no GPU memory to estimate.)"""
     shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
     estimate = estimate_memory(
         shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
@@ -239,11 +239,11 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
         fused_norms=cfg.model.fused_norms, fused_cross_entropy=cfg.model.fused_cross_entropy,
         optimizer=cfg.optim.name,
     )
+    if device.type != "cuda":
+        return
     if log:
         logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
                     cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, estimate.summary())
-    if device.type != "cuda":
-        return
     capacity = torch.cuda.get_device_properties(device).total_memory
     if estimate.total > capacity:
         raise RecipeError(
@@ -340,8 +340,10 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
         if tokenizer.vocab_size > vocab:
             raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's {vocab}")
         return vocab
-    # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead serves every TP <= 8 with
-    # the SAME vocabulary, so runs that differ only in TP start from identical weights.
+    # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead gives every TP <= 8 the
+    # SAME padded vocabulary, so a checkpoint written at one TP loads at another (the embedding and
+    # output layer keep their global shape). The initial values still differ between TP sizes:
+    # Megatron-Core initialises each TP shard from its own RNG stream.
     multiple = 128 * max(8, tp)
     return -(-tokenizer.vocab_size // multiple) * multiple
 
@@ -379,7 +381,7 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
         optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=dp_cp_group, tp_group=tp_group,
                                          sequence_parallel=cfg.parallel.sp)
         core_model = model
-    scheduler = build_scheduler(optimizer, cfg)
+    scheduler = build_scheduler(optimizer, cfg, log=is_rank0)
     # checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run
     lifecycle = RunLifecycle.start(
         cfg, run_dir=run_dir, model=core_model, optimizer=optimizer, scheduler=scheduler, vocab_size=vocab_size,

@@ -277,20 +277,22 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
     return ddp, MegatronOptimizerAdapter(ddp, optimizer, cfg.checkpoint.optimizer_sharding)
 
 
-def resolve_warmup_steps(warmup: int | float, steps: int) -> int:
+def resolve_warmup_steps(warmup: int | float, steps: int, log: bool = True) -> int:
     """The warm-up in steps for ``optim.warmup_steps=warmup`` over ``train.steps=steps``: a value
     below 1 is a fraction of the run (rounded), a whole number is steps. A warm-up that would
     take the whole run is clamped to ``steps - 1`` (the last step trains at the scheduled rate)
-    with a warning: ``train.steps=N`` for a quick try should not need a second override."""
+    with a warning (``log``: rank 0 says it once): ``train.steps=N`` for a quick try should not need
+    a second override."""
     resolved = round(warmup * steps) if warmup < 1 else int(warmup)
     if resolved >= steps and resolved > 0:
-        logger.warning("optim.warmup_steps=%s is not below train.steps=%d: warming up over %d step(s) instead",
-                       warmup, steps, steps - 1)
+        if log:
+            logger.warning("optim.warmup_steps=%s is not below train.steps=%d: warming up over %d step(s) instead",
+                           warmup, steps, steps - 1)
         return steps - 1
     return resolved
 
 
-def build_scheduler(optimizer, cfg: RunConfig):
+def build_scheduler(optimizer, cfg: RunConfig, log: bool = True):
     """Megatron-Core's ``OptimizerParamScheduler``: linear warm-up from 0, then ``optim.schedule``
     down to ``optim.min_lr``, reached at step ``optim.decay_steps`` (default: ``train.steps``).
 
@@ -299,7 +301,7 @@ def build_scheduler(optimizer, cfg: RunConfig):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
-    warmup = resolve_warmup_steps(o.warmup_steps, cfg.train.steps)
+    warmup = resolve_warmup_steps(o.warmup_steps, cfg.train.steps, log)
     decay_steps = o.decay_steps or cfg.train.steps
     decay_steps = max(decay_steps, warmup + 1)  # the scheduler needs warmup < decay
     return OptimizerParamScheduler(
