@@ -47,7 +47,9 @@ def test_kernel_split(tmp_path):
                                 "copy": 0.00005, "elementwise": 0.0001}
     assert split["kernels"] == 5
     assert split["busy_s"] == pytest.approx(0.00075)  # 0-500 (overlapping), 600-750, 800-900
-    assert split["idle_s"] == pytest.approx(0.00125)
+    assert split["idle_s"] == pytest.approx(0.00125) and split["idle_unprofiled_s"] is None
+    unprofiled = train_e2e.kernel_split(trace, step_time_s=0.002, unprofiled_step_s=0.001)
+    assert unprofiled["idle_unprofiled_s"] == pytest.approx(0.00025)  # the profiler's host cost left out
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)

@@ -36,7 +36,8 @@ tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_g
 step time and optimizer time; the peak memory, the most host syncs in one step, the memory
 model's estimate; with ``--profile``, one more step under ``torch.profiler`` (left out of the
 medians) split into kernel categories (GEMM / elementwise / copy / GDN / attention /
-communication) and idle GPU time. ``--out`` writes ``{"meta": ..., "variants": [{"name",
+communication) and idle GPU time (under the profiler, and estimated for an unprofiled step: the
+profiler's host cost inflates the former). ``--out`` writes ``{"meta": ..., "variants": [{"name",
 "config", "records", "summary"}]}`` (the record schema of metrics.jsonl); the table gives
 ratios to the first variant.
 """
@@ -190,9 +191,11 @@ def kernel_category(name: str) -> str:
     return "elementwise"  # element-wise / reductions / norms / softmax
 
 
-def kernel_split(trace_path: Path, step_time_s: float) -> dict:
+def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float | None = None) -> dict:
     """Seconds of GPU time per kernel category in a chrome trace of ONE step, and the idle time
-    (step wall time minus the union of kernel intervals)."""
+    (step wall time minus the union of kernel intervals). The profiler's own host cost stretches
+    that step, so ``unprofiled_step_s`` (the same step's tokens at the timed steps' rate) gives
+    ``idle_unprofiled_s``, the idle time of an ordinary step."""
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     seconds = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
     by_name: dict[str, float] = {}
@@ -218,6 +221,8 @@ def kernel_split(trace_path: Path, step_time_s: float) -> dict:
     return {"seconds": {k: round(v, 6) for k, v in seconds.items()}, "kernels": count,
             "busy_s": round(busy_s, 6), "idle_s": round(max(step_time_s - busy_s, 0.0), 6),
             "step_time_s": round(step_time_s, 4),
+            "idle_unprofiled_s": (round(max(unprofiled_step_s - busy_s, 0.0), 6)
+                                  if unprofiled_step_s is not None else None),
             "top_kernels": [[n, round(t, 5), kernel_category(n)] for n, t in
                             sorted(by_name.items(), key=lambda kv: -kv[1])[:25]]}
 
@@ -312,7 +317,9 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
         summary["memory_estimate_gib"] = estimate.as_gib()
         trace = result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
         if trace is not None and trace.exists() and dist.get_rank() == 0:
-            summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"])
+            rate = summary.get("tokens_per_s_total")
+            summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"],
+                                                   records[-1]["tokens"] / rate if rate else None)
     entry |= {"records": records, "summary": summary}
     return entry
 
@@ -356,8 +363,10 @@ def format_table(result: dict) -> str:
         split = v["summary"].get("kernel_split")
         if split:
             parts = ", ".join(f"{k} {t:.3f}" for k, t in split["seconds"].items())
+            unprofiled = split.get("idle_unprofiled_s")
             lines.append(f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
-                         f"of {split['step_time_s']:.3f} s")
+                         f"of {split['step_time_s']:.3f} s under the profiler"
+                         + (f", ~{unprofiled:.3f} s at the timed rate" if unprofiled is not None else ""))
     return "\n".join(lines)
 
 
