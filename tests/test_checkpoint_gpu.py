@@ -43,8 +43,9 @@ def _save_then_resume(tmp: str, save_cp: int, resume_cp: int, sharding: str, asy
 
 
 # (optimizer form, async save)
-CASES = [("dp_reshardable", True), ("dp_reshardable", False), ("fully_reshardable", False)]
-IDS = ["dp_reshardable-async", "dp_reshardable-sync", "fully_reshardable-sync"]
+CASES = [pytest.param("dp_reshardable", True, id="dp_reshardable-async"),
+         pytest.param("dp_reshardable", False, id="dp_reshardable-sync"),
+         pytest.param("fully_reshardable", False, id="fully_reshardable-sync")]
 
 
 def _check(out: dict, case: str) -> None:
@@ -59,13 +60,13 @@ def _check(out: dict, case: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("sharding,async_save", CASES, ids=IDS)
+@pytest.mark.parametrize("sharding,async_save", CASES)
 def test_save_at_cp2_resumes_at_cp1(tmp_path, sharding, async_save):
     for out in run_distributed(_save_then_resume, 2, str(tmp_path), 2, 1, sharding, async_save, backend="nccl"):
         _check(out, f"{sharding}, async={async_save}")
 
 
-@pytest.mark.parametrize("sharding,async_save", CASES, ids=IDS)
+@pytest.mark.parametrize("sharding,async_save", CASES)
 def test_save_on_one_gpu_resumes(tmp_path, sharding, async_save):
     out = run_distributed(_save_then_resume, 1, str(tmp_path), 1, 1, sharding, async_save, backend="nccl")[0]
     _check(out, f"{sharding}, async={async_save}")

@@ -232,6 +232,8 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
                       log: bool) -> None:
     """On CUDA: log the per-GPU memory model and refuse (before building the model) a run whose
     estimate exceeds the GPU's memory. (A CPU run has no GPU memory to estimate.)"""
+    if device.type != "cuda":
+        return
     shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
     estimate = estimate_memory(
         shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
@@ -239,8 +241,6 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
         fused_norms=cfg.model.fused_norms, fused_cross_entropy=cfg.model.fused_cross_entropy,
         optimizer=cfg.optim.name,
     )
-    if device.type != "cuda":
-        return
     if log:
         logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
                     cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, estimate.summary())

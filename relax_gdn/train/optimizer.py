@@ -229,7 +229,7 @@ class MegatronOptimizerAdapter:
         sharding = sharding or self.checkpoint_sharding
         if is_loading:
             self._create_empty_adam_state()
-        return {"kind": "megatron", "sharding": sharding, "optimizer": self.optimizer.sharded_state_dict(
+        return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
 
