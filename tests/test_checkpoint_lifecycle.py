@@ -207,6 +207,26 @@ def _auto_resume_cases(tmp: str) -> dict:
     from relax_gdn.data import load_tokenizer
 
     out["tokenizer_vocab"] = load_tokenizer(None).vocab_size
+
+    # a save whose shard write fails (a full disk) at step 4: one message naming it, step 2 intact
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def no_space_at_step_4(*args, **kwargs):
+        if kwargs["write_bucket"][0].count("step_000004"):
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(no_space_at_step_4)
+    try:
+        run_training(_lifecycle_cfg(tmp / "full_disk"), tmp / "full_disk" / "run")
+        out["save_failed"] = None
+    except RecipeError as e:
+        out["save_failed"] = str(e)
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(write)
+    out["after_failed_save"] = sorted(p.name for p in (tmp / "full_disk" / "checkpoints").iterdir())
     return out
 
 
@@ -237,6 +257,25 @@ def test_export_hf_final_writes_a_transformers_directory_after_the_last_step(aut
     out = auto_resume[1]
     assert out["export_files"] == ["config.json", "model.safetensors"]  # the embedded tokenizer is no HF one
     assert out["export_config"]["vocab_size"] == out["tokenizer_vocab"]  # the padded rows trimmed
+
+
+def test_failed_save_names_the_checkpoint_and_keeps_the_previous_one(auto_resume):
+    tmp, out = auto_resume
+    message = out["save_failed"]
+    assert message is not None and str(tmp / "full_disk" / "checkpoints" / "step_000004") in message
+    assert "No space left on device" in message and "GiB free there" in message
+    assert "checkpoint.resume=auto" in message and "Traceback" not in message
+    assert out["after_failed_save"] == [".step_000004.partial", "latest", "step_000002"]
+
+
+@pytest.mark.parametrize("every,keep,steps,held", [(2, 3, 6, 4), (2, 3, 2, 2), (0, 3, 6, 1), (5, 0, 12, 3),
+                                                   (4, 1, 100, 2)])
+def test_checkpoints_held_at_once(every, keep, steps, held):
+    from relax_gdn.config import RunConfig
+    from relax_gdn.train.lifecycle import checkpoints_held_at_once
+
+    cfg = RunConfig().with_overrides({"checkpoint.every_steps": every, "checkpoint.keep_last": keep})
+    assert checkpoints_held_at_once(cfg.checkpoint, steps) == held
 
 
 def test_changed_schedule_is_refused_unless_asked_for(auto_resume):

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from relax_gdn.errors import RecipeError
 
@@ -54,6 +55,10 @@ _PARTIAL_SUFFIX = ".partial"
 
 class CheckpointError(RecipeError):
     """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+# torch.distributed.checkpoint reports failed writes as CheckpointException, a BaseException
+_WRITE_FAILURES = (Exception, CheckpointException)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,6 +270,7 @@ class Saver:
 
     def __post_init__(self) -> None:
         self._queue = None
+        self._in_flight: Path | None = None  # the checkpoint an async save is writing
         if self.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -279,8 +285,7 @@ class Saver:
         rank = dist.get_rank()
         final = step_dir(self.root, step)
         partial = _partial_dir(final)
-        if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        self._finalize(blocking=True)  # one save in flight at a time
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -314,27 +319,56 @@ class Saver:
                             f", training blocked {blocked:.1f} s" if blocked else "")
 
         if self._queue is None:
-            dist_checkpointing.save(state, str(partial), strategy, async_strategy="mcore")
+            try:
+                dist_checkpointing.save(state, str(partial), strategy, async_strategy="mcore")
+            except _WRITE_FAILURES as e:
+                raise self._save_failed(final, e) from e
             publish()
         else:
             request = dist_checkpointing.save(state, str(partial), strategy, async_sharded_save=True,
                                               async_strategy="mcore")
             request.add_finalize_fn(publish)
             self._queue.schedule_async_request(request)
+            self._in_flight = final
             blocked = time.perf_counter() - started
         return final
 
     def poll(self) -> None:
         """Publish finished background saves (a collective; call it on every rank every step)."""
-        if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
 
     def finish(self) -> None:
         """Wait for the save in flight and publish it."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize(blocking=True)
             self._queue.close()
             self._queue = None
+
+    def _finalize(self, blocking: bool) -> None:
+        if self._queue is None or self._in_flight is None:
+            return
+        try:
+            done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except _WRITE_FAILURES as e:
+            raise self._save_failed(self._in_flight, e) from e
+        if done:
+            self._in_flight = None
+
+    def _save_failed(self, final: Path, error: BaseException) -> CheckpointError:
+        """Megatron-Core reports a failed write as a bare worker failure (a full disk reads
+        "unexpected pos 704 vs 598"): name the checkpoint, the free space and the way back."""
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**30:.2f} GiB free there"
+        except OSError:
+            free = "its free space unknown"
+        if isinstance(error, CheckpointException):  # its str() is every failed rank's traceback
+            cause = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
+        else:
+            cause = f"{type(error).__name__}: {error}"
+        return CheckpointError(
+            f"saving checkpoint {final} failed ({cause}); {free}. The checkpoints "
+            f"saved before it are complete (see {self.root / LATEST}): free space or fix {self.root}, then "
+            "rerun with checkpoint.resume=auto")
 
     def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
         _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")

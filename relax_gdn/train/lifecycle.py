@@ -83,9 +83,18 @@ def estimated_checkpoint_bytes(model: torch.nn.Module, tp: int, on_gpu: bool) ->
     return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters()) * tp
 
 
-def check_checkpoint_dir(root: Path, needed_bytes: int, device: torch.device) -> None:
+def checkpoints_held_at_once(checkpoint_cfg, steps: int) -> int:
+    """How many checkpoints ``checkpoint.dir`` holds at the fullest: ``keep_last`` complete ones
+    plus the one being written (the oldest goes only after the new one is complete), at most all
+    the saves the run makes."""
+    saves = steps // checkpoint_cfg.every_steps + 1 if checkpoint_cfg.every_steps else 1
+    return saves if checkpoint_cfg.keep_last == 0 else min(checkpoint_cfg.keep_last + 1, saves)
+
+
+def check_checkpoint_dir(root: Path, needed_bytes: int, held: int, device: torch.device) -> None:
     """Before step 1, on every rank (all of them write shards): ``root`` can be created and written
-    and has room for a checkpoint. A collective: every rank raises when any rank fails."""
+    and has room for a checkpoint (else every rank raises: a collective); room for fewer than the
+    ``held`` checkpoints the run keeps at once is a warning (older runs' files may yet be pruned)."""
     problem = None
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -96,6 +105,11 @@ def check_checkpoint_dir(root: Path, needed_bytes: int, device: torch.device) ->
         if free < needed_bytes:
             problem = (f"checkpoint.dir={str(root)!r} has {free / 2**30:.2f} GiB free, a checkpoint needs about "
                        f"{needed_bytes / 2**30:.2f} GiB: free space there or point checkpoint.dir elsewhere")
+        elif free < needed_bytes * held and dist.get_rank() == 0:
+            logger.warning("checkpoint.dir=%r has %.2f GiB free; this run holds up to %d checkpoints of about %.2f GiB "
+                           "there at once (checkpoint.keep_last + the one being written): a save may fail for space; "
+                           "lower checkpoint.keep_last or free space", str(root), free / 2**30, held,
+                           needed_bytes / 2**30)
     except OSError as e:
         problem = (f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
                    f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere")
@@ -166,7 +180,8 @@ class RunLifecycle:
             raise RecipeError("checkpoints requested (checkpoint.every_steps / save_final) but there is neither a "
                               "run directory nor checkpoint.dir")
         if root is not None and wants_saves:
-            check_checkpoint_dir(root, estimated_checkpoint_bytes(model, layout.tp, device.type == "cuda"), device)
+            check_checkpoint_dir(root, estimated_checkpoint_bytes(model, layout.tp, device.type == "cuda"),
+                                 checkpoints_held_at_once(cfg.checkpoint, cfg.train.steps), device)
         async_save = cfg.checkpoint.async_save and device.type == "cuda"
         if cfg.checkpoint.async_save and not async_save and is_rank0:
             logger.warning("checkpoint.async_save=true needs CUDA (Megatron-Core's async writer); this CPU run "
