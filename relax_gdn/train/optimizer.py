@@ -249,7 +249,25 @@ class MegatronOptimizerAdapter:
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "megatron":
             raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses Megatron's optimizer")
+        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            _skip_torch_adam_step_on_load(megatron_optimizer)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _skip_torch_adam_step_on_load(distributed_optimizer) -> None:
+    """Megatron-Core 0.19.2's fully_reshardable load sets torch Adam's per-parameter ``step`` from
+    the param groups, leaves it out of the loaded tensors, then looks every state tensor up in
+    them (KeyError: 'step'; Transformer Engine's Adam keeps no per-parameter step). Mark ``step``
+    as not loaded there (a non-tensor value is skipped), leaving the step already set."""
+    set_states = getattr(distributed_optimizer, "_set_main_param_and_optimizer_states", None)
+    if set_states is None or getattr(set_states, "_skips_step", False):
+        return
+
+    def set_states_without_step(model_param, tensors):
+        set_states(model_param, {"step": None, **tensors})
+
+    set_states_without_step._skips_step = True
+    distributed_optimizer._set_main_param_and_optimizer_states = set_states_without_step
 
 
 def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):
