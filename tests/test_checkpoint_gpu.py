@@ -7,6 +7,7 @@ Prints the save times (training blocked / until published)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,22 @@ def _check(out: dict, case: str) -> None:
     assert resumed[0]["grad_norm"] == pytest.approx(full[2]["grad_norm"], rel=2e-2)
 
 
+@pytest.fixture
+def ckpt_tmp(tmp_path):
+    """A directory whose checkpoints (11 GiB each for the reduced 9B) are deleted after the test:
+    pytest keeps the last runs' tmp_path, and three cases would fill a 64 GiB disk."""
+    yield tmp_path
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("sharding,async_save", CASES)
-def test_save_at_cp2_resumes_at_cp1(tmp_path, sharding, async_save):
-    for out in run_distributed(_save_then_resume, 2, str(tmp_path), 2, 1, sharding, async_save, backend="nccl"):
+def test_save_at_cp2_resumes_at_cp1(ckpt_tmp, sharding, async_save):
+    for out in run_distributed(_save_then_resume, 2, str(ckpt_tmp), 2, 1, sharding, async_save, backend="nccl"):
         _check(out, f"{sharding}, async={async_save}")
 
 
 @pytest.mark.parametrize("sharding,async_save", CASES)
-def test_save_on_one_gpu_resumes(tmp_path, sharding, async_save):
-    out = run_distributed(_save_then_resume, 1, str(tmp_path), 1, 1, sharding, async_save, backend="nccl")[0]
+def test_save_on_one_gpu_resumes(ckpt_tmp, sharding, async_save):
+    out = run_distributed(_save_then_resume, 1, str(ckpt_tmp), 1, 1, sharding, async_save, backend="nccl")[0]
     _check(out, f"{sharding}, async={async_save}")
