@@ -207,7 +207,7 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
         start, dur = float(e["ts"]), float(e.get("dur", 0.0))
         category = "copy" if e["cat"] != "kernel" else kernel_category(e.get("name", ""))
         seconds[category] += dur / 1e6
-        name = e.get("name", "")[:90]
+        name = e.get("name", "")[:240]  # C++ kernels name their functor late
         by_name[name] = by_name.get(name, 0.0) + dur / 1e6
         intervals.append((start, start + dur))
         count += 1
@@ -224,7 +224,7 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
             "idle_unprofiled_s": (round(max(unprofiled_step_s - busy_s, 0.0), 6)
                                   if unprofiled_step_s is not None else None),
             "top_kernels": [[n, round(t, 5), kernel_category(n)] for n, t in
-                            sorted(by_name.items(), key=lambda kv: -kv[1])[:25]]}
+                            sorted(by_name.items(), key=lambda kv: -kv[1])[:40]]}
 
 
 # ---------------------------------------------------------------------------------------------
