@@ -57,6 +57,9 @@ KNOWN_LOG_LINES = (
     KnownLogLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
                  "Qwen3.5 is assembled on GPTModel's blocks with its own GDN/attention specs; "
                  "Megatron-Core's HybridModel migration notice does not apply to this recipe"),
+    KnownLogLine("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
+                 "Megatron-Core 0.19.2 logs it at every save that names its own writer, inline saves "
+                 "included; its successor (nvidia-resiliency-ext) is not a dependency of this recipe"),
     KnownLogLine("megatron.core.optimizer_param_scheduler", r"> learning rate decay style",
                  "an info line per run; the schedule is in config.yaml (optim.schedule)"),
     KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",

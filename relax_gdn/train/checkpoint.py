@@ -57,6 +57,11 @@ class CheckpointError(RecipeError):
     """A checkpoint that cannot be used; the message names the file and what to do."""
 
 
+def disk_size(n_bytes: float) -> str:
+    """``12.34 GiB``, or ``3.4 MiB`` below a GiB (a small model's checkpoint is not "0.00 GiB")."""
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
 # torch.distributed.checkpoint reports failed writes as CheckpointException, a BaseException
 _WRITE_FAILURES = (Exception, CheckpointException)
 
@@ -358,7 +363,7 @@ class Saver:
         """Megatron-Core reports a failed write as a bare worker failure (a full disk reads
         "unexpected pos 704 vs 598"): name the checkpoint, the free space and the way back."""
         try:
-            free = f"{shutil.disk_usage(self.root).free / 2**30:.2f} GiB free there"
+            free = f"{disk_size(shutil.disk_usage(self.root).free)} free there"
         except OSError:
             free = "its free space unknown"
         if isinstance(error, CheckpointException):  # its str() is every failed rank's traceback

@@ -30,6 +30,7 @@ from relax_gdn.train.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     Saver,
+    disk_size,
     load_checkpoint,
     optimizer_reshard_problem,
     read_manifest,
@@ -103,13 +104,13 @@ def check_checkpoint_dir(root: Path, needed_bytes: int, held: int, device: torch
         probe.unlink()
         free = shutil.disk_usage(root).free
         if free < needed_bytes:
-            problem = (f"checkpoint.dir={str(root)!r} has {free / 2**30:.2f} GiB free, a checkpoint needs about "
-                       f"{needed_bytes / 2**30:.2f} GiB: free space there or point checkpoint.dir elsewhere")
+            problem = (f"checkpoint.dir={str(root)!r} has {disk_size(free)} free, a checkpoint needs about "
+                       f"{disk_size(needed_bytes)}: free space there or point checkpoint.dir elsewhere")
         elif free < needed_bytes * held and dist.get_rank() == 0:
-            logger.warning("checkpoint.dir=%r has %.2f GiB free; this run holds up to %d checkpoints of about %.2f GiB "
-                           "there at once (checkpoint.keep_last + the one being written): a save may fail for space; "
-                           "lower checkpoint.keep_last or free space", str(root), free / 2**30, held,
-                           needed_bytes / 2**30)
+            logger.warning("checkpoint.dir=%r has %s free; this run holds up to %d checkpoints of about %s there at "
+                           "once (checkpoint.keep_last + the one being written): a save may fail for space; lower "
+                           "checkpoint.keep_last or free space", str(root), disk_size(free), held,
+                           disk_size(needed_bytes))
     except OSError as e:
         problem = (f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
                    f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere")
