@@ -62,6 +62,7 @@ def test_cpu_smoke(tmp_path):
     ])
     saved = json.loads(out.read_text())
     assert [v["name"] for v in saved["variants"]] == ["fused=off", "recompute=selective"]
+    assert saved["meta"]["warm_up_pass"] == {"variant": "fused=off", "steps": 2, "error": None}  # not a variant
     for variant in saved["variants"]:
         assert variant["optimizer"] == "adam"
         assert len(variant["records"]) == 2

@@ -31,6 +31,12 @@ Optimizer: Megatron-Core's distributed Adam when the memory model
 9B on one GPU) forward + backward + DDP gradient reduction without an update
 (``optim.name=none``), and the summary says so.
 
+Warm-up: the variants share Triton's autotuning and compile caches, keyed partly by shape, and a
+global batch of new lengths can trigger more tuning after ``--skip``: on the full 9B that made
+the first variant of a run 3 % slower (median tok/s; 7 % in all its tokens over all its time)
+than the same variant run again last. So the first
+variant first runs once untimed over the same batches (``--no-warm-up-pass`` skips it).
+
 Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
 tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
 step time and optimizer time; the peak memory, the most host syncs in one step, the memory
@@ -388,6 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--optimizer", choices=("auto", "adam", "none"), default="auto")
     parser.add_argument("--profile", action="store_true", help="kernel-category split of one extra step")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the first variant once, untimed, before the measured ones (fills the shared "
+                             "autotune and compile caches for every batch's shapes)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.skip >= args.steps:
@@ -412,7 +421,14 @@ def main(argv: list[str] | None = None) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
     }, "variants": []}
-    for variant in filter(None, (v.strip() for v in args.variants.split(";"))):
+    variants = [v for v in (v.strip() for v in args.variants.split(";")) if v]
+    if args.warm_up_pass and variants:
+        untimed = argparse.Namespace(**{**vars(args), "profile": False})
+        warm_up = run_variant(f"{variants[0]} (warm-up pass)", base.with_overrides(variant_overrides(variants[0], world)),
+                              untimed, world, device)
+        result["meta"]["warm_up_pass"] = {"variant": variants[0], "steps": len(warm_up["records"]),
+                                          "error": warm_up["summary"].get("error")}
+    for variant in variants:
         overrides = variant_overrides(variant, world)
         entry = run_variant(variant, base.with_overrides(overrides), args, world, device)
         entry["config"] = overrides
