@@ -34,8 +34,9 @@ Optimizer: Megatron-Core's distributed Adam when the memory model
 Warm-up: the variants share Triton's autotuning and compile caches, keyed partly by shape, and a
 global batch of new lengths can trigger more tuning after ``--skip``: on the full 9B that made
 the first variant of a run 3 % slower (median tok/s; 7 % in all its tokens over all its time)
-than the same variant run again last. So the first
-variant first runs once untimed over the same batches (``--no-warm-up-pass`` skips it).
+than the same variant run again last. So the first variant first runs once, untimed, over the
+same batches (``--no-warm-up-pass`` skips it). A variant's own compiled kernels (the fused
+paths) still compile in its first steps, which ``--skip`` leaves out.
 
 Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
 tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
