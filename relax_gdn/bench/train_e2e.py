@@ -337,9 +337,15 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
 
 
 def _commit() -> str | None:
+    """HEAD's short hash, with ``+dirty`` when tracked files differ from it (then the numbers
+    belong to a working tree, not to that commit)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
 
