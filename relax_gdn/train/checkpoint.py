@@ -376,7 +376,7 @@ class Saver:
             "rerun with checkpoint.resume=auto")
 
     def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
-        _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
+        write_text_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
         if final.exists():  # the same step saved again (a rerun): the new one replaces it
             stale = final.parent / f".{final.name}.replaced"
             shutil.rmtree(stale, ignore_errors=True)
@@ -384,7 +384,7 @@ class Saver:
             shutil.rmtree(stale, ignore_errors=True)
         os.replace(partial, final)
         _fsync_dir(final.parent)
-        _write_atomically(final.parent / LATEST, final.name + "\n")
+        write_text_atomically(final.parent / LATEST, final.name + "\n")
         self._prune()
 
     def _prune(self) -> None:
@@ -396,7 +396,8 @@ class Saver:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """``path`` holds either its old text or ``text``, never a part (temporary file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -426,25 +427,32 @@ class LoadedCheckpoint:
     scheduler_state: dict[str, Any]
 
 
-def load_checkpoint(directory: Path, *, model, optimizer, same_layout: bool) -> LoadedCheckpoint:
-    """Load ``directory`` into ``model`` and ``optimizer`` (a collective) and restore the RNGs; the
-    scheduler state is returned for the caller to apply (a changed schedule is its decision).
-    ``same_layout``: the checkpoint was written at this run's world size / TP / CP, so per-rank
-    CUDA RNG states apply. Call :func:`verify_checkpoint` first (it names damaged files)."""
+def _load_sharded(request: dict[str, Any], directory: Path, hint: str = "") -> dict[str, Any]:
+    """Megatron-Core's load of ``request`` from ``directory``, a failure named as the checkpoint
+    not fitting this model (``hint``: what to check, appended)."""
     from megatron.core import dist_checkpointing
 
-    manifest = read_manifest(directory)
+    try:
+        return dist_checkpointing.load(request, str(directory))
+    except Exception as e:  # noqa: BLE001 - torch DCP / pickle / shape errors: the checkpoint does not fit
+        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
+                              f"{str(e)[:500]}){hint}") from None
+
+
+def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimizer,
+                    same_layout: bool) -> LoadedCheckpoint:
+    """Load ``directory`` (whose manifest the caller has read) into ``model`` and ``optimizer`` (a
+    collective) and restore the RNGs; the scheduler state is returned for the caller to apply (a
+    changed schedule is its decision). ``same_layout``: the checkpoint was written at this run's
+    world size / TP / CP, so per-rank CUDA RNG states apply. Call :func:`verify_checkpoint` first
+    (it names damaged files)."""
     model_sd = model.sharded_state_dict()
     saved_sharding = (manifest.get("optimizer") or {}).get("sharding")
     request = {"model": model_sd,
                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, sharding=saved_sharding)}
     if same_layout and torch.cuda.is_available():
         request["rng_cuda"] = _cuda_rng_sharded(is_loading=True)
-    try:
-        state = dist_checkpointing.load(request, str(directory))
-    except Exception as e:  # noqa: BLE001 - torch DCP / pickle / shape errors: the checkpoint does not fit
-        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
-                              f"{str(e)[:500]}); check that model.* matches the run that wrote it") from None
+    state = _load_sharded(request, directory, "; check that model.* matches the run that wrote it")
     model.load_state_dict(state["model"])
     optimizer.load_sharded_state_dict(state["optimizer"])
     set_cpu_rng_state(state["rng"])
@@ -459,13 +467,7 @@ def load_checkpoint(directory: Path, *, model, optimizer, same_layout: bool) -> 
 
 def load_model_weights(directory: Path, model) -> dict[str, Any]:
     """Only the model's tensors of ``directory`` (any TP / CP of the checkpoint), e.g. for export."""
-    from megatron.core import dist_checkpointing
-
     manifest = verify_checkpoint(directory)
-    try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
-                              f"{str(e)[:500]})") from None
+    state = _load_sharded({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])
     return manifest

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from relax_gdn.train.checkpoint import (
     optimizer_reshard_problem,
     read_manifest,
     resolve_resume,
+    write_text_atomically,
 )
 
 logger = logging.getLogger("relax_gdn.train")
@@ -133,9 +133,7 @@ def trim_metrics(path: Path, last_step: int) -> None:
             continue
         if isinstance(record, dict) and record.get("step", last_step + 1) <= last_step:
             kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(f"{line}\n" for line in kept))
 
 
 def apply_schedule(scheduler, saved: dict[str, Any], cfg, directory: Path) -> str | None:
@@ -223,7 +221,7 @@ class RunLifecycle:
         if problem:
             raise RecipeError(problem)
         same_layout = manifest.get("layout") == layout.as_dict()
-        loaded = load_checkpoint(directory, model=model, optimizer=optimizer, same_layout=same_layout)
+        loaded = load_checkpoint(directory, manifest, model=model, optimizer=optimizer, same_layout=same_layout)
         if loaded.step >= self.cfg.train.steps:
             raise RecipeError(f"checkpoint {directory} is at step {loaded.step}, not below train.steps="
                               f"{self.cfg.train.steps}: raise train.steps to train further")

@@ -33,6 +33,15 @@ from relax_gdn.config import RunConfig
 logger = logging.getLogger("relax_gdn.train")
 
 
+def give_unstepped_adam_state(adam: torch.optim.Optimizer) -> None:
+    """Give every parameter of ``adam`` (torch Adam / AdamW) that has no state yet the state of
+    step 0 (zero moments), so a checkpoint load has tensors to fill: an optimizer that has not
+    stepped holds none."""
+    for group in adam.param_groups:
+        for p in group["params"]:
+            if not adam.state.get(p):
+                adam.state[p] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
 
 
 def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -134,10 +143,7 @@ class CPUGradSyncOptimizer:
         )
 
         if is_loading:
-            for p in self._parameters():
-                if p not in self.optimizer.state:
-                    self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            give_unstepped_adam_state(self.optimizer)
         state = self.optimizer.state_dict()
         steps = {float(s["step"]) for s in state["state"].values()}
         if len(steps) > 1:
@@ -228,28 +234,23 @@ class MegatronOptimizerAdapter:
         """
         sharding = sharding or self.checkpoint_sharding
         if is_loading:
-            self._create_empty_adam_state()
+            # Without Transformer Engine or Apex (the local specs) Megatron-Core's
+            # DistributedOptimizer.state_dict asserts that every state has exactly one ``step``,
+            # which a torch Adam that has not stepped yet does not have.
+            for megatron_optimizer in self._members():
+                give_unstepped_adam_state(megatron_optimizer.optimizer)
         return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
 
-    def _create_empty_adam_state(self) -> None:
-        """Give every parameter of a not-yet-stepped torch Adam its state (step 0, zero moments)
-        for the load to fill. Without Transformer Engine or Apex (the local specs), Megatron-Core's
-        ``DistributedOptimizer.state_dict`` reads each state's ``step`` and asserts that there is
-        exactly one, which an optimizer that has not stepped yet does not have."""
-        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            adam = megatron_optimizer.optimizer
-            for group in adam.param_groups:
-                for p in group["params"]:
-                    if not adam.state[p]:
-                        adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                         "exp_avg_sq": torch.zeros_like(p)}
+    def _members(self) -> list:
+        """The distributed optimizers (get_megatron_optimizer may return a ChainedOptimizer)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "megatron":
             raise ValueError(f"checkpoint optimizer state is {state.get('kind')!r}, this run uses Megatron's optimizer")
-        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for megatron_optimizer in self._members():
             _skip_torch_adam_step_on_load(megatron_optimizer)
         self.optimizer.load_state_dict(state["optimizer"])
 
