@@ -62,6 +62,31 @@ def test_linear_cross_entropy_matches_full_logits(chunk):
         assert _rel(g, w) < FP32_TOL
 
 
+@pytest.mark.parametrize("chunk", [7, 64, None])
+def test_weighted_linear_cross_entropy_sum_matches_full_logits(chunk):
+    """The training loss (masked sum, gradients formed in forward): value and gradients of the
+    plain masked sum, scaled by an upstream factor; without grad mode it forms no gradients."""
+    torch.manual_seed(1)
+    n, h, vocab = 20, 16, 50
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = (0.3 * torch.randn(vocab, h)).requires_grad_()
+    labels = torch.randint(0, vocab, (n,))
+    mask = (torch.rand(n) > 0.3).float()
+    upstream = torch.tensor(0.37)  # e.g. 1 / loss tokens of the global batch
+
+    want = (F.cross_entropy(hidden @ weight.t(), labels, reduction="none") * mask).sum()
+    want_grads = torch.autograd.grad(want, (hidden, weight), upstream)
+    got = fusion.weighted_linear_cross_entropy_sum(hidden, weight, labels, mask, chunk_tokens=chunk)
+    got_grads = torch.autograd.grad(got, (hidden, weight), upstream)
+    assert got.shape == () and got.dtype == torch.float32
+    assert _rel(got, want) < FP32_TOL
+    for g, w in zip(got_grads, want_grads):
+        assert _rel(g, w) < FP32_TOL
+    with torch.no_grad():
+        assert _rel(fusion.weighted_linear_cross_entropy_sum(hidden, weight, labels, mask, chunk_tokens=chunk),
+                    want) < FP32_TOL
+
+
 def test_chunk_tokens_bound_the_logits():
     chunk = fusion.cross_entropy_chunk_tokens(248_320)
     assert chunk % 256 == 0 and chunk * 248_320 * 4 <= 2**31

@@ -127,6 +127,10 @@ def main() -> None:
     _measure("lm_head + CE: plain (Megatron vocab-parallel)", _fwd_bwd(plain_ce, [h, head], weights), rows)
     _measure("lm_head + CE: chunked linear_cross_entropy",
              _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels), [h, head], weights), rows)
+    mask = (weights > 0.3).float()  # the training loss: the masked sum, gradients formed in forward
+    _measure("lm_head + CE: plain, masked sum", _fwd_bwd(lambda: (plain_ce().float() * mask).sum(), [h, head]), rows)
+    _measure("lm_head + CE: chunked weighted_linear_cross_entropy_sum",
+             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask), [h, head]), rows)
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError:

@@ -5,10 +5,13 @@
   the fp32 pow/mean/rsqrt/mul chain; the GDN output's gated norm ``rmsnorm(o) · w · silu(z)`` as
   FLA's Triton ``rms_norm_gated`` (CUDA only; elsewhere the plain formula).
 * ``cross_entropy`` (``model.fused_cross_entropy``): the output layer and the cross-entropy over
-  the vocabulary (248,320 for Qwen3.5) in token chunks, :func:`linear_cross_entropy`: the fp32
-  logits of the whole micro-batch (≈ 8 GB at 8k tokens, plus the softmax saved for backward) are
-  never materialised; per-token losses come out as before. Tensor parallelism > 1 (vocabulary
-  split over TP) keeps Megatron-Core's vocab-parallel path.
+  the vocabulary (248,320 for Qwen3.5) in token chunks: the fp32 logits of the whole micro-batch
+  (≈ 8 GB at 8k tokens, plus the softmax saved for backward) are never materialised. Given the
+  loss mask (what training passes), the model returns the masked loss sum and each chunk's
+  logits are formed once, the gradients with them (:func:`weighted_linear_cross_entropy_sum`);
+  without it, per-token losses as before, each chunk's logits formed again in backward
+  (:func:`linear_cross_entropy`). Tensor parallelism > 1 (vocabulary split over TP) keeps
+  Megatron-Core's vocab-parallel path.
 
 Numerics against the plain path (tests/test_fusion.py, tests/test_fusion_gpu.py): fp32 equal to
 rounding (rel. 1e-5); bf16 within bf16 rounding (rel. 2e-2 of the output norm), because the fused
@@ -128,6 +131,17 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g
     return ((probs - onehot.float()) * grad_loss[:, None]).to(logits.dtype)
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """One chunk's ``Σ weight · cross-entropy`` (fp32) and its gradient with respect to the
+    logits, ``(softmax - onehot) · weight`` per row, in the logits' dtype."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    onehot = torch.arange(x.shape[-1], device=x.device)[None, :] == labels[:, None]
+    picked = torch.where(onehot, x, 0.0).sum(dim=-1)
+    grad = ((x - lse[:, None]).exp() - onehot.float()) * weights[:, None]
+    return ((lse - picked) * weights).sum(), grad.to(logits.dtype)
+
+
 _compiled: dict = {}
 
 
@@ -192,6 +206,63 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+class _WeightedLinearCrossEntropySum(torch.autograd.Function):
+    """``Σ weight · (logsumexp(h Wᵀ) - (h Wᵀ)[label])`` over the tokens (an fp32 scalar) in token
+    chunks, with the gradients formed in forward while each chunk's logits exist: the output is a
+    scalar, so its upstream gradient is one number and backward only scales them. One logits GEMM
+    per chunk instead of the two of :class:`_LinearCrossEntropy` (forward, then again in
+    backward); in exchange the output layer's weight gradient is held from forward to backward.
+    No host syncs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk: int, want_hidden: bool, want_weight: bool):
+        n = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        weights = weights.float()
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            h = hidden[start:end]
+            logits = h @ weight.t()
+            if not (want_hidden or want_weight):
+                loss = _elementwise(_chunk_lse, logits) - logits.gather(1, labels[start:end, None]).squeeze(1).float()
+                total += (loss * weights[start:end]).sum()
+                continue
+            loss_sum, grad_logits = _elementwise(_chunk_loss_and_grad, logits, labels[start:end], weights[start:end])
+            total += loss_sum
+            del logits
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:
+                grad_weight.addmm_(grad_logits.t(), h)
+        ctx.grads = (grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.grads
+        del ctx.grads
+        scale = grad_total.to(grad_hidden.dtype if grad_hidden is not None else grad_weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden.mul_(scale)
+        if grad_weight is not None:
+            grad_weight.mul_(scale)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def weighted_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                      token_weights: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+    """``Σ token_weights · cross-entropy`` of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]``
+    (an fp32 scalar: the loop's masked loss sum), never holding more than one chunk's logits and
+    forming each chunk's logits once (:class:`_WeightedLinearCrossEntropySum`). Same value as
+    ``(F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none") * token_weights).sum()``."""
+    chunk = chunk_tokens or cross_entropy_chunk_tokens(weight.shape[0])
+    grad = torch.is_grad_enabled()
+    return _WeightedLinearCrossEntropySum.apply(hidden, weight, labels.long(), token_weights, chunk,
+                                                grad and hidden.requires_grad, grad and weight.requires_grad)
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          chunk_tokens: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]`` (fp32
@@ -201,13 +272,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return _LinearCrossEntropy.apply(hidden, weight, labels.long(), chunk)
 
 
-def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, **unused) -> torch.Tensor:
-    """A Megatron-Core ``GPTModel`` ``output_processor``: the output layer and the per-token loss in
-    one chunked pass (``hidden_states [s, b, h]``, ``labels [b, s]``; returns ``[b, s]`` like
-    ``compute_language_model_loss``)."""
+def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, loss_mask=None,
+                      **unused) -> torch.Tensor:
+    """A Megatron-Core ``GPTModel`` ``output_processor``: the output layer and the loss in one
+    chunked pass (``hidden_states [s, b, h]``, ``labels [b, s]``). Returns ``Σ loss · loss_mask``
+    (an fp32 scalar, :func:`weighted_linear_cross_entropy_sum`) when given ``loss_mask [b, s]``,
+    else the per-token loss ``[b, s]`` like ``compute_language_model_loss``."""
     weight = output_weight if output_weight is not None else output_layer.weight
     s, b, h = hidden_states.shape
-    loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.t().reshape(s * b))
+    hidden, flat_labels = hidden_states.reshape(s * b, h), labels.t().reshape(s * b)
+    if loss_mask is not None:
+        return weighted_linear_cross_entropy_sum(hidden, weight, flat_labels, loss_mask.t().reshape(s * b))
+    loss = linear_cross_entropy(hidden, weight, flat_labels)
     return loss.view(s, b).t()
 
 
@@ -222,4 +298,5 @@ __all__ = [
     "fusion_set_to",
     "gated_rms_norm_applies",
     "linear_cross_entropy",
+    "weighted_linear_cross_entropy_sum",
 ]

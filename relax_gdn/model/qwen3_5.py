@@ -395,13 +395,17 @@ class Qwen3_5Model(GPTModel):
         return (out[0], self.rotary_pos_emb.for_positions(position_ids), *out[2:])
 
     def _postprocess(self, hidden_states, *args, **kwargs):
-        # model.fused_cross_entropy: output layer + per-token loss in token chunks (no full-vocabulary
+        # With labels and loss_mask the model returns Σ per-token loss × loss_mask (fp32 scalar).
+        # model.fused_cross_entropy: the output layer + loss in token chunks (no full-vocabulary
         # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
+        loss_mask = kwargs.get("loss_mask") if kwargs.get("labels") is not None else None
         if (fusion_in_effect(self.fusion).cross_entropy and kwargs.get("labels") is not None
                 and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
                 and self.pg_collection.tp.size() == 1):
             kwargs["output_processor"] = fused_output_loss
-        return super()._postprocess(hidden_states, *args, **kwargs)
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        out = super()._postprocess(hidden_states, *args, **kwargs)
+        return out if loss_mask is None else (out.float() * loss_mask).sum()
 
 
 def _process_groups(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
@@ -455,7 +459,9 @@ def build_qwen3_5_model(
     ``recompute_mlp_activation``: the MLPs recompute their SwiGLU (``recompute.modules: mlp_act``;
     the GDN layers' own recompute is ``gdn.recompute_core``).
     Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
-    returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels).
+    returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels); given
+    ``loss_mask=[1, t]`` as well, ``Σ loss × loss_mask`` (fp32 scalar; what training calls, which lets
+    the fused loss form its gradients in forward).
     """
     pgs = _process_groups(pg_collection)
     pp_size = pgs.pp.size()

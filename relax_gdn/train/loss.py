@@ -10,6 +10,6 @@ def summed_token_loss(model, mb) -> torch.Tensor:
 
     Summed, not averaged: the caller divides by the loss tokens of the whole global batch (or
     eval set) so that every loss token counts once across micro-batches, CP and DP ranks."""
-    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels,
-                      packed_seq_params=mb.packed_seq_params)
-    return (per_token.float() * mb.loss_mask).sum()
+    # given the mask, the model sums (the fused loss then forms its gradients in one pass)
+    return model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
+                 packed_seq_params=mb.packed_seq_params)
