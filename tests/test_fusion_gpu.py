@@ -81,6 +81,20 @@ def test_chunked_cross_entropy_cuda_bf16():
         assert g.dtype == torch.bfloat16 and _rel(g, r) < TOL[torch.bfloat16]
     assert count_host_syncs(lambda: _run(chunked, (hidden, weight), upstream)) == 0
 
+    # the training loss: the masked sum, its gradients formed in forward (one logits GEMM per chunk)
+    mask = (upstream > 0).float()
+    scale = torch.tensor(1 / 3000, device="cuda")
+
+    def masked_sum(a, b):
+        return fusion.weighted_linear_cross_entropy_sum(a, b, labels, mask, chunk_tokens=1024)
+
+    want = _run(lambda a, b: (plain(a, b) * mask).sum(), (hidden, weight), scale)
+    got = _run(masked_sum, (hidden, weight), scale)
+    assert got[0].dtype == torch.float32 and _rel(got[0], want[0]) < 1e-3
+    for g, r in zip(got[1:], want[1:]):
+        assert g.dtype == torch.bfloat16 and _rel(g, r) < TOL[torch.bfloat16]
+    assert count_host_syncs(lambda: _run(masked_sum, (hidden, weight), scale)) == 0
+
 
 def test_fused_swiglu_cuda_bf16():
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
@@ -130,7 +144,8 @@ def test_reduced_9b_fused_and_selective_match_plain():
                               "model.fused_swiglu": False, "model.fused_grad_accumulation": False})
     fused = _train_reduced()
     selective = _train_reduced(**{"recompute.granularity": "selective"})
-    for runs in (fused, selective):
+    full = _train_reduced(**{"recompute.granularity": "full"})  # skip_unused: last layer kept, fc2 GEMM skipped
+    for runs in (fused, selective, full):
         for got, want in zip(runs, plain):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2)

@@ -41,6 +41,68 @@ def test_recompute_fields_split_megatron_and_own_modules():
         recompute_config_fields("selective", ["layernorm"])
 
 
+def _built_tiny(**config_fields):
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+
+    skip = config_fields.pop("skip_unread_gemm", False)
+    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **config_fields)
+    return build_qwen3_5_preset_model("qwen3_5_tiny", config, recompute_skips_unread_gemm=skip)
+
+
+def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
+    """``recompute.skip_unused``: the last layer kept, linear_fc2's GEMM skipped when a layer is
+    recomputed; loss and every gradient equal plain full recompute and no recompute (fp32)."""
+    from megatron.core import parallel_state
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from relax_gdn.model import qwen3_5_preset
+    from relax_gdn.train.loop import init_distributed
+
+    apply_cpu_shims()
+    created = init_distributed(torch.device("cpu"))
+    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    try:
+        layers = qwen3_5_preset("qwen3_5_tiny").config["num_layers"]
+        trimmed = recompute_config_fields("full", skip_unused=True, num_layers=layers)
+        assert trimmed == dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers - 1)
+        models = {
+            "none": _built_tiny(),
+            "full": _built_tiny(**recompute_config_fields("full", skip_unused=False, num_layers=layers)),
+            "full, skip_unused": _built_tiny(**trimmed, skip_unread_gemm=True),
+        }
+        for model in models.values():
+            model.load_state_dict(models["none"].state_dict())
+            model.train()
+        fc2_outputs = []  # (layer, grad enabled, output all zero) of every linear_fc2 call
+        for i, layer in enumerate(models["full, skip_unused"].decoder.layers):
+            layer.mlp.linear_fc2.register_forward_hook(
+                lambda m, args, out, i=i: fc2_outputs.append((i, torch.is_grad_enabled(), bool((out[0] == 0).all()))))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (1, 48), generator=g)
+        labels = torch.randint(0, 256, (1, 48), generator=g)
+        positions = torch.arange(48)[None]
+        results = {}
+        for name, model in models.items():
+            loss = model(tokens, positions, None, labels=labels)
+            loss.sum().backward()
+            results[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        for name in ("full", "full, skip_unused"):
+            loss, grads = results[name]
+            torch.testing.assert_close(loss, results["none"][0], rtol=1e-6, atol=0)
+            for n, grad in grads.items():
+                torch.testing.assert_close(grad, results["none"][1][n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
+        last = layers - 1
+        # forward: the first layers under no_grad (checkpointed), the last with grad (kept); in
+        # backward each checkpointed layer is recomputed once, its linear_fc2 product skipped
+        assert [(i, grad) for i, grad, _ in fc2_outputs[:layers]] == [(i, i == last) for i in range(layers)]
+        assert not any(zero for _, _, zero in fc2_outputs[:layers])
+        assert sorted(fc2_outputs[layers:]) == [(i, True, True) for i in range(last)]
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            torch.distributed.destroy_process_group()
+
+
 def test_unknown_recompute_module_is_a_config_error():
     from relax_gdn.config import ConfigError, RunConfig, validate
 

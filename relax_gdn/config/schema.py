@@ -92,6 +92,9 @@ class RecomputeConfig:
     granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
     # what granularity=selective recomputes (relax_gdn.model.recompute says what each one is)
     modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))  # of relax_gdn.choices.RecomputeModule
+    # granularity=full: leave out what no gradient reads (the last layer's recompute, each recomputed
+    # layer's linear_fc2 GEMM; relax_gdn.model.recompute); false: Megatron-Core's plain full recompute
+    skip_unused: bool = True
 
 
 @dataclass

@@ -228,7 +228,7 @@ def _gdn_output_norm_spec(tp_group, fusion: Fusion | None) -> ModuleSpec:
 
 
 def _local_block_spec(config, gdn_spec_for, attention_backend: str, fusion: Fusion | None,
-                      recompute_mlp_activation: bool) -> TransformerBlockSubmodules:
+                      recompute_mlp_activation: bool, recompute_skips_unread_gemm: bool) -> TransformerBlockSubmodules:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_linear_attention_pattern,
@@ -250,7 +250,8 @@ def _local_block_spec(config, gdn_spec_for, attention_backend: str, fusion: Fusi
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
     mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args,  # same submodules
-                            recompute_activation=recompute_mlp_activation, **mlp.keywords)
+                            recompute_activation=recompute_mlp_activation,
+                            skip_unread_gemm=recompute_skips_unread_gemm, **mlp.keywords)
     layers = [
         ModuleSpec(
             module=TransformerLayer,
@@ -310,6 +311,7 @@ def qwen3_5_block_spec(
     contiguous_between_layers: bool = True,
     fusion: Fusion | None = None,
     recompute_mlp_activation: bool = False,
+    recompute_skips_unread_gemm: bool = False,
 ) -> TransformerBlockSubmodules:
     """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm.
 
@@ -320,6 +322,8 @@ def qwen3_5_block_spec(
     ``fusion``: what the relax_gdn norms run (:class:`~relax_gdn.model.fusion.Fusion`; None: the
     process-wide default). ``recompute_mlp_activation``: the MLPs recompute their SwiGLU
     (``recompute.modules: mlp_act``; local provider, whose MLP is :class:`Qwen3_5MLP`).
+    ``recompute_skips_unread_gemm``: under full recompute the MLPs skip linear_fc2's GEMM when their
+    layer is recomputed (``recompute.skip_unused``; local provider).
     """
     provider = resolve_spec_provider(spec_provider)
     if tp_group is None:
@@ -334,7 +338,8 @@ def qwen3_5_block_spec(
     if provider == "te":
         block = _te_block_spec(config, gdn_spec_for, attention_backend)
     else:
-        block = _local_block_spec(config, gdn_spec_for, attention_backend, fusion, recompute_mlp_activation)
+        block = _local_block_spec(config, gdn_spec_for, attention_backend, fusion, recompute_mlp_activation,
+                                  recompute_skips_unread_gemm)
     return with_contiguous_gdn_runs(
         block, contiguous_between_layers=contiguous_between_layers, cp_mode=gdn.cp_mode,
         sequence_parallel=config.sequence_parallel,
@@ -445,6 +450,7 @@ def build_qwen3_5_model(
     contiguous_between_layers: bool = True,
     fusion: Fusion | None = None,
     recompute_mlp_activation: bool = False,
+    recompute_skips_unread_gemm: bool = False,
 ) -> Qwen3_5Model:
     """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
 
@@ -457,7 +463,9 @@ def build_qwen3_5_model(
     ``fusion``: the fused norms and loss (:class:`~relax_gdn.model.fusion.Fusion`, e.g.
     ``model.fused_*``; None follows the process-wide default, for A/B with ``fusion_set_to``);
     ``recompute_mlp_activation``: the MLPs recompute their SwiGLU (``recompute.modules: mlp_act``;
-    the GDN layers' own recompute is ``gdn.recompute_core``).
+    the GDN layers' own recompute is ``gdn.recompute_core``); ``recompute_skips_unread_gemm``: under
+    full recompute the MLPs skip linear_fc2's GEMM when their layer is recomputed
+    (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
     Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
     returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels); given
     ``loss_mask=[1, t]`` as well, ``Σ loss × loss_mask`` (fp32 scalar; what training calls, which lets
@@ -492,7 +500,7 @@ def build_qwen3_5_model(
     spec = qwen3_5_block_spec(  # the request, not `provider`: it resolves the same, and logs once
         config, spec_provider=spec_provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
         contiguous_between_layers=contiguous_between_layers, fusion=fusion,
-        recompute_mlp_activation=recompute_mlp_activation,
+        recompute_mlp_activation=recompute_mlp_activation, recompute_skips_unread_gemm=recompute_skips_unread_gemm,
     )
     return Qwen3_5Model(
         config, spec, vocab_size, max_sequence_length,

@@ -18,7 +18,12 @@ Transformer Engine's FP8 state and fails without it; ``mlp_act`` builds the same
 (≈ 4 GiB at 8k tokens for the 9B).
 
 ``full`` recomputes whole layers from their inputs (least memory, one extra forward); ``none``
-keeps everything.
+keeps everything. With ``recompute.skip_unused`` (default on) full recompute leaves out the work no
+gradient reads: the last layer is not recomputed (its backward follows its forward at once:
+Megatron-Core's ``block`` method over all layers but the last; the layer's activations live at
+that moment anyway, being recomputed), and a recomputed layer skips the GEMM of its MLP's
+linear_fc2, whose output only feeds the layer's output, which backward never reads
+(:class:`relax_gdn.model.mlp.Qwen3_5MLP`). About a quarter of a layer's forward GEMM FLOPs.
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ def check_recompute_modules(modules) -> None:
         raise ValueError(f"recompute.modules: unknown {unknown}; choose from {list(SELECTIVE_MODULES)}")
 
 
-def recompute_config_fields(granularity: str, modules=SELECTIVE_MODULES) -> dict[str, Any]:
-    """``recompute.granularity`` (+ ``recompute.modules``) -> TransformerConfig fields."""
+def recompute_config_fields(granularity: str, modules=SELECTIVE_MODULES, *, skip_unused: bool = False,
+                            num_layers: int | None = None) -> dict[str, Any]:
+    """``recompute.granularity`` (+ ``recompute.modules``, ``recompute.skip_unused`` with the model's
+    ``num_layers``) -> TransformerConfig fields."""
     if granularity == "full":  # every layer recomputed as a whole (what all_gather CP needs)
+        if skip_unused and num_layers is not None and num_layers > 1:
+            # "block": the first num_layers - 1 layers are checkpointed, one per unit; the last is kept
+            return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=num_layers - 1)
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if granularity == "selective":
         check_recompute_modules(modules)

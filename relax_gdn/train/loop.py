@@ -317,7 +317,9 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
         bias_activation_fusion=cfg.model.fused_swiglu and device.type == "cuda",  # compiled SwiGLU kernels
         gradient_accumulation_fusion=fuse_wgrad,
-        **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules),
+        **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules,
+                                  skip_unused=cfg.recompute.skip_unused,
+                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"]),
     )
     model = build_qwen3_5_preset_model(
         cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
@@ -326,6 +328,7 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         # given at build time (no process-wide switch), so every module keeps this run's setting
         fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
+        recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
     if device.type == "cuda":
         model.cuda(device)
