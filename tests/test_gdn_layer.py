@@ -118,11 +118,11 @@ def test_every_mode_matches_single_rank(world_size):
         assert len(results) == 13
         bad = {k: v for k, v in results.items() if not v < TOL}
         assert not bad, f"rank {rank}: max errors {bad}"
-        # conv + scan, fwd (the bwd runs inside their autograd): CP only where a document crosses
-        # and its prefix is not recomputed by the next rank
-        assert cp_calls == {"crossing": 2, "whole documents per rank": 0,
+        # the conv of q, k and v + the scan, fwd (the bwd runs inside their autograd): CP only
+        # where a document crosses and its prefix is not recomputed by the next rank
+        assert cp_calls == {"crossing": 4, "whole documents per rank": 0,
                             "short prefixes recomputed (the default limit)": 0,
-                            "prefixes over the limit": 2}, cp_calls
+                            "prefixes over the limit": 4}, cp_calls
 
 
 def _single_process_checks():
