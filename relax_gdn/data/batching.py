@@ -31,6 +31,7 @@ import torch.distributed as dist
 from relax_gdn.data.sample import Sample, check_sample
 from relax_gdn.layout import ROUTE_STRATEGIES, attach_host_cu_seqlens, prebuild_routes, thd_rank_indices
 from relax_gdn.layout.partition import check_cp, padded_length
+from relax_gdn.layout.route import upload_rows
 
 if TYPE_CHECKING:  # importing Megatron-Core costs seconds; only make_micro_batch needs it
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -220,14 +221,16 @@ def make_micro_batch(
     cu_host = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
     # Positions restart at 0 in every document; its padding continues them.
     position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_host[:-1], padded)
-    index = thd_rank_indices(cu_host, cp_size, cp_rank, "zigzag")
+    index = thd_rank_indices(cu_host, cp_size, cp_rank, "zigzag").numpy()
 
-    def shard(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(values)[index].unsqueeze(0).to(device)
+    # Uploads are queued without the host waiting: a plain .to(cuda) of a pageable tensor waits
+    # for every kernel queued before it, leaving the GPU idle while the host builds the rest.
+    def shard(values: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return upload_rows(values[index], device, dtype).unsqueeze(0)
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor(cu_host, dtype=torch.int32, device=device)
+    cu = upload_rows(cu_host, device, torch.int32)
     max_seqlen = max(padded)
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
@@ -241,7 +244,7 @@ def make_micro_batch(
     if route_strategy == "prebuild" and cp_size > 1:
         prebuild_routes(params, cp_group, cp_size=cp_size, cp_rank=cp_rank)
     return MicroBatch(
-        tokens=shard(tokens), labels=shard(labels), loss_mask=shard(loss_mask),
+        tokens=shard(tokens), labels=shard(labels), loss_mask=shard(loss_mask, torch.float32),
         position_ids=shard(position_ids),
         packed_seq_params=params, num_loss_tokens=int(loss_mask.sum()), num_real_tokens=sum(lengths),
         num_samples=len(samples), cp_size=cp_size, seq_lengths=lengths,

@@ -183,8 +183,10 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def upload_rows(rows: np.ndarray, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host integers to ``device`` without making the host wait for the device."""
+def upload_rows(rows: np.ndarray, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (integers unless ``dtype`` says otherwise) to ``device`` without making the host
+    wait for the device."""
+    device = torch.device(device)
     host = torch.from_numpy(np.ascontiguousarray(rows))
     if host.dtype != dtype:
         host = host.to(dtype)

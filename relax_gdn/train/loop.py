@@ -451,8 +451,9 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
             lr = float(optimizer.param_groups[0]["lr"])
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             host_syncs.reset()
-            for planned in mine:
-                mb = build(*planned)
+            # every micro-batch built (and its upload queued) before the first forward: the host's
+            # packing never stands between one micro-batch's backward and the next forward
+            for mb in [build(*planned) for planned in mine]:
                 with host_syncs:
                     mb_loss = summed_token_loss(model, mb)
                     (mb_loss / max(global_loss_tokens, 1)).backward()
