@@ -3,7 +3,8 @@
 FLA autotunes each kernel per head shape and dtype on first use: about 2-3 minutes per shape per
 process on an H200 (measured 2026-11-29), paid by every rank of every job before step 1. The
 tuned winners live in ``fla_configs/<GPU name>/`` (made with ``relax_gdn.bench.fla_configs`` from
-Triton's autotuning cache of the GDN GPU test and layer benchmark at Qwen3.5-9B head shapes) and
+Triton's autotuning cache of the GDN GPU test and layer benchmark at Qwen3.5-9B head shapes, and
+of ``bench.train_e2e`` on the full 9B for the gated output norm and the fused decay gate) and
 are loaded through FLA's own config cache (``FLA_CONFIG_DIR`` + ``FLA_CACHE_MODE``) in ``fuzzy``
 mode: an exact key wins, otherwise a key differing only in numbers (head counts per TP/CP share,
 lengths) reuses a tuned config, and a kernel with no file autotunes as usual. A user who sets
