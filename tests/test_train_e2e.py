@@ -39,7 +39,12 @@ def test_kernel_split(tmp_path):
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 700, "dur": 50},
         {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise_kernel", "ts": 800, "dur": 100},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+        # the host launched the all-reduce late: a slow host op between the two launches
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 250, "dur": 5, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::slow_host_work", "ts": 300, "dur": 280},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 590, "dur": 5, "args": {"correlation": 3}},
     ]
+    events[1]["args"], events[2]["args"] = {"correlation": 2}, {"correlation": 3}
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     split = train_e2e.kernel_split(trace, step_time_s=0.002)
@@ -50,6 +55,15 @@ def test_kernel_split(tmp_path):
     assert split["idle_s"] == pytest.approx(0.00125) and split["idle_unprofiled_s"] is None
     unprofiled = train_e2e.kernel_split(trace, step_time_s=0.002, unprofiled_step_s=0.001)
     assert unprofiled["idle_unprofiled_s"] == pytest.approx(0.00025)  # the profiler's host cost left out
+    # gaps between the union's intervals: 500-600 (100 µs) and 750-800 (50 µs); none inside 0-500
+    gaps = split["idle_gaps"]
+    assert gaps["seconds_by_gap"] == {"<10us": 0.0, "<100us": pytest.approx(0.00005), "<1000us": pytest.approx(0.0001),
+                                      ">=1000us": 0.0}
+    assert gaps["longest"] == [[0.1, 0.5, "chunk_gated_delta_rule_fwd_kernel_h", "ncclDevKernel_AllReduce",
+                                ["aten::slow_host_work 0.280ms"]],
+                               [0.05, 0.75, "Memcpy DtoD", "vectorized_elementwise_kernel", []]]
+    assert gaps["late_kernels"] == [["ncclDevKernel_AllReduce", pytest.approx(0.0001)],
+                                    ["vectorized_elementwise_kernel", pytest.approx(0.00005)]]
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)

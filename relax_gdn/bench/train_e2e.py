@@ -198,28 +198,89 @@ def kernel_category(name: str) -> str:
     return "elementwise"  # element-wise / reductions / norms / softmax
 
 
+GAP_BUCKETS_US = (10.0, 100.0, 1000.0)  # idle gaps: launch-bound (< 100 µs) vs stalls (≥ 1 ms)
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]], top: int = 8,
+              host_window=None) -> dict:
+    """Where the GPU idles between the kernels of one step (``(start_us, end_us, name)``): seconds
+    of idle per gap size (``< 10 µs``, ``< 100 µs``, ``< 1 ms``, ``≥ 1 ms``: many short gaps mean
+    the host launches too slowly, a few long ones mean it stalls), the idle seconds before each
+    kernel name (``late_kernels``: whose launch the GPU waited for) and the ``top`` longest gaps
+    as ``[gap ms, ms into the step, kernel before, kernel after]``, followed, when
+    ``host_window(before, after)`` is given, by the longest host ops between the two launches."""
+    labels = [f"<{int(b)}us" for b in GAP_BUCKETS_US] + [f">={int(GAP_BUCKETS_US[-1])}us"]
+    seconds = dict.fromkeys(labels, 0.0)
+    late: dict[str, float] = {}
+    gaps = []
+    first, end, last = None, float("-inf"), None
+    for interval in sorted(intervals, key=lambda iv: iv[:2]):
+        start, stop, name = interval[:3]
+        if first is None:
+            first = start
+        if start > end and last is not None:
+            gap = start - end
+            bucket = next((lab for lab, b in zip(labels, GAP_BUCKETS_US) if gap < b), labels[-1])
+            seconds[bucket] += gap / 1e6
+            late[name[:80]] = late.get(name[:80], 0.0) + gap / 1e6
+            gaps.append((gap, end - first, last, interval))
+        if stop > end:
+            end, last = stop, interval
+    longest = []
+    for g, at, before, after in sorted(gaps, key=lambda x: -x[0])[:top]:
+        row = [round(g / 1e3, 3), round(at / 1e3, 3), before[2][:80], after[2][:80]]
+        if host_window is not None:
+            row.append(host_window(before, after))
+        longest.append(row)
+    return {"seconds_by_gap": {k: round(v, 6) for k, v in seconds.items()},
+            "late_kernels": [[n, round(t, 5)] for n, t in sorted(late.items(), key=lambda kv: -kv[1])[:top]],
+            "longest": longest}
+
+
+def _host_ops_between(cpu_ops: list[tuple[float, float, str]], launch_ts: dict):
+    """``host_window`` for :func:`idle_gaps`: the three longest host (``cpu_op``) events that
+    start between the launches of the kernels before and after a gap, as ``"name ms"``."""
+    def window(before, after) -> list[str]:
+        t0, t1 = launch_ts.get(before[3]), launch_ts.get(after[3])
+        if t0 is None or t1 is None:
+            return []
+        inside = [(dur, name) for ts, dur, name in cpu_ops if t0 <= ts < t1]
+        return [f"{name[:60]} {dur / 1e3:.3f}ms" for dur, name in sorted(inside, reverse=True)[:3]]
+    return window
+
+
 def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float | None = None) -> dict:
     """Seconds of GPU time per kernel category in a chrome trace of ONE step, and the idle time
-    (step wall time minus the union of kernel intervals). The profiler's own host cost stretches
-    that step, so ``unprofiled_step_s`` (the same step's tokens at the timed steps' rate) gives
-    ``idle_unprofiled_s``, the idle time of an ordinary step."""
+    (step wall time minus the union of kernel intervals; :func:`idle_gaps` says where it falls
+    between kernels). The profiler's own host cost stretches that step, so ``unprofiled_step_s``
+    (the same step's tokens at the timed steps' rate) gives ``idle_unprofiled_s``, the idle time
+    of an ordinary step."""
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     seconds = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
     by_name: dict[str, float] = {}
     intervals = []
+    cpu_ops, launch_ts = [], {}  # host ops; correlation id -> when the host launched it
     count = 0
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op":
+            cpu_ops.append((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")))
+            continue
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = float(e["ts"])
+            continue
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         start, dur = float(e["ts"]), float(e.get("dur", 0.0))
         category = "copy" if e["cat"] != "kernel" else kernel_category(e.get("name", ""))
         seconds[category] += dur / 1e6
         name = e.get("name", "")[:240]  # C++ kernels name their functor late
         by_name[name] = by_name.get(name, 0.0) + dur / 1e6
-        intervals.append((start, start + dur))
+        intervals.append((start, start + dur, name, e.get("args", {}).get("correlation")))
         count += 1
     busy, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):  # union of the intervals (kernels on several streams overlap)
+    for a, b, *_ in sorted(intervals, key=lambda iv: iv[:2]):  # union of the intervals (kernels on several streams overlap)
         if b <= end:
             continue
         busy += b - max(a, end)
@@ -230,6 +291,7 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
             "step_time_s": round(step_time_s, 4),
             "idle_unprofiled_s": (round(max(unprofiled_step_s - busy_s, 0.0), 6)
                                   if unprofiled_step_s is not None else None),
+            "idle_gaps": idle_gaps(intervals, host_window=_host_ops_between(cpu_ops, launch_ts)),
             "top_kernels": [[n, round(t, 5), kernel_category(n)] for n, t in
                             sorted(by_name.items(), key=lambda kv: -kv[1])[:40]]}
 
@@ -380,6 +442,10 @@ def format_table(result: dict) -> str:
             lines.append(f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
                          f"of {split['step_time_s']:.3f} s under the profiler"
                          + (f", ~{unprofiled:.3f} s at the timed rate" if unprofiled is not None else ""))
+            gaps = split.get("idle_gaps")
+            if gaps:
+                lines.append("    idle by gap size: " + ", ".join(f"{k} {t:.3f} s" for k, t in gaps["seconds_by_gap"].items()))
+                lines.append("    idle before: " + ", ".join(f"{n[:40]} {t:.3f} s" for n, t in gaps["late_kernels"][:4]))
     return "\n".join(lines)
 
 
