@@ -17,6 +17,8 @@ def test_variant_overrides():
         "parallel.dynamic_cp.max_cp": 2, "recompute.granularity": "selective", "model.fused_norms": False,
         "model.fused_cross_entropy": False, "model.fused_swiglu": False, "model.fused_grad_accumulation": False,
         "train.max_tokens_per_gpu": 4096, "gdn.route": "prebuild"}
+    assert train_e2e.variant_overrides("baseline,recompute=full", 1) == {
+        **train_e2e.variant_overrides("fused=off", 1), "recompute.skip_unused": False, "recompute.granularity": "full"}
     for bad in ("static:ring", "recompute", "speed=11"):
         with pytest.raises(ValueError, match="variant setting"):
             train_e2e.variant_overrides(bad, 1)
@@ -64,6 +66,14 @@ def test_kernel_split(tmp_path):
                                [0.05, 0.75, "Memcpy DtoD", "vectorized_elementwise_kernel", []]]
     assert gaps["late_kernels"] == [["ncclDevKernel_AllReduce", pytest.approx(0.0001)],
                                     ["vectorized_elementwise_kernel", pytest.approx(0.00005)]]
+
+
+def test_warm_up_variants():
+    variants = ["fused=off,recompute=full", "recompute=full", "recompute=full,train.seed=7",
+                "fused=off,recompute=full,train.seed=1234"]
+    assert train_e2e.warm_up_variants(variants, 1, every=False) == variants[:1]
+    # a repeat that differs only in its seed runs the same kernels: no pass of its own
+    assert train_e2e.warm_up_variants(variants, 1, every=True) == variants[:2]
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)

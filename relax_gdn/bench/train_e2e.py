@@ -1,7 +1,7 @@
 """End-to-end training throughput of whole-model variants side by side, in one process group.
 
     python -m relax_gdn.bench.train_e2e --preset qwen3_5_9b --max-tokens-per-gpu 8192 \\
-        --variants "fused=off,recompute=full;recompute=full;recompute=selective;recompute=none" \\
+        --variants "baseline,recompute=full;recompute=full;recompute=selective;recompute=none" \\
         --profile --out e2e.json                                      # 1 GPU, full 9B
     torchrun --nproc-per-node 2 -m relax_gdn.bench.train_e2e --preset qwen3_5_9b \\
         --variants "static:chunkwise,recompute=selective;static:headwise,recompute=selective"
@@ -16,6 +16,8 @@ variants, ``,`` the settings of one. A setting is a shorthand or any dotted conf
 ``recompute=<full|selective|none>``      ``recompute.granularity``
 ``fused=<on|off>``                       every ``model.fused_*`` switch (norms, cross-entropy, SwiGLU,
                                          gradient accumulation)
+``baseline``                             Megatron-Core's own forms: ``fused=off`` and
+                                         ``recompute.skip_unused=false`` (what the targets compare to)
 ``mt=<tokens>``                          ``train.max_tokens_per_gpu``
 ``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
 
@@ -35,8 +37,11 @@ Warm-up: the variants share Triton's autotuning and compile caches, keyed partly
 global batch of new lengths can trigger more tuning after ``--skip``: on the full 9B that made
 the first variant of a run 3 % slower (median tok/s; 7 % in all its tokens over all its time)
 than the same variant run again last. So the first variant first runs once, untimed, over the
-same batches (``--no-warm-up-pass`` skips it). A variant's own compiled kernels (the fused
-paths) still compile in its first steps, which ``--skip`` leaves out.
+same batches (``--no-warm-up-pass`` skips it). Kernels the first variant does not run (the
+fused paths after ``fused=off``: FLA's gated norm compiles once per row-block count) compile in
+the first steps of the variant that does, and when a batch of new lengths arrives after
+``--skip``, inside a timed step (≈ 0.2 s each on the full 9B); ``--warm-up-every-variant``
+gives every variant its untimed pass.
 
 Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
 tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
@@ -94,6 +99,9 @@ def variant_overrides(variant: str, world: int) -> dict:
     """Config overrides of one ``--variants`` entry (see the module docstring)."""
     overrides: dict = {}
     for setting in filter(None, (s.strip() for s in variant.split(","))):
+        if setting == "baseline":
+            overrides |= {**variant_overrides("fused=off", world), "recompute.skip_unused": False}
+            continue
         kind, colon, mode = setting.partition(":")
         if colon and kind in ("static", "dynamic"):
             if mode not in CP_MODES:
@@ -104,8 +112,8 @@ def variant_overrides(variant: str, world: int) -> dict:
             continue
         key, eq, value = setting.partition("=")
         if not eq:
-            raise ValueError(f"variant setting {setting!r}: want static|dynamic:<mode>, recompute=, fused=, mt= "
-                             "or <group.key>=<value>")
+            raise ValueError(f"variant setting {setting!r}: want baseline, static|dynamic:<mode>, recompute=, fused=, "
+                             "mt= or <group.key>=<value>")
         key = key.strip()
         if key == "recompute":
             overrides["recompute.granularity"] = value.strip()
@@ -134,6 +142,20 @@ class VocabularyOnly:
     vocab_size: int
     pad_id: int = 0
     eos_id: int = 1
+
+
+def warm_up_variants(variants: list[str], world: int, every: bool) -> list[str]:
+    """The variants given a warm-up pass: the first, or with ``every`` each variant whose settings
+    other than ``train.seed`` differ from those of an earlier one."""
+    if not every:
+        return variants[:1]
+    chosen, seen = [], []
+    for variant in variants:
+        settings = {k: v for k, v in variant_overrides(variant, world).items() if k != "train.seed"}
+        if settings not in seen:
+            seen.append(settings)
+            chosen.append(variant)
+    return chosen
 
 
 def read_length_file(path: str) -> list[int]:
@@ -451,7 +473,7 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="fused=off,recompute=full;recompute=full;recompute=selective;"
+    parser.add_argument("--variants", default="baseline,recompute=full;recompute=full;recompute=selective;"
                                               "recompute=none")
     parser.add_argument("--preset", default="qwen3_5_9b_reduced")
     parser.add_argument("--steps", type=int, default=7)
@@ -470,6 +492,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
                         help="run the first variant once, untimed, before the measured ones (fills the shared "
                              "autotune and compile caches for every batch's shapes)")
+    parser.add_argument("--warm-up-every-variant", action="store_true",
+                        help="a warm-up pass of every variant (repeats that differ only in train.seed share one), "
+                             "not only the first: variants whose kernels the first does not run (e.g. the fused "
+                             "paths after fused=off) then compile them outside their timed steps")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.skip >= args.steps:
@@ -497,10 +523,13 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [v for v in (v.strip() for v in args.variants.split(";")) if v]
     if args.warm_up_pass and variants:
         untimed = argparse.Namespace(**{**vars(args), "profile": False})
-        warm_up = run_variant(f"{variants[0]} (warm-up pass)", base.with_overrides(variant_overrides(variants[0], world)),
-                              untimed, world, device)
-        result["meta"]["warm_up_pass"] = {"variant": variants[0], "steps": len(warm_up["records"]),
-                                          "error": warm_up["summary"].get("error")}
+        passes = []
+        for variant in warm_up_variants(variants, world, every=args.warm_up_every_variant):
+            warm_up = run_variant(f"{variant} (warm-up pass)", base.with_overrides(variant_overrides(variant, world)),
+                                  untimed, world, device)
+            passes.append({"variant": variant, "steps": len(warm_up["records"]),
+                           "error": warm_up["summary"].get("error")})
+        result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
     for variant in variants:
         overrides = variant_overrides(variant, world)
         entry = run_variant(variant, base.with_overrides(overrides), args, world, device)
