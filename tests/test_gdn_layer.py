@@ -140,7 +140,7 @@ def _single_process_checks():
     layers = {m: h.build_gdn(config, world, world, m) for m in ("headwise", "chunkwise", "all_gather")}
     for m in ("chunkwise", "all_gather"):  # checkpoints move freely between modes
         layers[m].load_state_dict(layers["headwise"].state_dict())
-    shapes = {m: {k: getattr(v, "shape", v) for k, v in l.state_dict().items()} for m, l in layers.items()}
+    shapes = {m: {k: getattr(v, "shape", v) for k, v in layer.state_dict().items()} for m, layer in layers.items()}
     outcome["same_state_dict"] = shapes["headwise"] == shapes["chunkwise"] == shapes["all_gather"]
     from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 

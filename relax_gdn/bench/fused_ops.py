@@ -96,7 +96,7 @@ def main() -> None:
 
     _measure("swiglu: plain", _fwd_bwd(plain_swiglu, [a]), rows)
     _measure("swiglu: Megatron bias_swiglu_impl", _fwd_bwd(lambda: bias_swiglu_impl(a, None), [a]), rows)
-    del a
+    a = None  # frees it (the closures above are done with it)
 
     from relax_gdn.compat.wgrad import FUSED_WGRAD_MODULE
 
@@ -112,7 +112,7 @@ def main() -> None:
 
     _measure("wgrad 12288x4096: bf16 GEMM + fp32 add", unfused_wgrad, rows)
     _measure("wgrad 12288x4096: addmm into fp32 main_grad", fused_wgrad, rows)
-    del x_in, g_out, main_grad
+    x_in = g_out = main_grad = None  # frees them
 
     vocab = 248_320
     h = torch.randn(n, 4096, device=dev, dtype=bf16, requires_grad=True)
