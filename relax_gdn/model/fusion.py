@@ -145,6 +145,12 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: to
 _compiled: dict = {}
 
 
+def _chunk_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's fp32 log-sum-exp per row and per-token cross-entropy ``lse - logit[label]``."""
+    lse = _elementwise(_chunk_lse, logits)
+    return lse, lse - logits.gather(1, labels[:, None]).squeeze(1).float()
+
+
 def _elementwise(fn, *args):
     """``fn(*args)`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's
     logits instead of several eager fp32 ones); eager elsewhere, or for good if compiling fails
@@ -179,8 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = hidden[start:end] @ weight.t()
-            lse[start:end] = _elementwise(_chunk_lse, logits)
-            loss[start:end] = lse[start:end] - logits.gather(1, labels[start:end, None]).squeeze(1).float()
+            lse[start:end], loss[start:end] = _chunk_token_loss(logits, labels[start:end])
             del logits
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk = chunk
@@ -226,8 +231,7 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
             h = hidden[start:end]
             logits = h @ weight.t()
             if not (want_hidden or want_weight):
-                loss = _elementwise(_chunk_lse, logits) - logits.gather(1, labels[start:end, None]).squeeze(1).float()
-                total += (loss * weights[start:end]).sum()
+                total += (_chunk_token_loss(logits, labels[start:end])[1] * weights[start:end]).sum()
                 continue
             loss_sum, grad_logits = _elementwise(_chunk_loss_and_grad, logits, labels[start:end], weights[start:end])
             total += loss_sum
