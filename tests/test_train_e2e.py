@@ -3,6 +3,7 @@ in the comparison tool's JSON shape; the kernel categories and the idle time of 
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -83,18 +84,25 @@ def test_cpu_smoke(tmp_path):
         "--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "2", "--skip", "1", "--global-batch-size", "4",
         "--mean-tokens", "60", "--min-tokens", "16", "--max-tokens", "400", "--max-tokens-per-gpu", "256",
         "--variants", "fused=off;recompute=selective", "--out", str(out),
+        "--profile", "--trace-dir", str(tmp_path / "traces"),
     ])
     saved = json.loads(out.read_text())
     assert [v["name"] for v in saved["variants"]] == ["fused=off", "recompute=selective"]
-    assert saved["meta"]["warm_up_pass"] == {"variant": "fused=off", "steps": 2, "error": None}  # not a variant
+    # one untimed pass per variant, not listed as variants; each runs the profiled step's batch too (2 + 1)
+    assert saved["meta"]["warm_up_pass"] == {"variant": "every", "runs": [
+        {"variant": "fused=off", "steps": 3, "error": None}, {"variant": "recompute=selective", "steps": 3, "error": None}]}
     for variant in saved["variants"]:
         assert variant["optimizer"] == "adam"
-        assert len(variant["records"]) == 2
+        assert len(variant["records"]) == 3 and variant["records"][-1]["profiled"]  # 2 timed + 1 profiled
         assert {"step", "loss", "tokens_per_s", "optimizer_time_s"} <= set(variant["records"][0])
         summary = variant["summary"]
         assert summary["steps_timed"] == 1 and summary["tokens_per_s"] > 0
         assert summary["memory_estimate_gib"]["total"] > 0
         assert variant["lengths"]["max"] <= 256  # cut to one micro-batch
+        kept = tmp_path / "traces" / f"{train_e2e._file_stem(variant['name'])}.json.gz"
+        assert summary["kernel_split"]["trace"] == str(kept)
+        with gzip.open(kept) as f:  # the profiled step's chrome trace, whole
+            assert json.load(f)["traceEvents"]
     # the same seed gives both variants the same batches, and the model computes the same loss
     first, second = (v["records"][0] for v in result["variants"])
     assert first["tokens"] == second["tokens"]

@@ -34,14 +34,13 @@ Optimizer: Megatron-Core's distributed Adam when the memory model
 (``optim.name=none``), and the summary says so.
 
 Warm-up: the variants share Triton's autotuning and compile caches, keyed partly by shape, and a
-global batch of new lengths can trigger more tuning after ``--skip``: on the full 9B that made
-the first variant of a run 3 % slower (median tok/s; 7 % in all its tokens over all its time)
-than the same variant run again last. So the first variant first runs once, untimed, over the
-same batches (``--no-warm-up-pass`` skips it). Kernels the first variant does not run (the
-fused paths after ``fused=off``: FLA's gated norm compiles once per row-block count) compile in
-the first steps of the variant that does, and when a batch of new lengths arrives after
-``--skip``, inside a timed step (≈ 0.2 s each on the full 9B); ``--warm-up-every-variant``
-gives every variant its untimed pass.
+global batch of new lengths can trigger more tuning or compiling after ``--skip`` (FLA's gated
+norm compiles once per row-block count, ≈ 0.2 s each on the full 9B): measured without a warm-up,
+the first variant of a run was 3 % slower (median tok/s) than the same variant run again last,
+and a fused variant after ``fused=off`` compiled inside its timed steps. So every variant first
+runs once, untimed, over the same batches, the profiled step's included (repeats that differ only
+in ``train.seed`` share one pass); ``--no-warm-up-every-variant`` warms up the first variant only,
+``--no-warm-up-pass`` none.
 
 Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
 tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
@@ -59,8 +58,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -323,6 +325,11 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
 # ---------------------------------------------------------------------------------------------
 
 
+def _file_stem(variant: str) -> str:
+    """A variant's overrides as a file name (``recompute=full,train.seed=1`` -> ``recompute-full_train.seed-1``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", variant.replace("=", "-").replace(",", "_")).strip("_") or "variant"
+
+
 def _median(records, key):
     values = [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -411,6 +418,12 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
             rate = summary.get("tokens_per_s_total")
             summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"],
                                                    records[-1]["tokens"] / rate if rate else None)
+            if args.trace_dir:  # the run directory is temporary: keep the trace for a closer look
+                kept = Path(args.trace_dir) / f"{_file_stem(name)}.json.gz"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                with trace.open("rb") as src, gzip.open(kept, "wb", compresslevel=6) as dst:
+                    shutil.copyfileobj(src, dst)
+                summary["kernel_split"]["trace"] = str(kept)
     entry |= {"records": records, "summary": summary}
     return entry
 
@@ -491,12 +504,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
                         help="run the first variant once, untimed, before the measured ones (fills the shared "
-                             "autotune and compile caches for every batch's shapes)")
-    parser.add_argument("--warm-up-every-variant", action="store_true",
+                             "autotune and compile caches for every batch's shapes, the profiled step's included)")
+    parser.add_argument("--warm-up-every-variant", action=argparse.BooleanOptionalAction, default=True,
                         help="a warm-up pass of every variant (repeats that differ only in train.seed share one), "
                              "not only the first: variants whose kernels the first does not run (e.g. the fused "
                              "paths after fused=off) then compile them outside their timed steps")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--trace-dir", help="with --profile: keep each variant's profiled step here as a gzipped "
+                                            "chrome trace (open in Perfetto; ~10-30 MB each for the full 9B)")
     args = parser.parse_args(argv)
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
@@ -523,9 +538,12 @@ def main(argv: list[str] | None = None) -> dict:
     variants = [v for v in (v.strip() for v in args.variants.split(";")) if v]
     if args.warm_up_pass and variants:
         untimed = argparse.Namespace(**{**vars(args), "profile": False})
+        # the profiled step's batch too: its new shapes would otherwise compile inside the profile
+        warm_up_steps = {"train.steps": args.steps + 1} if args.profile else {}
         passes = []
         for variant in warm_up_variants(variants, world, every=args.warm_up_every_variant):
-            warm_up = run_variant(f"{variant} (warm-up pass)", base.with_overrides(variant_overrides(variant, world)),
+            warm_up = run_variant(f"{variant} (warm-up pass)",
+                                  base.with_overrides({**variant_overrides(variant, world), **warm_up_steps}),
                                   untimed, world, device)
             passes.append({"variant": variant, "steps": len(warm_up["records"]),
                            "error": warm_up["summary"].get("error")})
