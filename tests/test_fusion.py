@@ -1,7 +1,8 @@
 """The fused paths of relax_gdn.model.fusion against the plain formulas on CPU (forward and
 gradients): torch's rms_norm (fp32 and bf16), the chunked output layer + cross-entropy (fp32,
-chunks smaller than the micro-batch, any upstream gradient), and the whole tiny model trained
-with fusion on and off. Tolerances (relative to the reference's norm): fp32 1e-5; bf16 2e-2 (the
+chunks smaller than the micro-batch, any upstream gradient), the embedding's gradient added
+straight into a Megatron-Core-style main grad (alone and inside the tiny model), and the whole
+tiny model trained with fusion on and off. Tolerances (relative to the reference's norm): fp32 1e-5; bf16 2e-2 (the
 fused norm rounds 1 + w to bf16 once, the plain path keeps it fp32)."""
 
 from __future__ import annotations
@@ -144,3 +145,92 @@ def test_tiny_model_trains_the_same_with_fusion_on_and_off():
     for f, p in zip(fused, plain):
         assert f["loss"] == pytest.approx(p["loss"], rel=FP32_TOL)
         assert f["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedding's gradient straight into Megatron-Core's main grad
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_ddp_parameter(weight: torch.Tensor, start: float) -> torch.Tensor:
+    """Give ``weight`` what Megatron-Core's DDP gives a parameter: an fp32 ``main_grad`` (here
+    pre-filled, as after earlier micro-batches) and ``grad_added_to_main_grad``."""
+    weight.main_grad = torch.full(weight.shape, start, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
+    return weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_adds_its_rows_into_main_grad(dtype):
+    """Repeated ids sum; the rows no id touches stay as they were; the weight is marked as
+    handed over and autograd gets a tensor of its shape (which DDP's hook drops)."""
+    torch.manual_seed(2)
+    vocab, h = 30, 8
+    weight = _as_ddp_parameter(torch.randn(vocab, h, dtype=dtype).requires_grad_(), 0.5)
+    ids = torch.tensor([[3, 7, 3, 29, 3, 0]])
+    upstream = torch.randn(1, 6, h, dtype=dtype)
+    want = torch.zeros(vocab, h, dtype=torch.float64).index_add_(0, ids[0], upstream[0].double())
+
+    out = fusion.embedding_into_main_grad(ids, weight)
+    assert torch.equal(out, F.embedding(ids, weight))
+    out.backward(upstream)
+    assert _rel(weight.main_grad - 0.5, want) < FP32_TOL  # summed in fp32, no bf16 rounding of the sum
+    untouched = torch.ones(vocab, dtype=torch.bool)
+    untouched[ids[0]] = False
+    assert torch.equal(weight.main_grad[untouched], torch.full((int(untouched.sum()), h), 0.5))
+    assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape
+
+
+def _tiny_model_embedding_grad():
+    import torch.distributed as dist
+
+    from relax_gdn.compat.cpu import apply_cpu_shims
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.gdn_harness import packed_params
+    from tests.test_qwen3_5_model import CU, _batch, _build
+
+    apply_cpu_shims()
+    torch.set_num_threads(1)
+    single = dist.new_group([0])
+    torch.manual_seed(0)
+    model = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single)
+    tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    mask = (torch.arange(tokens.shape[1]) % 3 != 0).float()[None]  # some tokens carry no loss
+    embedding, output = "embedding.word_embeddings.weight", "output_layer.weight"
+    params = dict(model.named_parameters())
+
+    def run():
+        loss = model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(CU, "cpu"))
+        (loss / 7.0).backward()  # the loop's 1 / loss tokens
+        grads = {n: p.grad.detach().clone() for n, p in params.items()}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    with fusion.fusion_set_to(embedding_grad_into_main_grad=False):
+        plain_loss, plain = run()
+    for name in (embedding, output):  # what Megatron-Core's DDP gives its parameters
+        _as_ddp_parameter(params[name], 0.25)
+    fused_loss, fused = run()
+    return {
+        "embedding_class": type(model.embedding.word_embeddings).__name__,
+        "loss_equal": torch.equal(fused_loss, plain_loss),
+        "embedding": _rel(params[embedding].main_grad - 0.25, plain[embedding]),
+        "handed_over": params[embedding].grad_added_to_main_grad,
+        # the output layer keeps its own gradient (DDP's hook adds it): main_grad untouched here
+        "output_untouched": bool((params[output].main_grad == 0.25).all()) and not params[output].grad_added_to_main_grad,
+        "others_equal": all(torch.equal(fused[n], plain[n]) for n in params if n != embedding),
+        "repeated_ids": int(tokens.numel() - tokens.unique().numel()),
+    }
+
+
+@pytest.mark.slow  # one spawned process builds the tiny model
+def test_tiny_model_embedding_gradient_lands_in_main_grad():
+    """Inside the real model (TP 1): the embedding's gradient is added to its main grad and equals
+    the plain path's; every other gradient and the loss are bit-identical."""
+    from tests.distributed import run_distributed
+
+    (result,) = run_distributed(_tiny_model_embedding_grad, 1)
+    assert result["embedding_class"] == "_VocabEmbeddingIntoMainGrad"
+    assert result["repeated_ids"] > 0  # the batch repeats ids: their rows must sum
+    assert result["loss_equal"] and result["others_equal"] and result["handed_over"] and result["output_untouched"]
+    assert result["embedding"] < FP32_TOL

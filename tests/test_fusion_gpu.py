@@ -1,6 +1,7 @@
 """The fused paths on one GPU against the plain formulas (forward and gradients), with no host
 syncs: torch's fused rms_norm kernel, FLA's gated-norm Triton kernel, the chunked output layer +
-cross-entropy; then the reduced 9B trained with fusion on vs off and selective recompute vs none.
+cross-entropy, the embedding's gradient added into DDP's main grad; then the tiny and
+the reduced 9B trained with fusion on vs off and selective recompute vs none.
 
 Tolerances, relative to the reference's norm: fp32 1e-4 (Triton's fp32 reductions order sums
 differently); bf16 2e-2 (one bf16 rounding of 1 + w, of the logits chunk's gradient, of the
@@ -125,6 +126,28 @@ def test_wgrad_accumulation_fusion_cuda():
     assert _rel(main_grad, want) < 1e-2
 
 
+def test_embedding_gradient_into_main_grad_cuda_bf16():
+    """A bf16 embedding with Megatron-Core DDP's fp32 main grad: the micro-batch's rows are added
+    (repeated ids summed in fp32); no host syncs."""
+    from tests.test_fusion import _as_ddp_parameter
+
+    torch.manual_seed(5)
+    vocab, h, n = 50_000, 1024, 3000
+    ids = torch.randint(0, 500, (1, n), device="cuda")  # a small id range: many repeats
+    upstream = torch.randn(1, n, h, device="cuda", dtype=torch.bfloat16)
+    embedding = (0.05 * torch.randn(vocab, h, device="cuda")).to(torch.bfloat16).requires_grad_()
+    _as_ddp_parameter(embedding, 0.5)
+    embedding.main_grad = embedding.main_grad.cuda()
+    want = torch.zeros(vocab, h, device="cuda", dtype=torch.float64).index_add_(0, ids[0], upstream[0].double())
+
+    def embed():
+        fusion.embedding_into_main_grad(ids, embedding).backward(upstream)
+
+    embed()
+    assert _rel(embedding.main_grad - 0.5, want) < 1e-5 and embedding.grad_added_to_main_grad
+    assert count_host_syncs(embed) == 0
+
+
 def _train_reduced(**overrides):
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import run_training
@@ -137,6 +160,19 @@ def _train_reduced(**overrides):
         "logging.jsonl": False, **overrides,
     })
     return run_training(cfg, None).records
+
+
+def test_tiny_model_embedding_gradient_through_ddp():
+    """Megatron-Core's DDP and distributed optimizer on one GPU, the tiny model: with the embedding's
+    gradient added into its main grad (and the fused wgrad GEMMs) the first step's grad norm and
+    the losses after two Adam updates match DDP's own adds (a lost or doubled add shows)."""
+    plain = _train_reduced(**{"model.preset": "qwen3_5_tiny", "model.fused_grad_accumulation": False,
+                              "optim.lr": 1e-3, "train.steps": 3})
+    fused = _train_reduced(**{"model.preset": "qwen3_5_tiny", "optim.lr": 1e-3, "train.steps": 3})
+    assert fused[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=5e-3)
+    for got, want in zip(fused, plain):
+        assert got["loss"] == pytest.approx(want["loss"], rel=5e-3)
+    assert fused[-1]["host_syncs"] == 0
 
 
 def test_reduced_9b_fused_and_selective_match_plain():

@@ -54,7 +54,8 @@ class ModelConfig:
     # SwiGLU as Megatron-Core's fused (torch.compile) SwiGLUFunction on CUDA, which keeps only its input
     fused_swiglu: bool = True
     # weight gradients accumulated into the fp32 main grads inside the wgrad GEMM (CUDA;
-    # relax_gdn.compat.wgrad), instead of a bf16 grad plus an add per parameter
+    # relax_gdn.compat.wgrad), instead of a bf16 grad plus an add per parameter; at TP 1 the
+    # embedding adds its rows there directly too (relax_gdn.model.fusion)
     fused_grad_accumulation: bool = True
 
 

@@ -40,7 +40,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -51,7 +51,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
 from relax_gdn.gdn.options import GDNOptions
-from relax_gdn.model.fusion import Fusion, fused_output_loss, fusion_in_effect
+from relax_gdn.model.fusion import (
+    Fusion, embedding_into_main_grad, fused_output_loss, fusion_in_effect, takes_main_grad,
+)
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.mlp import Qwen3_5MLP
@@ -351,6 +353,23 @@ def qwen3_5_block_spec(
 # ---------------------------------------------------------------------------------------------
 
 
+class _VocabEmbeddingIntoMainGrad(VocabParallelEmbedding):
+    """Megatron-Core's ``VocabParallelEmbedding`` (same parameters and checkpoint keys) whose weight
+    gradient goes straight into the DDP ``main_grad`` at TP 1 when the model's fusion says so
+    (``Fusion.embedding_grad_into_main_grad``, :func:`relax_gdn.model.fusion.embedding_into_main_grad`);
+    Megatron-Core's forward otherwise (TP > 1, no DDP, no gradient)."""
+
+    fusion: Fusion | None = None
+
+    def forward(self, input_):
+        weight = self.weight
+        if (self.tp_group.size() == 1 and getattr(self, "gtp_remat_size", 1) == 1 and torch.is_grad_enabled()
+                and weight.requires_grad and fusion_in_effect(self.fusion).embedding_grad_into_main_grad
+                and takes_main_grad(weight)):
+            return embedding_into_main_grad(input_, weight)
+        return super().forward(input_)
+
+
 class Qwen3_5Model(GPTModel):
     """``GPTModel`` whose RoPE follows ``position_ids`` token by token (see the module docstring).
 
@@ -359,8 +378,9 @@ class Qwen3_5Model(GPTModel):
     and handed to every attention layer.
 
     ``fusion``: whether the loss runs chunked with the output layer
-    (:class:`~relax_gdn.model.fusion.Fusion` ``cross_entropy``); None follows the process-wide
-    default (``fusion_set_to``).
+    (:class:`~relax_gdn.model.fusion.Fusion` ``cross_entropy``) and whether the embedding's gradient
+    goes straight into its DDP main grad (``embedding_grad_into_main_grad``); None follows the
+    process-wide default (``fusion_set_to``).
     """
 
     def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
@@ -378,6 +398,12 @@ class Qwen3_5Model(GPTModel):
             pg_collection=pg_collection,
             **kwargs,
         )
+        if self.pre_process:
+            # GPTModel builds its embedding itself: give the built module the subclass's forward
+            # (same state, parameters and checkpoint keys), which acts at TP 1 only
+            words = self.embedding.word_embeddings
+            words.__class__ = _VocabEmbeddingIntoMainGrad
+            words.fusion = fusion
         self.rotary_pos_emb = TokenRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=rotary_percent,

@@ -326,7 +326,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
         # given at build time (no process-wide switch), so every module keeps this run's setting
-        fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy),
+        fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
+                      embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
