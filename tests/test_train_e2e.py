@@ -78,7 +78,7 @@ def test_warm_up_variants():
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_cpu_smoke(tmp_path):
+def test_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     result = train_e2e.main([
         "--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "2", "--skip", "1", "--global-batch-size", "4",
@@ -103,6 +103,7 @@ def test_cpu_smoke(tmp_path):
         assert summary["kernel_split"]["trace"] == str(kept)
         with gzip.open(kept) as f:  # the profiled step's chrome trace, whole
             assert json.load(f)["traceEvents"]
+    assert "fused=off: no GPU kernels in the profiled step" in capsys.readouterr().out  # not a table of zeros
     # the same seed gives both variants the same batches, and the model computes the same loss
     first, second = (v["records"][0] for v in result["variants"])
     assert first["tokens"] == second["tokens"]

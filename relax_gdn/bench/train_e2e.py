@@ -471,7 +471,9 @@ def format_table(result: dict) -> str:
             f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}")
     for v in rows:
         split = v["summary"].get("kernel_split")
-        if split:
+        if split and not split["kernels"]:  # a CPU run: the trace holds host ops only
+            lines.append(f"  {v['name']}: no GPU kernels in the profiled step (trace: {split.get('trace', '-')})")
+        elif split:
             parts = ", ".join(f"{k} {t:.3f}" for k, t in split["seconds"].items())
             unprofiled = split.get("idle_unprofiled_s")
             lines.append(f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
