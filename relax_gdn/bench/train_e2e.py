@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "paths after fused=off) then compile them outside their timed steps")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--trace-dir", help="with --profile: keep each variant's profiled step here as a gzipped "
-                                            "chrome trace (open in Perfetto; ~10-30 MB each for the full 9B)")
+                                            "chrome trace of rank 0 (opens in Perfetto)")
     args = parser.parse_args(argv)
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
