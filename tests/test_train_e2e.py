@@ -108,3 +108,11 @@ def test_cpu_smoke(tmp_path, capsys):
     first, second = (v["records"][0] for v in result["variants"])
     assert first["tokens"] == second["tokens"]
     assert first["loss"] == pytest.approx(second["loss"], rel=1e-5)
+
+
+def test_trace_dir_needs_profile(capsys, tmp_path):
+    """Asked to keep a trace that no step would record: refused before anything runs."""
+    with pytest.raises(SystemExit):
+        train_e2e.main(["--device", "cpu", "--trace-dir", str(tmp_path / "traces")])
+    assert "add --profile" in capsys.readouterr().err
+    assert not (tmp_path / "traces").exists()

@@ -517,6 +517,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
+    if args.trace_dir and not args.profile:
+        parser.error(f"--trace-dir {args.trace_dir} keeps the profiled step's trace: add --profile")
 
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import init_distributed, select_device

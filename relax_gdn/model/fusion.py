@@ -32,7 +32,8 @@ FLA's ``swiglu`` measured no faster than the plain form on an H200 (1.51 vs 1.52
 8192 x 12288).
 
 The setting travels with the model, like the GDN options: the training loop builds the model with
-``Fusion(norms=model.fused_norms, cross_entropy=model.fused_cross_entropy)`` and every norm and the
+``Fusion(norms=model.fused_norms, cross_entropy=model.fused_cross_entropy,
+embedding_grad_into_main_grad=model.fused_grad_accumulation)`` and every norm, the embedding and the
 model keep it. Modules built without one (None) follow the process-wide default instead, which
 :func:`fusion_set_to` switches inside a block: an A/B for benchmarks and tests around modules
 already built, with nothing for a training run to set.
@@ -125,7 +126,7 @@ def takes_main_grad(weight: torch.Tensor) -> bool:
     return getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
 
 
-def handed_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+def _handed_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
     """Mark ``weight``'s gradient as added to ``main_grad`` and return what autograd gets instead,
     as Megatron-Core's fused linears do: an uninitialised tensor of the weight's shape, which DDP's
     hook neither reads nor keeps (None would skip the hook, which DDP's bookkeeping counts on);
@@ -155,7 +156,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         main_grad = weight.main_grad
         main_grad.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype),
                              accumulate=True)
-        return None, handed_to_main_grad(weight)
+        return None, _handed_to_main_grad(weight)
 
 
 def embedding_into_main_grad(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -360,7 +361,6 @@ __all__ = [
     "fusion_in_effect",
     "fusion_set_to",
     "gated_rms_norm_applies",
-    "handed_to_main_grad",
     "linear_cross_entropy",
     "takes_main_grad",
     "weighted_linear_cross_entropy_sum",
