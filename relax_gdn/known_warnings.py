@@ -12,6 +12,7 @@ start of one message, so any other warning from the same library still shows.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -96,3 +97,17 @@ def silence_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=known.message, category=known.category)
     for known in KNOWN_LOG_LINES:
         logging.getLogger(known.logger).addFilter(_DropMessage(known.message))
+
+
+# torch.profiler's C++ backend (kineto) prints to stderr by itself, at or above KINETO_LOG_LEVEL
+# (0 verbose ... 4 errors, 5 its USDT start/stop markers), read once per process at the first profile.
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"  # above every level kineto has
+
+
+def quiet_cpu_profiler() -> None:
+    """Call before a process's first CPU-only ``torch.profiler`` session. Kineto's only lines there
+    are its start/stop markers and ``gpuGetDeviceCount failed with code 35``: a CUDA build of torch
+    asks the driver which GPUs to describe in the trace, and without a driver there are none, so
+    the trace loses nothing. A ``KINETO_LOG_LEVEL`` the user set wins."""
+    os.environ.setdefault(KINETO_LOG_LEVEL_ENV, KINETO_SILENT)

@@ -371,3 +371,5 @@ def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
                 step_time_s=0.5)
     assert step_line({**line, "cp_sizes": {"1": 4, "2": 2}}, total=2).endswith("[CP1 x 4, CP2 x 2]")
     assert "CP" not in step_line(line, total=2)
+    assert " TFLOP/s/process " in step_line(line, total=2)  # a CPU record (no GPU memory): no "/gpu"
+    assert " TFLOP/s/gpu " in step_line({**line, "peak_mem_gb": 3.5}, total=2)

@@ -49,6 +49,7 @@ from relax_gdn.data import (
     synthetic_math_dataset,
 )
 from relax_gdn.errors import ConfigError, DataError, RecipeError
+from relax_gdn.known_warnings import quiet_cpu_profiler
 from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
@@ -185,6 +186,8 @@ class ProfileWindow:
 
     def before_step(self, step: int) -> None:
         if step == self.first and self.trace_dir is not None:
+            if self.device.type != "cuda":
+                quiet_cpu_profiler()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
