@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
 from relax_gdn.layout import build_route, swap_layout
 from relax_gdn.layout import route as route_module
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--pipelined", type=int, default=8, help="calls back to back per pipelined sample")
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.swap", gpus=2, more_ok=True)
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")

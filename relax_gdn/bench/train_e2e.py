@@ -72,6 +72,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench.needs import require_gpus
+
 CP_MODES = ("chunkwise", "headwise", "all_gather")
 KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "elementwise")
 
@@ -519,6 +521,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
     if args.trace_dir and not args.profile:
         parser.error(f"--trace-dir {args.trace_dir} keeps the profiled step's trace: add --profile")
+    if args.device == "cuda":
+        require_gpus("relax_gdn.bench.train_e2e")
 
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import init_distributed, select_device
