@@ -42,6 +42,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
+from relax_gdn.sweep import SLOW_JOB_FACTOR
+
 log = logging.getLogger(__name__)
 
 # What train.py exits with after a stop request (SIGUSR1/SIGTERM) made it save a checkpoint:
@@ -61,7 +63,7 @@ class LocalSweepConf(LocalQueueConf):
     parallel_jobs: int = 1  # jobs running at once on this machine (each is tasks_per_node processes)
     wandb_group: Optional[str] = None  # null: sweep-<date>_<time> from the sweep directory
     # name a job that has run this many times the median duration of the finished jobs (0: never)
-    slow_job_factor: float = 3.0
+    slow_job_factor: float = SLOW_JOB_FACTOR
 
 
 @dataclass
@@ -82,7 +84,7 @@ class SlurmSweepConf(SlurmQueueConf):
     requeue: bool = True
     container_image: Optional[str] = None  # pyxis/enroot: srun --container-image (a .sqsh or registry#image)
     container_mounts: Optional[str] = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
-    slow_job_factor: float = 3.0  # name a job running this many times the finished jobs' median (0: never)
+    slow_job_factor: float = SLOW_JOB_FACTOR  # name a job running this many times the finished jobs' median
     srun_args: List[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
     # lines run in the sbatch script before srun (the same environment as slurm/train.sbatch)
     setup: Optional[List[str]] = field(default_factory=lambda: ["export NCCL_NVLS_ENABLE=0",
@@ -244,15 +246,15 @@ class _SweepLauncher(BaseSubmititLauncher):
             manifest.merge()
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from relax_gdn.sweep import (SweepManifest, SweepProgress, override_key, sweep_wandb_group, variant_label,
-                                     varying_keys)
+        from relax_gdn.sweep import (SweepManifest, SweepProgress, override_key, sweep_wandb_group,
+                                     variant_label, varying_keys)
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_dir = sweep_dir  # resolved once here (its ${now:...}); the jobs get it pickled
         manifest = SweepManifest(sweep_dir)
-        self._progress = SweepProgress(float(self.params.get("slow_job_factor", 3.0)))
+        self._progress = SweepProgress(float(self.params.get("slow_job_factor", SLOW_JOB_FACTOR)))
         group = self.params.get("wandb_group") or sweep_wandb_group(sweep_dir)
         varying = varying_keys([filter_overrides(o) for o in job_overrides])
         manifest.merge(launcher=self._EXECUTOR, wandb_group=group, varying_keys=varying,
