@@ -154,9 +154,9 @@ class SweepProgress:
     ``slow_factor`` times the median duration of the jobs that finished (0: never)."""
 
     slow_factor: float = SLOW_JOB_FACTOR
-    _seen: dict[int, tuple[str | None, float | None]] = field(default_factory=dict)
-    _named_slow: set[int] = field(default_factory=set)
-    _tally: str | None = None
+    _seen: dict[int, tuple[str | None, float | None]] = field(default_factory=dict, init=False, repr=False)
+    _named_slow: set[int] = field(default_factory=set, init=False, repr=False)
+    _tally: str | None = field(default=None, init=False, repr=False)
 
     def update(self, jobs: Sequence[dict[str, Any]], now: float) -> list[tuple[str, str]]:
         """``(level, line)`` for what changed since the last call; level is a logging level name."""
@@ -213,9 +213,9 @@ class SweepProgress:
             if elapsed > self.slow_factor * typical:
                 self._named_slow.add(job["num"])
                 log = f"; its output: {job['log']}" if job.get("log") else ""
-                lines.append(("WARNING", f"job #{job['num']} has run {_clock(elapsed)}, {elapsed / typical:.1f}x the "
-                                         f"median {_clock(median)} of the {len(durations)} finished job(s): "
-                                         f"{job.get('run_dir')}{log}"))
+                lines.append(("WARNING", f"job #{job['num']} has run {_clock(elapsed)}, {elapsed / typical:.1f}x "
+                                         f"the median {_clock(median)} of the {len(durations)} finished "
+                                         f"job(s): {job.get('run_dir')}{log}"))
         return lines
 
 
