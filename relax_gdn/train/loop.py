@@ -35,7 +35,7 @@ import random
 import signal
 import threading
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
@@ -368,12 +368,12 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
     return -(-tokenizer.vocab_size // multiple) * multiple
 
 
-class StepFlag(IntEnum):
+class StepFlag(Enum):
     """A condition one rank raises for the step, carried by the step's one all-reduce: raised on
     any rank, it is raised on every rank in that same step, so all ranks decide alike. Each member
-    is one slot of the reduced vector (after the loss)."""
+    is one slot of the reduced vector, after the loss, in the order defined here."""
 
-    STOP_REQUESTED = 0  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step
+    STOP_REQUESTED = auto()  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step
 
 
 @dataclass(frozen=True)
@@ -409,6 +409,8 @@ class Trainer:
     :meth:`train_step` once per optimizer step), :meth:`close`. See the module docstring."""
 
     # what setup() builds
+    rank: int  # global rank
+    is_rank0: bool  # the rank that logs and writes the run directory
     parallel: ParallelContext
     tconfig: Any  # Megatron-Core TransformerConfig
     model: torch.nn.Module  # what runs forward/backward (on CUDA: wrapped in DDP, bf16 wrapper)
