@@ -45,7 +45,7 @@ from relax_gdn.model.recompute import recomputes
 class ModelConfig:
     preset: ModelPreset = "qwen3_5_tiny"  # relax_gdn.model.presets (qwen3_5_tiny: 4 layers, hidden 64, CPU)
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
-    spec_provider: SpecProvider = "auto"  # auto: Transformer Engine specs where it imports, else local
+    spec_provider: SpecProvider = "auto"  # auto: the local specs (the tested path); te: Transformer Engine's
     attention_backend: ModelAttentionBackend = "auto"
     # relax_gdn.model.fusion: one-kernel RMSNorms (and the GDN gated norm on CUDA); off: fp32 formulas
     fused_norms: bool = True
