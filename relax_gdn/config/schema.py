@@ -175,6 +175,9 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile_steps: list[int] | None = None  # [first, last]: torch profiler traces per rank for these steps
     show_third_party_warnings: bool = False  # true: keep the notices relax_gdn.known_warnings silences
+    # CUDA: count host<->device syncs in forward + backward (metrics' host_syncs) with torch's
+    # process-wide sync debug mode; off in training runs, on in benchmarks and GPU tests
+    count_host_syncs: bool = False
 
 
 @dataclass

@@ -438,7 +438,8 @@ def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> Tr
     preemption = PreemptionRequest()
     trace_root = run_dir / "traces" if run_dir is not None else None  # no run directory: no traces
     profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, rank, device)
-    host_syncs = HostSyncCounter(enabled=device.type == "cuda")  # in forward + backward only
+    # in forward + backward only (logging.count_host_syncs)
+    host_syncs = HostSyncCounter(enabled=device.type == "cuda" and cfg.logging.count_host_syncs)
     try:
         model.train()
         for step in range(start_step + 1, cfg.train.steps + 1):
