@@ -462,7 +462,8 @@ class Trainer:
         self.preemption = PreemptionRequest()
         trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
         self.profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, self.rank, device)
-        self.host_syncs = HostSyncCounter(enabled=device.type == "cuda")  # in forward + backward only
+        # in forward + backward only (logging.count_host_syncs)
+        self.host_syncs = HostSyncCounter(enabled=device.type == "cuda" and cfg.logging.count_host_syncs)
 
     def _init_process_groups(self) -> None:
         cfg, device = self.cfg, self.device
