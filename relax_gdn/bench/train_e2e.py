@@ -542,6 +542,8 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
+        # what every variant starts from: relax_gdn.compare labels a key a variant leaves alone by it
+        "base_config": base.resolved().to_dict(),
     }, "variants": []}
     variants = [v for v in (v.strip() for v in args.variants.split(";")) if v]
     if args.warm_up_pass and variants:
