@@ -28,6 +28,7 @@ can; ``sdpa`` otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -332,8 +333,11 @@ def _flex_kernel(device_type: str):
 
 
 def flex_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # the eager path is chosen on purpose off CUDA; torch warns that it is unfused
+    eager = q.device.type != "cuda"
+    with warnings.catch_warnings(), torch._dynamo.config.patch(disable=False) if eager else contextlib.nullcontext():
+        # the eager path is chosen on purpose off CUDA; torch warns that it is unfused. It still
+        # traces the attention with Dynamo's eager backend, which CPU runs may have switched off
+        # (relax_gdn.compat.cpu turns off compilation for Megatron-Core's fused kernels)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = _flex_kernel(q.device.type)(
             q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0),
