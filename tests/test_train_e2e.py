@@ -170,7 +170,8 @@ def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monke
     ])
     saved = {v["name"]: v for v in json.loads(out.read_text())["variants"]}
     refused = saved["recompute=selective"]["summary"]
-    assert refused["memory_estimate_gib"]["total"] > refused["capacity_gib"]
+    assert refused["memory_estimate_gib"]["total"] >= refused["capacity_gib"]  # (GiB to 2 decimals)
+    assert "will not fit this GPU" in refused["refused"]
     assert refused["fits"] and all("recompute.granularity=selective" not in f for f in refused["fits"])
     assert any(f.startswith("recompute.granularity=full (") for f in refused["fits"])
     assert saved["recompute=selective"]["records"] == []
