@@ -22,6 +22,7 @@ or any dotted config key:
 ``baseline``                             Megatron-Core's own forms: ``fused=off`` and
                                          ``recompute.skip_unused=false`` (what the targets compare to)
 ``mt=<tokens>``                          ``train.max_tokens_per_gpu``
+``profile``                              this variant's profiled step (``--profile`` for one variant)
 ``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
 
 Data: random-token SFT samples whose lengths follow a log-normal distribution (default mean
@@ -116,6 +117,8 @@ def variant_overrides(variant: str, world: int) -> dict:
         if setting == "baseline":
             overrides |= {**variant_overrides("fused=off", world), "recompute.skip_unused": False}
             continue
+        if setting == "profile":  # this variant's extra profiled step (profiled_variant), no config key
+            continue
         kind, colon, mode = setting.partition(":")
         if colon and kind in ("static", "dynamic"):
             if mode not in CP_MODES:
@@ -156,6 +159,12 @@ class VocabularyOnly:
     vocab_size: int
     pad_id: int = 0
     eos_id: int = 1
+
+
+def profiled_variant(variant: str) -> bool:
+    """Whether ``variant`` asks for the profiled step itself (setting ``profile``), as ``--profile``
+    does for every variant."""
+    return "profile" in (s.strip() for s in variant.split(","))
 
 
 def grid_variants(grid: str) -> list[str]:
@@ -603,7 +612,11 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
-    if args.trace_dir and not args.profile:
+    try:
+        variants = [v for v in (v.strip() for v in args.variants.split(";")) if v] + grid_variants(args.grid or "")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.trace_dir and not (args.profile or any(map(profiled_variant, variants))):
         parser.error(f"--trace-dir {args.trace_dir} keeps the profiled step's trace: add --profile")
 
     from relax_gdn.config import RunConfig
@@ -625,25 +638,23 @@ def main(argv: list[str] | None = None) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
     }, "variants": []}
-    try:
-        variants = [v for v in (v.strip() for v in args.variants.split(";")) if v] + grid_variants(args.grid or "")
-    except ValueError as e:
-        parser.error(str(e))
     if args.warm_up_pass and variants:
         untimed = argparse.Namespace(**{**vars(args), "profile": False})
         # the profiled step's batch too: its new shapes would otherwise compile inside the profile
         warm_up_steps = {"train.steps": args.steps + 1} if args.profile else {}
         passes = []
         for variant in warm_up_variants(variants, world, every=args.warm_up_every_variant):
+            steps = warm_up_steps or ({"train.steps": args.steps + 1} if profiled_variant(variant) else {})
             warm_up = run_variant(f"{variant} (warm-up pass)",
-                                  base.with_overrides({**variant_overrides(variant, world), **warm_up_steps}),
+                                  base.with_overrides({**variant_overrides(variant, world), **steps}),
                                   untimed, world, device)
             passes.append({"variant": variant, "steps": len(warm_up["records"]),
                            "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused")})
         result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
     for variant in variants:
         overrides = variant_overrides(variant, world)
-        entry = run_variant(variant, base.with_overrides(overrides), args, world, device)
+        variant_args = args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
+        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device)
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:
