@@ -4,13 +4,15 @@ read the results against the targets (issue 32). ``relax_gdn/bench/long_context.
     python -m relax_gdn.bench.long_context winner attention.json      # prints the fastest exact kernel
     python -m relax_gdn.bench.long_context variants --winner fa4 --lengths 32768,65536,131072
     python -m relax_gdn.bench.long_context targets e2e.json [more.json ...]
+    python -m relax_gdn.bench.long_context plan --capacity-gib 79.1 --cp 2 --optimizer adam
 
 ``winner``: among the backends of ``bench.attention`` whose check passed, the one with the least
 fwd+bwd time summed over the cases of 32k tokens and more (``varlen`` when none beats it).
 ``variants``: per micro-batch size, today's setting (full recompute, ``varlen``) and the candidate
 (``recompute=mixed`` with the winner), plus the selective row at 32k that the memory model refuses;
 the 64k candidate carries ``profile``. ``targets``: each candidate's tok/s against the same size's
-full-recompute ``varlen`` row, MFU and peak memory, next to the issue's targets.
+full-recompute ``varlen`` row, MFU and peak memory, next to the issue's targets. ``plan``: what
+the memory model fits per micro-batch size on a GPU of a given size (docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -84,6 +86,38 @@ def targets(results: list[dict]) -> list[str]:
     return lines
 
 
+def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, dp: int = 1,
+         optimizer: str = "none", preset: str = "qwen3_5_9b") -> list[str]:
+    """Per micro-batch size (tokens per GPU), what the memory model says fits a GPU of
+    ``capacity_gib``: selective where it fits, else mixed with its fewest whole layers, else full,
+    else nothing, with the estimate."""
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from relax_gdn.train.flops import ModelShape
+    from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers
+
+    vocab = -(-qwen3_5_preset(preset).vocab_size // 1024) * 1024
+    shape = ModelShape.from_transformer_config(qwen3_5_config(preset), vocab)
+    capacity = capacity_gib * GIB
+    lines = [f"{preset}, {capacity_gib:g} GiB per GPU, TP {tp}{' + SP' if tp > 1 else ''} x CP {cp} x DP {dp}, "
+             f"optimizer {optimizer}:"]
+    for tokens in lengths:
+        common = dict(tokens_per_gpu=tokens, tp=tp, sequence_parallel=tp > 1, cp=cp, dp=dp, optimizer=optimizer)
+        selective = estimate_memory(shape, recompute="selective", **common)
+        layers = fewest_full_layers(shape, capacity, **common)
+        full = estimate_memory(shape, recompute="full", **common)
+        if selective.total <= capacity:
+            choice = f"selective ({selective.total / GIB:.1f} GiB)"
+        elif layers is not None and layers < shape.num_layers:
+            mixed = estimate_memory(shape, recompute="mixed", full_layers=layers, **common)
+            choice = f"mixed, {layers} of {shape.num_layers} layers whole ({mixed.total / GIB:.1f} GiB)"
+        elif full.total <= capacity:
+            choice = f"full ({full.total / GIB:.1f} GiB)"
+        else:
+            choice = f"nothing fits (full: {full.total / GIB:.1f} GiB)"
+        lines.append(f"  {tokens:>7} tokens/GPU: {choice}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,7 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--lengths", default="32768,65536,131072")
     t = sub.add_parser("targets")
     t.add_argument("e2e_json", nargs="+")
+    p = sub.add_parser("plan", help="what the memory model fits per micro-batch size")
+    p.add_argument("--capacity-gib", type=float, default=139.8, help="the GPU's memory as torch reports it")
+    p.add_argument("--lengths", default="8192,16384,32768,65536,131072")
+    p.add_argument("--tp", type=int, default=1, help="with sequence parallelism when > 1")
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--optimizer", choices=("adam", "none"), default="none")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        print("\n".join(plan(args.capacity_gib, [int(x) for x in args.lengths.split(",")], tp=args.tp, cp=args.cp,
+                             dp=args.dp, optimizer=args.optimizer)))
+        return
     if args.command == "winner":
         path = Path(args.attention_json)
         best, sums = winner(json.loads(path.read_text())) if path.exists() else ("varlen", {})
