@@ -70,7 +70,9 @@ def attention_flops(lengths: list[int], fwd_bwd: bool = True) -> float:
 
 def _tensors(total: int, seed: int, device, dtype=torch.bfloat16):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    def make(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
     return make(total, HEADS, DIM), make(total, GROUPS, DIM), make(total, GROUPS, DIM), make(total, HEADS, DIM)
 
 
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     all_cases = cases([int(x) for x in args.lengths.split(",")], args.packings.split(","), args.seed)
     result = {"meta": {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                        "cudnn": torch.backends.cudnn.version(), "args": vars(args),
-                       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                        "shape": {"heads": HEADS, "kv_heads": GROUPS, "head_dim": DIM, "dtype": "bf16"}},
               "cases": [{k: c[k] for k in ("name", "tokens", "packing", "lengths", "s_eff")} for c in all_cases],
               "backends": []}

@@ -54,7 +54,12 @@ from relax_gdn.layout import (
 from relax_gdn.layout.collectives import all_gather_rows
 from relax_gdn.layout.partition import CuSeqlens
 from relax_gdn.layout.route import expand_runs, upload_rows
-from relax_gdn.model.attention_kernels import KERNELS, build_flex_block_mask, choose_backend, varlen_unsupported_reason
+from relax_gdn.model.attention_kernels import (
+    KERNELS,
+    build_flex_block_mask,
+    choose_backend,
+    varlen_unsupported_reason,
+)
 from relax_gdn.parallel import resolve_cp_group
 
 # ATTENTION_BACKENDS (relax_gdn.choices): ``auto`` is attention_kernels.AUTO_ATTENTION_BACKEND where it

@@ -48,7 +48,7 @@ from relax_gdn.data import (
     plan_micro_batches,
     synthetic_math_dataset,
 )
-from relax_gdn.errors import ConfigError, DataError, MemoryFitError, RecipeError
+from relax_gdn.errors import ConfigError, DataError, MemoryFitError
 from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
