@@ -54,7 +54,7 @@ if [[ $CALL == 1 ]]; then
   step test_attention_gpu 150 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
     -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right"
   step bench_attention 270 python3 -m relax_gdn.bench.attention --out "$OUT/attention.json"
-  step bench_batching 60 python3 -m relax_gdn.bench.batching --cp 1,2 --repeats 7
+  step bench_batching 90 python3 -m relax_gdn.bench.batching --cp 1,2 --repeats 5
   python3 -m relax_gdn.bench.long_context winner "$OUT/attention.json" > "$OUT/winner" 2>> "$summary"
   cp "$OUT/winner" .gpu-cache/winner
   echo; echo "== attention (fwd+bwd ms, speed-up over varlen) =="; sed -n '/^case /,$p' "$OUT/bench_attention.log"
