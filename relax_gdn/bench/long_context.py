@@ -11,7 +11,8 @@ fwd+bwd time summed over the cases of 32k tokens and more (``varlen`` when none 
 ``variants``: per micro-batch size, today's setting (full recompute, ``varlen``) and the candidate
 (``recompute=mixed`` with the winner), plus the selective row at 32k that the memory model refuses;
 the 64k candidate carries ``profile``. ``targets``: each candidate's tok/s against the same size's
-full-recompute ``varlen`` row, MFU and peak memory, next to the issue's targets. ``plan``: what
+full-recompute ``varlen`` row, MFU, peak memory and the memory model's estimate (within 10 % of
+the peak, as the memory model promises), next to the issue's targets. ``plan``: what
 the memory model fits per micro-batch size on a GPU of a given size (docs/long_context.md).
 """
 
@@ -68,7 +69,7 @@ def targets(results: list[dict]) -> list[str]:
     rows = [v for r in results for v in r["variants"]]
     base = {_tokens(v): v["summary"]["tokens_per_s"] for v in rows
             if v["summary"].get("tokens_per_s") and v["name"].endswith("recompute=full,model.attention_backend=varlen")}
-    lines = [f"{'variant':<62}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'vs full/varlen':>16}  target"]
+    lines = [f"{'variant':<62}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'est':>7}{'vs full/varlen':>16}  target"]
     for v in rows:
         s, tokens = v["summary"], _tokens(v)
         if "refused" in s or "error" in s:
@@ -81,8 +82,9 @@ def targets(results: list[dict]) -> list[str]:
         if goal is not None and ratio is not None and "full,model.attention_backend=varlen" not in v["name"]:
             met = ratio >= goal and (floor is None or s["tokens_per_s"] >= floor)
             verdict = f">= {goal:.2f}x" + (f" and >= {floor} tok/s" if floor else "") + (": met" if met else ": MISSED")
+        estimate = (s.get("memory_estimate_gib") or {}).get("total") or 0.0
         lines.append(f"{v['name']:<62}{s['tokens_per_s']:>8.0f}{s['mfu'] or 0:>7.3f}{s['peak_mem_gib'] or 0:>7.1f}"
-                     f"{(f'{ratio:.3f}x' if ratio else '-'):>16}  {verdict}")
+                     f"{estimate:>7.1f}{(f'{ratio:.3f}x' if ratio else '-'):>16}  {verdict}")
     return lines
 
 
