@@ -17,6 +17,8 @@ from tests.distributed import child_env
 ROOT = Path(__file__).resolve().parents[1]
 # module -> (arguments of the CPU-machine run, what its one line must say)
 NEEDS_GPU = {
+    "attention": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+                      "python -m relax_gdn.bench.attention"),
     "fused_ops": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
                       "python -m relax_gdn.bench.fused_ops"),
     "gdn_layer": ((), "needs 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
@@ -26,7 +28,7 @@ NEEDS_GPU = {
     "train_e2e": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
                                         "python -m relax_gdn.bench.train_e2e"),
 }
-RUNS_ON_CPU = {"fla_configs", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
+RUNS_ON_CPU = {"batching", "fla_configs", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
 NOT_A_BENCHMARK = {"__init__", "needs", "timing"}
 
 

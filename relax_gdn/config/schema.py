@@ -92,11 +92,14 @@ class ParallelConfig:
 @dataclass
 class RecomputeConfig:
     granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
-    # what granularity=selective recomputes (relax_gdn.model.recompute says what each one is)
+    # what granularity=selective (and mixed's other layers) recomputes (relax_gdn.model.recompute)
     modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))  # of relax_gdn.choices.RecomputeModule
     # granularity=full: leave out what no gradient reads (the last layer's recompute, each recomputed
     # layer's linear_fc2 GEMM; relax_gdn.model.recompute); false: Megatron-Core's plain full recompute
     skip_unused: bool = True
+    # granularity=mixed: the first N layers recomputed whole, the rest selective; None: the fewest
+    # that the memory model fits on the GPU (relax_gdn.train.memory.fewest_full_layers)
+    full_layers: int | None = None
 
 
 @dataclass

@@ -129,9 +129,26 @@ def _choices(cfg: RunConfig) -> list[str]:
     unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))
     if unknown_modules:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
+    problems += _full_layers(cfg)
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
+
+
+def _full_layers(cfg: RunConfig) -> list[str]:
+    """``recompute.full_layers``: null or 0..num_layers, and only with ``recompute.granularity=mixed``."""
+    n, granularity = cfg.recompute.full_layers, cfg.recompute.granularity
+    if n is None:
+        return []
+    if granularity != "mixed":
+        return [f"recompute.full_layers={n!r} applies to recompute.granularity=mixed only (got {granularity!r}); "
+                "set recompute.granularity=mixed or recompute.full_layers=null"]
+    preset = PRESETS.get(cfg.model.preset)
+    layers = preset.config["num_layers"] if preset is not None else None
+    if not _is_int(n) or n < 0 or (layers is not None and n > layers):
+        return [f"recompute.full_layers={n!r} must be null (the memory model chooses) or an integer from 0 to the "
+                f"model's {layers} layers"]
+    return []
 
 
 def _mesh(cfg: RunConfig, world_size: int) -> tuple[ParallelDims | None, list[str]]:

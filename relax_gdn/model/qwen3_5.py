@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 # The options (relax_gdn.choices): SPEC_PROVIDERS ``auto`` takes Transformer Engine specs where
 # ``transformer_engine`` imports, else local specs. MODEL_ATTENTION_BACKENDS is the core attention
 # of the full-attention layers: ``te`` is Transformer Engine's ``TEDotProductAttention`` (``te``
-# specs only); ``varlen``/``sdpa`` is :class:`CPDotProductAttention` with that kernel; ``auto``
+# specs only); the others are :class:`CPDotProductAttention` with that kernel; ``auto``
 # is ``te`` with ``te`` specs, else ``CPDotProductAttention(backend="auto")``.
 
 
@@ -220,7 +220,7 @@ def _core_attention_spec(provider: str, attention_backend: str, te_core):
     if attention_backend == "te" and provider != "te":
         raise ValueError(
             "attention_backend='te' needs Transformer Engine specs (spec_provider='te'); "
-            "use attention_backend='auto', 'varlen' or 'sdpa' with local specs"
+            f"use one of {[b for b in MODEL_ATTENTION_BACKENDS if b != 'te']} with local specs"
         )
     if attention_backend == "te" or (attention_backend == "auto" and provider == "te"):
         return te_core

@@ -57,19 +57,19 @@ from relax_gdn.data import (
     padded_length,
     synthetic_math_dataset,
 )
-from relax_gdn.errors import ConfigError, DataError, RecipeError
+from relax_gdn.errors import ConfigError, DataError, MemoryFitError
 from relax_gdn.known_warnings import quiet_cpu_profiler
 from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
-from relax_gdn.model.recompute import recompute_config_fields, recomputes
+from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_loss
-from relax_gdn.train.memory import GIB, estimate_memory
+from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, settings_that_fit
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
 from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
@@ -251,30 +251,63 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What the memory model checks against: the GPU's total memory (None off CUDA)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
+    """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    settings = dict(
+        tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
+        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
+        full_layers=cfg.recompute.full_layers or 0, fused_norms=cfg.model.fused_norms,
+        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name,
+    )
+    return shape, settings
+
+
+def resolve_full_layers(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool,
+                        vocab_size: int) -> RunConfig:
+    """``recompute.granularity=mixed`` with ``recompute.full_layers=null``: the fewest whole-layer
+    recomputes the memory model fits on this GPU (every layer when none fits: the check then refuses;
+    none without a GPU to fit). ``cfg`` as it is otherwise."""
+    if cfg.recompute.granularity != "mixed" or cfg.recompute.full_layers is not None:
+        return cfg
+    capacity = device_memory_bytes(device)
+    layers = 0
+    if capacity is not None:
+        shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
+        chosen = fewest_full_layers(shape, capacity, **settings)
+        layers = shape.num_layers if chosen is None else chosen
+    return cfg.with_overrides({"recompute.full_layers": layers})
+
+
 def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
                       log: bool) -> None:
-    """On CUDA: log the per-GPU memory model and refuse (before building the model) a run whose
-    estimate exceeds the GPU's memory. (A CPU run has no GPU memory to estimate.)"""
-    if device.type != "cuda":
+    """On a GPU: log the per-GPU memory model and refuse (before building the model) a run whose
+    estimate exceeds the GPU's memory, naming the settings the model says would fit
+    (:class:`~relax_gdn.errors.MemoryFitError`). (A CPU run has no GPU memory to estimate.)"""
+    capacity = device_memory_bytes(device)
+    if capacity is None:
         return
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
-    estimate = estimate_memory(
-        shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
-        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
-        fused_norms=cfg.model.fused_norms, fused_cross_entropy=cfg.model.fused_cross_entropy,
-        optimizer=cfg.optim.name,
-    )
+    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
+    estimate = estimate_memory(shape, **settings)
+    recompute = cfg.recompute.granularity + (f" ({cfg.recompute.full_layers} layers whole)"
+                                             if cfg.recompute.granularity == "mixed" else "")
     if log:
         logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
-                    cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, estimate.summary())
-    capacity = torch.cuda.get_device_properties(device).total_memory
+                    recompute, cfg.train.max_tokens_per_gpu, estimate.summary())
     if estimate.total > capacity:
-        raise RecipeError(
-            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()}, above its {capacity / GIB:.0f} GiB. "
-            "Lower train.max_tokens_per_gpu, use recompute.granularity=selective or full, or spread the "
-            "optimizer state over more GPUs (parallel.cp / data parallel); benchmarks of a model whose "
-            "optimizer state cannot fit can set optim.name=none (gradients without an update)"
-        )
+        fits = [a.describe() for a in settings_that_fit(shape, capacity, **settings)]
+        advice = ("The memory model says these fit: " + "; ".join(fits) if fits else
+                  "Nothing the memory model tries fits (other recompute settings, a smaller "
+                  "train.max_tokens_per_gpu, no optimizer state, more CP ranks)")
+        raise MemoryFitError(
+            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()} with recompute {recompute}, above its "
+            f"{capacity / GIB:.0f} GiB. {advice} (optim.name=none is for benchmarks: gradients without an update)",
+            estimate_gib=estimate.as_gib(), capacity_gib=round(capacity / GIB, 2), fits=fits)
 
 
 def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
@@ -338,7 +371,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         gradient_accumulation_fusion=fuse_wgrad,
         **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules,
                                   skip_unused=cfg.recompute.skip_unused,
-                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"]),
+                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
+                                  full_layers=cfg.recompute.full_layers),
     )
     model = build_qwen3_5_preset_model(
         cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
@@ -350,6 +384,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
+    if cfg.recompute.granularity == "mixed":
+        apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
         model.cuda(device)
     if cfg.model.hf_checkpoint:
@@ -488,6 +524,8 @@ class Trainer:
     def _build_model_and_optimizer(self) -> None:
         cfg, dims, device, bf16 = self.cfg, self.dims, self.device, self.bf16
         self.vocab_size = _vocab_size(cfg, self.data.tokenizer, dims.tp)
+        # mixed recompute without a layer count: the memory model's choice, kept in the run's config
+        self.cfg = cfg = resolve_full_layers(cfg, dims, device, bf16, self.vocab_size)
         check_memory_fits(cfg, dims, device, bf16, self.vocab_size, log=self.is_rank0)
         self.tconfig, model = _build_model(cfg, dims, device, bf16, self.vocab_size)
         self.core_model = model
