@@ -28,7 +28,7 @@ NEEDS_GPU = {
     "train_e2e": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
                                         "python -m relax_gdn.bench.train_e2e"),
 }
-RUNS_ON_CPU = {"batching", "fla_configs", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
+RUNS_ON_CPU = {"batching", "fla_configs", "long_context", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
 NOT_A_BENCHMARK = {"__init__", "needs", "timing"}
 
 
