@@ -243,6 +243,28 @@ class MegatronOptimizerAdapter:
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
 
+    def fp32_main_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This TP rank's fp32 main copy of each of ``params`` (model tensors by name), whole and
+        shaped like the parameter: the distributed optimizer holds it as slices spread over its
+        DP x CP ranks, summed into place here. A collective over that group: every rank asks for
+        the same names in the same order (the HF export's float32 tensors)."""
+        out = {}
+        for name, param in params.items():
+            member = next((m for m in self._members() if param in m.model_param_gbuf_map), None)
+            if member is None:  # not in the optimizer's buffers (every rank alike): no main copy
+                continue
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            group_index = member.model_param_group_index_map.get(param)  # only the ranks holding a slice
+            if group_index is not None:
+                buffer, dtype, bucket = member.model_param_gbuf_map[param]
+                piece = member.gbuf_ranges[buffer][dtype][bucket]["param_map"][param]["param"]
+                shards = (member.shard_fp32_groups if param.dtype == torch.float32
+                          else member.shard_fp32_from_float16_groups)
+                flat[piece.start:piece.end] = shards[group_index[0]][group_index[1]].view(-1)
+            torch.distributed.all_reduce(flat, group=member.data_parallel_group)
+            out[name] = flat.view(param.shape)
+        return out
+
     def _members(self) -> list:
         """The distributed optimizers (get_megatron_optimizer may return a ChainedOptimizer)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
