@@ -34,6 +34,7 @@ import torch
 from relax_gdn.errors import ConfigError
 from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
+from relax_gdn.model.presets import PRESETS
 from tests.distributed import child_env, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +185,17 @@ def test_run_vocabulary_is_the_checkpoints_and_other_sizes_must_be_the_presets(t
     assert "neither model.safetensors.index.json nor model.safetensors" in message(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_presets_export_config_starts_a_run_of_that_preset(tmp_path, preset):
+    """What an export of each preset writes into config.json (hf_text_config of the model's sizes)
+    is accepted by a run from it with that preset, which takes its vocabulary."""
+    config = hfc.hf_text_config(hfc.preset_dims(preset, 1024))
+    assert hfc.run_vocab_size(_checkpoint_dir(tmp_path / "export", config), preset, 264, 8) == 1024
+    others = [p for p in PRESETS if p != preset]
+    with pytest.raises(ConfigError, match=f"use model.preset={preset}"):
+        hfc.run_vocab_size(tmp_path / "export", others[0], 264, 8)
+
+
 def test_embedded_tokenizer_saved_for_transformers_gives_the_same_ids(tmp_path):
     from transformers import AutoTokenizer
 
@@ -228,43 +240,46 @@ def test_safetensors_files_are_readable_as_the_umask_allows(tmp_path, umask, mod
 # ---------------------------------------------------------------------------------------------
 
 
-def _mtp_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _mtp_tensors(text: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Qwen3.5's multi-token-prediction layer (one gated-attention layer and its input fusion),
     as the published checkpoints name it; transformers has no module for it, so it is added."""
-    h, f, heads, kv, d = 64, 128, 4, 2, 16
+    h, f, d = text["hidden_size"], text["intermediate_size"], text["head_dim"]
+    q, kv = text["num_attention_heads"] * d, text["num_key_value_heads"] * d
+    layer = "mtp.layers.0."
     shapes = {
         "mtp.fc.weight": (h, 2 * h),
         "mtp.pre_fc_norm_embedding.weight": (h,),
         "mtp.pre_fc_norm_hidden.weight": (h,),
         "mtp.norm.weight": (h,),
-        "mtp.layers.0.input_layernorm.weight": (h,),
-        "mtp.layers.0.post_attention_layernorm.weight": (h,),
-        "mtp.layers.0.self_attn.q_proj.weight": (2 * heads * d, h),
-        "mtp.layers.0.self_attn.k_proj.weight": (kv * d, h),
-        "mtp.layers.0.self_attn.v_proj.weight": (kv * d, h),
-        "mtp.layers.0.self_attn.o_proj.weight": (h, heads * d),
-        "mtp.layers.0.self_attn.q_norm.weight": (d,),
-        "mtp.layers.0.self_attn.k_norm.weight": (d,),
-        "mtp.layers.0.mlp.gate_proj.weight": (f, h),
-        "mtp.layers.0.mlp.up_proj.weight": (f, h),
-        "mtp.layers.0.mlp.down_proj.weight": (h, f),
+        f"{layer}input_layernorm.weight": (h,),
+        f"{layer}post_attention_layernorm.weight": (h,),
+        f"{layer}self_attn.q_proj.weight": (2 * q, h),
+        f"{layer}self_attn.k_proj.weight": (kv, h),
+        f"{layer}self_attn.v_proj.weight": (kv, h),
+        f"{layer}self_attn.o_proj.weight": (h, q),
+        f"{layer}self_attn.q_norm.weight": (d,),
+        f"{layer}self_attn.k_norm.weight": (d,),
+        f"{layer}mlp.gate_proj.weight": (f, h),
+        f"{layer}mlp.up_proj.weight": (f, h),
+        f"{layer}mlp.down_proj.weight": (h, f),
     }
     gen = torch.Generator().manual_seed(5)
     return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
 
 
-def make_vlm_source(out: Path) -> None:
-    """A random tiny ``Qwen3_5ForConditionalGeneration`` saved by transformers in bf16 with fp32
-    ``A_log`` over two shards, plus MTP tensors, the embedded tokenizer (so the run's tokenizer is
-    the source's), a processor file and a generation config."""
+def make_vlm_source(out: Path, text: dict = TINY_TEXT) -> None:
+    """A random ``Qwen3_5ForConditionalGeneration`` of ``text``'s sizes (and a tiny vision tower)
+    saved by transformers in bf16 with fp32 ``A_log`` over two shards, plus MTP tensors, the
+    embedded tokenizer (so the run's tokenizer is the source's), a processor file and a generation
+    config."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from relax_gdn.data.tokenizer import ByteChatTokenizer
 
     config = Qwen3_5Config(
-        text_config=TINY_TEXT,
-        vision_config=TINY_VISION,
+        text_config=text,
+        vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
         image_token_id=300,
         video_token_id=301,
         vision_start_token_id=302,
@@ -283,9 +298,9 @@ def make_vlm_source(out: Path) -> None:
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == 2, files
     last = files[-1]
-    tensors = {**load_file(out / last), **_mtp_tensors(torch.bfloat16)}
-    save_file(tensors, str(out / last), metadata={"format": "pt"})
-    index["weight_map"].update({name: last for name in _mtp_tensors(torch.bfloat16)})
+    mtp = _mtp_tensors(text, torch.bfloat16)
+    save_file({**load_file(out / last), **mtp}, str(out / last), metadata={"format": "pt"})
+    index["weight_map"].update({name: last for name in mtp})
     index_path.write_text(json.dumps(index, indent=2))
     ByteChatTokenizer().save_pretrained(out)
     (out / PROCESSOR_FILE).write_text(json.dumps({"processor_class": "Qwen3VLProcessor", "patch_size": 2}))
@@ -325,6 +340,68 @@ def _run_weights_in_hf_names(checkpoint: Path, source: hfc.HFCheckpoint) -> dict
     text = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()}, dims)
     by_text = source.by_text_name()
     return {by_text[name]: tensor.to(source.tensors[by_text[name]].dtype) for name, tensor in text.items()}
+
+
+def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) -> dict:
+    """A bf16 model and a checkpoint holding fp32 main parameters as Megatron-Core's
+    fully_reshardable form names them (``optimizer.state.param.<key>``, written here with
+    Megatron-Core's own save): the drop-in export writes the float32 source tensors from them."""
+    from dataclasses import replace
+
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from relax_gdn.config import run_config_from_dict
+    from relax_gdn.export_hf import _build_model
+    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, read_manifest
+
+    manifest = read_manifest(checkpoint)
+    manifest = {
+        **manifest,
+        "model": {**manifest["model"], "dtype": "bfloat16"},
+        "optimizer": {"kind": "megatron", "sharding": "fully_reshardable"},
+    }
+    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    try:
+        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen))
+        weights, main, state = {}, {}, {}
+        for name, sharded in model.sharded_state_dict().items():
+            if isinstance(sharded, ShardedTensor) and name.endswith("A_log"):
+                weights[name] = sharded.data.float()  # bf16 values
+                main[name] = weights[name] + 1e-3  # bits a bf16 weight cannot hold
+                key = f"optimizer.state.param.{sharded.key}"
+                state[key] = replace(sharded, key=key, data=main[name].clone(), dtype=torch.float32)
+        (tmp / "fp32_ckpt").mkdir()
+        dist_checkpointing.save(
+            {"model": model.sharded_state_dict(), "optimizer": state}, str(tmp / "fp32_ckpt")
+        )
+        loader = checkpoint_fp32_main_params(tmp / "fp32_ckpt", manifest, model)
+        report = hfc.save_drop_in_checkpoint(model, tmp / "fp32_export", source_dir, main_params=loader)
+        plain = hfc.save_drop_in_checkpoint(model, tmp / "bf16_export", source_dir)
+    finally:
+        parallel_state.destroy_model_parallel()
+    written, rounded = (
+        hfc.read_hf_state_dict(tmp / "fp32_export"),
+        hfc.read_hf_state_dict(tmp / "bf16_export"),
+    )
+    hf_name = {
+        f"decoder.layers.{i}.self_attention.A_log": f"model.language_model.layers.{i}.linear_attn.A_log"
+        for i in range(3)
+    }
+    return {
+        "loaded": sorted(main) == sorted(hf_name),
+        "from_main": all(torch.equal(written[hf_name[m]], main[m]) for m in hf_name),
+        "from_weights": all(torch.equal(rounded[hf_name[m]], weights[m]) for m in hf_name),
+        "bits_beyond_bf16": all(
+            (written[n] != written[n].to(torch.bfloat16).float()).any() for n in hf_name.values()
+        ),
+        "reports": (sorted(report.fp32_from_main), report.fp32_from_weights, sorted(plain.fp32_from_weights)),
+        "names": sorted(hf_name.values()),
+    }
 
 
 def _drop_in_cases(tmp: str) -> dict:
@@ -389,6 +466,7 @@ def _drop_in_cases(tmp: str) -> dict:
     theirs, ours = _files(source_dir), _files(export)
     r["other_files"] = {n: ours.get(n) == b for n, b in theirs.items() if not n.startswith("model")}
     r["in_run_export_equal"] = _files(tmp / "run" / "hf") == ours
+    r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
 
     _force_transformers_pure_torch()
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
@@ -433,6 +511,9 @@ def test_drop_in_export_holds_the_trained_weights_and_fp32_a_log(drop_in):
     assert complete and differ_from_run == []
     assert "model.language_model.embed_tokens.weight" not in unchanged  # training moved the weights
     assert len(drop_in["a_log"]) == 3
+    fp32 = drop_in["fp32_main"]  # a bf16 model with fp32 main parameters in its checkpoint
+    assert fp32["loaded"] and fp32["from_main"] and fp32["from_weights"] and fp32["bits_beyond_bf16"], fp32
+    assert fp32["reports"] == (fp32["names"], [], fp32["names"])
     assert all(dtype == torch.float32 and equal for dtype, equal in drop_in["a_log"].values()), drop_in[
         "a_log"
     ]
