@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="text layout: the weights' dtype (default: the dtype the run trained in)")
     args = parser.parse_args(argv)
+    from relax_gdn.known_warnings import silence_known_warnings
+
+    silence_known_warnings()  # before Megatron-Core is imported: the report is what the user reads
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     like = None if args.like == "none" else args.like
     try:

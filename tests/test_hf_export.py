@@ -222,6 +222,29 @@ def test_embedded_tokenizer_saved_for_transformers_gives_the_same_ids(tmp_path):
     )
 
 
+def test_export_ships_the_tokenizer_the_run_trained_with(tmp_path, monkeypatch):
+    from relax_gdn.data.tokenizer import ByteChatTokenizer
+    from relax_gdn.train.hf_export import _write_tokenizer
+
+    written, note = _write_tokenizer(tmp_path / "embedded", "embedded")
+    assert (
+        written and "embedded byte tokenizer" in note and (tmp_path / "embedded" / "tokenizer.json").is_file()
+    )
+    ByteChatTokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "local").mkdir()
+    assert _write_tokenizer(tmp_path / "local", str(tmp_path / "tok")) == (
+        True,
+        f"tokenizer: data.tokenizer={tmp_path / 'tok'} (the one the run trained with)",
+    )
+    assert (tmp_path / "local" / "tokenizer.json").read_text() == (
+        tmp_path / "tok" / "tokenizer.json"
+    ).read_text()
+    monkeypatch.chdir(tmp_path / "local")  # a relative data.tokenizer, exported from elsewhere
+    written, note = _write_tokenizer(tmp_path / "relative", "tok")
+    assert not written and "NOT written: data.tokenizer=tok is not a directory from here" in note
+    assert not (tmp_path / "relative").exists()
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_safetensors_files_are_readable_as_the_umask_allows(tmp_path, umask, mode):
     from relax_gdn.model.hf_checkpoint.files import write_safetensors

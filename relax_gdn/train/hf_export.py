@@ -85,20 +85,27 @@ def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainPa
     if report is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     if not same_tokenizer:
-        report.notes.append(_write_tokenizer(out, tokenizer_dir))
+        written, note = _write_tokenizer(out, spec.tokenizer)
+        report.notes.append(note)
+        if not written:
+            return report
     if not (out / GENERATION_CONFIG).is_file():
         report.notes.append(_write_generation_config(out, tokenizer_dir))
     return report
 
 
-def _write_tokenizer(out: Path, tokenizer_dir: str | None) -> str:
-    if tokenizer_dir is None:
+def _write_tokenizer(out: Path, tokenizer: str | None) -> tuple[bool, str]:
+    """The tokenizer the run trained with into ``out``: (whether one was written, a note)."""
+    if tokenizer is None or tokenizer in BYTE_TOKENIZER_NAMES:
         ByteChatTokenizer().save_pretrained(out)
-        return "tokenizer: the embedded byte tokenizer the run trained with, as a Hugging Face tokenizer"
+        return True, "tokenizer: the embedded byte tokenizer the run trained with, as a Hugging Face one"
+    if local_tokenizer_dir(tokenizer) is None:  # a relative path, exported from another directory
+        return False, (f"tokenizer: NOT written: data.tokenizer={tokenizer} is not a directory from here; "
+                       f"copy its tokenizer files into {out}")
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
-    return f"tokenizer: data.tokenizer={tokenizer_dir} (the one the run trained with)"
+    AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(out)
+    return True, f"tokenizer: data.tokenizer={tokenizer} (the one the run trained with)"
 
 
 def _write_generation_config(out: Path, tokenizer_dir: str | None) -> str:

@@ -144,16 +144,17 @@ def save_drop_in_checkpoint(
     when a source tensor cannot be placed. Returns what was written (None on ranks that do not write).
     """
     model, tp_group, writer = export_ranks(model, tp_group, writer)
-    if writer is None:
-        return None
     source = HFCheckpoint.read(source_dir)  # every rank: the dtypes decide which fp32 copies to fetch
     dims = _model_dims(model, source)
     origins, added = drop_in_origins(source, dims)
     dtype_of = _written_dtypes(source, dims)
     trained, by_text = list(dtype_of), source.by_text_name()
+    # every rank, replicas included: fetching main parameters may be a collective over DP x CP
     main = fp32_main_copies(
         model, dims, lambda rule: any(dtype_of[n] == torch.float32 for n in rule.hf), main_params
     )
+    if writer is None:
+        return None
     out = Path(out_dir)
     shards = _ShardWriter(source, out, origins, added) if writer else None
     for _, text, tensor in gathered_hf_tensors(model, dims, tp_group, writer, main):

@@ -164,14 +164,15 @@ def save_hf_checkpoint(
     parameters are narrower. Returns what was written (None on the ranks that do not write).
     """
     model, tp_group, writer = export_ranks(model, tp_group, writer)
-    if writer is None:
-        return None  # a data/context-parallel replica: its TP group need not gather anything
     if vocab_size is None and base_config is not None:
         vocab_size = language_model_config(read_hf_config(base_config))["vocab_size"]
     dims = dims_from_model(model, vocab_size=vocab_size)
     model_dtype = next(model.parameters()).dtype
     target = dtype or model_dtype
+    # every rank, replicas included: fetching main parameters may be a collective over DP x CP
     main = fp32_main_copies(model, dims, lambda rule: target == torch.float32, main_params)
+    if writer is None:
+        return None  # a data/context-parallel replica: its TP group need not gather anything
 
     out = Path(out_dir)
     shards = _SizedShards(out, max_shard_bytes) if writer else None
