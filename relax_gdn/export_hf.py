@@ -64,7 +64,7 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
     try:
         source = HFCheckpoint.read(like)
         vocab = dims_from_hf_config(source.config or like).vocab_size
-    except (FileNotFoundError, NotADirectoryError) as e:
+    except (FileNotFoundError, NotADirectoryError, KeyError, ValueError) as e:  # ValueError: not Qwen3.5
         raise RecipeError(f"{where} is {like}, which cannot be read ({e}); the export keeps its layout "
                           "and copies its vision tower and MTP tensors: pass --like <a copy of it>, or "
                           "--like none for the text layout without them") from e
@@ -119,9 +119,10 @@ def _build_model(cfg, manifest: dict, device: torch.device):
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
 
     # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
+    dtype = getattr(torch, manifest["model"].get("dtype", "float32"))
     tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, perform_initialization=False,
-                             use_cpu_initialization=device.type == "cpu",
-                             params_dtype=getattr(torch, manifest["model"].get("dtype", "float32")))
+                             use_cpu_initialization=device.type == "cpu", params_dtype=dtype,
+                             bf16=dtype == torch.bfloat16)
     model = build_qwen3_5_preset_model(
         cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
         gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,

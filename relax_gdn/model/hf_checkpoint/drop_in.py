@@ -144,7 +144,10 @@ def save_drop_in_checkpoint(
     when a source tensor cannot be placed. Returns what was written (None on ranks that do not write).
     """
     model, tp_group, writer = export_ranks(model, tp_group, writer)
-    source = HFCheckpoint.read(source_dir)  # every rank: the dtypes decide which fp32 copies to fetch
+    try:  # every rank: the dtypes decide which fp32 copies to fetch
+        source = HFCheckpoint.read(source_dir)
+    except FileNotFoundError as e:
+        raise CheckpointMismatchError(f"the source checkpoint {source_dir} cannot be read: {e}") from e
     dims = _model_dims(model, source)
     origins, added = drop_in_origins(source, dims)
     dtype_of = _written_dtypes(source, dims)
