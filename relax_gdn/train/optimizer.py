@@ -246,23 +246,27 @@ class MegatronOptimizerAdapter:
     def fp32_main_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This TP rank's fp32 main copy of each of ``params`` (model tensors by name), whole and
         shaped like the parameter: the distributed optimizer holds it as slices spread over its
-        DP x CP ranks, summed into place here. A collective over that group: every rank asks for
-        the same names in the same order (the HF export's float32 tensors)."""
+        DP x CP ranks (each rank knows only its own), summed into place here; a parameter whose
+        slices do not cover it is left out. A collective over that group: every rank asks for the
+        same names in the same order (the HF export's float32 tensors)."""
+        members = self._members()
+        group = members[0].data_parallel_group
         out = {}
         for name, param in params.items():
-            member = next((m for m in self._members() if param in m.model_param_gbuf_map), None)
-            if member is None:  # not in the optimizer's buffers (every rank alike): no main copy
-                continue
             flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-            group_index = member.model_param_group_index_map.get(param)  # only the ranks holding a slice
-            if group_index is not None:
-                buffer, dtype, bucket = member.model_param_gbuf_map[param]
-                piece = member.gbuf_ranges[buffer][dtype][bucket]["param_map"][param]["param"]
-                shards = (member.shard_fp32_groups if param.dtype == torch.float32
-                          else member.shard_fp32_from_float16_groups)
-                flat[piece.start:piece.end] = shards[group_index[0]][group_index[1]].view(-1)
-            torch.distributed.all_reduce(flat, group=member.data_parallel_group)
-            out[name] = flat.view(param.shape)
+            covered = torch.zeros(1, dtype=torch.int64, device=param.device)
+            for member in members:
+                if param not in member.model_param_group_index_map:  # no slice on this rank
+                    continue
+                # Megatron-Core's own accessors: what its checkpoints save as the main parameter
+                piece = member._get_model_param_range_map(param)["param"]
+                main = member._get_main_param_and_optimizer_states(param)["param"]
+                flat[piece.start:piece.end] = main.detach().view(-1).float()
+                covered += piece.end - piece.start
+            dist.all_reduce(flat, group=group)
+            dist.all_reduce(covered, group=group)
+            if covered.item() == param.numel():
+                out[name] = flat.view(param.shape)
         return out
 
     def _members(self) -> list:
