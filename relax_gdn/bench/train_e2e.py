@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train.max_tokens_per_gpu": args.max_tokens_per_gpu, "train.device": args.device,
         "train.seed": args.seed, "data.num_samples": args.global_batch_size * (args.steps + 1),
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6,
-        "logging.console": False, "logging.jsonl": False,
+        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": True,
     })
     device = select_device(base)
     created = init_distributed(device)

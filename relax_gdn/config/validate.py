@@ -243,10 +243,12 @@ def _data(cfg: RunConfig) -> list[str]:
 
 def _optim(cfg: RunConfig) -> list[str]:
     optim, problems = cfg.optim, []
-    if not optim.lr > 0:
-        problems.append(f"optim.lr={optim.lr!r} must be > 0")
-    if not 0 <= optim.min_lr <= optim.lr:
-        problems.append(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
+    if cfg.model.preset in PRESETS:  # an unknown preset is reported with the model keys
+        lr, min_lr = cfg.learning_rates
+        if not lr > 0:
+            problems.append(f"optim.lr={lr!r} must be > 0")
+        if not 0 <= min_lr <= lr:
+            problems.append(f"optim.min_lr={min_lr!r} must be within [0, optim.lr={lr}]")
     warmup = optim.warmup_steps
     if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
             (warmup >= 1 and warmup != int(warmup)):
