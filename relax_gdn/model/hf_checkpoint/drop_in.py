@@ -164,28 +164,23 @@ def save_drop_in_checkpoint(
         shards.add(by_text.get(text, text), tensor.to(dtype_of[text]))
     if not writer:
         return None
-    files = shards.finish()
-    changes = _write_config(source, out, added)
-    copied_files = _copy_source_files(source.directory, out, keep_source_tokenizer)
-    from_main = set(_hf_names_of(dims, main))
-    narrow = next(unwrap_model(model).parameters()).dtype != torch.float32
-    return ExportReport(
+    report = ExportReport(
         out=out,
         architecture=(source.config.get("architectures") or ["?"])[0],
-        files=files,
+        files=shards.finish(),
         source=source.directory,
         trained=[n for n, o in origins.items() if o is Origin.TRAINED] + added,
         copied=[n for n, o in origins.items() if o is Origin.COPIED],
         added=added,
-        fp32_from_main=[by_text.get(t, t) for t in trained if t in from_main],
-        fp32_from_weights=[
-            by_text.get(t, t)
-            for t in trained
-            if narrow and dtype_of[t] == torch.float32 and t not in from_main
-        ],
-        config_changes=changes,
-        copied_files=copied_files,
+        config_changes=_write_config(source, out, added),
+        copied_files=_copy_source_files(source.directory, out, keep_source_tokenizer),
     )
+    narrow = next(unwrap_model(model).parameters()).dtype != torch.float32
+    from_main = set(_hf_names_of(dims, main))
+    fp32 = [t for t in trained if narrow and dtype_of[t] == torch.float32]
+    report.fp32_from_main = [by_text.get(t, t) for t in trained if t in from_main]
+    report.fp32_from_weights = [by_text.get(t, t) for t in fp32 if t not in from_main]
+    return report
 
 
 def _written_dtypes(source: HFCheckpoint, dims: Qwen3_5Dims) -> dict[str, torch.dtype]:
