@@ -256,7 +256,9 @@ def test_resumed_run_continues_the_same_wandb_run(auto_resume):
 
 def test_export_hf_final_writes_a_transformers_directory_after_the_last_step(auto_resume):
     out = auto_resume[1]
-    assert out["export_files"] == ["config.json", "model.safetensors"]  # the embedded tokenizer is no HF one
+    # the embedded tokenizer as a Hugging Face one, and the end-of-turn token for generate()
+    assert out["export_files"] == ["chat_template.jinja", "config.json", "generation_config.json",
+                                   "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert out["export_config"]["vocab_size"] == out["tokenizer_vocab"]  # the padded rows trimmed
 
 

@@ -12,7 +12,7 @@
   - the VLM layout (sharded, with vision and MTP tensors) imports to the same weights; broken
     checkpoints raise errors naming the tensor or config field;
   - TP = 2: the shards gather back to the TP = 1 weights, give the same logits, and export the
-    same files.
+    same files; the drop-in export in the VLM layout is that checkpoint, bit for bit.
 """
 
 from __future__ import annotations
@@ -245,18 +245,16 @@ def test_config_overrides_from_hf(tmp_path):
 
 def _force_transformers_pure_torch():
     """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
-    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``."""
+    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``,
+    which ``use_torch_kernels_in_transformers`` binds instead."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    for name in (
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    ):
-        torch_fn = getattr(modeling, name).__wrapped__
-        assert torch_fn.__module__ == modeling.__name__, (name, torch_fn.__module__)
-        setattr(modeling, name, torch_fn)
+    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
+
+    hfc.use_torch_kernels_in_transformers()
+    for name in KERNEL_HANDLES:
+        torch_fn = getattr(modeling, name)
+        assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -469,8 +467,11 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
     logits = _logits(model, reference["ids"], tp_group)[:, : reference["logits"].shape[1]]
     export_dir = work / "export_tp2"
     hfc.save_hf_checkpoint(model, export_dir, base_config=work / "text")
+    # the VLM checkpoint's text weights are the ones loaded: its drop-in export is itself, bit for bit
+    hfc.save_drop_in_checkpoint(model, work / "drop_in_tp2", work / "vlm")
     dist.barrier()
     exported, original = hfc.read_hf_state_dict(export_dir), hfc.read_hf_state_dict(work / "text")
+    drop_in, vlm = hfc.read_hf_state_dict(work / "drop_in_tp2"), hfc.read_hf_state_dict(work / "vlm")
     in_proj = "decoder.layers.0.self_attention.in_proj.weight"
     return {
         "gathered_equal": all(
@@ -482,6 +483,9 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
         "logit_scale": reference["logits"].abs().max().item(),
         "export_equal": exported.keys() == original.keys()
         and all(torch.equal(exported[k], original[k]) for k in original),
+        "drop_in_equal": drop_in.keys() == vlm.keys() and all(torch.equal(drop_in[k], vlm[k]) for k in vlm),
+        "drop_in_files": hfc.HFCheckpoint.read(work / "drop_in_tp2").tensors
+        == hfc.HFCheckpoint.read(work / "vlm").tensors,
     }
 
 
@@ -561,3 +565,4 @@ def test_tp2_import_gathers_to_tp1_gives_the_logits_and_exports_the_same(spawned
         assert t["gathered_equal"] and t["sharded"], (rank, t)
         assert t["logit_err"] < LOGIT_TOL * t["logit_scale"], (rank, t)
         assert t["export_equal"], (rank, t)
+        assert t["drop_in_equal"] and t["drop_in_files"], (rank, t)

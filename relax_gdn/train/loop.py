@@ -61,7 +61,7 @@ from relax_gdn.errors import ConfigError, DataError, MemoryFitError
 from relax_gdn.known_warnings import quiet_cpu_profiler
 from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
-from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
+from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
 from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
@@ -394,11 +394,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
 
 
 def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
-    if cfg.model.hf_checkpoint:  # the checkpoint's embedding decides
-        vocab = qwen3_5_preset(cfg.model.preset).vocab_size
-        if tokenizer.vocab_size > vocab:
-            raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's {vocab}")
-        return vocab
+    if cfg.model.hf_checkpoint:  # the checkpoint's (its other sizes checked against the preset)
+        return run_vocab_size(cfg.model.hf_checkpoint, cfg.model.preset, tokenizer.vocab_size, tp)
     # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead gives every TP <= 8 the
     # SAME padded vocabulary, so a checkpoint written at one TP loads at another (the embedding and
     # output layer keep their global shape). The initial values still differ between TP sizes:

@@ -243,6 +243,32 @@ class MegatronOptimizerAdapter:
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
 
+    def fp32_main_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This TP rank's fp32 main copy of each of ``params`` (model tensors by name), whole and
+        shaped like the parameter: the distributed optimizer holds it as slices spread over its
+        DP x CP ranks (each rank knows only its own), summed into place here; a parameter whose
+        slices do not cover it is left out. A collective over that group: every rank asks for the
+        same names in the same order (the HF export's float32 tensors)."""
+        members = self._members()
+        group = members[0].data_parallel_group
+        out = {}
+        for name, param in params.items():
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            covered = torch.zeros(1, dtype=torch.int64, device=param.device)
+            for member in members:
+                if param not in member.model_param_group_index_map:  # no slice on this rank
+                    continue
+                # Megatron-Core's own accessors: what its checkpoints save as the main parameter
+                piece = member._get_model_param_range_map(param)["param"]
+                main = member._get_main_param_and_optimizer_states(param)["param"]
+                flat[piece.start:piece.end] = main.detach().view(-1).float()
+                covered += piece.end - piece.start
+            dist.all_reduce(flat, group=group)
+            dist.all_reduce(covered, group=group)
+            if covered.item() == param.numel():
+                out[name] = flat.view(param.shape)
+        return out
+
     def _members(self) -> list:
         """The distributed optimizers (get_megatron_optimizer may return a ChainedOptimizer)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
