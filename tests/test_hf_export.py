@@ -399,8 +399,11 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
                 key = f"optimizer.state.param.{sharded.key}"
                 state[key] = replace(sharded, key=key, data=main[name].clone(), dtype=torch.float32)
         (tmp / "fp32_ckpt").mkdir()
+        # with the common (non-sharded) state the Saver writes beside the tensors: a load returns it too
         dist_checkpointing.save(
-            {"model": model.sharded_state_dict(), "optimizer": state}, str(tmp / "fp32_ckpt")
+            {"model": model.sharded_state_dict(), "optimizer": {"kind": "megatron", "optimizer": state},
+             "scheduler": {"num_steps": 3}, "step": 3},
+            str(tmp / "fp32_ckpt"),
         )
         loader = checkpoint_fp32_main_params(tmp / "fp32_ckpt", manifest, model)
         report = hfc.save_drop_in_checkpoint(model, tmp / "fp32_export", source_dir, main_params=loader)

@@ -487,7 +487,9 @@ def checkpoint_fp32_main_params(directory: Path, manifest: dict[str, Any], model
                 request[name] = replace(sharded, key=key, data=fp32, dtype=torch.float32)
         if not request:
             return {}
-        return _load_sharded(request, directory, "; its optimizer state does not fit this model")
+        # Megatron-Core's load returns the checkpoint's common state (step, scheduler, ...) too
+        loaded = _load_sharded(request, directory, "; its optimizer state does not fit this model")
+        return {name: loaded[name] for name in request}
 
     return load
 
