@@ -17,8 +17,8 @@ KernelBackend = Literal["auto", "fla", "torch"]  # auto: FLA on CUDA, the pure-t
 ModelPreset = Literal["qwen3_5_9b", "qwen3_5_9b_reduced", "qwen3_5_tiny"]
 SpecProvider = Literal["auto", "local", "te"]  # auto: Transformer Engine specs where it imports
 # relax_gdn.model.attention.CPDotProductAttention; relax_gdn.model.attention_kernels says what each runs
-CoreAttentionBackend = Literal["auto", "varlen", "sdpa", "flex", "cudnn", "fa4"]
-ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa", "flex", "cudnn", "fa4"]  # te: Transformer Engine's
+CoreAttentionBackend = Literal["auto", "varlen", "sdpa", "flex", "fa4"]
+ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa", "flex", "fa4"]  # te: Transformer Engine's
 # mixed: the first recompute.full_layers layers recomputed whole, the others selective (relax_gdn.model.recompute)
 RecomputeGranularity = Literal["full", "mixed", "selective", "none"]
 # what recompute.granularity=selective recomputes (relax_gdn.model.recompute says what each is)

@@ -1,8 +1,12 @@
 """The long-context tooling on CPU: the host packing against the per-sample conversion it replaced,
-bench.batching, bench.attention's cases and table (the GPU part runs on the GPU host), and the
-glue that picks the attention kernel and reads the e2e results against the targets."""
+bench.batching, bench.attention's cases and table, its process per backend (one that dies or hangs
+is reported and the others run; the reference kernel runs the whole benchmark on CPU), and the glue
+that picks the attention kernel and reads the e2e results against the targets."""
 
 from __future__ import annotations
+
+import json
+import sys
 
 import numpy as np
 import pytest
@@ -55,9 +59,63 @@ def test_attention_bench_cases_and_table():
     result = {"cases": cases, "backends": [
         {"backend": "varlen", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 2.0} for c in cases}},
         {"backend": "fa4", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 1.0} for c in cases}},
-        {"backend": "cudnn", "status": "unavailable", "reason": "head_dim 256 > 128 needs cuDNN >= 9.10"}]}
+        {"backend": "flex", "status": "failed", "reason": "its process died of SIGSEGV"}]}
     table = attention_bench.format_table(result)
-    assert "8k mixed" in table and "2.00x" in table and "cudnn: unavailable (head_dim 256" in table
+    assert "8k mixed" in table and "2.00x" in table and "flex: failed (its process died of SIGSEGV)" in table
+    assert "cudnn" not in attention_bench.BACKENDS
+
+
+# the whole benchmark on CPU at a small shape: only the reference kernel (sdpa) runs there
+CPU_ARGS = ["--device", "cpu", "--lengths", "1024", "--packings", "long", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "16", "--check-lengths", "100,50,70"]
+# a backend's process that has measured one case when its kernel takes the process down (what an
+# illegal memory access does to the CUDA context: nothing after it runs in that process)
+DIES_AFTER_ONE_CASE = """
+import json, os, signal, sys
+entry = {"backend": "fa4", "status": "running", "cases": {"1k long": {"fwd_bwd_ms": 1.5}}}
+open(sys.argv[sys.argv.index("--entry-out") + 1], "w").write(json.dumps(entry))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+HANGS = "import signal; signal.pause()"
+
+
+@pytest.mark.slow  # starts a process per backend
+def test_attention_bench_reports_a_backend_whose_process_dies_and_runs_the_others(tmp_path, capfd):
+    def command(backend, argv, entry_path):
+        if backend != "fa4":  # the benchmark's own process for the backend
+            return attention_bench.child_command(backend, argv, entry_path)
+        return [sys.executable, "-c", DIES_AFTER_ONE_CASE, *argv, "--one-backend", backend, "--entry-out",
+                str(entry_path)]
+
+    done_after: list[list[str]] = []
+    entries = attention_bench.run_all(["fa4", "varlen", "sdpa"], CPU_ARGS, 600.0, tmp_path, command=command,
+                                      after_each=lambda e: done_after.append([x["status"] for x in e]))
+    fa4, varlen, sdpa = entries
+    assert fa4["status"] == "failed" and fa4["returncode"] == -9
+    assert fa4["reason"] == "its process died of SIGKILL"
+    assert fa4["cases"] == {"1k long": {"fwd_bwd_ms": 1.5}}  # what it measured before it died
+    assert varlen["status"] == "unavailable" and "needs CUDA" in varlen["reason"]
+    assert sdpa["status"] == "ok" and sdpa["check"]["passed"] and sdpa["device"] == "cpu"
+    assert set(sdpa["cases"]) == {"1k long"} and sdpa["cases"]["1k long"]["fwd_bwd_ms"] > 0
+    assert len(sdpa["cases"]["1k long"]["fwd_bwd_ms_all"]) == 10
+    assert done_after == [["failed"], ["failed", "unavailable"], ["failed", "unavailable", "ok"]]
+    assert "[attention] sdpa 1k long: fwd+bwd" in capfd.readouterr().out  # its own lines pass through
+    # a process that hangs is killed at the time limit and reported the same way
+    entry_path = tmp_path / "flex.json"
+    flex = attention_bench.run_isolated("flex", [sys.executable, "-c", HANGS], entry_path, timeout_s=2.0)
+    assert flex == {"backend": "flex", "status": "failed", "returncode": None, "stderr_tail": "",
+                    "reason": "its process ran past --backend-timeout-s 2 and was killed"}
+
+
+@pytest.mark.slow  # starts the benchmark's process for the backend
+def test_attention_bench_main_on_cpu_writes_every_backend(tmp_path, capfd):
+    out = tmp_path / "attention.json"
+    result = attention_bench.main([*CPU_ARGS, "--backends", "sdpa", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(result, default=str))
+    assert saved["meta"]["device"] == "cpu" and saved["meta"]["shape"]["head_dim"] == 16
+    assert [(e["backend"], e["status"]) for e in saved["backends"]] == [("sdpa", "ok")]
+    assert "1k long" in capfd.readouterr().out
 
 
 def test_attention_bench_needs_a_gpu(capsys):

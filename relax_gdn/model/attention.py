@@ -9,8 +9,8 @@ chunks ``r`` and ``2W-1-r`` of every document (docs/design/LAYOUTS.md §1), so:
 
 Step 2 runs one of several kernels (:mod:`relax_gdn.model.attention_kernels` says what each is and
 needs): ``sdpa`` (dense masked ``scaled_dot_product_attention``, the reference on any device),
-``varlen`` (torch's FlashAttention-2), ``flex`` (FlexAttention with a block mask), ``cudnn`` (cuDNN's
-fused attention, CP 1), ``fa4`` (FlashAttention-4); ``auto`` picks one. The flash kernels run
+``varlen`` (torch's FlashAttention-2), ``flex`` (FlexAttention with a block mask), ``fa4``
+(FlashAttention-4); ``auto`` picks one. The flash kernels run
 ``varlen`` segments: each (document, local chunk) is one query segment whose keys are the
 document's gathered keys from its start to the END of that chunk. Flash attention aligns the
 causal mask bottom-right when a segment has fewer queries than keys, so query ``i`` of a chunk of
@@ -250,7 +250,7 @@ def attend_zigzag_shard(
         )
     if query.device != plan.device:
         raise ValueError(f"query is on {query.device} but the plan's index tensors are on {plan.device}")
-    backend = choose_backend(backend, query, plan)
+    backend = choose_backend(backend, query)
     if plan.total_rows == 0:
         return query.clone()
     return KERNELS[backend](query, key_all, value_all, plan, softmax_scale)

@@ -14,16 +14,17 @@ document up to its own global position. The backends (:data:`relax_gdn.choices.A
            host from the plan's positions: compiled with Triton on CUDA; on CPU the unfused eager
            path, forward only (torch has no FlexAttention backward on CPU; the CPU tests check its
            outputs and block mask, the GPU tests its gradients).
-``cudnn``  cuDNN's fused attention on ragged offsets (``torch.ops.aten._cudnn_attention_forward``
-           with per-document cumulative lengths; torch's SDPA does not route jagged tensors with
-           head dim > 128 to cuDNN). Its causal mask is aligned top-left, so it serves CP 1 only,
-           where every segment has as many queries as keys.
 ``fa4``    FlashAttention-4 (the ``flash-attn-4`` package's CuTe DSL kernels,
-           ``flash_attn.cute.flash_attn_varlen_func``): the ``varlen`` segments, native GQA;
-           SM 9.x / 10.x, fp16/bf16, head dim <= 256.
+           ``flash_attn.cute.flash_attn_varlen_func``; ``pip install '.[fa4]'``): the ``varlen``
+           segments, native GQA; SM 9.x-11.x, fp16/bf16, head dim <= 256.
 
-``auto`` runs, on CUDA, :data:`AUTO_ATTENTION_BACKEND` where it can run, else ``varlen`` where it
-can; ``sdpa`` otherwise.
+``auto`` runs, on CUDA, :data:`AUTO_ATTENTION_BACKEND` where it can run (for ``fa4``: the package
+imports, the GPU is SM 9.x-11.x, the tensors fp16/bf16 with head dim <= 256), else ``varlen`` where
+it can; ``sdpa`` otherwise.
+
+cuDNN's fused attention on ragged offsets is not offered: at head dim 256 on an H200 (torch
+2.11.0+cu130, cuDNN 9.19) its first fwd+bwd left the CUDA context with an illegal memory access
+(``python -m relax_gdn.bench.attention``, docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -50,16 +51,14 @@ try:  # torch >= 2.9; its signature differs between versions: see varlen_unsuppo
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
 
-# What ``auto`` runs where it can (CUDA, its dtype and head-dim rules), chosen by measurement
-# (``python -m relax_gdn.bench.attention``, docs/benchmarks.md); ``varlen`` elsewhere.
-AUTO_ATTENTION_BACKEND = "varlen"
+# What ``auto`` runs where it can (CUDA, its dtype and head-dim rules), chosen by measurement: 1.6x
+# FlashAttention-2's fwd+bwd at the 9B's shapes (``python -m relax_gdn.bench.attention``,
+# docs/benchmarks.md); ``varlen`` elsewhere.
+AUTO_ATTENTION_BACKEND = "fa4"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_BLOCK = 128  # the block mask's tile (FlexAttention's default sparse block size)
-# cuDNN's fused attention needs cuDNN >= 9.10 for head dim > 128 on Hopper (torch's sdp_utils);
-# its ragged (jagged) path refuses query segments of <= 128 tokens (torch.nested._internal.sdpa)
-_CUDNN_HEAD_DIM_256_VERSION = 91000
-_CUDNN_MIN_SEGMENT = 129
+FA4_SM_MAJORS = (9, 10, 11)  # the GPU generations FlashAttention-4's CuTe DSL kernels are built for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,61 +113,43 @@ def flex_unsupported_reason(query: torch.Tensor) -> str | None:
     return None
 
 
-def cudnn_unsupported_reason(query: torch.Tensor, plan: ZigzagAttentionPlan) -> str | None:
-    if (reason := _half_on_cuda(query)) is not None:
-        return reason
-    if not hasattr(torch.ops.aten, "_cudnn_attention_forward") or not torch.backends.cudnn.is_available():
-        return f"torch {torch.__version__} has no cuDNN attention here"
-    version = torch.backends.cudnn.version() or 0
-    if query.shape[-1] > 128 and version < _CUDNN_HEAD_DIM_256_VERSION:
-        return f"head_dim {query.shape[-1]} > 128 needs cuDNN >= 9.10, this torch has {version}"
-    if plan.cp_size != 1:
-        return f"its causal mask is aligned top-left, which zigzag CP {plan.cp_size} segments cannot use (CP 1 only)"
-    lengths = plan.documents()[1]
-    if lengths.size and lengths.min() < _CUDNN_MIN_SEGMENT:
-        return f"its ragged path needs documents of more than {_CUDNN_MIN_SEGMENT - 1} tokens"
-    return None
-
-
 @functools.cache
 def fa4_import_error() -> str | None:
-    """Why FlashAttention-4 does not import here (None when it does); asked once, without importing
-    the package before it is needed (its CUTLASS DSL takes seconds to load)."""
+    """Why FlashAttention-4's varlen kernel does not import here (None when it does); asked once,
+    and only where it could run (its CUTLASS DSL takes seconds to load)."""
+    install = "pip install '.[fa4]' (flash-attn-4 and nvidia-cutlass-dsl, pinned in pyproject.toml)"
     try:
-        if importlib.util.find_spec("flash_attn.cute") is None:
-            return "flash-attn-4 is not installed (pip install flash-attn-4 nvidia-cutlass-dsl)"
-    except (ImportError, ValueError) as e:
-        return f"flash-attn-4 is not importable ({type(e).__name__}: {e})"
+        if importlib.util.find_spec("flash_attn") is None:
+            return f"flash-attn-4 is not installed: {install}"
+        _fa4_varlen()
+    except (ImportError, OSError) as e:  # a missing module or a shared library of the CUTLASS DSL
+        return f"flash-attn-4 does not import ({type(e).__name__}: {e}): {install}"
     return None
 
 
 def fa4_unsupported_reason(query: torch.Tensor) -> str | None:
-    if (reason := fa4_import_error()) is not None:
-        return reason
     if (reason := _half_on_cuda(query)) is not None:
         return reason
     major = torch.cuda.get_device_capability(query.device)[0]
-    if major not in (9, 10, 11):
-        return f"its kernels are for SM 9.x-11.x here (head dim {query.shape[-1]}), this GPU is SM {major}.x"
-    return None
+    if major not in FA4_SM_MAJORS:
+        return f"its kernels are for SM 9.x-11.x (head dim {query.shape[-1]}), this GPU is SM {major}.x"
+    return fa4_import_error()
 
 
-def unsupported_reason(backend: str, query: torch.Tensor, plan: ZigzagAttentionPlan) -> str | None:
-    """Why ``backend`` cannot run on ``query`` for ``plan`` (None when it can)."""
+def unsupported_reason(backend: str, query: torch.Tensor) -> str | None:
+    """Why ``backend`` cannot run on ``query`` (None when it can)."""
     if backend == "sdpa":
         return None
     if backend == "varlen":
         return varlen_unsupported_reason(query)
     if backend == "flex":
         return flex_unsupported_reason(query)
-    if backend == "cudnn":
-        return cudnn_unsupported_reason(query, plan)
     if backend == "fa4":
         return fa4_unsupported_reason(query)
     raise ValueError(f"unknown attention backend {backend!r}: use one of {ATTENTION_BACKENDS}")
 
 
-def choose_backend(backend: str, query: torch.Tensor, plan: ZigzagAttentionPlan) -> str:
+def choose_backend(backend: str, query: torch.Tensor) -> str:
     """The kernel that runs for the request ``backend``: itself (``ValueError`` when it cannot run
     here), or for ``auto`` on CUDA the first of :data:`AUTO_ATTENTION_BACKEND`, ``varlen`` that can,
     else ``sdpa``."""
@@ -177,10 +158,10 @@ def choose_backend(backend: str, query: torch.Tensor, plan: ZigzagAttentionPlan)
     if backend == "auto":
         if query.device.type == "cuda":  # elsewhere the reference is also the fastest
             for candidate in (AUTO_ATTENTION_BACKEND, "varlen"):
-                if unsupported_reason(candidate, query, plan) is None:
+                if unsupported_reason(candidate, query) is None:
                     return candidate
         return "sdpa"
-    reason = unsupported_reason(backend, query, plan)
+    reason = unsupported_reason(backend, query)
     if reason is not None:
         raise ValueError(f"attention backend {backend!r} cannot run here: {reason}; use 'sdpa' or 'auto'")
     return backend
@@ -236,18 +217,6 @@ def varlen_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = varlen_attn(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, **kwargs)
     return out[0] if isinstance(out, tuple) else out
-
-
-def cudnn_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
-    seg = plan.varlen  # CP 1: one segment per document, as many queries as keys
-    groups = q.shape[1] // k_all.shape[1]
-    # the ragged path's GQA support differs between cuDNN releases; repeated heads always run
-    k, v = (k_all, v_all) if groups == 1 else (k_all.repeat_interleave(groups, 1), v_all.repeat_interleave(groups, 1))
-    out = torch.ops.aten._cudnn_attention_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k,
-        True, 0.0, True, False, scale=scale,  # log-sum-exp (for backward), no dropout, causal, no debug mask
-    )
-    return out[0]
 
 
 @functools.cache
@@ -346,8 +315,7 @@ def flex_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> 
     return out[0].transpose(0, 1)
 
 
-KERNELS = {"sdpa": dense_attention, "varlen": varlen_attention, "flex": flex_attention,
-           "cudnn": cudnn_attention, "fa4": fa4_attention}
+KERNELS = {"sdpa": dense_attention, "varlen": varlen_attention, "flex": flex_attention, "fa4": fa4_attention}
 
-__all__ = ["AUTO_ATTENTION_BACKEND", "FLEX_BLOCK", "KERNELS", "build_flex_block_mask", "choose_backend",
+__all__ = ["AUTO_ATTENTION_BACKEND", "FA4_SM_MAJORS", "FLEX_BLOCK", "KERNELS", "build_flex_block_mask", "choose_backend",
            "fa4_import_error", "flex_block_classes", "unsupported_reason", "varlen_unsupported_reason"]
