@@ -88,6 +88,24 @@ def test_weighted_linear_cross_entropy_sum_matches_full_logits(chunk):
                     want) < FP32_TOL
 
 
+def test_out_of_memory_in_the_compiled_loss_is_no_failed_compile(monkeypatch):
+    """A chunk's compiled kernel that runs out of memory raises that error and stays compiled: the
+    eager fallback (for a torch whose compiler fails) holds several fp32 copies of the chunk's logits
+    at once, so falling back on an out-of-memory error would make every later step use more."""
+    monkeypatch.setattr(fusion, "_compiled", {})
+    calls = []
+
+    def chunk_kernel(logits):
+        calls.append(logits.shape)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 972.00 MiB.")
+
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 972.00 MiB"):
+            fusion._compiled_call(chunk_kernel, torch.ones(4, 8))
+        assert fusion._compiled[chunk_kernel] is not chunk_kernel  # still the compiled form
+    assert len(calls) >= 2
+
+
 def test_chunk_tokens_bound_the_logits():
     chunk = fusion.cross_entropy_chunk_tokens(248_320)
     assert chunk % 256 == 0 and chunk * 248_320 * 4 <= 2**31

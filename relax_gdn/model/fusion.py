@@ -212,10 +212,18 @@ def _chunk_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 
 def _elementwise(fn, *args):
     """``fn(*args)`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's
-    logits instead of several eager fp32 ones); eager elsewhere, or for good if compiling fails
-    (logged once)."""
+    logits instead of several eager fp32 ones, :func:`_compiled_call`); eager elsewhere."""
     if not args[0].is_cuda:
         return fn(*args)
+    return _compiled_call(fn, *args)
+
+
+def _compiled_call(fn, *args):
+    """``fn(*args)`` through its compiled form (made on first use), or eager for good once compiling
+    it failed (logged once). Running out of memory is no failed compile: it propagates and the
+    compiled form stays. Else one micro-batch too large for the GPU would switch every later step of
+    the process to the eager path, whose fp32 temporaries hold ≈ 15 bytes x chunk x vocabulary more
+    at once (7.1 GiB at the 9B's vocabulary)."""
     compiled = _compiled.get(fn)
     if compiled is None:
         compiled = _compiled[fn] = torch.compile(fn, dynamic=True)
@@ -223,8 +231,11 @@ def _elementwise(fn, *args):
         return fn(*args)
     try:
         return compiled(*args)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
-        logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager",
+        logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager, "
+                       "with several fp32 copies of each chunk's logits more than the memory model counts",
                        type(e).__name__, e)
         _compiled[fn] = fn
         return fn(*args)

@@ -21,12 +21,13 @@ Transformer Engine's FP8 state and fails without it; ``mlp_act`` builds the same
 keeps everything. ``mixed`` (``recompute.granularity=mixed``) sits between selective and full:
 the first ``recompute.full_layers`` layers are recomputed whole (Megatron-Core's ``block``
 method, one layer per checkpoint), the others run selective with ``recompute.modules``. Per token
-and layer, full keeps the layer's input (8 KiB at the 9B's width) and selective ≈ 115 KiB, so each
-layer moved to full saves ≈ 107 KiB for one more forward of that layer; the fewest full layers that
-fit the GPU (``recompute.full_layers=null``) are the memory model's choice
+and layer, full keeps the layer's input (8 KiB at the 9B's width) and selective ≈ 125 KiB (the
+memory model's figure, measured at 32k-128k tokens), so each layer moved to full saves ≈ 117 KiB
+for one more forward of that layer; the fewest full layers that fit the GPU
+(``recompute.full_layers=null``) are the memory model's choice
 (:func:`relax_gdn.train.memory.fewest_full_layers`). Per layer, that exchange is about as good as
 any finer split here: dropping linear_fc1's output (49 KiB) costs that GEMM again (46 % of the
-layer's forward GEMM FLOPs), full recompute saves ≈ 107 KiB for ≈ 77 %.
+layer's forward GEMM FLOPs), full recompute saves ≈ 117 KiB for ≈ 77 %.
 The selective pieces never nest inside a whole-layer recompute: ``mlp_act`` and ``gdn_core`` run
 only outside Megatron-Core's checkpoint (``is_checkpointing()``), and ``core_attn`` is switched on
 per layer after the model is built (:func:`apply_mixed_recompute`; Megatron-Core decides it from

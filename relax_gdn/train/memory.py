@@ -8,19 +8,27 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
 * optimizer: the distributed optimizer's fp32 main weights and two Adam moments (12 bytes),
   sharded over data parallel x context parallel; none with ``optim.name=none``;
 * activations: what autograd keeps for backward, per local token and layer, by recompute setting
-  (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss's logits and a fixed workspace. Under
-  ``mixed`` recompute the first ``full_layers`` layers keep only their input and the others what
-  selective keeps; the peak is the larger of the end of forward (everything kept) and a
-  recomputed layer's backward (the inputs of the recomputed layers plus one layer's full
-  activations, the selective layers' already freed).
+  (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss and a fixed workspace. Under ``mixed``
+  recompute the first ``full_layers`` layers keep only their input and the others what selective
+  keeps; the peak is the larger of the end of forward (everything kept) and a recomputed layer's
+  backward (the inputs of the recomputed layers plus one layer's full activations, the selective
+  layers' already freed);
+* the loss (``logits``): with the chunked cross-entropy, one chunk's logits and their gradient
+  (bf16; the compiled kernel reads the logits once, the eager fallback of a torch whose compiler
+  fails holds several fp32 copies more), the output layer's weight gradient (formed in forward,
+  held until backward) and per token the final norm's input and output and the gradient of the
+  loss's input (also formed in forward); without it, the full logits.
 
 :func:`fewest_full_layers` is the memory-aware choice of ``recompute.full_layers``;
 :func:`settings_that_fit` lists the recompute settings (and the smaller micro-batch, the
 optimizer off, more CP ranks) that fit a given GPU, for the refusal message.
 
-The per-token activation figures are fitted to peaks measured on an H200 (the full 9B at 8k tokens,
-``bench.train_e2e``; docs/benchmarks.md gives each measured peak next to its estimate) and
-scaled with the hidden size for other presets; they round up, so the check errs towards refusing.
+The per-token activation figures are fitted to peaks measured on an H200 with ``bench.train_e2e``
+(the full 9B at 8k-128k tokens; docs/benchmarks.md gives each measured peak next to its estimate)
+and scaled with the hidden size for other presets; they round up, so the check errs towards
+refusing. The selective figures come from the memory in use when ``mixed`` runs with 3-20
+selective layers ran out of memory at 32k-128k tokens: a fit at 8k alone had hidden ≈ 11-12 KB
+per token and selective layer in the fixed terms.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ GIB = 2**30
 ACTIVATION_BYTES_PER_TOKEN = {
     # fused norms (default)
     ("none", True): (180_000, 170_000),
-    ("selective", True): (119_000, 106_000),
+    ("selective", True): (131_500, 118_500),
     ("full", True): (8_192, 8_192),  # the layer input; one layer's activations live during its recompute
     # the fp32 formula chain of the plain norms keeps several fp32 copies of each norm's input
     ("none", False): (290_000, 260_000),
@@ -45,8 +53,11 @@ ACTIVATION_BYTES_PER_TOKEN = {
 }
 WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, autotune buffers
 # recompute.full_layers=null (mixed) picks the fewest whole-layer recomputes whose estimate fits this
-# fraction of the GPU: near the top the allocator's fragmentation grows with the micro-batch
-MIXED_HEADROOM = 0.95
+# fraction of the GPU: the estimate counts what torch allocates, and the process also holds the
+# allocator's reserved-but-unused blocks and memory outside torch (CUDA context, kernel modules,
+# NCCL): 4.1-7.2 GiB (up to 5.1 % of an H200, growing with the micro-batch) where mixed ran out of
+# memory at 32k-128k tokens; 8 % covers that with half of it to spare
+MIXED_HEADROOM = 0.92
 
 
 @dataclass(frozen=True)
@@ -123,16 +134,23 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
     optimizer_bytes = 0.0 if optimizer == "none" else params * 12 / (dp * cp)
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
-    vocab = shape.vocab_size / tp
-    if fused_cross_entropy and tp == 1:
-        from relax_gdn.model.fusion import cross_entropy_chunk_tokens
-
-        # one chunk's logits (bf16 + fp32 + softmax temporaries) and the output layer's gradient
-        logits = min(tokens_per_gpu, cross_entropy_chunk_tokens(shape.vocab_size)) * vocab * 10
-    else:  # bf16 logits and the fp32 softmax kept for backward
-        logits = tokens_per_gpu * vocab * 6
+    logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer_bytes, activations=activations,
                           logits=logits, workspace=WORKSPACE_BYTES)
+
+
+def _loss_bytes(shape: ModelShape, tokens_per_gpu: int, tp: int, act_tokens: float, dtype_bytes: int, *,
+                fused: bool) -> float:
+    """What the loss holds at the end of forward (see the module docstring)."""
+    vocab, hidden = shape.vocab_size / tp, shape.hidden_size
+    final_norm = act_tokens * hidden * dtype_bytes * 2  # its input (kept for backward) and output
+    if fused and tp == 1:
+        from relax_gdn.model.fusion import cross_entropy_chunk_tokens
+
+        chunk = min(tokens_per_gpu, cross_entropy_chunk_tokens(shape.vocab_size)) * vocab * (2 + 2)
+        # the chunked loss forms both gradients in forward: the output layer's and its input's
+        return chunk + vocab * hidden * dtype_bytes + final_norm + tokens_per_gpu * hidden * dtype_bytes
+    return tokens_per_gpu * vocab * 6 + final_norm  # bf16 logits and the fp32 softmax kept for backward
 
 
 def fewest_full_layers(shape: ModelShape, capacity_bytes: float, **settings) -> int | None:
