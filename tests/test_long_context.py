@@ -145,30 +145,47 @@ def test_winner_is_the_fastest_exact_kernel():
     assert long_context.winner({"cases": [], "backends": []})[0] == "varlen"
 
 
-def test_long_context_variants_and_targets():
-    rows = long_context.variants("fa4", [65536, 32768, 8192]).split(";")
-    assert rows == [
+def test_long_context_rows_and_targets():
+    """The e2e rows by device call: 64k first (full recompute with FA2 against mixed with the winner,
+    profiled), every size's candidate with the winner, each call within 9.5 minutes of limits where
+    it has more than one row; the targets read rows of several calls together."""
+    assert list(long_context.E2E_CALLS) == ["2a", "2b", "2c", "2d"]
+    assert long_context.rows("2a", "fa4") == [
+        (270, "mt=65536,recompute=full,model.attention_backend=varlen"),
+        (270, "mt=65536,recompute=mixed,model.attention_backend=fa4,profile")]
+    every = [variant for call in long_context.E2E_CALLS for _, variant in long_context.rows(call, "fa4")]
+    assert every == [
         "mt=65536,recompute=full,model.attention_backend=varlen",
         "mt=65536,recompute=mixed,model.attention_backend=fa4,profile",
         "mt=32768,recompute=full,model.attention_backend=varlen",
-        "mt=32768,recompute=selective,model.attention_backend=fa4",
         "mt=32768,recompute=mixed,model.attention_backend=fa4",
+        "mt=32768,recompute=selective,model.attention_backend=fa4",
         "mt=8192,recompute=full,model.attention_backend=varlen",
         "mt=8192,recompute=full,model.attention_backend=fa4",
-        "mt=8192,recompute=selective,model.attention_backend=fa4"]
+        "mt=8192,recompute=selective,model.attention_backend=fa4",
+        "mt=131072,recompute=full,model.attention_backend=varlen",
+        "mt=131072,recompute=mixed,model.attention_backend=fa4",
+        "mt=65536,recompute=full,model.attention_backend=fa4"]
+    for call in ("2a", "2c"):  # the calls whose rows must all run
+        assert sum(limit for limit, _ in long_context.rows(call, "fa4")) <= 570
+    with pytest.raises(ValueError, match="unknown call '3'"):
+        long_context.rows("3", "fa4")
+    rows = [variant for _, variant in long_context.rows("2a", "fa4") + long_context.rows("2b", "fa4")]
 
-    def measured(name, mt, tok_s):
-        return {"name": name, "config": {"train.max_tokens_per_gpu": mt},
+    def measured(name, mt, tok_s, whole=None):
+        return {"name": name, "config": {"train.max_tokens_per_gpu": mt}, "full_layers": whole,
                 "summary": {"tokens_per_s": tok_s, "mfu": 0.4, "peak_mem_gib": 100.0}}
 
-    result = {"variants": [
-        measured(rows[0], 65536, 6000.0), measured(rows[1], 65536, 7800.0),
-        {"name": rows[3], "config": {"train.max_tokens_per_gpu": 32768},
+    first_call = {"variants": [measured(rows[0], 65536, 6000.0), measured(rows[1], 65536, 7800.0, whole=25)]}
+    second_call = {"variants": [
+        {"name": rows[4], "config": {"train.max_tokens_per_gpu": 32768},
          "summary": {"refused": "qwen3_5_9b will not fit this GPU: ... 170.8 GiB"}},
-        measured(rows[2], 32768, 7000.0), measured(rows[4], 32768, 8000.0)]}
-    lines = long_context.targets([result])
+        measured(rows[2], 32768, 7000.0), measured(rows[3], 32768, 8000.0, whole=15)]}
+    lines = long_context.targets([first_call, second_call])
     by_name = {line.split()[0]: line for line in lines[1:]}
     assert "1.300x" in by_name[rows[1]] and ">= 1.25x and >= 7550 tok/s: met" in by_name[rows[1]]
-    assert "1.143x" in by_name[rows[4]] and ": MISSED" in by_name[rows[4]]  # 1.20x needed
-    assert "refused by the memory model" in by_name[rows[3]]
+    assert by_name[rows[1]].split()[1] == "25"  # the layers mixed recomputed whole
+    assert "1.143x" in by_name[rows[3]] and ": MISSED" in by_name[rows[3]]  # 1.20x needed
+    assert "refused by the memory model" in by_name[rows[4]]
     assert by_name[rows[0]].rstrip().endswith("1.000x")  # the baseline row carries no verdict
+    assert by_name[rows[0]].split()[1] == "-"

@@ -99,6 +99,7 @@ def test_cpu_smoke(tmp_path, capsys):
         assert summary["steps_timed"] == 1 and summary["tokens_per_s"] > 0
         assert summary["memory_estimate_gib"]["total"] > 0
         assert variant["lengths"]["max"] <= 256  # cut to one micro-batch
+        assert variant["memory_at_start_gib"] is None  # no GPU memory an earlier variant could leave
         kept = tmp_path / "traces" / f"{train_e2e._file_stem(variant['name'])}.json.gz"
         assert summary["kernel_split"]["trace"] == str(kept)
         with gzip.open(kept) as f:  # the profiled step's chrome trace, whole

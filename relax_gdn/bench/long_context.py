@@ -1,19 +1,22 @@
-"""The long-context measurements' glue: pick the attention kernel, write the e2e variants, and
-read the results against the targets (issue 32). ``relax_gdn/bench/long_context.sh`` calls it.
+"""The long-context measurements' glue: pick the attention kernel, list the e2e rows of a device
+call, and read the results against the targets (issue 32). ``relax_gdn/bench/long_context.sh``
+calls it.
 
     python -m relax_gdn.bench.long_context winner attention.json      # prints the fastest exact kernel
-    python -m relax_gdn.bench.long_context variants --winner fa4 --lengths 32768,65536,131072
-    python -m relax_gdn.bench.long_context targets e2e.json [more.json ...]
+    python -m relax_gdn.bench.long_context rows --call 2a --winner fa4
+    python -m relax_gdn.bench.long_context targets e2e_2a_1.json [more.json ...]
     python -m relax_gdn.bench.long_context plan --capacity-gib 79.1 --cp 2 --optimizer adam
 
 ``winner``: among the backends of ``bench.attention`` whose check passed, the one with the least
 fwd+bwd time summed over the cases of 32k tokens and more (``varlen`` when none beats it).
-``variants``: per micro-batch size, today's setting (full recompute, ``varlen``) and the candidate
-(``recompute=mixed`` with the winner), plus the selective row at 32k that the memory model refuses;
-the 64k candidate carries ``profile``. ``targets``: each candidate's tok/s against the same size's
-full-recompute ``varlen`` row, MFU, peak memory and the memory model's estimate (within 10 % of
-the peak, as the memory model promises), next to the issue's targets. ``plan``: what
-the memory model fits per micro-batch size on a GPU of a given size (docs/long_context.md).
+``rows``: the e2e rows of one device call (:data:`E2E_CALLS`), one ``<seconds>\t<variant>`` line
+each: per micro-batch size, full recompute with ``varlen`` (what the issue's table measured) and
+the candidate (``recompute=mixed`` with the winner; the memory model picks its whole layers), the
+selective row at 32k, and at 8k full and selective with the winner; the 64k candidate carries
+``profile``. ``targets``: each candidate's tok/s against the same size's full-recompute
+``varlen`` row (from any of the files), MFU, peak memory and the memory model's estimate, next to
+the issue's targets. ``plan``: what the memory model fits per micro-batch size on a GPU of a given
+size (docs/long_context.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ from pathlib import Path
 # micro-batch tokens -> (speed-up over full recompute at the same size, tok/s floor) of issue 32
 TARGETS = {8192: (0.98, None), 32768: (1.20, 8550), 65536: (1.25, 7550), 131072: (1.25, 6780)}
 LONG_CASES_FROM = 32768
+# The e2e rows by device call of <= 9.5 minutes on one H200, the most informative first: 64k full
+# recompute with FlashAttention-2 against mixed with the winner, then 32k (and the cheap 8k rows,
+# which fit that call), then 128k, whose two rows take a call each. Each row is a bench.train_e2e
+# process of its own (a warm-up pass, then 5 steps); the seconds are its time limit, and a row
+# starts only while that much of the call is left. {winner}: the attention kernel of the candidates.
+E2E_CALLS: dict[str, list[tuple[int, str]]] = {
+    "2a": [(270, "mt=65536,recompute=full,model.attention_backend=varlen"),
+           (270, "mt=65536,recompute=mixed,model.attention_backend={winner},profile")],
+    "2b": [(150, "mt=32768,recompute=full,model.attention_backend=varlen"),
+           (150, "mt=32768,recompute=mixed,model.attention_backend={winner}"),
+           (60, "mt=32768,recompute=selective,model.attention_backend={winner}"),
+           (75, "mt=8192,recompute=full,model.attention_backend=varlen"),
+           (75, "mt=8192,recompute=full,model.attention_backend={winner}"),
+           (75, "mt=8192,recompute=selective,model.attention_backend={winner}")],
+    "2c": [(450, "mt=131072,recompute=full,model.attention_backend=varlen")],
+    "2d": [(420, "mt=131072,recompute=mixed,model.attention_backend={winner}"),
+           (240, "mt=65536,recompute=full,model.attention_backend={winner}")],
+}
 
 
 def winner(attention: dict) -> tuple[str, dict[str, float]]:
@@ -45,18 +66,12 @@ def winner(attention: dict) -> tuple[str, dict[str, float]]:
     return best, sums
 
 
-def variants(best: str, lengths: list[int]) -> str:
-    rows = []
-    for tokens in lengths:
-        rows.append(f"mt={tokens},recompute=full,model.attention_backend=varlen")
-        if tokens <= 16384:
-            rows.append(f"mt={tokens},recompute=full,model.attention_backend={best}")
-            rows.append(f"mt={tokens},recompute=selective,model.attention_backend={best}")
-            continue
-        if tokens == 32768:  # what selective needs there: refused by the memory model, reported
-            rows.append(f"mt={tokens},recompute=selective,model.attention_backend={best}")
-        rows.append(f"mt={tokens},recompute=mixed,model.attention_backend={best}" + (",profile" if tokens == 65536 else ""))
-    return ";".join(rows)
+def rows(call: str, best: str) -> list[tuple[int, str]]:
+    """The ``(time limit s, variant)`` rows of device call ``call`` with ``best`` as the candidates'
+    attention kernel."""
+    if call not in E2E_CALLS:
+        raise ValueError(f"unknown call {call!r}: one of {sorted(E2E_CALLS)}")
+    return [(limit, variant.format(winner=best)) for limit, variant in E2E_CALLS[call]]
 
 
 def _tokens(variant: dict) -> int | None:
@@ -66,11 +81,11 @@ def _tokens(variant: dict) -> int | None:
 def targets(results: list[dict]) -> list[str]:
     """One line per measured variant: tok/s, MFU, peak, the ratio to the same size's full-recompute
     varlen row, and the target where the issue sets one."""
-    rows = [v for r in results for v in r["variants"]]
-    base = {_tokens(v): v["summary"]["tokens_per_s"] for v in rows
+    measured = [v for r in results for v in r["variants"]]
+    base = {_tokens(v): v["summary"]["tokens_per_s"] for v in measured
             if v["summary"].get("tokens_per_s") and v["name"].endswith("recompute=full,model.attention_backend=varlen")}
-    lines = [f"{'variant':<62}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'est':>7}{'vs full/varlen':>16}  target"]
-    for v in rows:
+    lines = [f"{'variant':<62}{'whole':>6}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'est':>7}{'vs full/varlen':>16}  target"]
+    for v in measured:
         s, tokens = v["summary"], _tokens(v)
         if "refused" in s or "error" in s:
             why = "refused by the memory model" if "refused" in s else "FAILED"
@@ -83,7 +98,9 @@ def targets(results: list[dict]) -> list[str]:
             met = ratio >= goal and (floor is None or s["tokens_per_s"] >= floor)
             verdict = f">= {goal:.2f}x" + (f" and >= {floor} tok/s" if floor else "") + (": met" if met else ": MISSED")
         estimate = (s.get("memory_estimate_gib") or {}).get("total") or 0.0
-        lines.append(f"{v['name']:<62}{s['tokens_per_s']:>8.0f}{s['mfu'] or 0:>7.3f}{s['peak_mem_gib'] or 0:>7.1f}"
+        whole = v.get("full_layers")  # mixed: the layers recomputed whole
+        lines.append(f"{v['name']:<62}{'-' if whole is None else whole:>6}{s['tokens_per_s']:>8.0f}"
+                     f"{s['mfu'] or 0:>7.3f}{s['peak_mem_gib'] or 0:>7.1f}"
                      f"{estimate:>7.1f}{(f'{ratio:.3f}x' if ratio else '-'):>16}  {verdict}")
     return lines
 
@@ -125,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("winner")
     w.add_argument("attention_json")
-    v = sub.add_parser("variants")
-    v.add_argument("--winner", required=True)
-    v.add_argument("--lengths", default="32768,65536,131072")
+    r = sub.add_parser("rows", help="one device call's e2e rows, '<seconds>\\t<variant>' per line")
+    r.add_argument("--call", required=True, choices=sorted(E2E_CALLS))
+    r.add_argument("--winner", required=True)
     t = sub.add_parser("targets")
     t.add_argument("e2e_json", nargs="+")
     p = sub.add_parser("plan", help="what the memory model fits per micro-batch size")
@@ -148,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         print(best)
         print(f"(summed fwd+bwd ms over the >= 32k cases: {sums or 'no attention results'})",
               file=sys.stderr)
-    elif args.command == "variants":
-        print(variants(args.winner, [int(x) for x in args.lengths.split(",")]))
+    elif args.command == "rows":
+        print("\n".join(f"{limit}\t{variant}" for limit, variant in rows(args.call, args.winner)))
     else:
         found = [json.loads(Path(p).read_text()) for p in args.e2e_json if Path(p).exists()]
         print("\n".join(targets(found)))

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# Issue 32's measurements on one H200, in two device calls of at most 9.5 minutes each:
+# Issue 32's measurements on one H200, in device calls of at most 9.5 minutes each:
 #
-#   CALL=1 relax_gdn/bench/long_context.sh   the attention kernels (GPU parity tests at head dim 256,
-#       bench.attention: check + fwd/bwd timing at 8k-128k), the host's packing (bench.batching),
-#       and the choice of the attention kernel (written to .gpu-cache/winner and $OUT/winner)
-#   CALL=2 relax_gdn/bench/long_context.sh   the full 9B, CP 1, bench.train_e2e: per micro-batch size
-#       (64k, 32k, 128k, 8k) full recompute with varlen against mixed recompute with the winner
-#       (32k selective: the memory model's refusal), the 64k candidate profiled, then the targets
+#   CALL=1 relax_gdn/bench/long_context.sh    the attention kernels: GPU tests at head dim 256 (fa4
+#       against SDPA per CP rank, auto's choice, one step of the reduced 9B with fa4 against varlen),
+#       bench.attention (varlen and fa4, each in its own process, 8k-128k) and the kernel it picks
+#       (written to .gpu-cache/winner and $OUT/winner)
+#   CALL=2a / 2b / 2c / 2d relax_gdn/bench/long_context.sh    the full 9B, CP 1, one bench.train_e2e
+#       process per row (a warm-up pass over the row's batches, then --steps 5 --skip 2), rows from
+#       `python -m relax_gdn.bench.long_context rows --call 2a`: 2a 64k full recompute with varlen
+#       against mixed with the winner (profiled); 2b 32k the same and selective, then 8k; 2c 128k full
+#       with varlen; 2d 128k mixed with the winner, then 64k full with the winner if time is left.
+#       Each row writes $OUT/e2e_<call>_<n>.json; the call ends with the targets over its rows
+#       (`python -m relax_gdn.bench.long_context targets e2e_*.json` over every call's files gives
+#       the ratios across calls).
 #
 # Run from the repository root on the GPU host with the .gpu bundle (and, for FA4, the parts of
 # relax_gdn/bench/fa4_wheels.sh) carried; logs and JSON under $OUT, a short table at the end.
-# Each step runs only if it fits the call's budget (BUDGET_S, default 570 s) and has its own limit.
-# Caches (Triton autotuning, Inductor, FA4's CuTe DSL, TileLang) live in .gpu-cache/, which the
-# machine keeps between calls while it stays warm; $OUT/gpu-cache.tgz carries them to a fresh one
-# (unpack it into the repository root before the next call and carry .gpu-cache).
-# Environment: WINNER (call 2; default .gpu-cache/winner, else varlen), STEPS (3), SKIP (1),
-# GBS (2), LENGTHS (65536,32768,131072,8192), ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF for the e2e run).
+# Each step runs only if its time limit still fits the call's budget (BUDGET_S, default 570 s); a
+# row that fails or runs out of memory ends only its own process. Caches (Triton autotuning,
+# Inductor, FA4's CuTe DSL, TileLang) live in .gpu-cache/, which the machine keeps between calls
+# while it stays warm (the rows of a call share them); $OUT/gpu-cache.tgz carries them to a fresh
+# one when it is small enough.
+# Environment: WINNER (calls 2x; default .gpu-cache/winner, else fa4 when it is installed, else
+# varlen), STEPS (5), SKIP (2), GBS (2), ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF for the e2e rows).
 set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/long-context}
@@ -41,8 +48,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUF
 export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton TRITON_CACHE_AUTOTUNING=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4
+fa4_ok=0
 if relax_gdn/bench/fa4_wheels.sh install > "$OUT/fa4_install.log" 2>&1; then
   eval "$(relax_gdn/bench/fa4_wheels.sh env)"
+  fa4_ok=1
   echo "fa4: $(tail -1 "$OUT/fa4_install.log")" | tee -a "$summary"
 else
   echo "fa4: not installed ($(tail -1 "$OUT/fa4_install.log")); bench.attention reports it unavailable" | tee -a "$summary"
@@ -51,32 +60,36 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 git log -1 --format='commit %h %s' > "$OUT/commit.txt" 2>/dev/null
 
 if [[ $CALL == 1 ]]; then
-  step test_attention_gpu 150 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
-    -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right"
-  step bench_attention 270 python3 -m relax_gdn.bench.attention --out "$OUT/attention.json"
-  step bench_batching 90 python3 -m relax_gdn.bench.batching --cp 1,2 --repeats 5
+  step test_attention_gpu 270 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
+    -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right or auto_runs or reduced_9b"
+  step bench_attention 270 python3 -m relax_gdn.bench.attention --backends varlen,fa4 --out "$OUT/attention.json"
   python3 -m relax_gdn.bench.long_context winner "$OUT/attention.json" > "$OUT/winner" 2>> "$summary"
   cp "$OUT/winner" .gpu-cache/winner
   echo; echo "== attention (fwd+bwd ms, speed-up over varlen) =="; sed -n '/^case /,$p' "$OUT/bench_attention.log"
-  echo; echo "== host packing per micro-batch (ms) =="; grep -v -i warn "$OUT/bench_batching.log" | tail -9
   echo; echo "== GPU tests =="; tail -3 "$OUT/test_attention_gpu.log"
-  echo; echo "attention kernel chosen for call 2: $(cat "$OUT/winner")"
+  echo; echo "attention kernel chosen for the e2e calls: $(cat "$OUT/winner")"
 else
-  winner=${WINNER:-$(cat .gpu-cache/winner 2>/dev/null || echo varlen)}
-  variants=$(python3 -m relax_gdn.bench.long_context variants --winner "$winner" \
-             --lengths "${LENGTHS:-65536,32768,131072,8192}")
-  echo "winner $winner; variants: $variants" | tee -a "$summary"
-  # the e2e run gets what is left minus the summary's time; it writes its JSON after every variant
-  step bench_train_e2e $(( $(left) - 25 )) python3 -m relax_gdn.bench.train_e2e --preset qwen3_5_9b \
-    --steps "${STEPS:-3}" --skip "${SKIP:-1}" --global-batch-size "${GBS:-2}" --mean-fraction 0.5 \
-    --min-tokens 1024 --no-warm-up-pass --out "$OUT/e2e.json" \
-    ${ALLOC_CONF:+--cuda-alloc-conf "$ALLOC_CONF"} --variants "$variants"
+  winner=${WINNER:-$(cat .gpu-cache/winner 2>/dev/null || echo fa4)}
+  if [[ $winner == fa4 && $fa4_ok == 0 ]]; then
+    echo "winner fa4 is not installed here: the candidates run varlen" | tee -a "$summary"; winner=varlen
+  fi
+  rows=$(python3 -m relax_gdn.bench.long_context rows --call "$CALL" --winner "$winner") || exit 2
+  echo "call $CALL, winner $winner, rows:"$'\n'"$rows" | tee -a "$summary"
+  n=0
+  while IFS=$'\t' read -r limit variant <&3; do  # one process per row: a crash or OOM ends only its own
+    n=$(( n + 1 ))
+    step "e2e_${CALL}_$n" "$limit" python3 -m relax_gdn.bench.train_e2e --preset qwen3_5_9b \
+      --steps "${STEPS:-5}" --skip "${SKIP:-2}" --global-batch-size "${GBS:-2}" --mean-fraction 0.5 \
+      --min-tokens 1024 --out "$OUT/e2e_${CALL}_$n.json" \
+      ${ALLOC_CONF:+--cuda-alloc-conf "$ALLOC_CONF"} --variants "$variant"
+  done 3<<< "$rows"
   echo; echo "== the 9B by micro-batch size against full recompute with varlen (issue 32 targets) =="
-  python3 -m relax_gdn.bench.long_context targets "$OUT/e2e.json"
-  echo; echo "== the profiled step (kernel seconds, idle) =="
-  grep -A2 ": kernels [0-9]" "$OUT/bench_train_e2e.log" | tail -6
+  python3 -m relax_gdn.bench.long_context targets "$OUT"/e2e_"${CALL}"_*.json
+  echo; echo "== profiled steps (kernel seconds, idle) =="
+  grep -h -A2 ": kernels [0-9]" "$OUT"/e2e_"${CALL}"_*.log | tail -6
 fi
 du -sh .gpu-cache 2>/dev/null | tee -a "$summary"
+# the caches for a fresh machine (unpack into the repository root and carry .gpu-cache), when small enough
 tar -czf "$OUT/gpu-cache.tgz" --exclude=winner .gpu-cache 2>/dev/null
 if (( $(stat -c %s "$OUT/gpu-cache.tgz") > 60 * 1024 * 1024 )); then rm -f "$OUT/gpu-cache.tgz"; fi
 echo; cat "$summary"

@@ -35,6 +35,10 @@ padded to a multiple of 1024), so the output layer and the loss cost what they c
 
 A variant the memory model refuses (:class:`~relax_gdn.errors.MemoryFitError`) is reported as
 refused, with the estimate and the settings that would fit, and the run goes on with the next.
+One that fails while it runs (out of memory, a kernel's error) is reported as failed with the
+error, and the next starts after a collection; an error that leaves the CUDA context unusable (an
+illegal memory access) fails the later variants of the process too, which is why
+``relax_gdn/bench/long_context.sh`` runs each variant in a process of its own.
 ``recompute=mixed`` without ``recompute.full_layers`` takes the memory model's choice for the GPU.
 
 Optimizer: Megatron-Core's distributed Adam when the memory model
@@ -53,7 +57,9 @@ in ``train.seed`` share one pass); ``--no-warm-up-every-variant`` warms up the f
 
 Per variant: medians over the steps after ``--skip`` warm-up steps (compile, autotune, caches) of
 tokens/s (and per GPU), MFU in Megatron-Core's and Relax's accounting (``relax_gdn.train.flops``),
-step time and optimizer time; the peak memory, the most host syncs in one step, the memory
+step time and optimizer time; the peak memory (``torch.cuda.max_memory_allocated`` over the
+variant's steps), the memory still allocated from earlier variants as it starts
+(``memory_at_start_gib``, said when above 0.5 GiB), the most host syncs in one step, the memory
 model's estimate; with ``--profile``, one more step under ``torch.profiler`` (left out of the
 medians) split into kernel categories (GEMM / elementwise / copy / GDN / attention /
 communication) and idle GPU time (under the profiler, and estimated for an unprofiled step: the
@@ -418,6 +424,19 @@ def _alloc_retries(device: torch.device) -> int | None:
     return torch.cuda.memory_stats(device).get("num_alloc_retries") if device.type == "cuda" else None
 
 
+def _memory_left_over(device: torch.device, name: str) -> float | None:
+    """GiB still allocated on the GPU as a variant starts (after a collection): what earlier
+    variants of this process left behind, which would count in this one's peak; said when > 0.5."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated(device) / 2**30
+    if left > 0.5 and dist.get_rank() == 0:
+        print(f"[train_e2e] {name}: {left:.2f} GiB still allocated from earlier variants as it starts", flush=True)
+    return round(left, 3)
+
+
 def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.loop import _vocab_size, run_training
@@ -449,7 +468,8 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
     from relax_gdn.errors import MemoryFitError, RecipeError
 
     entry = {"name": name, "optimizer": optimizer, "optimizer_note": why,
-             "lengths": length_stats(data[1].lengths()), "full_layers": cfg.recompute.full_layers}
+             "lengths": length_stats(data[1].lengths()), "full_layers": cfg.recompute.full_layers,
+             "memory_at_start_gib": _memory_left_over(device, name)}
     retries_before = _alloc_retries(device)
     with tempfile.TemporaryDirectory() as tmp:
         steps = cfg.train.steps
