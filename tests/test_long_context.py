@@ -189,3 +189,17 @@ def test_long_context_rows_and_targets():
     assert "refused by the memory model" in by_name[rows[4]]
     assert by_name[rows[0]].rstrip().endswith("1.000x")  # the baseline row carries no verdict
     assert by_name[rows[0]].split()[1] == "-"
+
+
+def test_plan_keeps_to_the_share_mixed_keeps_to():
+    """plan recommends selective only where it fits the share of the GPU that mixed's choice keeps to
+    (at CP 2 with Adam, 8k tokens: selective's estimate is under the card but not under 92 % of it),
+    and says when full is above that share."""
+    from relax_gdn.train.memory import MIXED_HEADROOM
+
+    one_gpu = long_context.plan(139.8, [8192, 65536])
+    assert one_gpu[1].strip().startswith("8192 tokens/GPU: selective (")
+    assert one_gpu[2].strip().startswith("65536 tokens/GPU: mixed, ")
+    cp2 = long_context.plan(139.8, [8192, 65536], cp=2, optimizer="adam")
+    assert cp2[1].strip().startswith("8192 tokens/GPU: mixed, ")
+    assert cp2[2].strip().startswith("65536 tokens/GPU: full (") and f"above {MIXED_HEADROOM:.0%}: tight" in cp2[2]

@@ -108,11 +108,13 @@ def targets(results: list[dict]) -> list[str]:
 def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, dp: int = 1,
          optimizer: str = "none", preset: str = "qwen3_5_9b") -> list[str]:
     """Per micro-batch size (tokens per GPU), what the memory model says fits a GPU of
-    ``capacity_gib``: selective where it fits, else mixed with its fewest whole layers, else full,
-    else nothing, with the estimate."""
+    ``capacity_gib``: selective where its estimate fits the share of the GPU that mixed's choice
+    keeps to (:data:`~relax_gdn.train.memory.MIXED_HEADROOM`: the rest goes to the allocator's
+    spare blocks and memory outside torch), else mixed with its fewest whole layers, else full
+    (marked tight above that share), else nothing, with the estimate."""
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from relax_gdn.train.flops import ModelShape
-    from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers
+    from relax_gdn.train.memory import GIB, MIXED_HEADROOM, estimate_memory, fewest_full_layers
 
     vocab = -(-qwen3_5_preset(preset).vocab_size // 1024) * 1024
     shape = ModelShape.from_transformer_config(qwen3_5_config(preset), vocab)
@@ -121,16 +123,17 @@ def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, d
              f"optimizer {optimizer}:"]
     for tokens in lengths:
         common = dict(tokens_per_gpu=tokens, tp=tp, sequence_parallel=tp > 1, cp=cp, dp=dp, optimizer=optimizer)
-        selective = estimate_memory(shape, recompute="selective", **common)
         layers = fewest_full_layers(shape, capacity, **common)
         full = estimate_memory(shape, recompute="full", **common)
-        if selective.total <= capacity:
+        if layers == 0:
+            selective = estimate_memory(shape, recompute="selective", **common)
             choice = f"selective ({selective.total / GIB:.1f} GiB)"
         elif layers is not None and layers < shape.num_layers:
             mixed = estimate_memory(shape, recompute="mixed", full_layers=layers, **common)
             choice = f"mixed, {layers} of {shape.num_layers} layers whole ({mixed.total / GIB:.1f} GiB)"
         elif full.total <= capacity:
-            choice = f"full ({full.total / GIB:.1f} GiB)"
+            tight = "" if full.total <= MIXED_HEADROOM * capacity else f", above {MIXED_HEADROOM:.0%}: tight"
+            choice = f"full ({full.total / GIB:.1f} GiB{tight})"
         else:
             choice = f"nothing fits (full: {full.total / GIB:.1f} GiB)"
         lines.append(f"  {tokens:>7} tokens/GPU: {choice}")

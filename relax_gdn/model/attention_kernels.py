@@ -51,8 +51,8 @@ try:  # torch >= 2.9; its signature differs between versions: see varlen_unsuppo
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
 
-# What ``auto`` runs where it can (CUDA, its dtype and head-dim rules), chosen by measurement: 1.6x
-# FlashAttention-2's fwd+bwd at the 9B's shapes (``python -m relax_gdn.bench.attention``,
+# What ``auto`` runs where it can (CUDA, its dtype and head-dim rules), chosen by measurement: the
+# fastest exact kernel at the 9B's shapes (``python -m relax_gdn.bench.attention``,
 # docs/benchmarks.md); ``varlen`` elsewhere.
 AUTO_ATTENTION_BACKEND = "fa4"
 
