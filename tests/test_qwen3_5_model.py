@@ -52,16 +52,17 @@ def _batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, **options):
+def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model
+    from relax_gdn.model.fusion import Fusion
 
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
         "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
-        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers,
+        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
     )
 
 
@@ -267,15 +268,13 @@ def _configuration_errors(single) -> dict[str, str | None]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_model, qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
 
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
 
-    def build(cfg=config, groups=pgs, **kwargs):
-        return build_qwen3_5_model(
-            cfg, vocab_size=256, max_sequence_length=64, pg_collection=groups, **kwargs
-        )
+    def build(cfg=config, groups=pgs, **fields):
+        return build_qwen3_5_model(cfg, Qwen3_5Options(vocab_size=256, max_sequence_length=64, **fields), groups)
 
     tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
     return {

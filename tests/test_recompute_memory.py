@@ -156,7 +156,7 @@ def test_run_settings_reach_the_modules_through_the_specs():
     """recompute.* and model.fused_* travel builder -> spec -> module (no process-wide setting):
     the GDN options carry gdn_core, the MLP spec mlp_act, every relax_gdn norm spec the Fusion."""
     from relax_gdn.config import RunConfig
-    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
 
@@ -165,8 +165,9 @@ def test_run_settings_reach_the_modules_through_the_specs():
     assert RunConfig().with_overrides({"recompute.granularity": "full"}).gdn_options.recompute_core is False
 
     own = Fusion(norms=False, cross_entropy=True)
-    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), spec_provider="local", gdn=selective.gdn_options,
-                              tp_group=object(), fusion=own, recompute_mlp_activation=True)
+    options = Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local", gdn=selective.gdn_options,
+                                        fusion=own, recompute_mlp_activation=True)
+    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), options, tp_group=object())
     assert spec.layer_norm.params["fusion"] is own
     for layer in spec.layer_specs:
         sub = layer.submodules

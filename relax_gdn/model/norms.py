@@ -24,7 +24,6 @@ from relax_gdn.model.fusion import (
     Fusion,
     fused_gated_rms_norm,
     fused_rms_norm,
-    fusion_in_effect,
     gated_rms_norm_applies,
 )
 
@@ -34,8 +33,7 @@ class RMSNorm(torch.nn.Module):
     ``w``. Built like any Megatron-Core norm: ``RMSNorm(config=..., hidden_size=..., eps=...)``.
 
     ``zero_centered_gamma``: ``None`` follows ``config.layernorm_zero_centered_gamma``.
-    ``fusion``: whether the fused forms run (:class:`~relax_gdn.model.fusion.Fusion`); ``None``
-    follows the process-wide default (``fusion_set_to``, for A/B around built modules).
+    ``fusion``: whether the fused forms run (:class:`~relax_gdn.model.fusion.Fusion`), fixed here.
     ``grad_sum_group``: a group over which the weight's gradient is summed inside autograd. The GDN
     output norm needs it under tensor parallelism: its weight is shared by every value head, each
     TP rank holds other heads, and Megatron-Core's ``finalize_model_grads`` sums only norms marked
@@ -53,7 +51,7 @@ class RMSNorm(torch.nn.Module):
         eps: float = 1e-6,
         zero_centered_gamma: bool | None = None,
         grad_sum_group: torch.distributed.ProcessGroup | None = None,
-        fusion: Fusion | None = None,
+        fusion: Fusion = Fusion(),
         **unused,  # persist_layer_norm, normalization, ...: accepted like Megatron-Core's norms
     ):
         super().__init__()
@@ -82,7 +80,7 @@ class RMSNorm(torch.nn.Module):
         weight = self.weight
         if self.grad_sum_group is not None:
             weight = _sum_grad_over(weight, self.grad_sum_group)
-        if fusion_in_effect(self.fusion).norms:
+        if self.fusion.norms:
             return fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -49,7 +49,7 @@ from relax_gdn.data import (
     synthetic_math_dataset,
 )
 from relax_gdn.errors import ConfigError, DataError, RecipeError
-from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
+from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
 from relax_gdn.model.recompute import recompute_config_fields, recomputes
@@ -321,16 +321,16 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
                                   skip_unused=cfg.recompute.skip_unused,
                                   num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"]),
     )
-    model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
+    options = Qwen3_5Options.for_preset(
+        cfg.model.preset, vocab_size=vocab_size, gdn=cfg.gdn_options,
         attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
-        # given at build time (no process-wide switch), so every module keeps this run's setting
         fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
                       embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
+    model = build_qwen3_5_model(tconfig, options)
     if device.type == "cuda":
         model.cuda(device)
     if cfg.model.hf_checkpoint:
