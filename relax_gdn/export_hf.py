@@ -26,7 +26,8 @@ DTYPES = {"checkpoint": None, "float32": torch.float32, "bfloat16": torch.bfloat
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "checkpoint") -> Path:
-    """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns ``out``."""
+    """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns ``out``. Without
+    CUDA it needs an installed :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
     import torch.distributed as dist
 
     from relax_gdn.config import run_config_from_dict
@@ -36,10 +37,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "che
     directory, _ = resolve_resume(str(checkpoint), None)  # verified: damage is reported before any build
     manifest = read_manifest(directory)
     cfg = run_config_from_dict(manifest["config"])
-    if not torch.cuda.is_available():
-        from relax_gdn.compat.cpu import apply_cpu_shims
+    if not torch.cuda.is_available():  # the model is built on CPU: Megatron-Core needs the Runtime's shims
+        from relax_gdn.runtime import require_runtime
 
-        apply_cpu_shims()
+        require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
     from megatron.core import parallel_state
 
     from relax_gdn.gdn.options import GDNOptions
@@ -79,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights dtype in OUT (default: the dtype the run trained in)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from relax_gdn.runtime import Runtime
+
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+        with Runtime():
+            out = export_checkpoint(args.checkpoint, args.out, args.dtype)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -88,11 +88,9 @@ def _run(model, batch, ids, cp_group=None):
 def _cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank = dist.get_rank()
     singles = [dist.new_group([r]) for r in range(4)]

@@ -142,7 +142,7 @@ def _train(**overrides):
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_tiny_model_trains_the_same_with_fusion_on_and_off():
+def test_tiny_model_trains_the_same_with_fusion_on_and_off(runtime):
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
     and the chunked loss compute the plain path's function and gradients inside the real model."""
     fused = _train(**{"model.fused_norms": True, "model.fused_cross_entropy": True})
@@ -189,12 +189,10 @@ def test_embedding_adds_its_rows_into_main_grad(dtype):
 def _tiny_model_embedding_grad():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from tests.gdn_harness import packed_params
     from tests.test_qwen3_5_model import CU, _batch, _build
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     single = dist.new_group([0])
     torch.manual_seed(0)

@@ -18,10 +18,8 @@ SHORT_PREFIXES = [0, 16, 48, 88, 120, 160]
 def _parity_cases(world_size: int):
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests import gdn_harness as h
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.group.WORLD
     single = h.self_group()
@@ -128,10 +126,8 @@ def _single_process_checks():
     """Everything that needs only a group of one: state_dict, errors, CP = 1 without collectives."""
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests import gdn_harness as h
 
-    apply_cpu_shims()
     world = dist.group.WORLD
     config = h.tiny_config()
     outcome = {}

@@ -483,10 +483,8 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
 def _spawned_checks(workdir: str) -> dict:
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests.gdn_harness import self_group
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     work, rank = Path(workdir), dist.get_rank()
     single, pair = self_group(), dist.new_group([0, 1])  # every group made by every rank, up front

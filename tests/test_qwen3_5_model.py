@@ -146,11 +146,9 @@ def _errors(ref_loss, ref_grads, loss, grads, ids, shard=lambda n, g: g) -> dict
 def _model_cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank = dist.get_rank()
     # every rank creates every group, in the same order

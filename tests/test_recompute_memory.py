@@ -49,16 +49,14 @@ def _built_tiny(**config_fields):
     return build_qwen3_5_preset_model("qwen3_5_tiny", config, recompute_skips_unread_gemm=skip)
 
 
-def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
+def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
     """``recompute.skip_unused``: the last layer kept, linear_fc2's GEMM skipped when a layer is
     recomputed; loss and every gradient equal plain full recompute and no recompute (fp32)."""
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -110,14 +108,12 @@ def test_unknown_recompute_module_is_a_config_error():
         validate(RunConfig().with_overrides({"recompute.modules": ["core_attn", "everything"]}), 1)
 
 
-def test_parameter_count_matches_the_built_model():
+def test_parameter_count_matches_the_built_model(runtime):
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:

@@ -78,7 +78,7 @@ def test_warm_up_variants():
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_cpu_smoke(tmp_path, capsys):
+def test_cpu_smoke(tmp_path, capsys, runtime):
     out = tmp_path / "e2e.json"
     result = train_e2e.main([
         "--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "2", "--skip", "1", "--global-batch-size", "4",

@@ -125,4 +125,7 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
 
 
 if __name__ == "__main__":
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

@@ -576,4 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

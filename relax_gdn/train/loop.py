@@ -36,7 +36,6 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from torch.profiler import ProfilerActivity, profile
 
-from relax_gdn.compat.cpu import apply_cpu_shims
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
 from relax_gdn.data import (
@@ -54,6 +53,7 @@ from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
 from relax_gdn.model.recompute import recompute_config_fields, recomputes
 from relax_gdn.parallel import DynamicCPGroups, dynamic_cp_micro_batches
+from relax_gdn.runtime import require_runtime
 from relax_gdn.train.evaluate import Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
@@ -271,7 +271,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one. ``data``: a prepared
+    Uses the initialized default process group, else makes a one-process one. On CPU it needs an
+    installed :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names.
     """
@@ -283,8 +284,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     else:
         (tokenizer, dataset), eval_set = data, None
         check_samples_fit(dataset.samples, cfg)
-    if device.type == "cpu":
-        apply_cpu_shims()
+    if device.type == "cpu":  # the entry point's Runtime made Megatron-Core run without a GPU
+        require_runtime("training on CPU", cpu_shims=True)
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
