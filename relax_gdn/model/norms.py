@@ -27,6 +27,11 @@ from relax_gdn.model.fusion import (
     gated_rms_norm_applies,
 )
 
+# A parameter attribute, set where the parameter is made: its gradient on each TP rank is a partial
+# sum that must be summed over the TP group (Megatron-Core's counterpart for averages is
+# ``average_gradients_across_tp_domain``; it has none for sums outside sequence parallelism).
+SUM_GRAD_OVER_TP = "sum_gradients_across_tp_domain"
+
 
 class RMSNorm(torch.nn.Module):
     """``x / rms(x) · scale`` over the last dimension, with ``scale = 1 + w`` (zero-centred) or
@@ -38,6 +43,10 @@ class RMSNorm(torch.nn.Module):
     output norm needs it under tensor parallelism: its weight is shared by every value head, each
     TP rank holds other heads, and Megatron-Core's ``finalize_model_grads`` sums only norms marked
     ``sequence_parallel`` (and only with SP on) or named ``q_layernorm``/``k_layernorm``.
+    ``heads_split_over_tp``: the weight is shared by heads that TP splits between ranks (the
+    attention QK-norms), so each rank's gradient is a partial sum: the weight is marked
+    :data:`SUM_GRAD_OVER_TP` for the optimizer that sums it (the CPU path's; on GPU Megatron-Core's
+    ``finalize_model_grads`` sums these norms by their names).
 
     Like Transformer Engine's norms, the weight is marked ``sequence_parallel`` when SP is on, so
     ``finalize_model_grads`` sums its partial (sequence-sharded) gradient over TP — except when
@@ -52,6 +61,7 @@ class RMSNorm(torch.nn.Module):
         zero_centered_gamma: bool | None = None,
         grad_sum_group: torch.distributed.ProcessGroup | None = None,
         fusion: Fusion = Fusion(),
+        heads_split_over_tp: bool = False,
         **unused,  # persist_layer_norm, normalization, ...: accepted like Megatron-Core's norms
     ):
         super().__init__()
@@ -75,6 +85,8 @@ class RMSNorm(torch.nn.Module):
         self.grad_sum_group = grad_sum_group if summing else None
         if grad_sum_group is None:
             self.weight.sequence_parallel = config.sequence_parallel
+        if heads_split_over_tp:
+            setattr(self.weight, SUM_GRAD_OVER_TP, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -116,4 +128,4 @@ def _current_device():
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-__all__ = ["RMSNorm"]
+__all__ = ["RMSNorm", "SUM_GRAD_OVER_TP"]

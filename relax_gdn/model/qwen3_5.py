@@ -291,6 +291,8 @@ def _local_block_spec(config, gdn_spec_for, options: Qwen3_5Options) -> Transfor
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 
     norm = ModuleSpec(module=RMSNorm, params={"fusion": options.fusion})
+    # one head_dim weight shared by the heads TP splits: each TP rank's gradient is a partial sum
+    qk_norm = ModuleSpec(module=RMSNorm, params={"fusion": options.fusion, "heads_split_over_tp": True})
     attention = ModuleSpec(
         module=Qwen3_5SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -298,8 +300,8 @@ def _local_block_spec(config, gdn_spec_for, options: Qwen3_5Options) -> Transfor
             linear_qkv=ColumnParallelLinear,
             core_attention=_core_attention_spec("local", options.attention_backend, None),
             linear_proj=RowParallelLinear,
-            q_layernorm=norm,  # zero-centred per config
-            k_layernorm=norm,
+            q_layernorm=qk_norm,  # zero-centred per config
+            k_layernorm=qk_norm,
         ),
     )
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
