@@ -207,3 +207,34 @@ def test_fla_modes_match_reference_and_are_sync_free(dtype):
         assert syncs["chunkwise, prefix recomputed (new micro-batch)"] == 0, syncs
         # a NEW micro-batch too: routes from host copies, FLA's chunk index uploaded non-blocking
         assert syncs["chunkwise (new micro-batch)"] == 0 and syncs["headwise (new micro-batch)"] == 0, syncs
+
+
+# the document over [512, 2560) crosses the CP-2 cut (2048) with 1536 tokens before it: both models
+# pass the state through FLA's CP kernels (max_recomputed_prefix=0 for the first one as well)
+INTERLEAVED_CU = [0, 512, 512, 2560, 3072, 4096]
+
+
+def _interleaved_fla_case():
+    from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.model.fusion import Fusion
+    from tests.test_model_options import interleaved_options_case
+
+    return interleaved_options_case("qwen3_5_9b_reduced", 8192, INTERLEAVED_CU, torch.float32, {
+        "defaults": dict(gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0)),
+        "other options": dict(
+            gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0, fla_fused_gate=False,
+                           fla_skip_unread_cp_summaries=False, swap_transport="all_to_all"),
+            fusion=Fusion(norms=False, cross_entropy=False)),
+    })
+
+
+def test_interleaved_fla_options_keep_their_own_results():
+    """Two models (one block of the 9B, fp32, full recompute) with different FLA options (gate in or
+    around FLA, summaries skipped or not, peer memory or NCCL swaps, fused or plain norms and loss),
+    forward a, forward b, backward a, backward b: each gives what it gives alone (up to the
+    run-to-run noise of FLA's non-deterministic CP kernels), its recompute ran inside backward."""
+    for rank, result in enumerate(run_distributed(_interleaved_fla_case, 2, backend="nccl")):
+        print(f"rank {rank}: {result}")
+        assert max(result["interleaved_vs_alone"].values()) < 1e-3, (rank, result)
+        assert result["recomputed_in_backward"] == {"defaults": 1, "other options": 1}, (rank, result)
+        assert result["a_vs_b"] > 0, (rank, result)
