@@ -4,8 +4,8 @@ With ``gradient_accumulation_fusion`` Megatron-Core's linear layers accumulate e
 gradient straight into the fp32 ``main_grad`` buffer inside the wgrad GEMM (apex's
 ``fused_weight_gradient_mlp_cuda``); without it every linear writes a bf16 ``param.grad`` that
 DDP's hook then adds into ``main_grad``: 10 bytes of memory traffic per parameter and
-micro-batch, ≈ 0.14 s per 3-micro-batch step of the 9B on an H200 (the largest elementwise
-kernel in the profile). ``torch.addmm(main_grad, g.T, x, out_dtype=float32, out=main_grad)``
+micro-batch, the largest elementwise kernel in a profiled step of the 9B (docs/benchmarks.md,
+"Fused gradient accumulation, end to end"). ``torch.addmm(main_grad, g.T, x, out_dtype=float32, out=main_grad)``
 is that same fused GEMM (cuBLAS, bf16 operands, fp32 accumulate into C), so this module supplies
 it under apex's name. ``enable_wgrad_accumulation_fusion`` checks it against the unfused
 product on the current GPU first and leaves the fusion off (returning False) where the

@@ -10,7 +10,7 @@ computes ``M`` and multiplies it by zero, or never reads it.
 
 It is the expensive half: the ``M`` column blocks compose a K x K product per 64-token chunk in
 TF32x3 while the ``h`` blocks do K x 64 products in bf16, and the next rank waits for the kernel
-(5.2 ms of a 64k-token single-document CP-2 layer call on H200, ``bench.gdn_layer --profile``).
+(its share of a layer call: ``bench.gdn_layer --profile``, docs/benchmarks.md).
 The backward mirrors it for the FIRST local segment (``chunk_cp_bwd_kernel_dh``, ``[dh | dM]``;
 ``dM``, read under the same condition).
 

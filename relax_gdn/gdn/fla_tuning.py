@@ -1,7 +1,7 @@
 """FLA kernel configs tuned on the GPUs this repo is measured on, used instead of autotuning.
 
-FLA autotunes each kernel per head shape and dtype on first use: about 2-3 minutes per shape per
-process on an H200 (measured 2026-11-29), paid by every rank of every job before step 1. The
+FLA autotunes each kernel per head shape and dtype on first use, in every process, so every rank
+of every job would pay it before step 1 (docs/benchmarks.md, "Figures behind code comments"). The
 tuned winners live in ``fla_configs/<GPU name>/`` (made with ``relax_gdn.bench.fla_configs`` from
 Triton's autotuning cache of the GDN GPU test and layer benchmark at Qwen3.5-9B head shapes, and
 of ``bench.train_e2e`` on the full 9B for the gated output norm and the fused decay gate) and
@@ -11,7 +11,7 @@ lengths) reuses a tuned config, and a kernel with no file autotunes as usual. A 
 either variable keeps full control.
 
 Not covered: FLA's CP kernels (``chunk_cp_*``) use Triton's plain ``triton.autotune``, which FLA's
-config cache never consults; they tune on first use (~1 minute each on an H200). Keep Triton's
+config cache never consults; they tune on first use. Keep Triton's
 own results with ``TRITON_CACHE_AUTOTUNING=1`` and a persistent ``TRITON_CACHE_DIR`` per node.
 """
 

@@ -33,13 +33,12 @@ def fla_fp32_gradient_caveat(dtype: torch.dtype, capability: tuple[int, int]) ->
     """What is known to be wrong with FLA's gradients for activations of ``dtype`` on a GPU of
     compute ``capability``; None where nothing is.
 
-    Measured on H200 (``python -m relax_gdn.bench.gdn_precision``, 2026-11-30): in fp32 the
-    gated delta rule's backward misses an fp64 reference by 46 % (``A_log``) and 23 %
-    (``dt_bias``) of their largest gradient, with the output exact; bf16 is within 1 %. It is in
-    FLA's scan backward (not the conv, not CP), survives exact fp32 products in every Triton
-    kernel (``TRITON_F32_DEFAULT=ieee``) and does not depend on which ``chunk_bwd_dqkwg`` runs
-    (TileLang, FLA 0.6's choice on Hopper, or Triton: the same errors, ``--triton-dqkwg``).
-    Other GPUs were not measured.
+    ``python -m relax_gdn.bench.gdn_precision`` on Hopper (numbers in docs/benchmarks.md): in fp32
+    the gated delta rule's backward misses an fp64 reference in the gate gradients (``A_log``,
+    ``dt_bias``) while the output is exact, and bf16 stays close. It is in FLA's scan backward
+    (not the conv, not CP), survives exact fp32 products in every Triton kernel
+    (``TRITON_F32_DEFAULT=ieee``) and does not depend on which ``chunk_bwd_dqkwg`` runs (TileLang,
+    FLA 0.6's choice on Hopper, or Triton, ``--triton-dqkwg``). Other GPUs make no claim here.
     """
     if dtype != torch.float32 or capability[0] != 9:
         return None

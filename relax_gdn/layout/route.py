@@ -29,10 +29,10 @@ def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 
 
 # ``index_copy_`` moves one ELEMENT per thread: scattering bf16 rows as 16-byte words needs 8x
-# fewer threads and index computations, measured 2.1x faster on H200 for 4096 x 12352 bf16 rows
-# (``python -m relax_gdn.bench.swap``; ``index_select`` is as fast either way, so gathers stay
-# plain). Rows move as raw bytes, so any dtype of the same width works: complex128 is just
-# torch's 16-byte element, nothing reads it as a number.
+# fewer threads and index computations (faster: ``python -m relax_gdn.bench.swap``'s scatter
+# table, docs/benchmarks.md; ``index_select`` is as fast either way, so gathers stay plain).
+# Rows move as raw bytes, so any dtype of the same width works: complex128 is just torch's
+# 16-byte element, nothing reads it as a number.
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
 
 

@@ -53,7 +53,7 @@ def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, tr
         exchange = exchange_through_peer_memory
     else:
         exchange = _exchange_rows
-    if not torch.autograd._profiler_enabled():  # the range costs ~10 us of host time per swap
+    if not torch.autograd._profiler_enabled():  # the named range costs host time on every swap
         return exchange(x, route, process_group)
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):

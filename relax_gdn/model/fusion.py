@@ -17,8 +17,8 @@
   straight into Megatron-Core DDP's fp32 ``main_grad`` (``index_put_`` with ``accumulate``: sorted,
   deterministic; the protocol of its fused linears, ``grad_added_to_main_grad``). The plain path
   zero-fills a dense bf16 gradient of all 248k rows, scatters into it, and DDP's hook then adds
-  all of it: ≈ 12 GB of memory traffic per micro-batch of the 9B (≈ 5 ms on an H200) for the
-  few thousand rows a micro-batch touches.
+  all of it: memory traffic over the whole vocabulary for the few thousand rows a micro-batch
+  touches (docs/benchmarks.md, "The embedding's gradient into the main grad").
 
 Numerics against the plain path (tests/test_fusion.py, tests/test_fusion_gpu.py): fp32 equal to
 rounding (rel. 1e-5); bf16 within bf16 rounding (rel. 2e-2 of the output norm), because the fused
@@ -28,8 +28,8 @@ chunk.
 
 SwiGLU (``model.fused_swiglu``) is Megatron-Core's own fused form (``bias_activation_fusion``: a
 compiled ``SwiGLUFunction`` that saves only its input), switched on CUDA by the training loop;
-FLA's ``swiglu`` measured no faster than the plain form on an H200 (1.51 vs 1.52 ms fwd+bwd at
-8192 x 12288).
+FLA's ``swiglu`` is not used: it was no faster than the plain form (docs/benchmarks.md, "Figures
+behind code comments").
 
 The setting travels with the model, like the GDN options: the training loop builds the model with
 ``Fusion(norms=model.fused_norms, cross_entropy=model.fused_cross_entropy,
