@@ -66,7 +66,8 @@ class HostSyncCounter:
     mode ("warn") reports them, and where they happened (``file:line`` of the Python caller).
 
     A no-op off CUDA. Other warnings raised inside the block are shown after it, each distinct one
-    once per counter (the block has to record every warning to see the sync ones)."""
+    once per counter (the block has to record every warning to see the sync ones). The sync debug
+    mode in force before the block (the Runtime's, if it set one) is put back after it."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -74,6 +75,7 @@ class HostSyncCounter:
         self.locations: Counter[str] = Counter()
         self._shown: set[tuple] = set()
         self._catch = None
+        self._mode_before = 0
 
     def reset(self) -> None:
         self.count = 0
@@ -84,13 +86,14 @@ class HostSyncCounter:
             self._catch = warnings.catch_warnings(record=True)
             self._caught = self._catch.__enter__()
             warnings.simplefilter("always")
+            self._mode_before = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(self._mode_before)
         self._catch.__exit__(*exc)
         for w in self._caught:
             if SYNC_WARNING in str(w.message):
