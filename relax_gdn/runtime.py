@@ -18,7 +18,10 @@ A :class:`Runtime` owns, in the order it installs them:
   :mod:`relax_gdn.gdn.fla_tuning`) and the CP pre-processing that skips unread transition
   summaries for the layers that ask for it (:mod:`relax_gdn.gdn.fla_cp_summaries`);
 * torch's CUDA sync debug mode, when one is asked for;
-* the signal handlers other components ask it for (:meth:`Runtime.handle_signal`).
+* the signal handlers other components ask it for (:meth:`Runtime.handle_signal`);
+* the process-wide changes a run can only make once it knows its device and configuration
+  (Megatron-Core's fused wgrad GEMM, torch's deterministic algorithms): made by the run, handed
+  over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`.
 
 Code that needs one of these asks for it (:func:`require_runtime`) and fails with a message that
 says what to install, instead of patching the process itself. One Runtime is installed at a time.
@@ -51,8 +54,8 @@ class Runtime:
             leaves torch's. CUDA only.
     """
 
-    def __init__(self, *, silence_warnings: bool = True, cpu_shims: bool | None = None, fla: bool | None = None,
-                 sync_debug_mode: str | None = None) -> None:
+    def __init__(self, *, silence_warnings: bool = True, cpu_shims: bool | None = None,
+                 fla: bool | None = None, sync_debug_mode: str | None = None) -> None:
         self.silence_warnings = silence_warnings
         self._cpu_shims, self._fla = cpu_shims, fla
         self.sync_debug_mode = sync_debug_mode
@@ -132,6 +135,27 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ changes made by the run
+
+    def adopt(self, undo: Callable[[], None] | None) -> None:
+        """Take over a process-wide change made after :meth:`install` by code that needed the run's
+        device or configuration first: ``undo`` (None: nothing was changed) runs at :meth:`close`,
+        with the Runtime's own, newest first."""
+        if not self.installed:
+            raise RuntimeError("Runtime.adopt needs an installed Runtime")
+        if undo is not None:
+            self._undo.append(undo)
+
+    def use_deterministic_algorithms(self, warn_only: bool = True) -> None:
+        """``torch.use_deterministic_algorithms(True, warn_only=...)`` until :meth:`close`, which puts
+        torch's previous setting back (``train.deterministic``)."""
+        import torch
+
+        enabled, warn_only_before = (torch.are_deterministic_algorithms_enabled(),
+                                     torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        self.adopt(lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only_before))
+
     # ------------------------------------------------------------------ signals
 
     def handle_signal(self, signum: int, handler: SignalHandler) -> bool:
@@ -143,7 +167,7 @@ class Runtime:
         if threading.current_thread() is not threading.main_thread():
             return False
         previous = signal.signal(signum, handler)
-        self._signals.setdefault(signum, previous)  # a second handler still restores the first one's predecessor
+        self._signals.setdefault(signum, previous)  # handled twice: close restores the original
         return True
 
     def restore_signal(self, signum: int) -> None:
@@ -164,13 +188,15 @@ def require_runtime(what: str, *, cpu_shims: bool = False) -> Runtime:
     runtime = _current
     if runtime is None:
         raise RuntimeError(
-            f"{what} needs the process set up by relax_gdn.runtime.Runtime, and none is installed: wrap the call "
-            "in `with Runtime(): ...` (train.py, export_hf and the benchmarks do; tests use the `runtime` fixture)"
+            f"{what} needs the process set up by relax_gdn.runtime.Runtime, and none is installed: wrap "
+            "the call in `with Runtime(): ...` (train.py, export_hf and the benchmarks do; tests use the "
+            "`runtime` fixture)"
         )
     if cpu_shims and not runtime.cpu_shims:
         raise RuntimeError(
-            f"{what} needs Megatron-Core's CPU shims, which the installed Runtime did not apply (it applies them "
-            "only where CUDA is not available): run on a machine without CUDA, or on CUDA with train.device=auto"
+            f"{what} needs Megatron-Core's CPU shims, which the installed Runtime did not apply (it "
+            "applies them only where CUDA is not available): run on a machine without CUDA, or on CUDA "
+            "with train.device=auto"
         )
     return runtime
 

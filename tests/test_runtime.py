@@ -4,6 +4,7 @@ process exactly as it found it; library code asks for it instead of patching the
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -31,6 +32,8 @@ def _process_state() -> dict:
         "rng tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
         "cuda rng state functions": (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state),
         "checkpoint staging": FileSystemWriterAsync.__dict__["preload_tensors"],
+        "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                     torch.is_deterministic_algorithms_warn_only_enabled()),
     }
     if importlib.util.find_spec("fla") is not None:
         from relax_gdn.gdn.fla_cp_summaries import _BWD_NAME, _FWD_NAME, _PATCHED_MODULE
@@ -53,13 +56,15 @@ def test_close_leaves_the_process_as_it_was():
     # fla=True on CPU too: the FLA patch is plain Python, so its install and removal are checked here
     runtime = Runtime(fla=importlib.util.find_spec("fla") is not None).install()
     try:
+        runtime.use_deterministic_algorithms(warn_only=True)  # what train.deterministic asks for
+        runtime.adopt(None)  # a change a run did not need to make: nothing to undo
         during = _process_state()
         assert current_runtime() is runtime and runtime.cpu_shims
         assert torch.cuda.current_device() == "cpu" and _dynamo.config.disable
         assert mcore_random._get_cuda_rng_state() is None
         changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers"}
         expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
-                    "cuda rng state functions", "checkpoint staging"}
+                    "cuda rng state functions", "checkpoint staging", "deterministic algorithms"}
         expected |= {"dynamo.disable"} if not before["dynamo.disable"] else set()
         expected |= {"FLA pre-processing"} if "FLA pre-processing" in before else set()
         assert changed == expected, changed ^ expected

@@ -29,7 +29,8 @@ def apply_cpu_shims() -> Callable[[], None]:
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for machines without CUDA; it would hide the GPU")
     if _applied:
-        raise RuntimeError("the CPU shims are already applied in this process (relax_gdn.runtime.Runtime owns them)")
+        raise RuntimeError("the CPU shims are already applied in this process "
+                           "(relax_gdn.runtime.Runtime owns them)")
     undo = [_current_device_is_cpu(), _inference_rng_tracker(), _no_cuda_rng_state(), _blocking_staging(),
             _no_dynamo()]
     _applied = True
@@ -60,7 +61,8 @@ def _inference_rng_tracker() -> Callable[[], None]:
     # (dropout is 0 in every CPU job, so TP/CP-decorrelated RNG streams are not needed).
     from megatron.core.tensor_parallel import random as mcore_random
 
-    assert hasattr(mcore_random, "initialize_rng_tracker") and hasattr(mcore_random, "_CUDA_RNG_STATE_TRACKER")
+    assert hasattr(mcore_random, "initialize_rng_tracker")
+    assert hasattr(mcore_random, "_CUDA_RNG_STATE_TRACKER")
     before = (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     mcore_random.initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=True, force_reset=True)
 

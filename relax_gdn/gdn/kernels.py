@@ -228,4 +228,5 @@ def _kernels(backend: str, device_type: str, fused_gate: bool, zigzag_cp: bool,
         raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto")
     if backend == "torch":
         return TorchKernels()
-    return FlaKernels(fused_gate=fused_gate, zigzag_cp=zigzag_cp, skip_unread_cp_summaries=skip_unread_cp_summaries)
+    return FlaKernels(fused_gate=fused_gate, zigzag_cp=zigzag_cp,
+                      skip_unread_cp_summaries=skip_unread_cp_summaries)

@@ -359,7 +359,8 @@ def _te_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerB
 
 
 def qwen3_5_block_spec(
-    config: TransformerConfig, options: Qwen3_5Options, tp_group: torch.distributed.ProcessGroup | None = None,
+    config: TransformerConfig, options: Qwen3_5Options,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> TransformerBlockSubmodules:
     """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm, as ``options`` say
     (its layer fields: ``gdn``, ``attention_backend``, ``spec_provider``,
@@ -376,8 +377,8 @@ def qwen3_5_block_spec(
         tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def gdn_spec_for(in_proj, out_proj) -> ModuleSpec:
-        return gdn_cp_layer_spec(options.gdn, in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group, options.fusion),
-                                 out_proj=out_proj)
+        out_norm = _gdn_output_norm_spec(tp_group, options.fusion)
+        return gdn_cp_layer_spec(options.gdn, in_proj=in_proj, out_norm=out_norm, out_proj=out_proj)
 
     if provider == "te":
         block = _te_block_spec(config, gdn_spec_for, options.attention_backend)

@@ -271,8 +271,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one. On CPU it needs an
-    installed :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
+    Uses the initialized default process group, else makes a one-process one. It needs an installed
+    :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names.
     """
@@ -284,8 +284,9 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     else:
         (tokenizer, dataset), eval_set = data, None
         check_samples_fit(dataset.samples, cfg)
-    if device.type == "cpu":  # the entry point's Runtime made Megatron-Core run without a GPU
-        require_runtime("training on CPU", cpu_shims=True)
+    # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
+    cpu = device.type == "cpu"
+    require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -305,7 +306,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
     if cfg.model.fused_grad_accumulation and device.type == "cuda":
         from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
 
-        fuse_wgrad = enable_wgrad_accumulation_fusion()
+        fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
+        require_runtime("the fused wgrad GEMM").adopt(undo)  # Megatron-Core patched: the Runtime undoes it
 
     tconfig = qwen3_5_config(
         cfg.model.preset,
@@ -356,8 +358,8 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
 def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> TrainResult:
     rank = dist.get_rank()
     is_rank0 = rank == 0
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if cfg.train.deterministic:  # process-wide: the Runtime puts torch's setting back when it closes
+        require_runtime("train.deterministic").use_deterministic_algorithms(warn_only=True)
     seed_everything(cfg.train.seed)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp, context_parallel_size=dims.cp, create_gloo_process_groups=False,

@@ -12,8 +12,8 @@ equivalent is used instead, with the same semantics: gradients SUMMED over the d
 context-parallel group (``calculate_per_token_loss``: the loss is already divided by the global
 loss-token count), TP-partial gradients summed over TP as Megatron-Core's ``finalize_model_grads``
 does (sequence-parallel norms by their ``sequence_parallel`` attribute; the QK-norms, which
-Megatron-Core picks by name, by the ``SUM_GRAD_OVER_TP`` attribute their norm sets), the grad norm over non-duplicated parameters
-reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
+Megatron-Core picks by name, by the ``SUM_GRAD_OVER_TP`` attribute their norm sets), the grad
+norm over non-duplicated parameters reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
 ``torch.optim.AdamW`` (what Megatron-Core itself falls back to without TE/Apex) with Megatron's
 no-weight-decay rule for biases and 1-D parameters. Both paths use Megatron-Core's
 ``OptimizerParamScheduler`` for warm-up + cosine.
