@@ -22,7 +22,7 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_selective_recompute_matches_no_recompute():
+def test_selective_recompute_matches_no_recompute(runtime):
     none = _train(**{"recompute.granularity": "none"})
     for modules in (list(SELECTIVE_MODULES), ["gdn_core"]):
         selective = _train(**{"recompute.granularity": "selective", "recompute.modules": modules})
