@@ -13,6 +13,7 @@ start of one message, so any other warning from the same library still shows.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -104,5 +105,27 @@ def silence_known_warnings() -> Callable[[], None]:
         warnings._filters_mutated()  # what warnings.catch_warnings calls: cached decisions are stale
         for name, drop in log_filters:
             logging.getLogger(name).removeFilter(drop)
+
+    return restore
+
+
+# torch.profiler's C++ backend (kineto) prints to stderr by itself, at or above KINETO_LOG_LEVEL
+# (0 verbose ... 4 errors, 5 its USDT start/stop markers), read once per process at the first profile.
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"  # above every level kineto has
+
+
+def quiet_cpu_profiler() -> Callable[[], None]:
+    """Quiet a process's CPU-only ``torch.profiler`` sessions (what the Runtime does on a machine
+    without CUDA, before any profile); returns the function that puts ``KINETO_LOG_LEVEL`` back.
+    Kineto's only lines there are its start/stop markers and ``gpuGetDeviceCount failed with code
+    35``: a CUDA build of torch asks the driver which GPUs to describe in the trace, and without a
+    driver there are none, so the trace loses nothing. A ``KINETO_LOG_LEVEL`` the user set wins."""
+    if KINETO_LOG_LEVEL_ENV in os.environ:
+        return lambda: None
+    os.environ[KINETO_LOG_LEVEL_ENV] = KINETO_SILENT
+
+    def restore() -> None:
+        os.environ.pop(KINETO_LOG_LEVEL_ENV, None)
 
     return restore

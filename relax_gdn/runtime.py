@@ -13,7 +13,8 @@ A :class:`Runtime` owns, in the order it installs them:
 * the filters for third-party notices known to be harmless (:mod:`relax_gdn.known_warnings`),
   first, so they are in place before Megatron-Core, FLA or torch's extension loader import;
 * on a machine without CUDA, Megatron-Core's CPU shims (:mod:`relax_gdn.compat.cpu`:
-  ``torch.cuda.current_device``, the RNG tracker functions, a checkpoint staging method, dynamo);
+  ``torch.cuda.current_device``, the RNG tracker functions, a checkpoint staging method, dynamo)
+  and a quiet CPU profiler (``KINETO_LOG_LEVEL``, :func:`relax_gdn.known_warnings.quiet_cpu_profiler`);
 * on CUDA, FLA's process settings: the bundled kernel configs (``FLA_CONFIG_DIR``,
   :mod:`relax_gdn.gdn.fla_tuning`) and the CP pre-processing that skips unread transition
   summaries for the layers that ask for it (:mod:`relax_gdn.gdn.fla_cp_summaries`);
@@ -96,6 +97,10 @@ class Runtime:
             from relax_gdn.compat.cpu import apply_cpu_shims
 
             self._undo.append(apply_cpu_shims())
+        if not cuda:  # before any profile: kineto reads its log level once per process
+            from relax_gdn.known_warnings import quiet_cpu_profiler
+
+            self._undo.append(quiet_cpu_profiler())
         self.fla = (cuda and importlib.util.find_spec("fla") is not None) if self._fla is None else self._fla
         if self.fla:
             self._install_fla(torch.device("cuda", torch.cuda.current_device()) if cuda else None)

@@ -141,6 +141,14 @@ def _two_process_cases(tmp: str) -> dict:
                                   None).records
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
     out["cp2_demo"] = run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records
+
+    # the step's one all-reduce: losses summed (/ tp), a flag raised on rank 1 raised on both ranks
+    from relax_gdn.train.loop import StepFlag, all_reduce_step
+
+    loss = torch.tensor(float(dist.get_rank() + 1))
+    totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
+              all_reduce_step(loss, set(), tp=2)]
+    out["step_totals"] = [(t.loss_sum, sorted(flag.name for flag in t.flags)) for t in totals]
     return out
 
 
@@ -240,6 +248,12 @@ def test_step1_cp2_equals_cp1(single, pair, case):
         assert got["tokens"] == reference["tokens"] and got["loss_tokens"] == reference["loss_tokens"]
         for key in ("loss", "grad_norm"):
             assert got[key] == pytest.approx(reference[key], rel=EQ_TOL), (case, rank, key, got, reference)
+
+
+@pytest.mark.slow
+def test_step_all_reduce_sums_the_loss_and_gives_every_rank_a_flag_any_rank_raised(pair):
+    for out in pair[1]:
+        assert out["step_totals"] == [(3.0, ["STOP_REQUESTED"]), (1.5, [])]
 
 
 @pytest.mark.slow
@@ -371,3 +385,5 @@ def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
                 step_time_s=0.5)
     assert step_line({**line, "cp_sizes": {"1": 4, "2": 2}}, total=2).endswith("[CP1 x 4, CP2 x 2]")
     assert "CP" not in step_line(line, total=2)
+    assert " TFLOP/s/process " in step_line(line, total=2)  # a CPU record (no GPU memory): no "/gpu"
+    assert " TFLOP/s/gpu " in step_line({**line, "peak_mem_gb": 3.5}, total=2)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, cuda_pipelined_ms, host_enqueue_ms
 from relax_gdn.gdn.options import GDNOptions
 
@@ -162,15 +163,6 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
 
 
 def main() -> None:
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
-    from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-    from relax_gdn.bench.routes import per_token_route
-    from relax_gdn.gdn import layer as gdn_layer
-    from relax_gdn.layout import thd_rank_indices
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
@@ -180,6 +172,25 @@ def main() -> None:
     parser.add_argument("--python-hotspots", action="store_true",
                         help="with --profile: cProfile of chunkwise on rank 0 (host time per Python function)")
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.gdn_layer", gpus=2)  # CP 2: the micro-batches are cut in two
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        _run(args)
+
+
+def _run(args) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from relax_gdn.bench.routes import per_token_route
+    from relax_gdn.gdn import layer as gdn_layer
+    from relax_gdn.layout import thd_rank_indices
+
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
 
@@ -318,7 +329,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from relax_gdn.runtime import Runtime
-
-    with Runtime():  # every process-wide change of the benchmark, undone when it ends
-        main()
+    main()

@@ -24,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
 from relax_gdn.layout import SWAP_TRANSPORTS, build_route, swap_layout
 from relax_gdn.layout.route import put_rows
@@ -54,6 +55,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--pipelined", type=int, default=8, help="calls back to back per pipelined sample")
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.swap", gpus=2, more_ok=True)
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        _run(args)
+
+
+def _run(args) -> None:
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
@@ -117,7 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from relax_gdn.runtime import Runtime
-
-    with Runtime():  # every process-wide change of the benchmark, undone when it ends
-        main()
+    main()

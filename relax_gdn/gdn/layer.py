@@ -42,6 +42,7 @@ from megatron.core.ssm.gated_delta_net.common import (
     tensor_a2a_hp2cp,
 )
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -301,7 +302,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return super()._apply_gated_norm(x, gate)
 
     def _core(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
-        if self.recompute_core and torch.is_grad_enabled() and self.config.recompute_granularity != "full":
+        # never inside a whole-layer recompute (full, or a full layer of mixed): nothing to save there
+        if self.recompute_core and torch.is_grad_enabled() and not is_checkpointing():
             return torch.utils.checkpoint.checkpoint(self._core_body, qkvzba, rows, parts, part, use_reentrant=False)
         return self._core_body(qkvzba, rows, parts, part)
 

@@ -293,6 +293,8 @@ class GatheredOrder:
     natural_rows: torch.Tensor  # natural[i] = rank_major[natural_rows[i]]
     rank_major_rows: torch.Tensor  # rank_major[j] = natural[rank_major_rows[j]]
     local_rows: int  # T / W
+    # host copy of rank_major_rows (what host-side index builders read without a device copy)
+    rank_major_host: np.ndarray | None = field(default=None, repr=False)
 
     def own_rows(self, cp_rank: int) -> torch.Tensor:
         """Natural-order ids of the rows ``cp_rank`` holds, in its local (zigzag) order."""
@@ -309,4 +311,5 @@ def gathered_zigzag_order(cu_seqlens: CuSeqlens, cp_size: int, device: torch.dev
     natural = expand_runs(seg.rank * local_rows + seg.local_start, lengths)
     by_rank = np.lexsort((seg.local_start, seg.rank))  # rank-major order of the segments
     rank_major = expand_runs(seg.start[by_rank], lengths[by_rank])
-    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows)
+    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows,
+                         rank_major_host=rank_major)

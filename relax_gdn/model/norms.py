@@ -58,6 +58,7 @@ class RMSNorm(torch.nn.Module):
         config: TransformerConfig,
         hidden_size: int,
         eps: float = 1e-6,
+        *,
         zero_centered_gamma: bool | None = None,
         grad_sum_group: torch.distributed.ProcessGroup | None = None,
         fusion: Fusion = Fusion(),

@@ -198,12 +198,13 @@ class RunLifecycle:
                 for note in notes:
                     logger.warning("%s", note)
             if directory is not None:
-                life._resume(directory, layout, data_key, model, optimizer, scheduler, vocab_size)
+                life._resume(directory, layout, data_key, model=model, optimizer=optimizer, scheduler=scheduler,
+                             vocab_size=vocab_size)
         if is_rank0 and life.resumed is not None and life.run_dir is not None:
             trim_metrics(life.run_dir / "metrics.jsonl", life.start_step)
         return life
 
-    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
+    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, *, model, optimizer, scheduler,
                 vocab_size: int) -> None:
         manifest = read_manifest(directory)
         saved_data = manifest.get("data", {})

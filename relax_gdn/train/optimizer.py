@@ -69,7 +69,7 @@ class CPUGradSyncOptimizer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+            lr=cfg.learning_rates[0], betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         )
 
     @property
@@ -289,11 +289,12 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
     )
     ddp = DistributedDataParallel(transformer_config, ddp_config, model)
     o = cfg.optim
+    lr, min_lr = cfg.learning_rates
     if o.name == "none":
-        return ddp, GradientsOnly(ddp, o.lr)
+        return ddp, GradientsOnly(ddp, lr)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
             adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True,
         ),
@@ -327,11 +328,12 @@ def build_scheduler(optimizer, cfg: RunConfig, log: bool = True):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
+    lr, min_lr = cfg.learning_rates
     warmup = resolve_warmup_steps(o.warmup_steps, cfg.train.steps, log)
     decay_steps = o.decay_steps or cfg.train.steps
     decay_steps = max(decay_steps, warmup + 1)  # the scheduler needs warmup < decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps, lr_decay_style=o.schedule, start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=max(cfg.train.steps, 1), wd_incr_style="constant",
     )
