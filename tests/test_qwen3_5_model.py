@@ -254,8 +254,6 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
     """TP = 2 x CP = 2 with the QK-norms under other names, gradients synced by the CPU path's
     optimizer (``CPUGradSyncOptimizer``): the QK-norms' TP-partial gradients are summed because
     their parameters say so, whatever their modules are called."""
-    from megatron.core import parallel_state
-
     from relax_gdn.config import RunConfig
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.train.optimizer import CPUGradSyncOptimizer
@@ -271,14 +269,8 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
 
     model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
     renamed = _rename_qk_norms(model)
-    # the optimizer asks Megatron-Core's parallel_state for the TP rank (duplicate parameters): the
-    # same TP {0,1},{2,3} and CP {0,2},{1,3} groups as the model's, as run_training sets them up
-    parallel_state.initialize_model_parallel(2, context_parallel_size=2, create_gloo_process_groups=False)
-    try:
-        optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group,
-                                         sequence_parallel=False)
-    finally:
-        parallel_state.destroy_model_parallel()
+    optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group,
+                                     sequence_parallel=False)
     optimizer.zero_grad()
     loss = model(tokens[:, ids], positions[:, ids], None, labels=labels[:, ids], packed_seq_params=packed_params(CU, "cpu"))
     loss.sum().backward()

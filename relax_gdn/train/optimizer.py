@@ -63,7 +63,9 @@ class CPUGradSyncOptimizer:
         self.clip_grad = cfg.optim.clip_grad
         self.update = cfg.optim.name != "none"  # "none": gradients synced and measured, no update
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._norm_params = [p for _, p in self.named_params if param_is_not_tensor_parallel_duplicate(p)]
+        # duplicates over the TP group it was given, not Megatron-Core's global one
+        self._norm_params = [p for _, p in self.named_params
+                             if param_is_not_tensor_parallel_duplicate(p, tp_group=tp_group)]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
         no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
         o = cfg.optim
