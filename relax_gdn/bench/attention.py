@@ -250,6 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.iters < 10:
         parser.error("--iters must be >= 10 (medians of at least ten calls)")
     require_gpus("relax_gdn.bench.attention")
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        return _measure(args)
+
+
+def _measure(args) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     all_cases = cases([int(x) for x in args.lengths.split(",")], args.packings.split(","), args.seed)
     result = {"meta": {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
