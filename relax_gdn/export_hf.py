@@ -36,7 +36,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
     :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
     keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
-    layout only): "float32" or "bfloat16" instead of the dtype the run trained in."""
+    layout only): "float32" or "bfloat16" instead of the dtype the run trained in. Without CUDA it
+    needs an installed :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.train.checkpoint import read_manifest, resolve_resume
     from relax_gdn.train.hf_export import export_spec
@@ -80,7 +81,7 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
     from relax_gdn.train.hf_export import write_hf_export
     from relax_gdn.train.loop import init_distributed
 
-    device = _prepare_device(cfg.train.seed)
+    device = _prepare_device()
     created = init_distributed(device)
     try:
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
@@ -99,18 +100,18 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
             dist.destroy_process_group()
 
 
-def _prepare_device(seed: int) -> torch.device:
+def _prepare_device() -> torch.device:
     """The GPU where CUDA is visible: Megatron-Core creates GDN parameters on
     ``torch.cuda.current_device()`` and forks its CUDA RNG tracker whenever a GPU is visible, and
     the CPU shims that redirect both must not hide a GPU. The CPU otherwise (``CUDA_VISIBLE_DEVICES=``
-    forces it)."""
+    forces it), where the installed Runtime has applied Megatron-Core's CPU shims."""
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         return device
-    from relax_gdn.compat.cpu import apply_cpu_shims
+    from relax_gdn.runtime import require_runtime
 
-    apply_cpu_shims()
+    require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
     return torch.device("cpu")
 
 
@@ -143,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="text layout: the weights' dtype (default: the dtype the run trained in)")
     args = parser.parse_args(argv)
-    from relax_gdn.known_warnings import silence_known_warnings
-
-    silence_known_warnings()  # before Megatron-Core is imported: the report is what the user reads
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     like = None if args.like == "none" else args.like
+    from relax_gdn.runtime import Runtime
+
     try:
-        report = export_checkpoint(args.checkpoint, args.out, args.dtype, like)
+        with Runtime():
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -11,6 +11,10 @@ A run fails, never hangs:
 - the whole run has a time limit (``timeout_s``, default ``RELAX_GDN_TEST_TIMEOUT_S`` or 900 s);
   past it every rank's Python stack is dumped into the failure message before the ranks are
   killed, and every collective has that limit too (``init_process_group(timeout=...)``).
+
+Each rank is set up like an entry point sets up its process: ``fn`` runs inside an installed
+:class:`relax_gdn.runtime.Runtime` (CPU shims without CUDA, FLA's settings with it), unless the
+test asks for a bare process (``runtime=False``: pure-torch cases that need no Megatron-Core).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def _worker(
-    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, fn: Callable, args: tuple
+    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, runtime: bool, fn: Callable, args: tuple
 ) -> None:
     run = Path(run_dir)
     # The parent sends SIGUSR1 when the run is past its limit: every thread's stack lands here.
@@ -79,6 +83,8 @@ def _worker(
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says: every rank on this host
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
+
+    import contextlib
 
     import torch
     import torch.distributed as dist
@@ -93,7 +99,14 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        result = fn(*args)
+        if runtime:
+            from relax_gdn.runtime import Runtime
+
+            setup = Runtime()
+        else:
+            setup = contextlib.nullcontext()
+        with setup:
+            result = fn(*args)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         _write_atomically(run / f"rank{rank}.error", traceback.format_exc().encode())
         sys.stdout.flush()
@@ -155,10 +168,12 @@ def _join(run: Path, procs: list, timeout_s: float) -> str | None:
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None,
+    runtime: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1`` with the default process group initialised
-    (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r); return each rank's result.
+    (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r) and, unless ``runtime=False``, a
+    Runtime installed; return each rank's result.
 
     Raises AssertionError with the failing rank's traceback as soon as one rank fails, or with
     every rank's stack when the run takes longer than ``timeout_s``."""
@@ -167,7 +182,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="relax-gdn-ranks-") as run_dir:
         run = Path(run_dir)
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, fn, args))
+            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, runtime, fn, args))
             for rank in range(world_size)
         ]
         try:

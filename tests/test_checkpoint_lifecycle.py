@@ -53,9 +53,11 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     torch.set_num_threads(1)  # as the runs it is compared with
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train import checkpoint, loggers
     from relax_gdn.train.loop import run_training
 
+    Runtime().install()  # set up like an entry point's process; the kill ends it
     if kill_point == "after_step":
         log = loggers.RunLoggers.log
 

@@ -41,7 +41,6 @@ ALLOWED: dict[str, set[str]] = {
     "relax_gdn/model/attention.py::CPDotProductAttention.forward": {"positional"},
     "relax_gdn/model/fusion.py::_WeightedLinearCrossEntropySum.forward": {"positional"},
     "relax_gdn/model/hf_checkpoint/plan.py::conversion_plan": {"lines"},
-    "relax_gdn/model/qwen3_5.py::build_qwen3_5_model": {"lines"},
 }
 
 

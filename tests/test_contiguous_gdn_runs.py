@@ -88,11 +88,9 @@ def _run(model, batch, ids, cp_group=None):
 def _cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank = dist.get_rank()
     singles = [dist.new_group([r]) for r in range(4)]
@@ -152,7 +150,7 @@ def _cases():
 
 
 def _configuration_errors(single, pair) -> dict:
-    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
     from tests.gdn_harness import build_gdn, tiny_config
 
@@ -166,7 +164,8 @@ def _configuration_errors(single, pair) -> dict:
         "unknown": value_error_message(lambda: build_gdn(config, single, single, hidden_layout="global")),
         "sp_layer_kinds": [
             spec.module.__name__
-            for spec in qwen3_5_block_spec(sp, spec_provider="local", tp_group=pair).layer_specs
+            for spec in qwen3_5_block_spec(sp, Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local"),
+                                           tp_group=pair).layer_specs
         ],
     }
 

@@ -142,9 +142,6 @@ def _layer_run(layer, x, weight, psp, grad_group=None):
 def _cp_cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-
-    apply_cpu_shims()  # for the SelfAttention parameters
     torch.set_num_threads(1)
     rank = dist.get_rank()
     world = dist.group.WORLD

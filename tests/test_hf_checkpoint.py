@@ -264,7 +264,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def _build_model(checkpoint_dir, tp_group, single_group):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from relax_gdn.model.qwen3_5 import build_qwen3_5_model, qwen3_5_config
+    from relax_gdn.model.qwen3_5 import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
 
     overrides, model_kwargs = hfc.qwen3_5_config_from_hf(checkpoint_dir)
     config = qwen3_5_config(
@@ -272,14 +272,9 @@ def _build_model(checkpoint_dir, tp_group, single_group):
     )
     model_kwargs["vocab_size"] = MODEL_VOCAB
     groups = ProcessGroupCollection(tp=tp_group, cp=single_group, pp=single_group, embd=single_group)
-    return build_qwen3_5_model(
-        config,
-        pg_collection=groups,
-        gdn=GDNOptions(kernel_backend="torch", training=False),
-        spec_provider="local",
-        attention_backend="sdpa",
-        **model_kwargs,
-    ).eval()
+    options = Qwen3_5Options(gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider="local",
+                             attention_backend="sdpa", **model_kwargs)
+    return build_qwen3_5_model(config, options, groups).eval()
 
 
 def _logits(model, ids, tp_group) -> torch.Tensor:
@@ -492,10 +487,8 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
 def _spawned_checks(workdir: str) -> dict:
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests.gdn_harness import self_group
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     work, rank = Path(workdir), dist.get_rank()
     single, pair = self_group(), dist.new_group([0, 1])  # every group made by every rank, up front

@@ -52,16 +52,17 @@ def _batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, **options):
+def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model
+    from relax_gdn.model.fusion import Fusion
 
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
         "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
-        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers,
+        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
     )
 
 
@@ -145,11 +146,9 @@ def _errors(ref_loss, ref_grads, loss, grads, ids, shard=lambda n, g: g) -> dict
 def _model_cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank = dist.get_rank()
     # every rank creates every group, in the same order
@@ -209,6 +208,8 @@ def _model_cases():
         loss, grads = _run(model, tokens, labels, positions, CU, ids)
         grads = _finalize_grads(model, grads, config, tp_group, cp_group)
         results[("tp2cp2", mode, f"sp={sp}")] = _errors(ref_loss, ref_grads, loss, grads, ids, shard)
+    results["tp2_renamed_qk_norms"] = _renamed_qk_norms_case(
+        state, (ref_loss, ref_grads), (tokens, labels, positions), tp_group, cp_group, single, ids)
 
     if rank == 0:  # packing leaks nothing: each document alone gives the same per-token loss
         from tests.gdn_harness import packed_params
@@ -232,6 +233,51 @@ def _model_cases():
         results["spec_provider"] = _spec_provider_choice()
         results["rope"] = _rope_against_megatron(config=base)
     return results
+
+
+def _rename_qk_norms(model) -> dict[str, str]:
+    """Register every attention layer's QK-norms as ``query_norm`` / ``key_norm``: the layer still
+    runs them (an instance attribute keeps the old name reachable), while no parameter name says
+    ``q_layernorm`` / ``k_layernorm`` any more. Returns {new parameter name: old one}."""
+    before = {id(p): n for n, p in model.named_parameters()}
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        for old, new in (("q_layernorm", "query_norm"), ("k_layernorm", "key_norm")):
+            module = attention._modules.pop(old, None)
+            if module is not None:
+                attention._modules[new] = module
+                object.__setattr__(attention, old, module)
+    return {n: before[id(p)] for n, p in model.named_parameters() if n != before[id(p)]}
+
+
+def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, ids) -> dict:
+    """TP = 2 x CP = 2 with the QK-norms under other names, gradients synced by the CPU path's
+    optimizer (``CPUGradSyncOptimizer``): the QK-norms' TP-partial gradients are summed because
+    their parameters say so, whatever their modules are called."""
+    from relax_gdn.config import RunConfig
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.train.optimizer import CPUGradSyncOptimizer
+    from tests.gdn_harness import packed_params
+
+    (ref_loss, ref_grads), (tokens, labels, positions) = reference, batch
+    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
+    model = _build(config, tp_group, cp_group, single, "chunkwise")
+    params = dict(model.named_parameters())
+
+    def shard(name, full):
+        return _tp_shard(name, full, params[name], config, 2, tp_group.rank())
+
+    model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
+    renamed = _rename_qk_norms(model)
+    optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group,
+                                     sequence_parallel=False)
+    optimizer.zero_grad()
+    loss = model(tokens[:, ids], positions[:, ids], None, labels=labels[:, ids], packed_seq_params=packed_params(CU, "cpu"))
+    loss.sum().backward()
+    optimizer._finish_grad_sync()  # DP x CP sum, then the TP-partial ones over TP
+    grads = {renamed.get(n, n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"errors": _errors(ref_loss, ref_grads, loss.detach(), grads, ids, shard), "renamed": sorted(renamed),
+            "names": [n for n, _ in model.named_parameters()]}
 
 
 def _nine_b_counts(single) -> dict[str, int]:
@@ -267,15 +313,13 @@ def _configuration_errors(single) -> dict[str, str | None]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_model, qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
 
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
 
-    def build(cfg=config, groups=pgs, **kwargs):
-        return build_qwen3_5_model(
-            cfg, vocab_size=256, max_sequence_length=64, pg_collection=groups, **kwargs
-        )
+    def build(cfg=config, groups=pgs, **fields):
+        return build_qwen3_5_model(cfg, Qwen3_5Options(vocab_size=256, max_sequence_length=64, **fields), groups)
 
     tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
     return {
@@ -388,6 +432,19 @@ def test_tp2_cp2_with_and_without_sp_matches_single_rank(model_results):
         for case in cases:
             bad = {k: v for k, v in results[case].items() if not v < _tolerance(k)}
             assert not bad, (rank, case, bad)
+
+
+@pytest.mark.slow
+def test_tp_partial_gradients_follow_the_parameter_not_its_name(model_results):
+    """The QK-norms renamed: the CPU optimizer still sums their TP-partial gradients (an attribute
+    set where the norm makes its weight), and every gradient matches the single-rank model."""
+    for rank, results in enumerate(model_results):
+        case = results["tp2_renamed_qk_norms"]
+        assert len(case["renamed"]) == 2, case["renamed"]  # q and k norm of the tiny model's attention layer
+        assert not [n for n in case["names"] if "q_layernorm" in n or "k_layernorm" in n]
+        assert len(case["errors"]) > 40  # loss + every parameter
+        bad = {k: v for k, v in case["errors"].items() if not v < _tolerance(k)}
+        assert not bad, (rank, bad)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_selective_recompute_matches_no_recompute():
+def test_selective_recompute_matches_no_recompute(runtime):
     none = _train(**{"recompute.granularity": "none"})
     for overrides in ({"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
                       {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
@@ -59,16 +59,14 @@ def _built_tiny(**config_fields):
     return build_qwen3_5_preset_model("qwen3_5_tiny", config, recompute_skips_unread_gemm=skip)
 
 
-def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
+def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
     """``recompute.skip_unused``: the last layer kept, linear_fc2's GEMM skipped when a layer is
     recomputed; loss and every gradient equal plain full recompute and no recompute (fp32)."""
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -113,7 +111,7 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
             torch.distributed.destroy_process_group()
 
 
-def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute():
+def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
     """Tiny model (3 GDN layers, then attention), layers 0-1 recomputed whole, 2-3 selective: loss
     and every gradient equal no recompute (fp32), the selective pieces run in layers 2-3 (forward +
     recompute) and never inside the whole-layer recompute of 0-1 (there: the layer's forward under
@@ -122,13 +120,11 @@ def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute():
 
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.model.recompute import apply_mixed_recompute
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -290,14 +286,12 @@ def test_unknown_recompute_module_is_a_config_error():
         validate(RunConfig().with_overrides({"recompute.modules": ["core_attn", "everything"]}), 1)
 
 
-def test_parameter_count_matches_the_built_model():
+def test_parameter_count_matches_the_built_model(runtime):
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -336,7 +330,7 @@ def test_run_settings_reach_the_modules_through_the_specs():
     """recompute.* and model.fused_* travel builder -> spec -> module (no process-wide setting):
     the GDN options carry gdn_core, the MLP spec mlp_act, every relax_gdn norm spec the Fusion."""
     from relax_gdn.config import RunConfig
-    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
 
@@ -345,8 +339,9 @@ def test_run_settings_reach_the_modules_through_the_specs():
     assert RunConfig().with_overrides({"recompute.granularity": "full"}).gdn_options.recompute_core is False
 
     own = Fusion(norms=False, cross_entropy=True)
-    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), spec_provider="local", gdn=selective.gdn_options,
-                              tp_group=object(), fusion=own, recompute_mlp_activation=True)
+    options = Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local", gdn=selective.gdn_options,
+                                        fusion=own, recompute_mlp_activation=True)
+    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), options, tp_group=object())
     assert spec.layer_norm.params["fusion"] is own
     for layer in spec.layer_specs:
         sub = layer.submodules

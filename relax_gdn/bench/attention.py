@@ -391,16 +391,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _one_backend(args, all_cases: list[dict]) -> None:
-    if args.device == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """A backend's own process: every process-wide change of the measurement in its Runtime (the
+    parent, which only starts these processes, never touches CUDA)."""
+    from relax_gdn.runtime import Runtime
+
     path = Path(args.entry_out)
 
     def save(entry: dict) -> None:
         path.write_text(json.dumps(entry, indent=1, default=str))
 
-    run_backend(args.one_backend, all_cases, args, device, save)
+    with Runtime():
+        if args.device == "cpu":
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
+        run_backend(args.one_backend, all_cases, args, device, save)
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -176,4 +176,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

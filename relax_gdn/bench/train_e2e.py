@@ -48,9 +48,9 @@ Optimizer: Megatron-Core's distributed Adam when the memory model
 
 Warm-up: the variants share Triton's autotuning and compile caches, keyed partly by shape, and a
 global batch of new lengths can trigger more tuning or compiling after ``--skip`` (FLA's gated
-norm compiles once per row-block count, ≈ 0.2 s each on the full 9B): measured without a warm-up,
-the first variant of a run was 3 % slower (median tok/s) than the same variant run again last,
-and a fused variant after ``fused=off`` compiled inside its timed steps. So every variant first
+norm compiles once per row-block count): without a warm-up the first variant of a run was slower
+than the same variant run again last, and a fused variant after ``fused=off`` compiled inside its
+timed steps (docs/benchmarks.md, "Figures behind code comments"). So every variant first
 runs once, untimed, over the same batches, the profiled step's included (repeats that differ only
 in ``train.seed`` share one pass); ``--no-warm-up-every-variant`` warms up the first variant only,
 ``--no-warm-up-pass`` none.
@@ -643,6 +643,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         require_gpus("relax_gdn.bench.train_e2e")
 
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        return _run(args, variants)
+
+
+def _run(args, variants: list[str]) -> dict:
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import init_distributed, select_device
 

@@ -46,7 +46,6 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from torch.profiler import ProfilerActivity, profile
 
-from relax_gdn.compat.cpu import apply_cpu_shims
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
 from relax_gdn.data import (
@@ -58,12 +57,12 @@ from relax_gdn.data import (
     synthetic_math_dataset,
 )
 from relax_gdn.errors import ConfigError, DataError, MemoryFitError
-from relax_gdn.known_warnings import quiet_cpu_profiler
-from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
+from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
 from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
+from relax_gdn.runtime import require_runtime
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
@@ -205,9 +204,7 @@ class ProfileWindow:
         self._profiler = None
 
     def before_step(self, step: int) -> None:
-        if step == self.first and self.trace_dir is not None:
-            if self.device.type != "cuda":
-                quiet_cpu_profiler()
+        if step == self.first and self.trace_dir is not None:  # (CPU: the Runtime quieted kineto)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
@@ -327,7 +324,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one. ``data``: a prepared
+    Uses the initialized default process group, else makes a one-process one. It needs an installed
+    :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names.
     """
@@ -339,8 +337,9 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     else:
         run_data = RunData(*data, eval_set=None)
         check_samples_fit(run_data.dataset.samples, cfg)
-    if device.type == "cpu":
-        apply_cpu_shims()
+    # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
+    cpu = device.type == "cpu"
+    require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
                       data=run_data)
@@ -356,7 +355,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
     if cfg.model.fused_grad_accumulation and device.type == "cuda":
         from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
 
-        fuse_wgrad = enable_wgrad_accumulation_fusion()
+        fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
+        require_runtime("the fused wgrad GEMM").adopt(undo)  # Megatron-Core patched: the Runtime undoes it
 
     tconfig = qwen3_5_config(
         cfg.model.preset,
@@ -374,16 +374,16 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
                                   num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
                                   full_layers=cfg.recompute.full_layers),
     )
-    model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
+    options = Qwen3_5Options.for_preset(
+        cfg.model.preset, vocab_size=vocab_size, gdn=cfg.gdn_options,
         attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
-        # given at build time (no process-wide switch), so every module keeps this run's setting
         fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
                       embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
+    model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
         apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
@@ -509,8 +509,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.run_dir = _broadcast_run_dir(self.run_dir)
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        if cfg.train.deterministic:  # process-wide: the Runtime puts torch's setting back when it closes
+            require_runtime("train.deterministic").use_deterministic_algorithms(warn_only=True)
         seed_everything(cfg.train.seed)
         dynamic = cfg.parallel.dynamic_cp
         self.parallel = ParallelContext.initialize(tp=self.dims.tp, cp=self.dims.cp,

@@ -10,9 +10,10 @@ every ``MegatronOptimizer`` allocates ``torch.tensor(..., device='cuda')`` in ``
 ``clip_grads`` — patching those would be patching the optimizer itself. The nearest working
 equivalent is used instead, with the same semantics: gradients SUMMED over the data-parallel x
 context-parallel group (``calculate_per_token_loss``: the loss is already divided by the global
-loss-token count), TP-partial gradients (sequence-parallel norms, QK-norms) summed over TP as
-Megatron-Core's ``finalize_model_grads`` does, the grad norm over non-duplicated parameters
-reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
+loss-token count), TP-partial gradients summed over TP as Megatron-Core's ``finalize_model_grads``
+does (sequence-parallel norms by their ``sequence_parallel`` attribute; the QK-norms, which
+Megatron-Core picks by name, by the ``SUM_GRAD_OVER_TP`` attribute their norm sets), the grad
+norm over non-duplicated parameters reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
 ``torch.optim.AdamW`` (what Megatron-Core itself falls back to without TE/Apex) with Megatron's
 no-weight-decay rule for biases and 1-D parameters. Both paths use Megatron-Core's
 ``OptimizerParamScheduler`` for warm-up + cosine.
@@ -62,7 +63,9 @@ class CPUGradSyncOptimizer:
         self.clip_grad = cfg.optim.clip_grad
         self.update = cfg.optim.name != "none"  # "none": gradients synced and measured, no update
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._norm_params = [p for _, p in self.named_params if param_is_not_tensor_parallel_duplicate(p)]
+        # duplicates over the TP group it was given, not Megatron-Core's global one
+        self._norm_params = [p for _, p in self.named_params
+                             if param_is_not_tensor_parallel_duplicate(p, tp_group=tp_group)]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
         no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
         o = cfg.optim
@@ -93,14 +96,20 @@ class CPUGradSyncOptimizer:
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         if dist.get_world_size(self.tp_group) > 1:
-            partial = [p.grad for n, p in self.named_params
-                       if (self.sequence_parallel and getattr(p, "sequence_parallel", False))
-                       or "q_layernorm" in n or "k_layernorm" in n]
+            partial = [p.grad for p in params if self._partial_over_tp(p)]
             if partial:
                 flat = _flatten_dense_tensors(partial)
                 dist.all_reduce(flat, group=self.tp_group)
                 for g, synced in zip(partial, _unflatten_dense_tensors(flat, partial)):
                     g.copy_(synced)
+
+    def _partial_over_tp(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is a partial sum over TP, told by attributes set where the
+        parameter is made (never by its name)."""
+        from relax_gdn.model.norms import SUM_GRAD_OVER_TP
+
+        return (self.sequence_parallel and getattr(param, "sequence_parallel", False)) or getattr(
+            param, SUM_GRAD_OVER_TP, False)
 
     def _grad_norm(self) -> float:
         local = torch.zeros((), dtype=torch.float64)
