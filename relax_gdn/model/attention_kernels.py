@@ -22,9 +22,9 @@ document up to its own global position. The backends (:data:`relax_gdn.choices.A
 imports, the GPU is SM 9.x-11.x, the tensors fp16/bf16 with head dim <= 256), else ``varlen`` where
 it can; ``sdpa`` otherwise.
 
-cuDNN's fused attention on ragged offsets is not offered: at head dim 256 on an H200 (torch
-2.11.0+cu130, cuDNN 9.19) its first fwd+bwd left the CUDA context with an illegal memory access
-(``python -m relax_gdn.bench.attention``, docs/long_context.md).
+cuDNN's fused attention on ragged offsets is not offered: at head dim 256 on an H200 its first
+fwd+bwd left the CUDA context with an illegal memory access (docs/benchmarks.md, "Attention
+kernels at the 9B's shapes").
 """
 
 from __future__ import annotations

@@ -199,8 +199,8 @@ def _compiled_call(fn, *args):
     """``fn(*args)`` through its compiled form (made on first use), or eager for good once compiling
     it failed (logged once). Running out of memory is no failed compile: it propagates and the
     compiled form stays. Else one micro-batch too large for the GPU would switch every later step of
-    the process to the eager path, whose fp32 temporaries hold ≈ 15 bytes x chunk x vocabulary more
-    at once (7.1 GiB at the 9B's vocabulary)."""
+    the process to the eager path, whose fp32 temporaries hold several more copies of the chunk's
+    logits at once (docs/benchmarks.md, "Figures behind code comments")."""
     compiled = _compiled.get(fn)
     if compiled is None:
         compiled = _compiled[fn] = torch.compile(fn, dynamic=True)

@@ -27,8 +27,9 @@ The per-token activation figures are fitted to peaks measured on an H200 with ``
 (the full 9B at 8k-128k tokens; docs/benchmarks.md gives each measured peak next to its estimate)
 and scaled with the hidden size for other presets; they round up, so the check errs towards
 refusing. The selective figures come from the memory in use when ``mixed`` runs with 3-20
-selective layers ran out of memory at 32k-128k tokens: a fit at 8k alone had hidden ≈ 11-12 KB
-per token and selective layer in the fixed terms.
+selective layers ran out of memory at 32k-128k tokens: a fit at 8k alone had hidden part of the
+per-token cost of a selective layer in the fixed terms (docs/benchmarks.md, "Figures behind code
+comments").
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, 
 # recompute.full_layers=null (mixed) picks the fewest whole-layer recomputes whose estimate fits this
 # fraction of the GPU: the estimate counts what torch allocates, and the process also holds the
 # allocator's reserved-but-unused blocks and memory outside torch (CUDA context, kernel modules,
-# NCCL): 4.1-7.2 GiB (up to 5.1 % of an H200, growing with the micro-batch) where mixed ran out of
-# memory at 32k-128k tokens; 8 % covers that with half of it to spare
+# NCCL), which grow with the micro-batch; the rest of the GPU is what they took where mixed ran out
+# of memory, and half of it again (docs/benchmarks.md, "Figures behind code comments")
 MIXED_HEADROOM = 0.92
 
 
