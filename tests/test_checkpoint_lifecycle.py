@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import child_env, run_distributed
-from tests.test_train import _cfg
+from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import child_env, run_distributed
-from tests.test_train import _cfg
+from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)
@@ -127,7 +127,7 @@ def test_resumed_steps_equal_the_uninterrupted_run(reshard, mode, pair):
 
 
 def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(reshard, tmp_path):
-    from tests.test_hf_checkpoint import _force_transformers_pure_torch
+    from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
     source = reshard[1][0]["export_source"]
     out = tmp_path / "hf"

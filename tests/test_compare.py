@@ -16,7 +16,7 @@ from relax_gdn.compare import compare_runs, find_runs, run_summary, warmup_steps
 from relax_gdn.compare.runs import Run, load_bench_json, records_from_wandb_history, run_from_wandb
 from relax_gdn.compare.stats import median_ci, steady_records
 from tests.distributed import run_distributed
-from tests.test_train import _cfg
+from tests.helpers import small_config as _cfg
 
 STEPS = 8
 

@@ -11,7 +11,7 @@ import pytest
 
 from relax_gdn.train.console import ConsoleProgress, print_run_summary, run_summary, steady_state
 from relax_gdn.train.loop import TrainResult
-from tests.test_train_entry import _train
+from tests.helpers import train_py as _train
 
 # What the third-party notices look like: warnings.warn lines (with the library's file path) and
 # the log lines relax_gdn.known_warnings names.

@@ -17,7 +17,11 @@ import torch
 
 from relax_gdn.model.gdn_runs import residual_layouts
 from tests.distributed import run_distributed, value_error_message
-from tests.test_qwen3_5_model import FULL_RECOMPUTE, _build, _errors, _finalize_grads, _tolerance
+from tests.model_harness import FULL_RECOMPUTE
+from tests.model_harness import build as _build
+from tests.model_harness import errors as _errors
+from tests.model_harness import finalize_grads as _finalize_grads
+from tests.model_harness import tolerance as _tolerance
 
 Z, C = "zigzag", "contiguous"
 QWEN = [True, True, True, False]  # one Qwen3.5 block: GDN, GDN, GDN, attention

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_train import EQ_TOL, MODES, _cfg, _step
+from tests.helpers import EQ_TOL
+from tests.helpers import GDN_MODES as MODES
+from tests.helpers import small_config as _cfg
+from tests.helpers import step_fields as _step
 
 pytestmark = pytest.mark.slow  # one 4-process group runs every case
 
@@ -29,13 +32,13 @@ def _four_process_cases() -> dict:
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.config.hydra_io import register_schema
     from relax_gdn.train.loop import run_training
-    from tests.test_train import Path
+    from tests.helpers import ROOT
 
     torch.set_num_threads(1)
     out = {}
     for mode in MODES:
         out[mode] = (run_training(_mixed(mode, False), None).records, run_training(_mixed(mode, True), None).records)
-    conf_dir = str(Path(__file__).resolve().parents[1] / "conf")
+    conf_dir = str(ROOT / "conf")
     register_schema()  # conf/config.yaml composes on top of the dataclass schema
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         raw = compose("config", overrides=[

@@ -14,8 +14,9 @@ from relax_gdn.config import ConfigError, validate
 from relax_gdn.data import ByteChatTokenizer, synthetic_math_dataset
 from relax_gdn.train.evaluate import EVAL_LOSS, holdout_indices, split_eval_set
 from tests.distributed import run_distributed
-from tests.test_config import _cfg
-from tests.test_messages_data import EXAMPLE, messages_cfg
+from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
+from tests.helpers import config_with as _cfg
+from tests.helpers import messages_config as messages_cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following imports from:DeprecationWarning")
 

@@ -12,18 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from relax_gdn.model import fusion
+from tests.helpers import as_ddp_parameter as _as_ddp_parameter
+from tests.helpers import plain_rms_norm as _plain_rms_norm
+from tests.helpers import relative_error as _rel
+from tests.helpers import train_records_in_this_process as _train
 
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _plain_rms_norm(x, w, eps, zero_centered):
-    x32 = x.float()
-    scale = w.float() + 1.0 if zero_centered else w.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
 @pytest.mark.parametrize("zero_centered", [True, False])
@@ -125,17 +119,6 @@ def test_a_module_built_with_a_setting_keeps_it():
         assert fusion.fusion_in_effect(follows.fusion).norms is False
 
 
-def _train(**overrides):
-    from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
-
-    cfg = RunConfig().with_overrides({
-        "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
-        "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
-    })
-    return run_training(cfg, None).records
-
-
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_tiny_model_trains_the_same_with_fusion_on_and_off():
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
@@ -150,14 +133,6 @@ def test_tiny_model_trains_the_same_with_fusion_on_and_off():
 # ---------------------------------------------------------------------------------------------
 # the embedding's gradient straight into Megatron-Core's main grad
 # ---------------------------------------------------------------------------------------------
-
-
-def _as_ddp_parameter(weight: torch.Tensor, start: float) -> torch.Tensor:
-    """Give ``weight`` what Megatron-Core's DDP gives a parameter: an fp32 ``main_grad`` (here
-    pre-filled, as after earlier micro-batches) and ``grad_added_to_main_grad``."""
-    weight.main_grad = torch.full(weight.shape, start, dtype=torch.float32)
-    weight.grad_added_to_main_grad = False
-    return weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -187,7 +162,9 @@ def _tiny_model_embedding_grad():
     from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from tests.gdn_harness import packed_params
-    from tests.test_qwen3_5_model import CU, _batch, _build
+    from tests.model_harness import CU
+    from tests.model_harness import batch as _batch
+    from tests.model_harness import build as _build
 
     apply_cpu_shims()
     torch.set_num_threads(1)

@@ -27,6 +27,7 @@ import torch
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.distributed import run_distributed
+from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
 # A tiny Qwen3.5 keeping every structural feature: GQA (2 query heads per KV group), the output
 # gate, partial RoPE (4 of 16 dims), the 3:1 GDN/attention pattern, GVA (2 value heads per key
@@ -241,22 +242,6 @@ def test_config_overrides_from_hf(tmp_path):
 # ~20 s per process on 2 cores). Rank 0 makes the checkpoint with transformers; then rank 0 runs
 # the TP = 1 parity/export checks while rank 1 runs the VLM and error checks; then both run TP = 2.
 # ---------------------------------------------------------------------------------------------
-
-
-def _force_transformers_pure_torch():
-    """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
-    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
-
-    for name in (
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    ):
-        torch_fn = getattr(modeling, name).__wrapped__
-        assert torch_fn.__module__ == modeling.__name__, (name, torch_fn.__module__)
-        setattr(modeling, name, torch_fn)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:

@@ -17,30 +17,16 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.config import ConfigError, RunConfig
-from tests.test_config import _cfg as config_with
 from tests.distributed import run_distributed
-
-MODES = ("headwise", "chunkwise", "all_gather")
-EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
-
-
-def _cfg(**dotted) -> RunConfig:
-    """A small demo config (short synthetic problems, small batches) with ``a__b=value`` overrides."""
-    base = dict(
-        train__steps=4, train__global_batch_size=8, train__max_tokens_per_gpu=1024,
-        data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
-        optim__warmup_steps=1, logging__console=False,
-    )
-    return config_with(**{**base, **dotted})
+from tests.helpers import EQ_TOL
+from tests.helpers import GDN_MODES as MODES
+from tests.helpers import small_config as _cfg
+from tests.helpers import step_fields as _step
 
 
 def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -> RunConfig:
     return _cfg(train__steps=1, parallel__cp=cp, gdn__cp_mode=mode, gdn__route=route,
                 recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False)
-
-
-def _step(record: dict) -> dict:
-    return {k: record[k] for k in ("loss", "grad_norm", "tokens", "loss_tokens")}
 
 
 # ---------------------------------------------------------------------------------------------
