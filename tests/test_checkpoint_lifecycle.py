@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import child_env, run_distributed
+from tests.helpers import output_lines
 from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -401,7 +402,7 @@ def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     lines = []
-    for line in process.stdout:  # the console prints one line per step
+    for line in output_lines(process, timeout_s=300):  # the console prints one line per step
         lines.append(line)
         if "step 2/40" in line:
             process.send_signal(signal.SIGUSR1)
@@ -424,7 +425,7 @@ def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path):
     torchrun = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     lines = []
-    for line in torchrun.stdout:
+    for line in output_lines(torchrun, timeout_s=300):
         lines.append(line)
         if "step 2/40" in line:  # as SLURM does: the signal goes to the workers, not to torchrun
             for worker in psutil.Process(torchrun.pid).children():
