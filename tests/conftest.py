@@ -13,7 +13,7 @@ import types
 import pytest
 
 # A fixture that starts processes: a test that uses it (directly or through other fixtures) is slow.
-PROCESS_FIXTURES = frozenset({"gloo"})
+PROCESS_FIXTURES = frozenset({"gloo", "gloo_once", "short_train_py"})
 # What starts a process when a test, one of its fixtures, or a tests/ function they call uses it:
 # names as written in the code (also in function-local imports) and the modules behind them.
 PROCESS_NAMES = frozenset({"subprocess", "Popen", "multiprocessing", "run_distributed", "RankPool", "RankPools"})
@@ -30,6 +30,61 @@ def gloo():
     pools = RankPools()
     yield pools.run
     pools.close()
+
+
+@pytest.fixture(scope="module")
+def gloo_once(gloo):
+    """``gloo_once(fn, world_size, *args)``: like ``gloo``, but each distinct call runs once per test
+    module; a later call gets the first one's results, or its failure again (a case that several
+    tests read fails each of them, and only them). ``args`` must be hashable."""
+    outcomes: dict = {}
+
+    def run(fn, world_size: int, *args):
+        key = (fn, world_size, args)
+        if key not in outcomes:
+            try:
+                outcomes[key] = (True, gloo(fn, world_size, *args))
+            except AssertionError as failure:
+                outcomes[key] = (False, str(failure))
+        succeeded, value = outcomes[key]
+        if not succeeded:
+            raise AssertionError(f"{fn.__name__}{args!r} on {world_size} ranks failed:\n{value}")
+        return value
+
+    return run
+
+
+# Short ``python train.py`` runs as a user starts them, each read by several tests (a child's imports
+# cost more than its training): name -> overrides.
+SHORT_TRAIN_PY_RUNS = {
+    "3 steps": ("train.steps=3", "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
+                "run_name=entry-test"),
+    "1 step, third-party notices": ("train.steps=1", "train.global_batch_size=4", "data.num_samples=64",
+                                    "data.synthetic_max_steps=1", "logging.show_third_party_warnings=true"),
+}
+
+
+@pytest.fixture(scope="session")
+def short_train_py(tmp_path_factory):
+    """``short_train_py(name)``: the run ``SHORT_TRAIN_PY_RUNS[name]`` (started when first asked for,
+    once per session) as ``(CompletedProcess, its run directory, the package's .jsonl/.yaml files
+    before it, after it)``."""
+    from tests.helpers import ROOT, train_py
+
+    def package_files() -> list[str]:
+        return sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
+
+    runs: dict = {}
+
+    def run(name: str):
+        if name not in runs:
+            tmp = tmp_path_factory.mktemp("train_py")
+            before = package_files()
+            done = train_py(tmp, *SHORT_TRAIN_PY_RUNS[name])
+            runs[name] = (done, tmp / "run", before, package_files())
+        return runs[name]
+
+    return run
 
 
 def _code_objects(code: types.CodeType):

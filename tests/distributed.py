@@ -21,6 +21,7 @@ A run fails, never hangs:
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import pickle
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -230,6 +231,39 @@ def run_distributed(
 # ---------------------------------------------------------------------------------------------
 
 
+class JobResults(Mapping):
+    """One rank's view of several pool jobs, read like the dict one big job would return:
+    ``self[key]`` runs the job that makes ``key`` (once: ``run`` is the ``gloo_once`` fixture) and
+    gives this rank's value of it, so a test fails only with the jobs it reads. ``jobs``: key ->
+    ``(fn, world_size, *args)``; ``fn`` returns a dict holding its keys."""
+
+    def __init__(self, run: Callable, jobs: dict[str, tuple], rank: int = 0):
+        self._run, self._jobs, self._rank = run, jobs, rank
+
+    def __getitem__(self, key: str) -> Any:
+        fn, world_size, *args = self._jobs[key]
+        return self._run(fn, world_size, *args)[self._rank][key]
+
+    def __iter__(self):
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+
+_computed: dict[Any, Any] = {}
+
+
+def computed_once(key: Any, make: Callable[[], Any]) -> Any:
+    """In a pool's rank: ``make()`` for the first job that asks for ``key``, the same object for
+    every later job of this rank (a reference several test cases compare with). Every rank of a pool
+    runs the same jobs, so all of them make it in the same job (``make`` may use collectives). It
+    must not keep a process group: those a job makes are destroyed after it."""
+    if key not in _computed:
+        _computed[key] = make()
+    return _computed[key]
+
+
 def _left_behind(groups_before: set) -> str | None:
     """What a job must not leave to the next one; the groups it made are destroyed here."""
     import torch.distributed as dist
@@ -247,11 +281,15 @@ def _left_behind(groups_before: set) -> str | None:
     return None
 
 
-def _run_job(message: bytes) -> tuple[str, Any]:
-    """``("ok", result)`` or ``("error", traceback)`` of one job; environment and directory as before."""
+def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
+    """``("ok", result)`` or ``("error", traceback)`` of one job, which starts from the random state
+    its rank started with (whatever ran before); environment and directory are restored after it."""
+    import torch
     from torch.distributed import distributed_c10d
 
     groups_before, environ, cwd = set(distributed_c10d._world.pg_map), dict(os.environ), os.getcwd()
+    torch.manual_seed(initial_seed)
+    torch.set_num_threads(1)  # W ranks share a few cores; the tests' tensors are small
     try:
         fn, args = pickle.loads(message)
         result = fn(*args)
@@ -279,7 +317,7 @@ def _pool_worker(rank: int, world_size: int, run_dir: str, backend: str, timeout
         os._exit(1)
     import torch
 
-    torch.set_num_threads(1)  # W ranks share a few cores; the tests' tensors are small
+    initial_seed = torch.initial_seed()
     while True:
         try:
             message = conn.recv_bytes()
@@ -289,7 +327,7 @@ def _pool_worker(rank: int, world_size: int, run_dir: str, backend: str, timeout
             break
         faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)  # in case a job replaced it
         _dump_stacks_and_exit_after_env_limit()
-        status, value = _run_job(message)
+        status, value = _run_job(message, initial_seed)
         faulthandler.cancel_dump_traceback_later()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -320,14 +358,19 @@ class RankPool:
         self._conns: list = []
         self._run_dir: tempfile.TemporaryDirectory | None = None
         self._log_offsets: list[int] = []
+        self._closes_at_exit = False
 
     def _start(self) -> None:
+        if not self._closes_at_exit:  # before multiprocessing's own exit handler joins the ranks
+            atexit.register(self.close)
+            self._closes_at_exit = True
         ctx = mp.get_context("spawn")
         self._run_dir = tempfile.TemporaryDirectory(prefix="relax-gdn-pool-")
         self._log_offsets = [0] * self.world_size
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_pool_worker, daemon=True,
+            # not daemonic: a rank starts children of its own (Megatron-Core's checkpoint writer)
+            proc = ctx.Process(target=_pool_worker,
                                args=(rank, self.world_size, self._run_dir.name, self.backend, DEFAULT_TIMEOUT_S, child))
             proc.start()
             child.close()  # the parent's copy: a rank that dies then reads as end of file

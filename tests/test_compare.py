@@ -15,7 +15,6 @@ import pytest
 from relax_gdn.compare import compare_runs, find_runs, run_summary, warmup_steps
 from relax_gdn.compare.runs import Run, load_bench_json, records_from_wandb_history, run_from_wandb
 from relax_gdn.compare.stats import median_ci, steady_records
-from tests.distributed import run_distributed
 from tests.helpers import small_config as _cfg
 
 STEPS = 8
@@ -48,9 +47,9 @@ def _runs(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(gloo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
-    out = run_distributed(_runs, 1, str(tmp))[0]
+    out = gloo(_runs, 1, str(tmp))[0]
     return tmp, out
 
 

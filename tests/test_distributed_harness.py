@@ -85,6 +85,10 @@ def _groups_and_environment() -> tuple[int, str | None]:
     return len(distributed_c10d._world.pg_map), os.environ.get("RELAX_GDN_POOL_TEST")
 
 
+def _draws_random_numbers() -> list[float]:
+    return torch.rand(3).tolist()
+
+
 def _rank_one_exits() -> None:
     import os
 
@@ -106,6 +110,8 @@ def test_pool_keeps_its_ranks_between_jobs_and_cleans_up_after_each(gloo):
     assert gloo(_makes_a_group_and_sets_the_environment, 2) == [groups_before + 1] * 2
     assert gloo(_groups_and_environment, 2) == [(groups_before, None)] * 2  # the job's group and variable gone
     assert gloo(_pid_and_rank_sum, 2) == first  # the same processes
+    # every job starts from the random state its rank started with, whatever ran before
+    assert gloo(_draws_random_numbers, 2) == gloo(_draws_random_numbers, 2)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import random
 import pytest
 
 from relax_gdn.parallel.dynamic_cp import DynamicCPGroups, cp_sizes, plan_dynamic_cp, plan_dynamic_cp_over_dp
-from tests.distributed import run_distributed
 
 
 def _padded(n: int, d: int) -> int:
@@ -76,8 +75,8 @@ def _group_cases():
 
 
 @pytest.mark.slow
-def test_groups_of_every_size_on_gloo():
-    per_rank = run_distributed(_group_cases, 4)
+def test_groups_of_every_size_on_gloo(gloo):
+    per_rank = gloo(_group_cases, 4)
     for rank, got in enumerate(per_rank):
         assert got[1] == ([rank], 0)
         assert got[2] == ([rank - rank % 2, rank - rank % 2 + 1], rank % 2)

@@ -13,7 +13,6 @@ import pytest
 from relax_gdn.config import ConfigError, validate
 from relax_gdn.data import ByteChatTokenizer, synthetic_math_dataset
 from relax_gdn.train.evaluate import EVAL_LOSS, holdout_indices, split_eval_set
-from tests.distributed import run_distributed
 from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
 from tests.helpers import config_with as _cfg
 from tests.helpers import messages_config as messages_cfg
@@ -124,8 +123,8 @@ def _single_process_eval(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return run_distributed(_single_process_eval, 1, str(tmp_path_factory.mktemp("eval")))[0]
+def single(gloo, tmp_path_factory):
+    return gloo(_single_process_eval, 1, str(tmp_path_factory.mktemp("eval")))[0]
 
 
 @pytest.mark.slow

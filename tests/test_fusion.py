@@ -201,12 +201,10 @@ def _tiny_model_embedding_grad():
 
 
 @pytest.mark.slow  # one spawned process builds the tiny model
-def test_tiny_model_embedding_gradient_lands_in_main_grad():
+def test_tiny_model_embedding_gradient_lands_in_main_grad(gloo):
     """Inside the real model (TP 1): the embedding's gradient is added to its main grad and equals
     the plain path's; every other gradient and the loss are bit-identical."""
-    from tests.distributed import run_distributed
-
-    (result,) = run_distributed(_tiny_model_embedding_grad, 1)
+    (result,) = gloo(_tiny_model_embedding_grad, 1)
     assert result["embedding_class"] == "_VocabEmbeddingIntoMainGrad"
     assert result["repeated_ids"] > 0  # the batch repeats ids: their rows must sum
     assert result["loss_equal"] and result["others_equal"] and result["handed_over"] and result["output_untouched"]

@@ -26,7 +26,6 @@ import torch
 
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
-from tests.distributed import run_distributed
 from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
 # A tiny Qwen3.5 keeping every structural feature: GQA (2 query heads per KV group), the output
@@ -490,9 +489,9 @@ def _spawned_checks(workdir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawned(gloo, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hf_checkpoint")
-    return run_distributed(_spawned_checks, 2, str(workdir))
+    return gloo(_spawned_checks, 2, str(workdir))
 
 
 @pytest.mark.slow

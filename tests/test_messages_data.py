@@ -13,7 +13,6 @@ import pytest
 
 from relax_gdn.data import ByteChatTokenizer, load_sft_dataset, load_tokenizer
 from relax_gdn.errors import DataError, RecipeError
-from tests.distributed import run_distributed
 from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
 from tests.helpers import messages_config as messages_cfg
 
@@ -218,8 +217,8 @@ def _two_process_messages_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return run_distributed(_two_process_messages_cases, 2)
+def pair(gloo):
+    return gloo(_two_process_messages_cases, 2)
 
 
 @pytest.mark.slow
