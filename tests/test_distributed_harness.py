@@ -46,7 +46,6 @@ def test_a_failing_rank_fails_the_run_with_its_traceback_first():
     assert "limit" not in message
 
 
-@pytest.mark.slow
 def test_a_run_past_its_limit_fails_with_the_stacks_of_the_ranks_left():
     with pytest.raises(AssertionError) as failure:
         run_distributed(_rank_one_blocks_forever, 2, timeout_s=30)
@@ -143,9 +142,9 @@ def test_pool_fails_a_job_whose_rank_dies(pool):
 def test_pool_fails_a_job_past_its_limit_with_the_stacks_of_the_ranks_left(pool):
     pool.run(_rank_sums)  # started: the limit below is the job's alone
     with pytest.raises(AssertionError) as failure:
-        pool.run(_rank_one_blocks_forever, timeout_s=20)
+        pool.run(_rank_one_blocks_forever, timeout_s=5)
     message = str(failure.value)
-    assert "passed its 20 s limit" in message and "--- rank 1 stacks ---" in message
+    assert "passed its 5 s limit" in message and "--- rank 1 stacks ---" in message
     assert "_rank_one_blocks_forever" in message
 
 
