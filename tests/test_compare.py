@@ -58,7 +58,6 @@ def _by_label(summary: dict, fragment: str) -> dict:
     return match
 
 
-@pytest.mark.slow
 def test_identical_seeds_are_within_noise_and_a_different_lr_differs(trained):
     tmp, _ = trained
     runs = find_runs([tmp / "runs"])
@@ -77,7 +76,6 @@ def test_identical_seeds_are_within_noise_and_a_different_lr_differs(trained):
     assert route["grad_norm"]["verdict"] == "within noise", route["grad_norm"]
 
 
-@pytest.mark.slow
 def test_reports_hold_the_runs_numbers(trained):
     tmp, _ = trained
     out = tmp / "report"
@@ -103,7 +101,6 @@ def test_reports_hold_the_runs_numbers(trained):
     assert html.count("data:image/png;base64,") == 4 and "optim.lr=0.01" in html
 
 
-@pytest.mark.slow
 def test_unknown_baseline_is_one_message_and_exit_2(trained, capsys):
     tmp, _ = trained
     from relax_gdn.compare.__main__ import main
@@ -113,7 +110,6 @@ def test_unknown_baseline_is_one_message_and_exit_2(trained, capsys):
     assert "--baseline gdn.cp_mode=nope matches no variant" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
 def test_wandb_offline_run_holds_the_summary(trained):
     from tests.wandb_records import offline_run_records
 

@@ -180,7 +180,6 @@ def _cp_cases():
     return errors
 
 
-@pytest.mark.slow
 def test_cp_equals_single_rank_on_gloo(gloo):
     """W = 4 on the world and W = 2 on pairs, in one spawn: outputs and q/k/v gradients of the
     core, and the whole SelfAttention layer around it, equal W = 1 on the full packed batch."""

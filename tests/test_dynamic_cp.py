@@ -74,7 +74,6 @@ def _group_cases():
     return {d: (dist.get_process_group_ranks(groups.group(d)), groups.rank_in(d)) for d in (1, 2, 4)}
 
 
-@pytest.mark.slow
 def test_groups_of_every_size_on_gloo(gloo):
     per_rank = gloo(_group_cases, 4)
     for rank, got in enumerate(per_rank):

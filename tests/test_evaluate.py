@@ -127,7 +127,6 @@ def single(gloo, tmp_path_factory):
     return gloo(_single_process_eval, 1, str(tmp_path_factory.mktemp("eval")))[0]
 
 
-@pytest.mark.slow
 def test_eval_loss_equals_a_hand_computed_forward_over_the_eval_samples(single):
     records = single["records"]
     assert [EVAL_LOSS in r for r in records] == [False, True, True]  # every 2 steps and after the last
@@ -141,7 +140,6 @@ def test_eval_loss_equals_a_hand_computed_forward_over_the_eval_samples(single):
     assert all("train/eval/loss" not in row for row in single["wandb"])
 
 
-@pytest.mark.slow
 def test_evaluating_leaves_training_unchanged(single):
     with_eval, without = single["records"], single["without_eval"]
     assert [r["loss"] for r in with_eval] == [r["loss"] for r in without]

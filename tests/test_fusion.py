@@ -200,7 +200,6 @@ def _tiny_model_embedding_grad():
     }
 
 
-@pytest.mark.slow  # one spawned process builds the tiny model
 def test_tiny_model_embedding_gradient_lands_in_main_grad(gloo):
     """Inside the real model (TP 1): the embedding's gradient is added to its main grad and equals
     the plain path's; every other gradient and the loss are bit-identical."""

@@ -110,7 +110,6 @@ def _parity_cases(world_size: int):
     return results, cp_calls
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_mode_matches_single_rank(gloo, world_size):
     per_rank = gloo(_parity_cases, world_size, world_size)
@@ -169,7 +168,6 @@ def _single_process_checks():
     return outcome
 
 
-@pytest.mark.slow
 def test_state_dict_cp1_and_errors(gloo):
     (outcome,) = gloo(_single_process_checks, 1)
     assert outcome["same_state_dict"] and outcome["stock_keys"] and outcome["cp1_modes_agree"]

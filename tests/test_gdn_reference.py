@@ -403,7 +403,6 @@ def _cp_errors(cases):
     return errors
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cp_matches_single_process(gloo, world_size):
     per_rank = gloo(_cp_errors, world_size, CP_CASES)

@@ -494,7 +494,6 @@ def spawned(gloo, tmp_path_factory):
     return gloo(_spawned_checks, 2, str(workdir))
 
 
-@pytest.mark.slow
 def test_import_gives_transformers_logits(spawned):
     r = spawned[0]
     assert r["norms"] == hfc.NormConventions(hidden_one_plus=True, qk_one_plus=True, gdn_out_one_plus=False)
@@ -507,7 +506,6 @@ def test_import_gives_transformers_logits(spawned):
     )
 
 
-@pytest.mark.slow
 def test_export_round_trips_and_loads_in_transformers(spawned):
     r = spawned[0]
     assert r["export_equals_original"] and r["reimport_bitwise"]
@@ -517,12 +515,10 @@ def test_export_round_trips_and_loads_in_transformers(spawned):
     assert r["export_logit_err"] == 0.0
 
 
-@pytest.mark.slow
 def test_vlm_layout_imports_the_same_weights(spawned):
     assert spawned[1]["vlm_equal"]
 
 
-@pytest.mark.slow
 def test_broken_checkpoints_raise_errors_naming_the_tensor(spawned):
     r = spawned[1]
     assert (
@@ -538,7 +534,6 @@ def test_broken_checkpoints_raise_errors_naming_the_tensor(spawned):
     assert "FileNotFoundError" in r["error_no_files"] and "model.safetensors" in r["error_no_files"]
 
 
-@pytest.mark.slow
 def test_tp2_import_gathers_to_tp1_gives_the_logits_and_exports_the_same(spawned):
     for rank, r in enumerate(spawned):
         t = r["tp2"]

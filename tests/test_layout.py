@@ -239,7 +239,6 @@ def _transport_cases(w: int):
     return results
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("w", [2, 4])
 def test_swap_layout_on_gloo(gloo, w):
     per_rank = gloo(_swap_cases, w, w)

@@ -221,7 +221,6 @@ def pair(gloo):
     return gloo(_two_process_messages_cases, 2)
 
 
-@pytest.mark.slow
 def test_cp2_equals_cp1_on_messages_data_training_and_eval_loss(pair):
     for rank_records in pair:
         cp1, cp2 = rank_records["cp1"], rank_records["cp2"]  # CP 1 runs as DP 2 on the same samples

@@ -177,7 +177,6 @@ def pair(gloo_once, tmp_path_factory):
     return tmp, [JobResults(gloo_once, {**jobs, "cp2_demo": (_cp2_demo, 2, str(tmp))}, rank) for rank in range(2)]
 
 
-@pytest.mark.slow
 def test_demo_loss_is_finite_and_falls(single):
     records = single[1]["demo"]
     assert [r["step"] for r in records] == list(range(1, 21))
@@ -190,7 +189,6 @@ def test_demo_loss_is_finite_and_falls(single):
     assert lrs[0] < lrs[1] and lrs[-1] == pytest.approx(3e-4) and max(lrs) == pytest.approx(3e-3)
 
 
-@pytest.mark.slow
 def test_jsonl_and_config_written_by_the_run(single):
     tmp, out = single
     assert out["demo_files"] == ["config.yaml", "metrics.jsonl"]
@@ -208,7 +206,6 @@ def test_jsonl_and_config_written_by_the_run(single):
     assert load_run_config(tmp / "demo" / "config.yaml").train.steps == 20
 
 
-@pytest.mark.slow
 def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
     from tests.wandb_records import offline_run_records
 
@@ -229,14 +226,12 @@ def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
     assert {"model", "gdn", "parallel", "train", "optim", "derived"} <= config_keys, config_keys
 
 
-@pytest.mark.slow
 def test_wandb_failure_does_not_stop_training(single):
     out = single[1]
     assert [r["step"] for r in out["wandb_broken"]] == [1, 2]
     assert len(out["wandb_warnings"]) == 1 and "no W&B today" in out["wandb_warnings"][0]
 
 
-@pytest.mark.slow
 def test_two_processes_cp2_demo_trains(pair):
     tmp, ranks = pair
     for out in ranks:
@@ -247,7 +242,6 @@ def test_two_processes_cp2_demo_trains(pair):
     assert len((tmp / "cp2_demo" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", TWO_PROCESS_CASES)
 def test_step1_cp2_equals_cp1(single, pair, case):
     reference = _step(single[1]["cp1"][0])
@@ -258,24 +252,20 @@ def test_step1_cp2_equals_cp1(single, pair, case):
             assert got[key] == pytest.approx(reference[key], rel=EQ_TOL), (case, rank, key, got, reference)
 
 
-@pytest.mark.slow
 def test_dynamic_cp_uses_both_cp_sizes(pair):
     for out in pair[1]:
         sizes = out["dynamic"][0]["cp_sizes"]
         assert set(sizes) == {"1", "2"} and all(n > 0 for n in sizes.values()), sizes
 
 
-@pytest.mark.slow
 def test_sigusr1_checkpoints_and_stops_after_the_current_step(single):
     assert single[1]["preempted"] == (3, ["step_000003"], 3)
 
 
-@pytest.mark.slow
 def test_profile_window_writes_a_trace_per_rank(single):
     assert single[1]["traces"] == ["rank0_steps1-2.json"]
 
 
-@pytest.mark.slow
 def test_resume_repeats_the_uninterrupted_run(single):
     out = single[1]
     assert len(out["checkpoints"]) == 2 and out["checkpoints"][0].endswith("step_000002")
