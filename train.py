@@ -106,12 +106,16 @@ def main(hydra_cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir) if rank == 0 else None
     hydra_files = _hydra_files_only(run_dir)  # before the imports below log into the job log
 
-    # before Megatron-Core / FLA / torch extensions are imported: they warn on import, every rank
-    if not hydra_cfg.logging.show_third_party_warnings:
-        from relax_gdn.known_warnings import silence_known_warnings
+    # Every process-wide change of the run (warning filters, CPU shims or FLA settings), made before
+    # Megatron-Core / FLA / torch extensions are imported (they warn on import) and undone after.
+    from relax_gdn.runtime import Runtime
 
-        silence_known_warnings()
-    # imported here, after check_command_line: torch and Megatron-Core take 10-20 s to import
+    with Runtime(silence_warnings=not hydra_cfg.logging.show_third_party_warnings):
+        return _train(hydra_cfg, rank, run_dir, hydra_files)
+
+
+def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path]) -> float | None:
+    # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.lifecycle import PREEMPTED_EXIT_CODE
     from relax_gdn.train.loop import run_training

@@ -16,9 +16,11 @@ SwapTransport = Literal["auto", "all_to_all", "peer_memory"]  # auto: peer_memor
 KernelBackend = Literal["auto", "fla", "torch"]  # auto: FLA on CUDA, the pure-torch reference elsewhere
 ModelPreset = Literal["qwen3_5_9b", "qwen3_5_9b_reduced", "qwen3_5_tiny"]
 SpecProvider = Literal["auto", "local", "te"]  # auto: Transformer Engine specs where it imports
-CoreAttentionBackend = Literal["auto", "varlen", "sdpa"]  # relax_gdn.model.attention.CPDotProductAttention
-ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa"]  # te: Transformer Engine's core attention
-RecomputeGranularity = Literal["full", "selective", "none"]
+# relax_gdn.model.attention.CPDotProductAttention; relax_gdn.model.attention_kernels says what each runs
+CoreAttentionBackend = Literal["auto", "varlen", "sdpa", "flex", "cudnn", "fa4"]
+ModelAttentionBackend = Literal["auto", "te", "varlen", "sdpa", "flex", "cudnn", "fa4"]  # te: Transformer Engine's
+# mixed: the first recompute.full_layers layers recomputed whole, the others selective (relax_gdn.model.recompute)
+RecomputeGranularity = Literal["full", "mixed", "selective", "none"]
 # what recompute.granularity=selective recomputes (relax_gdn.model.recompute says what each is)
 RecomputeModule = Literal["core_attn", "mlp_act", "gdn_core"]
 DataSource = Literal["synthetic", "jsonl", "parquet", "hf_disk"]

@@ -50,6 +50,25 @@ class DataError(RecipeError, ValueError):
     same_on_every_rank = True
 
 
+class MemoryFitError(RecipeError):
+    """The memory model's refusal of a run that would not fit its GPU (before anything is built):
+    ``estimate_gib`` (the per-GPU estimate by part, GiB), ``capacity_gib`` and ``fits`` (the
+    settings the model says fit, as text); benchmarks report it and go on with the next variant."""
+
+    same_on_every_rank = True
+
+    def __init__(self, message: str, *, estimate_gib: dict[str, float], capacity_gib: float, fits: list[str]):
+        super().__init__(message)
+        self.estimate_gib, self.capacity_gib, self.fits = estimate_gib, capacity_gib, fits
+
+    def __reduce__(self):
+        return _memory_fit_error, (str(self), self.estimate_gib, self.capacity_gib, self.fits)
+
+
+def _memory_fit_error(message, estimate_gib, capacity_gib, fits) -> MemoryFitError:
+    return MemoryFitError(message, estimate_gib=estimate_gib, capacity_gib=capacity_gib, fits=fits)
+
+
 def report_user_error(error: RecipeError) -> NoReturn:
     """Print ``error`` as one message on stderr and exit with :data:`USER_ERROR_EXIT_CODE`.
 

@@ -2,10 +2,15 @@
 
 CHECKPOINT is a ``step_NNNNNN`` directory or the ``checkpoint.dir`` holding them (its newest
 complete one). Whatever TP / CP / dynamic CP wrote it, the model is rebuilt from the run's config
-stored in the checkpoint at TP 1, CP 1 on CPU in this one process, its weights are loaded through
-Megatron-Core's distributed checkpointing, and OUT receives ``config.json``, safetensors and, when
-the run used a local tokenizer directory, that tokenizer: ``AutoModelForCausalLM.from_pretrained(OUT)``
-loads it. Exit code 2 with one message for a missing or damaged checkpoint.
+stored in the checkpoint at TP 1, CP 1 in this one process (on the GPU where CUDA is visible, as
+in training; on the CPU otherwise) and its weights are loaded through Megatron-Core's distributed
+checkpointing. OUT receives, when the run started from ``model.hf_checkpoint=DIR`` (recorded in
+the checkpoint; ``--like`` overrides), a drop-in replacement of DIR: its layout, architecture,
+tensor names, dtypes and shard files, its vision tower and MTP layer copied, its config and other
+files; otherwise the text layout ``Qwen3_5ForCausalLM``. Either way with a tokenizer
+``transformers`` loads (docs/checkpoints.md, "What an export holds"). It prints what it wrote,
+copied and changed. Exit code 2 with one message for a missing or damaged checkpoint, or a source
+tensor the export could not place.
 
 The other direction needs no command: ``model.hf_checkpoint=DIR`` starts a run from an HF
 directory (docs/checkpoints.md).
@@ -22,69 +27,136 @@ import torch
 
 from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError
 
-DTYPES = {"checkpoint": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RECORDED = "recorded"  # --like's default: the checkpoint the run started from, as its manifest records
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "checkpoint") -> Path:
-    """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns ``out``."""
-    import torch.distributed as dist
-
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
+                      like: str | Path | None = RECORDED):
+    """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
+    :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
+    keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
+    layout only): "float32" or "bfloat16" instead of the dtype the run trained in. Without CUDA it
+    needs an installed :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
     from relax_gdn.config import run_config_from_dict
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest, resolve_resume
-    from relax_gdn.train.lifecycle import local_tokenizer_dir, write_hf_export
+    from relax_gdn.train.checkpoint import read_manifest, resolve_resume
+    from relax_gdn.train.hf_export import export_spec
 
     directory, _ = resolve_resume(str(checkpoint), None)  # verified: damage is reported before any build
     manifest = read_manifest(directory)
-    cfg = run_config_from_dict(manifest["config"])
-    if not torch.cuda.is_available():
-        from relax_gdn.compat.cpu import apply_cpu_shims
+    spec = export_spec(manifest, like=like if like == RECORDED or like is None else Path(like),
+                       dtype=DTYPES[dtype] if dtype else None)
+    if spec.like is not None:
+        _check_source(spec.like, manifest, recorded=like == RECORDED)
+        if dtype:
+            raise RecipeError(f"--dtype {dtype} applies to the text layout; an export in the layout of "
+                              f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
+                              "layout)")
+    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec)
 
-        apply_cpu_shims()
+
+def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
+    """Before building anything: ``like`` reads, and the export can place every tensor of it
+    (:func:`~relax_gdn.model.hf_checkpoint.drop_in_origins` on the preset's sizes raises the refusal)."""
+    from relax_gdn.model.hf_checkpoint import HFCheckpoint, dims_from_hf_config, drop_in_origins, preset_dims
+
+    where = ("the checkpoint the run started from (model.hf_checkpoint, recorded in its manifest)" if recorded
+             else "--like")
+    try:
+        source = HFCheckpoint.read(like)
+        vocab = dims_from_hf_config(source.config or like).vocab_size
+    except (FileNotFoundError, NotADirectoryError, KeyError, ValueError) as e:  # ValueError: not Qwen3.5
+        raise RecipeError(f"{where} is {like}, which cannot be read ({e}); the export keeps its layout "
+                          "and copies its vision tower and MTP tensors: pass --like <a copy of it>, or "
+                          "--like none for the text layout without them") from e
+    drop_in_origins(source, preset_dims(manifest["model"]["preset"], vocab))
+
+
+def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
+    """Build the run's model at TP 1, CP 1, load the checkpoint's weights, write the export."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, load_model_weights
+    from relax_gdn.train.hf_export import write_hf_export
     from relax_gdn.train.loop import init_distributed
 
-    created = init_distributed(torch.device("cpu"))
+    device = _prepare_device()
+    created = init_distributed(device)
     try:
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
-        tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, use_cpu_initialization=True,
-                                 params_dtype=torch.float32)
-        model = build_qwen3_5_preset_model(
-            cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
-            gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
-            attention_backend=cfg.model.attention_backend,
-        )
+        if device.type == "cuda":
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.train.seed)  # the RNG tracker Megatron-Core's layers fork
+        model = _build_model(cfg, manifest, device)
         load_model_weights(directory, model)
-        target = DTYPES[dtype] or getattr(torch, manifest["model"].get("dtype", "float32"))
-        model.to(target)
-        out = Path(out)
-        write_hf_export(model, out, vocab_size=manifest["model"]["vocab_size"],
-                        tokenizer_vocab_size=manifest.get("tokenizer", {}).get("vocab_size"),
-                        tokenizer_path=local_tokenizer_dir(cfg.data.tokenizer))
+        main_params = checkpoint_fp32_main_params(directory, manifest, model)
+        return write_hf_export(model, out, spec, main_params=main_params)
     finally:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
             dist.destroy_process_group()
-    return out
+
+
+def _prepare_device() -> torch.device:
+    """The GPU where CUDA is visible: Megatron-Core creates GDN parameters on
+    ``torch.cuda.current_device()`` and forks its CUDA RNG tracker whenever a GPU is visible, and
+    the CPU shims that redirect both must not hide a GPU. The CPU otherwise (``CUDA_VISIBLE_DEVICES=``
+    forces it), where the installed Runtime has applied Megatron-Core's CPU shims."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        return device
+    from relax_gdn.runtime import require_runtime
+
+    require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
+    return torch.device("cpu")
+
+
+def _build_model(cfg, manifest: dict, device: torch.device):
+    from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+
+    # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
+    dtype = getattr(torch, manifest["model"].get("dtype", "float32"))
+    tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, perform_initialization=False,
+                             use_cpu_initialization=device.type == "cpu", params_dtype=dtype,
+                             bf16=dtype == torch.bfloat16)
+    model = build_qwen3_5_preset_model(
+        cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
+        gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
+        attention_backend=cfg.model.attention_backend,
+    )
+    return model.to(device)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relax_gdn.export_hf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a step_NNNNNN checkpoint directory, or the checkpoint.dir holding them")
+    parser = argparse.ArgumentParser(prog="python -m relax_gdn.export_hf",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint",
+                        help="a step_NNNNNN checkpoint directory, or the checkpoint.dir holding them")
     parser.add_argument("out", help="the Hugging Face directory to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="checkpoint",
-                        help="weights dtype in OUT (default: the dtype the run trained in)")
+    parser.add_argument("--like", default=RECORDED, metavar="DIR",
+                        help="keep the layout of this HF checkpoint (default: the one the run started from, "
+                             "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="text layout: the weights' dtype (default: the dtype the run trained in)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    like = None if args.like == "none" else args.like
+    from relax_gdn.runtime import Runtime
+
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+        with Runtime():
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    print("\n".join(report.lines()))
+    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r}) "
+          "(docs/checkpoints.md, 'Using an export')")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Third-party warnings and log lines known to be harmless here, silenced once per process.
 
-Without this, a CPU demo's console is mostly Megatron-Core / Apex / Transformer Engine notices
-(about 57 of 67 lines on a 2-rank, 8-step run). :func:`silence_known_warnings` must run in
-EVERY rank before Megatron-Core, FLA or torch's extension loader are imported (``train.py`` calls
-it first thing); ``logging.show_third_party_warnings=true`` skips it and shows them all.
+Without this, a CPU demo's console is mostly Megatron-Core / Apex / Transformer Engine notices.
+:func:`silence_known_warnings` must run in EVERY rank before Megatron-Core, FLA or torch's
+extension loader are imported: :class:`relax_gdn.runtime.Runtime` calls it first thing when an
+entry point installs it, and undoes it on close; ``logging.show_third_party_warnings=true``
+skips it and shows them all.
 
 Each entry names what it silences and why that is harmless for this recipe. Filters match the
 start of one message, so any other warning from the same library still shows.
@@ -12,8 +13,10 @@ start of one message, so any other warning from the same library still shows.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -83,16 +86,46 @@ class _DropMessage(logging.Filter):
         return self.pattern.match(record.getMessage()) is None
 
 
-_installed = False
-
-
-def silence_known_warnings() -> None:
-    """Install every filter above (idempotent: a second call adds nothing)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
+def silence_known_warnings() -> Callable[[], None]:
+    """Install every filter above; returns the function that removes them again (the warning
+    filters as they were, with any added since kept in front; the log filters taken off)."""
+    before = list(warnings.filters)
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=known.message, category=known.category)
+    ours = list(warnings.filters)
+    log_filters = []
     for known in KNOWN_LOG_LINES:
-        logging.getLogger(known.logger).addFilter(_DropMessage(known.message))
+        drop = _DropMessage(known.message)
+        logging.getLogger(known.logger).addFilter(drop)
+        log_filters.append((known.logger, drop))
+
+    def restore() -> None:
+        added_since = [f for f in warnings.filters if not any(f is o for o in ours)]
+        warnings.filters[:] = added_since + before
+        warnings._filters_mutated()  # what warnings.catch_warnings calls: cached decisions are stale
+        for name, drop in log_filters:
+            logging.getLogger(name).removeFilter(drop)
+
+    return restore
+
+
+# torch.profiler's C++ backend (kineto) prints to stderr by itself, at or above KINETO_LOG_LEVEL
+# (0 verbose ... 4 errors, 5 its USDT start/stop markers), read once per process at the first profile.
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"  # above every level kineto has
+
+
+def quiet_cpu_profiler() -> Callable[[], None]:
+    """Quiet a process's CPU-only ``torch.profiler`` sessions (what the Runtime does on a machine
+    without CUDA, before any profile); returns the function that puts ``KINETO_LOG_LEVEL`` back.
+    Kineto's only lines there are its start/stop markers and ``gpuGetDeviceCount failed with code
+    35``: a CUDA build of torch asks the driver which GPUs to describe in the trace, and without a
+    driver there are none, so the trace loses nothing. A ``KINETO_LOG_LEVEL`` the user set wins."""
+    if KINETO_LOG_LEVEL_ENV in os.environ:
+        return lambda: None
+    os.environ[KINETO_LOG_LEVEL_ENV] = KINETO_SILENT
+
+    def restore() -> None:
+        os.environ.pop(KINETO_LOG_LEVEL_ENV, None)
+
+    return restore

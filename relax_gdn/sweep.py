@@ -5,7 +5,8 @@ environment of a submitit task. No Hydra here.
 The manifest: each job owns ``<sweep dir>/.jobs/<num>.json`` (written atomically by the
 launcher when it submits or refuses the job, by the job's rank 0 when it starts and ends, and by
 the launcher again when it collects the result). ``sweep.json`` is the merge of those files,
-rewritten by the launcher whenever a job changes state. Per-job files instead of one locked file:
+rewritten by the launcher whenever it sees a job change state (it reads the job files every
+poll: :class:`SweepProgress` says what changed). Per-job files instead of one locked file:
 jobs on different nodes never write the same file, and ``rename`` is atomic on the shared
 filesystems SLURM clusters use (advisory locks on NFS are not reliable).
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,8 @@ STATUSES = ("submitted", "running", "ok", "failed")
 # Keys that make a job a repeat, not a different variant (W&B job_type, compare's grouping).
 REPEAT_KEYS = ("train.seed",)
 MAX_JOB_TYPE_CHARS = 64  # W&B's limit
+SLOW_JOB_FACTOR = 3.0  # a job running this many times its finished siblings' median duration is named
+MAX_ERROR_CHARS = 300  # of a job's error in its one progress line (sweep.json keeps the whole message)
 
 
 def atomic_write_json(path: Path, value: Any) -> None:
@@ -107,12 +112,111 @@ class SweepManifest:
         are kept from the previous ``sweep.json`` unless given again."""
         previous = json.loads(self.path.read_text()) if self.path.exists() else {}
         jobs = self.jobs()
-        counts = {s: sum(j.get("status") == s for j in jobs) for s in STATUSES}
+        counts = job_counts(jobs)
         manifest = {"version": MANIFEST_VERSION, "sweep_dir": str(self.sweep_dir),
                     **{k: v for k, v in previous.items() if k not in ("version", "sweep_dir", "jobs", "counts")},
                     **sweep_fields, "counts": counts, "jobs": jobs}
         atomic_write_json(self.path, manifest)
         return manifest
+
+
+def job_counts(jobs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Jobs per status, and ``refused``: how many of the failed ones the launcher refused before
+    submitting them (a config the recipe rejects)."""
+    counts = {s: sum(j.get("status") == s for j in jobs) for s in STATUSES}
+    counts["refused"] = sum(bool(j.get("refused")) for j in jobs)
+    return counts
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _one_line(error: str | None) -> str:
+    """A job's error as one line: a traceback's last line (the exception), else the message's lines
+    joined (a recipe error: its headline first, then the problems or the records it names)."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    text = lines[-1] if lines and "Traceback (most recent call last)" in error else " ".join(lines)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def _duration(job: dict[str, Any]) -> float | None:
+    started, ended = job.get("started"), job.get("ended")
+    return ended - started if started is not None and ended is not None else None
+
+
+@dataclass
+class SweepProgress:
+    """What a person watching a sweep reads, from successive reads of its job entries
+    (:meth:`SweepManifest.jobs`): a line when a job starts, ends (exit code, duration, run
+    directory) or is requeued, the tally when it changes, and, once per job, a job that has run
+    ``slow_factor`` times the median duration of the jobs that finished (0: never)."""
+
+    slow_factor: float = SLOW_JOB_FACTOR
+    _seen: dict[int, tuple[str | None, float | None]] = field(default_factory=dict, init=False, repr=False)
+    _named_slow: set[int] = field(default_factory=set, init=False, repr=False)
+    _tally: str | None = field(default=None, init=False, repr=False)
+
+    def update(self, jobs: Sequence[dict[str, Any]], now: float) -> list[tuple[str, str]]:
+        """``(level, line)`` for what changed since the last call; level is a logging level name."""
+        lines: list[tuple[str, str]] = []
+        for job in jobs:
+            state = (job.get("status"), job.get("started"))
+            if self._seen.get(job["num"]) != state:
+                self._seen[job["num"]] = state
+                lines += self._job_lines(job)
+        lines += self._slow_lines(jobs, now)
+        tally = self.tally(jobs)
+        if tally != self._tally:
+            self._tally = tally
+            lines.append(("INFO", tally))
+        return lines
+
+    @staticmethod
+    def tally(jobs: Sequence[dict[str, Any]]) -> str:
+        counts = job_counts(jobs)
+        refused = f" ({counts['refused']} refused)" if counts["refused"] else ""
+        return (f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}, "
+                f"{counts['submitted']} waiting (of {len(jobs)})")
+
+    @staticmethod
+    def _job_lines(job: dict[str, Any]) -> list[tuple[str, str]]:
+        num, status, run_dir = job["num"], job.get("status"), job.get("run_dir")
+        if job.get("refused"):
+            return [("ERROR", f"job #{num} refused (exit {job.get('rc')}), not run: "
+                              f"{_one_line(job.get('error'))}")]
+        if status == "running":
+            where = f" on {job['host']}" if job.get("host") else ""
+            return [("INFO", f"job #{num} started{where} ({job.get('variant')}): {run_dir}")]
+        took = _duration(job)
+        took = f", {_clock(took)}" if took is not None else ""
+        if status == "ok":
+            return [("INFO", f"job #{num} ok (exit 0{took}): {run_dir}")]
+        if status == "failed":
+            return [("ERROR", f"job #{num} failed (exit {job.get('rc')}{took}): {run_dir}: "
+                              f"{_one_line(job.get('error'))}")]
+        if status == "submitted" and job.get("requeues"):
+            return [("WARNING", f"job #{num} requeued after a checkpoint ({job['requeues']}): {run_dir}")]
+        return []
+
+    def _slow_lines(self, jobs: Sequence[dict[str, Any]], now: float) -> list[tuple[str, str]]:
+        durations = [d for d in map(_duration, jobs) if d is not None]
+        if not durations or self.slow_factor <= 0:
+            return []
+        median = statistics.median(durations)
+        lines = []
+        for job in jobs:
+            if job.get("status") != "running" or job.get("started") is None or job["num"] in self._named_slow:
+                continue
+            elapsed, typical = now - job["started"], max(median, 1.0)
+            if elapsed > self.slow_factor * typical:
+                self._named_slow.add(job["num"])
+                log = f"; its output: {job['log']}" if job.get("log") else ""
+                lines.append(("WARNING", f"job #{job['num']} has run {_clock(elapsed)}, {elapsed / typical:.1f}x "
+                                         f"the median {_clock(median)} of the {len(durations)} finished "
+                                         f"job(s): {job.get('run_dir')}{log}"))
+        return lines
 
 
 def visible_gpu_ids(cuda_visible_devices: str | None, device_count: int) -> list[int]:

@@ -20,11 +20,23 @@ PROCESS_NAMES = frozenset({"subprocess", "Popen", "multiprocessing", "run_distri
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "pty")
 
 
+@pytest.fixture
+def runtime():
+    """An installed :class:`relax_gdn.runtime.Runtime` for a test that runs an entry point's work in
+    the pytest process (``run_training`` on CPU, a model build that needs the CPU shims), closed
+    after the test so no shim, filter or patch reaches a later test."""
+    from relax_gdn.runtime import Runtime
+
+    with Runtime() as installed:
+        yield installed
+
+
 @pytest.fixture(scope="session")
 def gloo():
-    """``gloo(fn, world_size, *args, timeout_s=None)``: ``fn(*args)`` on every rank of the session's
-    pool of ``world_size`` gloo processes (started at its first job, kept for the session); a list
-    of each rank's result. Same guarantees as ``run_distributed``: see tests/distributed.py."""
+    """``gloo(fn, world_size, *args, timeout_s=None, runtime=True)``: ``fn(*args)`` on every rank of
+    the session's pool of ``world_size`` gloo processes (started at its first job, kept for the
+    session), inside a Runtime unless ``runtime=False``; a list of each rank's result. Same
+    guarantees as ``run_distributed``: see tests/distributed.py."""
     from tests.distributed import RankPools
 
     pools = RankPools()
@@ -39,11 +51,11 @@ def gloo_once(gloo):
     tests read fails each of them, and only them). ``args`` must be hashable."""
     outcomes: dict = {}
 
-    def run(fn, world_size: int, *args):
-        key = (fn, world_size, args)
+    def run(fn, world_size: int, *args, runtime: bool = True):
+        key = (fn, world_size, args, runtime)
         if key not in outcomes:
             try:
-                outcomes[key] = (True, gloo(fn, world_size, *args))
+                outcomes[key] = (True, gloo(fn, world_size, *args, runtime=runtime))
             except AssertionError as failure:
                 outcomes[key] = (False, str(failure))
         succeeded, value = outcomes[key]
@@ -58,7 +70,7 @@ def gloo_once(gloo):
 # cost more than its training): name -> overrides.
 SHORT_TRAIN_PY_RUNS = {
     "3 steps": ("train.steps=3", "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-                "run_name=entry-test"),
+                "run_name=entry-test", "logging.profile_steps=[2,2]"),
     "1 step, third-party notices": ("train.steps=1", "train.global_batch_size=4", "data.num_samples=64",
                                     "data.synthetic_max_steps=1", "logging.show_third_party_warnings=true"),
 }

@@ -17,6 +17,10 @@ A run fails, never hangs:
 - the whole run has a time limit (``timeout_s``, default ``RELAX_GDN_TEST_TIMEOUT_S`` or 900 s);
   past it every rank's Python stack is dumped into the failure message before the ranks are
   killed, and every collective has that limit too (``init_process_group(timeout=...)``).
+
+Each job runs like an entry point's work: inside an installed :class:`relax_gdn.runtime.Runtime`
+(CPU shims without CUDA, FLA's settings with it), closed after it, unless the test asks for a bare
+process (``runtime=False``: pure-torch cases that need no Megatron-Core).
 """
 
 from __future__ import annotations
@@ -108,14 +112,24 @@ def _dump_stacks_and_exit_after_env_limit() -> None:
         faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
 
 
+def _in_runtime(fn: Callable, args: tuple, runtime: bool) -> Any:
+    """``fn(*args)`` inside an installed Runtime (closed after it), or bare."""
+    if not runtime:
+        return fn(*args)
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():
+        return fn(*args)
+
+
 def _worker(
-    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, fn: Callable, args: tuple
+    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, runtime: bool, fn: Callable, args: tuple
 ) -> None:
     run = Path(run_dir)
     _dump_stacks_and_exit_after_env_limit()
     try:
         _join_group(rank, world_size, run, backend, timeout_s)
-        result = fn(*args)
+        result = _in_runtime(fn, args, runtime)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         _write_atomically(run / f"rank{rank}.error", traceback.format_exc().encode())
         sys.stdout.flush()
@@ -192,11 +206,13 @@ def _join(run: Path, procs: list, timeout_s: float) -> str | None:
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None,
+    runtime: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1`` of fresh processes with the default process
-    group initialised (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r); return each rank's
-    result. On CPU a test uses the session's pool instead (fixture ``gloo``): no start-up per call.
+    group initialised (gloo on CPU; ``backend="nccl"`` puts rank r on GPU r) and, unless
+    ``runtime=False``, a Runtime installed; return each rank's result. On CPU a test uses the
+    session's pool instead (fixture ``gloo``): no start-up per call.
 
     Raises AssertionError with the failing rank's traceback as soon as one rank fails, or with
     every rank's stack when the run takes longer than ``timeout_s``."""
@@ -205,7 +221,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="relax-gdn-ranks-") as run_dir:
         run = Path(run_dir)
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, fn, args))
+            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, runtime, fn, args))
             for rank in range(world_size)
         ]
         try:
@@ -291,8 +307,8 @@ def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
     torch.manual_seed(initial_seed)
     torch.set_num_threads(1)  # W ranks share a few cores; the tests' tensors are small
     try:
-        fn, args = pickle.loads(message)
-        result = fn(*args)
+        fn, args, runtime = pickle.loads(message)
+        result = _in_runtime(fn, args, runtime)
         problem = _left_behind(groups_before)
         if problem is not None:
             raise RuntimeError(problem)
@@ -377,10 +393,10 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent)
 
-    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None) -> list[Any]:
+    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, runtime: bool = True) -> list[Any]:
         """Like ``run_distributed(fn, world_size, *args)`` on this pool's ranks."""
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        message = pickle.dumps((fn, args))  # an unpicklable job fails here, before any rank sees it
+        message = pickle.dumps((fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
         if not self._procs:
             self._start()
         for conn in self._conns:
@@ -476,10 +492,12 @@ class RankPools:
         self.backend = backend
         self._pools: dict[int, RankPool] = {}
 
-    def run(self, fn: Callable, world_size: int, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """``fn(*args)`` on every rank of the pool of ``world_size``; each rank's result."""
+    def run(self, fn: Callable, world_size: int, *args: Any, timeout_s: float | None = None,
+            runtime: bool = True) -> list[Any]:
+        """``fn(*args)`` on every rank of the pool of ``world_size`` (inside a Runtime unless
+        ``runtime=False``); each rank's result."""
         pool = self._pools.setdefault(world_size, RankPool(world_size, self.backend))
-        return pool.run(fn, *args, timeout_s=timeout_s)
+        return pool.run(fn, *args, timeout_s=timeout_s, runtime=runtime)
 
     def close(self) -> None:
         for pool in self._pools.values():

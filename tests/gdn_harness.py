@@ -140,8 +140,8 @@ def vs_reference(ref, got, dtype: torch.dtype) -> dict[str, float]:
 def nine_b_heads(dtype: torch.dtype):
     """In a 2-GPU NCCL rank: this rank's device, its single-rank group, the fp32 torch-reference
     GDN layer at Qwen3.5-9B head shapes (weights perturbed so every one matters) and
-    ``fla_layer(mode)``, a CP-2 FLA layer with the reference's weights in ``dtype``. Seeds
-    ``torch`` for the inputs that follow."""
+    ``fla_layer(mode, **options)``, a CP-2 FLA layer with the reference's weights in ``dtype``
+    (``options``: more GDNOptions fields). Seeds ``torch`` for the inputs that follow."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -160,8 +160,8 @@ def nine_b_heads(dtype: torch.dtype):
     torch.manual_seed(0)
     config = tiny_config(**dims, params_dtype=dtype, bf16=dtype == torch.bfloat16)
 
-    def fla_layer(mode: str = "chunkwise"):
-        layer = build_gdn(config, world, single, mode, kernel_backend="fla").to(device)
+    def fla_layer(mode: str = "chunkwise", **options):
+        layer = build_gdn(config, world, single, mode, kernel_backend="fla", **options).to(device)
         layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
         return layer
 

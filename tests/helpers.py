@@ -143,15 +143,14 @@ def as_ddp_parameter(weight, start: float):
 
 def force_transformers_pure_torch() -> None:
     """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
-    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``."""
+    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``,
+    which ``use_torch_kernels_in_transformers`` binds instead."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    for name in (
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-        "causal_conv1d_fn",
-        "causal_conv1d_update",
-    ):
-        torch_fn = getattr(modeling, name).__wrapped__
-        assert torch_fn.__module__ == modeling.__name__, (name, torch_fn.__module__)
-        setattr(modeling, name, torch_fn)
+    from relax_gdn.model import hf_checkpoint as hfc
+    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
+
+    hfc.use_torch_kernels_in_transformers()
+    for name in KERNEL_HANDLES:
+        torch_fn = getattr(modeling, name)
+        assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name

@@ -36,16 +36,17 @@ def batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, **options):
+def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model
+    from relax_gdn.model.fusion import Fusion
 
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
         "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
-        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers,
+        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
     )
 
 
@@ -77,3 +78,82 @@ def errors(ref_loss, ref_grads, loss, grads, ids, shard=lambda n, g: g) -> dict[
         assert grads[n].shape == expect.shape, (n, grads[n].shape, expect.shape)
         errors[n] = (grads[n] - expect).abs().max().item() / max(g.abs().max().item(), 1e-12)
     return errors
+
+
+def _max_difference(one: tuple, other: tuple) -> float:
+    """Largest |difference| / max |value| over the loss and every gradient of two runs."""
+    (loss, grads), (other_loss, other_grads) = one, other
+    pairs = [(loss, other_loss)] + [(grads[n], other_grads[n]) for n in grads]
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in pairs)
+
+
+def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torch.dtype, options: dict) -> dict:
+    """In a CP group of every rank (gloo: CPU, nccl: this rank's GPU): build one model per entry of
+    ``options`` (name -> ``Qwen3_5Options`` fields; exactly two) with the same weights and full
+    recompute, run each alone (forward + backward), then both interleaved. Returns per model the
+    largest difference interleaved vs alone and how many times its first layer ran inside its
+    backward (the recompute), and the largest difference between the two models alone."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from tests.gdn_harness import packed_params, self_group
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    torch.set_num_threads(1)
+    if cuda:
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    single = self_group()
+    pgs = ProcessGroupCollection(tp=single, cp=world, pp=single, embd=single)
+    config = qwen3_5_config(preset, use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                            **FULL_RECOMPUTE)
+    torch.manual_seed(0)  # the same weights on every rank
+    models = {name: build_qwen3_5_preset_model(preset, config, pg_collection=pgs, vocab_size=vocab, **fields).to(device)
+              for name, fields in options.items()}
+    first, second = models.values()
+    with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
+        for p in first.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    second.load_state_dict(first.state_dict())
+
+    g = torch.Generator().manual_seed(0)
+    ids = thd_rank_indices(cu, dist.get_world_size(), rank, "zigzag")
+    tokens, labels = (torch.randint(0, vocab, (1, cu[-1]), generator=g)[:, ids].to(device) for _ in range(2))
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None][:, ids].to(device)
+    mask = (torch.arange(cu[-1]) % 3 != 0)[ids].float()[None].to(device)  # some tokens carry no loss
+
+    def forward(model):
+        return model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(cu, device))
+
+    def taken(model, loss) -> tuple:
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return loss.detach().float(), grads
+
+    alone = {}
+    for name, model in models.items():
+        loss = forward(model)
+        loss.backward()
+        alone[name] = taken(model, loss)
+
+    layer_calls = dict.fromkeys(models, 0)
+    for name, model in models.items():
+        model.decoder.layers[0].register_forward_pre_hook(lambda *_, name=name: layer_calls.__setitem__(
+            name, layer_calls[name] + 1))
+    losses = {name: forward(model) for name, model in models.items()}  # a, then b
+    in_forward = dict(layer_calls)
+    interleaved = {}
+    for name, model in models.items():  # a's backward recomputes a's forward after b's forward
+        losses[name].backward()
+        interleaved[name] = taken(model, losses[name])
+    a, b = models
+    return {
+        "interleaved_vs_alone": {name: _max_difference(interleaved[name], alone[name]) for name in models},
+        "recomputed_in_backward": {name: layer_calls[name] - in_forward[name] for name in models},
+        "a_vs_b": _max_difference(alone[a], alone[b]),
+    }

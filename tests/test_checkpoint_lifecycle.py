@@ -54,9 +54,11 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     torch.set_num_threads(1)  # as the runs it is compared with
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train import checkpoint, loggers
     from relax_gdn.train.loop import run_training
 
+    Runtime().install()  # set up like an entry point's process; the kill ends it
     if kill_point == "after_step":
         log = loggers.RunLoggers.log
 
@@ -300,7 +302,9 @@ def test_resumed_run_continues_the_same_wandb_run(auto_resume):
 
 def test_export_hf_final_writes_a_transformers_directory_after_the_last_step(auto_resume):
     out = auto_resume[1]
-    assert out["export_files"] == ["config.json", "model.safetensors"]  # the embedded tokenizer is no HF one
+    # the embedded tokenizer as a Hugging Face one, and the end-of-turn token for generate()
+    assert out["export_files"] == ["chat_template.jinja", "config.json", "generation_config.json",
+                                   "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert out["export_config"]["vocab_size"] == out["tokenizer_vocab"]  # the padded rows trimmed
 
 

@@ -88,9 +88,6 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.checkpoint import load_model_weights, read_manifest
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-
-    apply_cpu_shims()
     torch.set_num_threads(1)
     manifest = read_manifest(checkpoint)
     cfg = run_config_from_dict(manifest["config"])

@@ -63,7 +63,8 @@ def test_identical_seeds_are_within_noise_and_a_different_lr_differs(trained):
     runs = find_runs([tmp / "runs"])
     assert sorted(r.name for r in runs) == ["a1", "a2", "lr", "route"]
     summary = compare_runs(runs, ["gdn.route=lazy_cache", "optim.lr=0.003"])
-    assert summary["varying_keys"] == ["gdn.route", "optim.lr"]
+    # optim.min_lr resolves to optim.lr / 10 in the saved config: it moves with the learning rate
+    assert summary["varying_keys"] == ["gdn.route", "optim.lr", "optim.min_lr"]
     baseline = next(v for v in summary["variants"] if v["baseline"])
     assert sorted(r["name"] for r in baseline["runs"]) == ["a1", "a2"]  # the A/A pair is one variant
     (aa,) = summary["noise"]["variants"]
@@ -167,6 +168,27 @@ def test_seed_repeats_are_one_variant_and_throughput_verdicts():
     assert alone["comparisons"][0]["throughput"]["verdict"] == "no A/A"
 
 
+def test_labels_name_each_differing_key_once_as_an_override_writes_it():
+    def run(name, **config):
+        return Run(name, name, {"train.steps": 4, **{k.replace("__", "."): v for k, v in config.items()}},
+                   _records(100))
+
+    runs = [run("a", model__fused_norms=False, model__fused_swiglu=False, data__max_sample_tokens=None,
+                gdn__route="prebuild", x__alpha=1, x__beta=1),
+            run("b", model__fused_norms=True, model__fused_swiglu=True, data__max_sample_tokens=512,
+                x__alpha=2, x__beta=2)]
+    summary = compare_runs(runs)
+    assert [v["label"] for v in summary["variants"]] == [
+        "data.max_sample_tokens=null, gdn.route=prebuild, model.fused_*=false, x.{alpha,beta}=1",
+        "data.max_sample_tokens=512, gdn.route=(unset), model.fused_*=true, x.{alpha,beta}=2"]
+    assert summary["variants"][1]["config"] == {"data.max_sample_tokens": 512, "model.fused_norms": True,
+                                                "model.fused_swiglu": True, "x.alpha": 2, "x.beta": 2}
+    assert compare_runs(runs, ["data.max_sample_tokens=null"])["baseline"].startswith("data.max_sample_tokens=null")
+    (cmp,) = summary["comparisons"]  # one run each: no A/A, and no noise figure in the verdicts
+    assert cmp["loss"]["verdict"] == "no A/A" and cmp["loss"]["rms_noise"] is None
+    assert cmp["throughput"]["noise"] is None
+
+
 def test_curve_verdict_weighs_the_whole_curve_against_the_seed_noise():
     """Four runs drawn from one noisy curve (two seeds per variant) are within noise even though
     at some steps the two repeats of a variant cross and their spread is ~0; the same curve shifted
@@ -219,12 +241,31 @@ def test_benchmark_json_variants(tmp_path):
         "meta": {}}))
     runs = load_bench_json(path)
     assert [r.config["gdn.cp_mode"] for r in runs] == ["headwise", "chunkwise"]
+    assert "bench.variant" not in runs[0].config  # a config tells the variants apart, not the name
     assert len(runs[1].records) == 20  # the profiled step is left out
     summary = compare_runs(runs)
     assert summary["variants"][1]["ratio_to_baseline"]["tokens_per_s"] == pytest.approx(201 / 101, rel=1e-3)
     path.write_text("[]")
     with pytest.raises(ValueError, match="expected"):
         load_bench_json(path)
+
+
+def test_benchmark_json_fills_keys_a_variant_left_alone(tmp_path):
+    """With the start values the file records (meta.base_config), else the recipe's defaults:
+    never an empty value."""
+    variants = [{"name": "mt=4096", "config": {"train.max_tokens_per_gpu": 4096}, "records": _records(100)},
+                {"name": "fused=off", "config": {"model": {"fused_norms": False}}, "records": _records(90)},
+                {"name": "as started", "config": {}, "records": _records(95)}]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"meta": {"base_config": {"train": {"max_tokens_per_gpu": 8192}}},
+                                "variants": variants}))
+    labels = [v["label"] for v in compare_runs(load_bench_json(path))["variants"]]
+    assert labels == ["model.fused_norms=true, train.max_tokens_per_gpu=4096",
+                      "model.fused_norms=false, train.max_tokens_per_gpu=8192",
+                      "model.fused_norms=true, train.max_tokens_per_gpu=8192"]
+    path.write_text(json.dumps({"variants": variants}))
+    assert compare_runs(load_bench_json(path))["variants"][1]["label"] == (
+        "model.fused_norms=false, train.max_tokens_per_gpu=2048")  # relax_gdn.config.schema's default
 
 
 def test_wandb_report_spec_panels_grouping_and_filter():

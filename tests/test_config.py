@@ -205,7 +205,9 @@ def test_resolved_config_round_trips(tmp_path):
     from relax_gdn.config.hydra_io import load_run_config, save_run_config
 
     cfg = _compose("parallel.cp=2", "gdn=all_gather", "recompute=full")
-    assert load_run_config(save_run_config(cfg, tmp_path)) == cfg
+    loaded = load_run_config(save_run_config(cfg, tmp_path))
+    assert loaded == cfg.resolved() and loaded.learning_rates == cfg.learning_rates
+    assert loaded.resolved() == loaded  # resolving twice changes nothing
 
 
 # ------------------------------------------------------------------------------------- FLOPs
@@ -264,3 +266,23 @@ def test_warmup_is_a_fraction_or_steps_and_clamped_below_the_run(caplog):
     validate(_cfg(optim__warmup_steps=30), 1)  # a warm-up as long as the run is clamped, not refused
     assert resolve_warmup_steps(30, 30) == 29 and resolve_warmup_steps(3, 1) == 0
     assert [r.getMessage() for r in caplog.records][0].startswith("optim.warmup_steps=30 is not below train.steps=30")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ((), (3e-3, 3e-4)),                                        # the tiny demo keeps its fast rate
+    (("model=qwen3_5_9b",), (1e-5, 1e-6)),                     # a fine-tuning rate for the 9B
+    (("model.preset=qwen3_5_9b",), (1e-5, 1e-6)),              # the key, not only the group, decides
+    (("model=qwen3_5_9b_reduced",), (2e-4, 2e-5)),             # randomly initialised: a from-scratch rate
+    (("model=qwen3_5_9b", "optim.lr=3e-5"), (3e-5, 3e-6)),     # a given rate wins; the floor follows it
+    (("model=qwen3_5_9b", "optim.min_lr=0"), (1e-5, 0.0)),
+])
+def test_learning_rate_defaults_follow_the_model_preset(overrides, expected):
+    cfg = _compose(*overrides)
+    assert cfg.learning_rates == pytest.approx(expected)
+    resolved = cfg.resolved()  # what config.yaml records
+    assert (resolved.optim.lr, resolved.optim.min_lr) == pytest.approx(expected)
+
+
+def test_an_unusable_learning_rate_names_the_value():
+    with pytest.raises(ConfigError, match=r"optim.min_lr=0.5 must be within \[0, optim.lr=1e-05\]"):
+        validate(_compose("model=qwen3_5_9b", "optim.min_lr=0.5"), 1)

@@ -14,13 +14,19 @@ from relax_gdn.train.loop import TrainResult
 
 # What the third-party notices look like: warnings.warn lines (with the library's file path) and
 # the log lines relax_gdn.known_warnings names.
-THIRD_PARTY = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style")
+# The quiet run also profiles a step: on CPU torch.profiler's C++ backend prints nothing of its own
+# (its USDT markers, "gpuGetDeviceCount failed with code 35").
+THIRD_PARTY = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style|"
+                         r"gpuGetDeviceCount|USDT:")
 
 
 @pytest.fixture(scope="module")
 def quiet_and_loud(short_train_py):
-    """The session's 3-step train.py run, and its 1-step run with logging.show_third_party_warnings=true."""
-    return short_train_py("3 steps")[0], short_train_py("1 step, third-party notices")[0]
+    """The session's 3-step train.py run (step 2 profiled), and its 1-step run with
+    logging.show_third_party_warnings=true."""
+    quiet, run_dir, _, _ = short_train_py("3 steps")
+    quiet.trace = run_dir / "traces" / "rank0_steps2-2.json"
+    return quiet, short_train_py("1 step, third-party notices")[0]
 
 
 def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_loud):
@@ -31,6 +37,7 @@ def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_
     # the switch brings them back (and so the pattern above does see them when they are there)
     assert len([line for line in (loud.stdout + loud.stderr).splitlines() if THIRD_PARTY.search(line)]) >= 3
     assert quiet.stdout.count("run summary") == 1
+    assert quiet.trace.stat().st_size > 0  # the profiled step's trace is written all the same
     summary = quiet.stdout[quiet.stdout.index("run summary"):]
     for label in ("steps", "tokens", "median tok/s", "median MFU", "peak memory", "loss", "run directory",
                   "metrics"):

@@ -113,9 +113,6 @@ def _reference(layers: int):
                 p.add_(0.05 * torch.randn_like(p))
         return (reference.state_dict(), *_run(reference, batch, list(range(CU[-1]))))
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-
-    apply_cpu_shims()
     return computed_once(("contiguous runs reference", layers), make)
 
 
@@ -189,12 +186,10 @@ def _configuration_errors() -> dict:
     """On the pool of 2 (a TP group of 2 for the sequence-parallel spec)."""
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
     from tests.gdn_harness import build_gdn, self_group, tiny_config
 
-    apply_cpu_shims()
     single, pair = self_group(), dist.group.WORLD
     config = tiny_config()
     # TP = 2 with sequence parallelism splits each rank's rows over TP too: no contiguous runs
@@ -206,7 +201,8 @@ def _configuration_errors() -> dict:
         "unknown": value_error_message(lambda: build_gdn(config, single, single, hidden_layout="global")),
         "sp_layer_kinds": [
             spec.module.__name__
-            for spec in qwen3_5_block_spec(sp, spec_provider="local", tp_group=pair).layer_specs
+            for spec in qwen3_5_block_spec(sp, Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local"),
+                                           tp_group=pair).layer_specs
         ],
     }
 

@@ -140,9 +140,6 @@ def _layer_run(layer, x, weight, psp, grad_group=None):
 def _cp_cases():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-
-    apply_cpu_shims()  # for the SelfAttention parameters
     torch.set_num_threads(1)
     rank = dist.get_rank()
     world = dist.group.WORLD
@@ -162,6 +159,9 @@ def _cp_cases():
             psp = packed(cu, group, w if group is not None else None, host_copy=i == 0)
             got = run(core(world), q[ids], k[ids], v[ids], weight[ids], psp)
             errors[(w, i)] = max((g - x[ids]).abs().max().item() for g, x in zip(got, ref))
+            with torch.no_grad():  # torch has no FlexAttention backward on CPU
+                flex = core(world, backend="flex")(q[ids], k[ids], v[ids], None, packed_seq_params=psp)
+            errors[(w, i, "flex")] = (flex - ref[0][ids]).abs().max().item()
 
         # the whole Megatron-Core attention layer (projections, output gate) around this core
         cu = packings(w)[0]
@@ -182,10 +182,11 @@ def _cp_cases():
 
 def test_cp_equals_single_rank_on_gloo(gloo):
     """W = 4 on the world and W = 2 on pairs, in one spawn: outputs and q/k/v gradients of the
-    core, and the whole SelfAttention layer around it, equal W = 1 on the full packed batch."""
+    core, FlexAttention's outputs (it has no CPU backward), and the whole SelfAttention layer
+    around the core, equal W = 1 on the full packed batch."""
     per_rank = gloo(_cp_cases, 4)
     for rank, errors in enumerate(per_rank):
-        assert len(errors) == 6
+        assert len(errors) == 10
         for case, err in errors.items():
             assert err < TOL, (rank, case, err)
 
@@ -234,8 +235,9 @@ def _emulated_varlen(q, k_all, v_all, plan, scale):
 
 @pytest.mark.parametrize("w", [1, 2, 4, 8])
 def test_every_rank_of_a_simulated_group(w):
-    """The per-rank core on hand-gathered K/V (no processes): the dense kernel and the varlen
-    segments (emulated) both give the single-rank answer on every rank, W up to 8."""
+    """The per-rank core on hand-gathered K/V (no processes): the dense kernel, the varlen
+    segments (emulated) and FlexAttention (eager, with its block mask) give the single-rank answer
+    on every rank, W up to 8."""
     scale = 0.3
     for cu in packings(w):
         q, k, v, _ = global_tensors(cu[-1], seed=5)
@@ -250,6 +252,58 @@ def test_every_rank_of_a_simulated_group(w):
             torch.testing.assert_close(dense, ref[ids], atol=TOL, rtol=0)
             emulated = _emulated_varlen(q[ids], k[gathered], v[gathered], plan, scale)
             torch.testing.assert_close(emulated, ref[ids], atol=TOL, rtol=0)
+            flex = attend_zigzag_shard(q[ids], k[gathered], v[gathered], plan, softmax_scale=scale, backend="flex")
+            torch.testing.assert_close(flex, ref[ids], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("w,block", [(1, 4), (1, 8), (2, 4), (4, 8)])
+def test_flex_block_mask_covers_exactly_the_visible_pairs(w, block):
+    """FlexAttention's tiles (built from per-block position ranges): every visible (query, key)
+    pair lies in a visited tile, every tile marked full is visible throughout, and tiles are
+    skipped (across documents, above the diagonal), so the mask is sparse."""
+    from relax_gdn.model.attention_kernels import flex_block_classes
+
+    unit = 2 * w
+    for lengths in ([10, 0, 3, 1, 6, 0], [7], [2, 2, 2, 2, 8]):
+        cu = np.concatenate([[0], np.cumsum(np.array(lengths) * unit * 2)]).tolist()
+        for r in range(w):
+            q_pos, q_start, k_pos = build_zigzag_attention_plan(cu, w, r).dense_host
+            visible = (k_pos[None, :] >= q_start[:, None]) & (k_pos[None, :] <= q_pos[:, None])
+            partial, full = flex_block_classes(q_pos, q_start, k_pos, block)
+            assert not (partial & full).any()
+            nq, nk = partial.shape
+            tiles = np.zeros((nq, nk, 2), dtype=bool)  # (any visible pair, every pair visible)
+            for i in range(nq):
+                for j in range(nk):
+                    tile = visible[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    tiles[i, j] = tile.any(), tile.all()
+            assert not (tiles[..., 0] & ~(partial | full)).any(), "a visible pair in a skipped tile"
+            assert not (full & ~tiles[..., 1]).any(), "a tile marked full has a hidden pair"
+            if w == 1 and len(lengths) > 1:
+                assert full.any() and (~(partial | full)).any(), (lengths, r)
+
+
+def test_backends_on_cpu():
+    """flex runs forward on CPU (eager) and refuses training there; cudnn and fa4 refuse with the
+    reason; ``auto`` stays ``sdpa`` on CPU whatever kernel wins on CUDA."""
+    from relax_gdn.model import attention_kernels
+
+    cu = packings(1)[0]
+    q, k, v, _ = global_tensors(cu[-1], seed=12)
+    sdpa = core(backend="sdpa")(q, k, v, None, packed_seq_params=packed(cu))
+    flex = core(backend="flex")(q, k, v, None, packed_seq_params=packed(cu))
+    torch.testing.assert_close(flex, sdpa, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="'flex' cannot run here: FlexAttention has no backward on CPU"):
+        core(backend="flex")(q.requires_grad_(True), k, v, None, packed_seq_params=packed(cu))
+    q = q.detach()
+    for backend, why in (("cudnn", "needs CUDA"), ("fa4", "flash-attn-4|needs CUDA")):
+        with pytest.raises(ValueError, match=f"'{backend}' cannot run here: .*({why})"):
+            core(backend=backend)(q, k, v, None, packed_seq_params=packed(cu))
+    plan = build_zigzag_attention_plan(cu, 1, 0)
+    for winner in ("flex", "fa4", "cudnn"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention_kernels, "AUTO_ATTENTION_BACKEND", winner)
+            assert attention_kernels.choose_backend("auto", q, plan) == "sdpa"
 
 
 def test_auto_backend_on_cpu_is_sdpa_and_varlen_refuses():

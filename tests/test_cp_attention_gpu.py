@@ -1,7 +1,7 @@
-"""relax_gdn.model.attention on CUDA: the varlen (flash) kernel equals the dense SDPA reference on
-every rank of simulated CP groups (fwd and bwd, bf16/fp16), fp32 falls back to SDPA, the varlen
-causal mask is bottom-right aligned, no host syncs once the plan is cached, and (2 GPUs) the
-module on NCCL equals the single-GPU result."""
+"""relax_gdn.model.attention on CUDA: the varlen (flash) kernel, and flex / cudnn / fa4 where they
+run, equal the dense SDPA reference on every rank of simulated CP groups (fwd and bwd, bf16/fp16),
+fp32 falls back to SDPA, the varlen causal mask is bottom-right aligned, no host syncs once the
+plan is cached, and (2 GPUs) the module on NCCL equals the single-GPU result."""
 
 from __future__ import annotations
 
@@ -77,6 +77,36 @@ def test_varlen_equals_sdpa_on_every_rank(w, cu, heads, groups, dim, dtype):
             # the flash kernel must be about as close to fp32 as SDPA in the same dtype is
             bound = max(2.5 * _rel(lo, ref_t), 2e-2 if dtype == torch.bfloat16 else 4e-3)
             assert _rel(g, ref_t) < bound, (w, r, name, _rel(g, ref_t), _rel(lo, ref_t))
+
+
+# the other kernels on the shapes they serve: cudnn is CP 1 with documents > 128 tokens
+OTHER_KERNEL_CASES = [
+    ("flex", 1, PACKINGS[0][1]), ("flex", 2, PACKINGS[1][1]), ("flex", 4, PACKINGS[2][1]),
+    ("cudnn", 1, [0, 1000, 1000, 1512, 4096]),
+    ("fa4", 1, PACKINGS[0][1]), ("fa4", 2, PACKINGS[1][1]), ("fa4", 8, PACKINGS[3][1]),
+]
+
+
+@pytest.mark.parametrize("heads,groups,dim", [(8, 2, 128), (16, 4, 256)])
+@pytest.mark.parametrize("backend,w,cu", OTHER_KERNEL_CASES)
+def test_kernel_equals_sdpa_on_every_rank(backend, w, cu, heads, groups, dim):
+    """flex, cudnn and fa4 (bf16, fwd + bwd, GQA, head dim up to 256) against fp32 SDPA on every rank,
+    as close as SDPA in bf16 is; skipped with the reason where a kernel cannot run here."""
+    from relax_gdn.model.attention import build_zigzag_attention_plan
+    from relax_gdn.model.attention_kernels import unsupported_reason
+
+    q, k, v, grad = _case(cu, heads, groups, dim, seed=w + dim)
+    reason = unsupported_reason(backend, q.bfloat16(), build_zigzag_attention_plan(cu, w, 0, "cuda"))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    scale = 1 / math.sqrt(dim)
+    for r in range(w):
+        ref = _rank_run(q, k, v, grad, cu, w, r, torch.float32, "sdpa", scale)
+        low = _rank_run(q, k, v, grad, cu, w, r, torch.bfloat16, "sdpa", scale)
+        got = _rank_run(q, k, v, grad, cu, w, r, torch.bfloat16, backend, scale)
+        for name, g, lo, ref_t in zip(("out", "dq", "dk", "dv"), got, low, ref):
+            bound = max(2.5 * _rel(lo, ref_t), 2e-2)
+            assert _rel(g, ref_t) < bound, (backend, w, r, name, _rel(g, ref_t), _rel(lo, ref_t))
 
 
 @pytest.mark.parametrize("w,cu", PACKINGS[1:3])
@@ -157,9 +187,17 @@ def _module_step(module, psp, q, k, v, grad):
 def test_module_forward_backward_without_host_syncs():
     """After the first micro-batch step builds the cached plan, a forward + backward on the same
     micro-batch (every other layer, recompute) issues no device->host sync."""
+    from relax_gdn.model.attention import build_zigzag_attention_plan
+    from relax_gdn.model.attention_kernels import unsupported_reason
+
     cu = [0, 1000, 1000, 1512, 1528, 4096]
     q, k, v, grad = (x.bfloat16() for x in _case(cu, 8, 2, 128, seed=3))
-    for backend in ("varlen", "sdpa"):
+    plan = build_zigzag_attention_plan(cu, 1, 0, "cuda")
+    ran = []
+    for backend in ("varlen", "sdpa", "flex", "fa4"):
+        if unsupported_reason(backend, q, plan) is not None:
+            continue
+        ran.append(backend)
         module, psp = _module_and_batch(cu, None, torch.bfloat16, backend)
         _module_step(module, psp, q, k, v, grad)  # builds the plan
         torch.cuda.synchronize()
@@ -169,6 +207,7 @@ def test_module_forward_backward_without_host_syncs():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert out.shape == (cu[-1], 8 * 128)
+    assert ran[:2] == ["varlen", "sdpa"], ran
 
 
 def _nccl_cases():

@@ -154,6 +154,11 @@ def test_jsonl_round_trip_skips_and_counts_broken_records(tmp_path):
         "bad_messages": 0, "no_assistant_turn": 0,
     }
     assert set(data.counts.as_dict()) - {"total", "kept"} == set(SKIP_REASONS)
+    # a too-long record says how long it is, the limit, and the key that sets the limit
+    (too_long,) = [line for line in data.counts.report_lines() if ": too_long" in line]
+    length = len(BYTE.encode_sft("long", "y" * 500)[0])
+    assert too_long == (f"{path}:6: too_long ({length} tokens > 64 allowed (data.max_sample_tokens; when null, "
+                        "train.max_tokens_per_gpu x CP size))")
 
 
 def test_parquet_round_trip_custom_fields_and_directories(tmp_path):

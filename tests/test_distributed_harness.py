@@ -32,12 +32,12 @@ def _rank_one_blocks_forever() -> None:
 
 
 def test_every_rank_returns_its_result():
-    assert run_distributed(_rank_sums, 2) == [3.0, 3.0]
+    assert run_distributed(_rank_sums, 2, runtime=False) == [3.0, 3.0]
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback_first():
     with pytest.raises(AssertionError) as failure:
-        run_distributed(_rank_one_raises_while_rank_zero_waits, 2)
+        run_distributed(_rank_one_raises_while_rank_zero_waits, 2, runtime=False)
     message = str(failure.value)
     first = message.split("--- rank ")[1]  # the earliest failure is reported first
     assert first.startswith("1 raised")
@@ -48,7 +48,7 @@ def test_a_failing_rank_fails_the_run_with_its_traceback_first():
 
 def test_a_run_past_its_limit_fails_with_the_stacks_of_the_ranks_left():
     with pytest.raises(AssertionError) as failure:
-        run_distributed(_rank_one_blocks_forever, 2, timeout_s=30)
+        run_distributed(_rank_one_blocks_forever, 2, timeout_s=30, runtime=False)
     message = str(failure.value)
     assert "passed its 30 s limit" in message
     assert "--- rank 1 stacks ---" in message

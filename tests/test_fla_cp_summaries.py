@@ -1,5 +1,6 @@
 """relax_gdn.gdn.fla_cp_summaries: which CP transition summaries some rank reads, decided from FLA's
-own rank metadata, checked against FLA's merge rule; and the explicit install / uninstall.
+own rank metadata, checked against FLA's merge rule; the explicit install / uninstall; and that
+only the CP contexts a layer marks are skipped.
 
 The kernels themselves need CUDA: tests/test_gdn_layer_gpu.py checks that the chunkwise layer
 gives bit-identical results with and without the skip."""
@@ -80,20 +81,23 @@ def test_install_replaces_and_uninstall_restores_fla_functions():
     assert chunk.chunk_gated_delta_rule_fwd_h_pre_process is chunk_delta_h.chunk_gated_delta_rule_fwd_h_pre_process
 
 
-def test_uninstalled_restores_the_previous_state():
+def test_only_a_marked_context_is_skipped_and_marking_needs_the_patch():
+    context = _contexts([0, 128], 2)[1]
+    context.group = object()  # stands for the CP group: the rule reads only whether there is one
+    assert not fla_cp_summaries.installed()
+    with pytest.raises(RuntimeError, match=r"relax_gdn\.runtime\.Runtime"):
+        fla_cp_summaries.skip_unread_summaries_of(context)  # the patch is not there to honour it
+    assert not fla_cp_summaries._skippable(context, use_graph=False)
     fla_cp_summaries.install()
     try:
-        with fla_cp_summaries.uninstalled():
-            assert not fla_cp_summaries.installed()
-            with fla_cp_summaries.uninstalled():  # nested: must not reinstall inside the outer block
-                pass
-            assert not fla_cp_summaries.installed()
-        assert fla_cp_summaries.installed()
+        unmarked = _contexts([0, 128], 2)[1]
+        unmarked.group = object()
+        fla_cp_summaries.skip_unread_summaries_of(context)
+        assert fla_cp_summaries._skippable(context, use_graph=False)
+        assert not fla_cp_summaries._skippable(context, use_graph=True)  # FLA's CUDA-graph branch
+        assert not fla_cp_summaries._skippable(unmarked, use_graph=False)  # another layer's choice
     finally:
         fla_cp_summaries.uninstall()
-    with fla_cp_summaries.uninstalled():
-        pass
-    assert not fla_cp_summaries.installed()  # was not installed before the block
 
 
 def test_install_refuses_another_fla_version(monkeypatch):

@@ -1,10 +1,10 @@
-"""FLA 0.6's native zigzag CP (``relax_gdn.gdn.kernels.fla_zigzag_cp``) on 2 GPUs (NCCL): a
+"""FLA 0.6's native zigzag CP (``GDNOptions.fla_zigzag_cp``) on 2 GPUs (NCCL): a
 one-document micro-batch scanned on its zigzag rows equals the single-rank fp32 torch reference
 and the swap + contiguous chunkwise path (output, input gradient, every parameter gradient), with
 no swap and no host sync; a micro-batch of several documents is left to the swap path (bit for
 bit). Shapes as in ``test_gdn_layer_gpu`` (Qwen3.5-9B heads), bf16.
 
-The one-document check and the switch run on CPU too.
+The one-document check and the option's kernel choice run on CPU too.
 """
 
 from __future__ import annotations
@@ -28,18 +28,15 @@ def test_one_document_ignores_empty_padding_slots():
     assert not one_document(np.array([0, 0]))
 
 
-def test_fla_zigzag_cp_switches_and_restores_and_the_reference_never_uses_it():
-    from relax_gdn.gdn.kernels import FlaKernels, TorchKernels, fla_zigzag_cp
+def test_fla_zigzag_cp_is_the_layers_option_and_the_reference_never_uses_it():
+    pytest.importorskip("fla.ops.cp")
+    from relax_gdn.gdn.kernels import select_kernels
+    from relax_gdn.gdn.options import GDNOptions
 
-    assert not FlaKernels.zigzag_cp
-    with pytest.raises(RuntimeError, match="inside"):
-        with fla_zigzag_cp():
-            assert FlaKernels.zigzag_cp and not TorchKernels.zigzag_cp
-            with fla_zigzag_cp():  # nested: the outer block's setting survives the inner one
-                pass
-            assert FlaKernels.zigzag_cp
-            raise RuntimeError("inside")
-    assert not FlaKernels.zigzag_cp
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # names only: no GPU is touched
+    assert not GDNOptions().fla_zigzag_cp and not select_kernels(GDNOptions(kernel_backend="fla"), cuda).zigzag_cp
+    assert select_kernels(GDNOptions(kernel_backend="fla", fla_zigzag_cp=True), cuda).zigzag_cp
+    assert not select_kernels(GDNOptions(kernel_backend="torch", fla_zigzag_cp=True), cpu).zigzag_cp
 
 
 def _swaps(fn) -> int:
@@ -54,7 +51,6 @@ def _zigzag_cases():
     import torch.distributed as dist
 
     from relax_gdn.bench.timing import count_host_syncs
-    from relax_gdn.gdn.kernels import fla_zigzag_cp
     from tests import gdn_harness as h
     from tests.gdn_harness import HIDDEN, nine_b_heads
     from tests.gdn_harness import as_fp32 as _as_fp32
@@ -65,28 +61,28 @@ def _zigzag_cases():
     dtype = torch.bfloat16
     device, _, reference, fla_layer = nine_b_heads(dtype)
     layer = fla_layer()
+    native_layer = fla_layer(fla_zigzag_cp=True)
     x = torch.randn(ONE_DOCUMENT[-1], 1, HIDDEN, device=device)
     weight = torch.randn_like(x)
     results = {}
 
-    def run(cu):
-        return _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(cu, device), 2, rank, world, cu=cu))
+    def run(cu, on=layer):
+        return _as_fp32(h.cp_run(on, x.to(dtype), weight.to(dtype), h.packed_params(cu, device), 2, rank, world, cu=cu))
 
     ref = h.reference_run(reference, x, weight, h.packed_params(ONE_DOCUMENT, device))
     swapped = run(ONE_DOCUMENT)
-    with fla_zigzag_cp():
-        native = run(ONE_DOCUMENT)
-        ids = native[3]
-        psp = h.packed_params(ONE_DOCUMENT, device)
+    native = run(ONE_DOCUMENT, native_layer)
+    ids = native[3]
+    psp = h.packed_params(ONE_DOCUMENT, device)
 
-        def call():
-            out, _ = layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)
-            out.backward(weight[ids].to(dtype))
+    def call():
+        out, _ = native_layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)
+        out.backward(weight[ids].to(dtype))
 
-        call()  # routes, FLA context and chunk index of this micro-batch built
-        results["swaps, native"] = _swaps(call)
-        results["host syncs, native"] = count_host_syncs(call)
-        several_native = run(SEVERAL)
+    call()  # routes, FLA context and chunk index of this micro-batch built
+    results["swaps, native"] = _swaps(call)
+    results["host syncs, native"] = count_host_syncs(call)
+    several_native = run(SEVERAL, native_layer)
 
     def swap_path_call():
         out, _ = layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=h.packed_params(ONE_DOCUMENT, device))

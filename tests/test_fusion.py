@@ -88,39 +88,44 @@ def test_chunk_tokens_bound_the_logits():
     assert fusion.cross_entropy_chunk_tokens(10**9) == 256  # never below one block of tokens
 
 
-def test_fusion_set_to_restores_previous_setting():
-    assert fusion.active_fusion() == fusion.Fusion()
-    with fusion.fusion_set_to(cross_entropy=False):
-        assert fusion.active_fusion() == fusion.Fusion(norms=True, cross_entropy=False)
-        with fusion.fusion_set_to(norms=False):
-            assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=False)
-            with fusion.fusion_set_to(cross_entropy=True):
-                assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=True)
-            assert fusion.active_fusion() == fusion.Fusion(norms=False, cross_entropy=False)
-        assert fusion.active_fusion() == fusion.Fusion(norms=True, cross_entropy=False)
-    assert fusion.active_fusion() == fusion.Fusion()
+def test_fusion_is_fixed_when_a_module_is_built():
+    """A Fusion cannot change after a module holds it, and nothing process-wide stands in for it."""
+    import dataclasses
+
+    setting = fusion.Fusion(cross_entropy=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setting.norms = False
+    assert setting == fusion.Fusion(norms=True, cross_entropy=False, embedding_grad_into_main_grad=True)
+    assert not [n for n in dir(fusion) if n in ("_active", "active_fusion", "fusion_in_effect", "fusion_set_to")]
 
 
-def test_a_module_built_with_a_setting_keeps_it():
-    """A norm built with its own Fusion ignores the process-wide A/B switch; one built without
-    follows it (the GDN options' pattern)."""
+def test_a_module_built_with_a_setting_keeps_it(monkeypatch):
+    """Two norms built with different Fusions, called interleaved, each run their own form; a norm
+    built without one runs the default (fused)."""
     from megatron.core.transformer import TransformerConfig
 
+    from relax_gdn.model import norms
     from relax_gdn.model.norms import RMSNorm
 
+    fused_calls = []
+    real = norms.fused_rms_norm
+    monkeypatch.setattr(norms, "fused_rms_norm", lambda *args: fused_calls.append(1) or real(*args))
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, normalization="RMSNorm",
                                use_cpu_initialization=True)
     own = RMSNorm(config, 8, fusion=fusion.Fusion(norms=False))
-    follows = RMSNorm(config, 8)
-    with fusion.fusion_set_to(norms=True):
-        assert fusion.fusion_in_effect(own.fusion).norms is False
-        assert fusion.fusion_in_effect(follows.fusion).norms is True
-    with fusion.fusion_set_to(norms=False):
-        assert fusion.fusion_in_effect(follows.fusion).norms is False
+    default = RMSNorm(config, 8)
+    assert default.fusion == fusion.Fusion()
+    x = torch.randn(3, 8)
+    own(x)
+    assert fused_calls == []
+    default(x)
+    own(x)
+    default(x)
+    assert len(fused_calls) == 2
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_tiny_model_trains_the_same_with_fusion_on_and_off():
+def test_tiny_model_trains_the_same_with_fusion_on_and_off(runtime):
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
     and the chunked loss compute the plain path's function and gradients inside the real model."""
     fused = _train(**{"model.fused_norms": True, "model.fused_cross_entropy": True})
@@ -159,14 +164,12 @@ def test_embedding_adds_its_rows_into_main_grad(dtype):
 def _tiny_model_embedding_grad():
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from tests.gdn_harness import packed_params
     from tests.model_harness import CU
     from tests.model_harness import batch as _batch
     from tests.model_harness import build as _build
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     single = dist.new_group([0])
     torch.manual_seed(0)
@@ -175,19 +178,26 @@ def _tiny_model_embedding_grad():
     mask = (torch.arange(tokens.shape[1]) % 3 != 0).float()[None]  # some tokens carry no loss
     embedding, output = "embedding.word_embeddings.weight", "output_layer.weight"
     params = dict(model.named_parameters())
+    plain_model = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single,
+                         fusion=fusion.Fusion(embedding_grad_into_main_grad=False))
+    plain_model.load_state_dict(model.state_dict())
+    plain_params = dict(plain_model.named_parameters())
+    for name in (embedding, output):
+        _as_ddp_parameter(plain_params[name], 0.25)
 
-    def run():
+    def run(model):
+        params = dict(model.named_parameters())
         loss = model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(CU, "cpu"))
         (loss / 7.0).backward()  # the loop's 1 / loss tokens
         grads = {n: p.grad.detach().clone() for n, p in params.items()}
         model.zero_grad(set_to_none=True)
         return loss.detach(), grads
 
-    with fusion.fusion_set_to(embedding_grad_into_main_grad=False):
-        plain_loss, plain = run()
     for name in (embedding, output):  # what Megatron-Core's DDP gives its parameters
         _as_ddp_parameter(params[name], 0.25)
-    fused_loss, fused = run()
+    fused_loss, fused = run(model)
+    plain_loss, plain = run(plain_model)  # built to keep its gradient: main_grad stays untouched
+    plain_untouched = all(bool((plain_params[n].main_grad == 0.25).all()) for n in (embedding, output))
     return {
         "embedding_class": type(model.embedding.word_embeddings).__name__,
         "loss_equal": torch.equal(fused_loss, plain_loss),
@@ -196,6 +206,7 @@ def _tiny_model_embedding_grad():
         # the output layer keeps its own gradient (DDP's hook adds it): main_grad untouched here
         "output_untouched": bool((params[output].main_grad == 0.25).all()) and not params[output].grad_added_to_main_grad,
         "others_equal": all(torch.equal(fused[n], plain[n]) for n in params if n != embedding),
+        "plain_untouched": plain_untouched and not plain_params[embedding].grad_added_to_main_grad,
         "repeated_ids": int(tokens.numel() - tokens.unique().numel()),
     }
 
@@ -207,4 +218,5 @@ def test_tiny_model_embedding_gradient_lands_in_main_grad(gloo):
     assert result["embedding_class"] == "_VocabEmbeddingIntoMainGrad"
     assert result["repeated_ids"] > 0  # the batch repeats ids: their rows must sum
     assert result["loss_equal"] and result["others_equal"] and result["handed_over"] and result["output_untouched"]
+    assert result["plain_untouched"]  # the model built without the fusion keeps its own gradient
     assert result["embedding"] < FP32_TOL

@@ -163,7 +163,7 @@ def _train_reduced(**overrides):
     return run_training(cfg, None).records
 
 
-def test_tiny_model_embedding_gradient_through_ddp():
+def test_tiny_model_embedding_gradient_through_ddp(runtime):
     """Megatron-Core's DDP and distributed optimizer on one GPU, the tiny model: with the embedding's
     gradient added into its main grad (and the fused wgrad GEMMs) the first step's grad norm and
     the losses after two Adam updates match DDP's own adds (a lost or doubled add shows)."""
@@ -176,7 +176,7 @@ def test_tiny_model_embedding_gradient_through_ddp():
     assert fused[-1]["host_syncs"] == 0
 
 
-def test_reduced_9b_fused_and_selective_match_plain():
+def test_reduced_9b_fused_and_selective_match_plain(runtime):
     plain = _train_reduced(**{"model.fused_norms": False, "model.fused_cross_entropy": False,
                               "model.fused_swiglu": False, "model.fused_grad_accumulation": False})
     fused = _train_reduced()

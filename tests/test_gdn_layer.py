@@ -18,10 +18,8 @@ SHORT_PREFIXES = [0, 16, 48, 88, 120, 160]
 def _parity_cases(world_size: int):
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests import gdn_harness as h
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.group.WORLD
     single = h.self_group()
@@ -36,33 +34,33 @@ def _parity_cases(world_size: int):
     weight = torch.randn(h.PACKED[-1], 1, config.hidden_size)
     ref = h.reference_run(reference, x, weight, h.packed_params(h.PACKED, "cpu"))
 
-    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
+    from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 
-    # Chunkwise passes the recurrent state between ranks here, where the general path is tested;
-    # recomputed prefixes (the default for short ones) are the cases further down.
-    with prefixes_recomputed_up_to(0):
-        results = {}
-        for mode in ("chunkwise", "headwise", "all_gather"):
-            for strategy in ("lazy_cache", "prebuild"):
-                layer = h.build_gdn(config, world, single, mode, route=strategy)
-                layer.load_state_dict(reference.state_dict())
-                psp = h.packed_params(h.PACKED, "cpu")
-                got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
-                results[(mode, strategy)] = max(h.max_errors(ref, got, got[3]).values())
-
-        # dynamic CP: one module sees W = 4 -> 2 -> 1 -> 4 (or 2 -> 1 -> 2) in consecutive micro-batches
-        pairs = [dist.new_group(list(range(s, s + 2))) for s in range(0, world_size, 2)]
-        my_pair = pairs[rank // 2]
-        for mode in ("chunkwise", "headwise"):
-            layer = h.build_gdn(config, world, single, mode, max_cp_size=world_size)
+    # Chunkwise passes the recurrent state between ranks here (layers built with
+    # max_recomputed_prefix=0), where the general path is tested; recomputed prefixes (the default
+    # for short ones) are the cases further down.
+    results = {}
+    for mode in ("chunkwise", "headwise", "all_gather"):
+        for strategy in ("lazy_cache", "prebuild"):
+            layer = h.build_gdn(config, world, single, mode, route=strategy, max_recomputed_prefix=0)
             layer.load_state_dict(reference.state_dict())
-            errs = []
-            for size, group in ((world_size, None), (2, my_pair), (1, single), (world_size, None)):
-                psp = h.packed_params(h.PACKED, "cpu", cp_group=group, local_cp_size=size if group else None)
-                sub_rank = dist.get_rank(group) if group is not None else rank
-                got = h.cp_run(layer, x, weight, psp, size, sub_rank, group or world)
-                errs.append(max(h.max_errors(ref, got, got[3]).values()))
-            results[(mode, "dynamic")] = max(errs)
+            psp = h.packed_params(h.PACKED, "cpu")
+            got = h.cp_run(layer, x, weight, psp, world_size, rank, world, prebuild=strategy == "prebuild")
+            results[(mode, strategy)] = max(h.max_errors(ref, got, got[3]).values())
+
+    # dynamic CP: one module sees W = 4 -> 2 -> 1 -> 4 (or 2 -> 1 -> 2) in consecutive micro-batches
+    pairs = [dist.new_group(list(range(s, s + 2))) for s in range(0, world_size, 2)]
+    my_pair = pairs[rank // 2]
+    for mode in ("chunkwise", "headwise"):
+        layer = h.build_gdn(config, world, single, mode, max_cp_size=world_size, max_recomputed_prefix=0)
+        layer.load_state_dict(reference.state_dict())
+        errs = []
+        for size, group in ((world_size, None), (2, my_pair), (1, single), (world_size, None)):
+            psp = h.packed_params(h.PACKED, "cpu", cp_group=group, local_cp_size=size if group else None)
+            sub_rank = dist.get_rank(group) if group is not None else rank
+            got = h.cp_run(layer, x, weight, psp, size, sub_rank, group or world)
+            errs.append(max(h.max_errors(ref, got, got[3]).values()))
+        results[(mode, "dynamic")] = max(errs)
 
     # every rank cut on a document boundary: each slice is scanned alone, no CP scan or conv
     from relax_gdn.gdn import reference as gdn_reference
@@ -83,16 +81,15 @@ def _parity_cases(world_size: int):
         for label, cu, recompute_up_to in (
             ("crossing", h.PACKED, 0),
             ("whole documents per rank", WHOLE_DOCUMENTS_PER_RANK, 0),
-            ("short prefixes recomputed (the default limit)", SHORT_PREFIXES, CPGatedDeltaNet.max_recomputed_prefix),
+            ("short prefixes recomputed (the default limit)", SHORT_PREFIXES, DEFAULT_MAX_RECOMPUTED_PREFIX),
             ("prefixes over the limit", SHORT_PREFIXES, 8),
         ):
             x_cu, w_cu = torch.randn(cu[-1], 1, config.hidden_size), torch.randn(cu[-1], 1, config.hidden_size)
             ref_cu = h.reference_run(reference, x_cu, w_cu, h.packed_params(cu, "cpu"))
-            layer = h.build_gdn(config, world, single, "chunkwise")
+            layer = h.build_gdn(config, world, single, "chunkwise", max_recomputed_prefix=recompute_up_to)
             layer.load_state_dict(reference.state_dict())
             calls["cp"] = 0
-            with prefixes_recomputed_up_to(recompute_up_to):
-                got = h.cp_run(layer, x_cu, w_cu, h.packed_params(cu, "cpu"), world_size, rank, world, cu=cu)
+            got = h.cp_run(layer, x_cu, w_cu, h.packed_params(cu, "cpu"), world_size, rank, world, cu=cu)
             cp_calls[label] = calls["cp"]
             results[("chunkwise", label)] = max(h.max_errors(ref_cu, got, got[3]).values())
     finally:
@@ -128,10 +125,8 @@ def _single_process_checks():
     """Everything that needs only a group of one: state_dict, errors, CP = 1 without collectives."""
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests import gdn_harness as h
 
-    apply_cpu_shims()
     world = dist.group.WORLD
     config = h.tiny_config()
     outcome = {}
@@ -152,12 +147,11 @@ def _single_process_checks():
     outs = [layers[m](x, None, packed_seq_params=psp)[0] for m in layers]
     outcome["cp1_modes_agree"] = all(torch.equal(outs[0], o) for o in outs[1:])
 
-    # a layer told its prefix limit keeps it; one built without follows the A/B switch
-    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
-
+    # a layer keeps the prefix limit it was built with, the default when none is given; a bad one
+    # is refused at build
     told, untold = h.build_gdn(config, world, world, max_recomputed_prefix=0), h.build_gdn(config, world, world)
-    with prefixes_recomputed_up_to(64):
-        outcome["prefix_limits"] = (told.max_recomputed_prefix, untold.max_recomputed_prefix)
+    outcome["prefix_limits"] = (told.max_recomputed_prefix, untold.max_recomputed_prefix)
+    outcome["bad_prefix_limit"] = value_error_message(lambda: h.build_gdn(config, world, world, max_recomputed_prefix=-1))
     outcome["unknown_mode"] = value_error_message(lambda: h.build_gdn(config, world, world, "ringwise"))
     outcome["headwise_heads"] = value_error_message(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
     outcome["chunkwise_deterministic"] = value_error_message(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
@@ -171,7 +165,10 @@ def _single_process_checks():
 def test_state_dict_cp1_and_errors(gloo):
     (outcome,) = gloo(_single_process_checks, 1)
     assert outcome["same_state_dict"] and outcome["stock_keys"] and outcome["cp1_modes_agree"]
-    assert outcome["prefix_limits"] == (0, 64)
+    from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
+
+    assert outcome["prefix_limits"] == (0, DEFAULT_MAX_RECOMPUTED_PREFIX)
+    assert "gdn.max_recomputed_prefix=-1" in outcome["bad_prefix_limit"]
     assert "gdn.cp_mode='ringwise'" in outcome["unknown_mode"]
     assert "linear_num_key_heads=2" in outcome["headwise_heads"] and "chunkwise" in outcome["headwise_heads"]
     assert "deterministic" in outcome["chunkwise_deterministic"]
@@ -192,31 +189,37 @@ def test_fla_fp32_gradient_caveat_covers_fp32_on_hopper_only():
     assert fla_fp32_gradient_caveat(torch.float32, (10, 0)) is None
 
 
-def test_gate_outside_fla_switches_and_restores():
-    from relax_gdn.gdn.kernels import FlaKernels, gate_outside_fla
+def test_fla_kernel_choices_are_each_layers_options():
+    """The gate's place and FLA's zigzag CP come from the layer's GDNOptions: one kernel instance per
+    distinct choice, none of them a setting of the process."""
+    pytest.importorskip("fla.ops.cp")
+    from relax_gdn.gdn import kernels
+    from relax_gdn.gdn.options import GDNOptions
 
-    assert FlaKernels.fused_gate
-    with pytest.raises(RuntimeError, match="inside"):
-        with gate_outside_fla():
-            assert not FlaKernels.fused_gate
-            with gate_outside_fla():  # nested: the outer block's setting survives the inner one
-                pass
-            assert not FlaKernels.fused_gate
-            raise RuntimeError("inside")
-    assert FlaKernels.fused_gate
+    cuda = torch.device("cuda")  # a device name only: building the FLA kernels touches no GPU
+    plain = kernels.select_kernels(GDNOptions(kernel_backend="fla"), cuda)
+    gate_outside = kernels.select_kernels(GDNOptions(kernel_backend="fla", fla_fused_gate=False), cuda)
+    zigzag = kernels.select_kernels(GDNOptions(kernel_backend="fla", fla_zigzag_cp=True), cuda)
+    assert (plain.fused_gate, plain.zigzag_cp, plain.skip_unread_cp_summaries) == (True, False, True)
+    assert (gate_outside.fused_gate, gate_outside.zigzag_cp) == (False, False)
+    assert (zigzag.fused_gate, zigzag.zigzag_cp) == (True, True)
+    assert kernels.select_kernels(GDNOptions(kernel_backend="fla", fla_fused_gate=False), cuda) is gate_outside
+    reference = kernels.select_kernels(GDNOptions(fla_zigzag_cp=True), torch.device("cpu"))
+    assert reference.name == "torch" and not reference.zigzag_cp  # the reference scans contiguous slices only
+    assert not [n for n in dir(kernels) if n in ("gate_outside_fla", "fla_zigzag_cp")]
 
 
-def test_max_recomputed_prefix_is_checked_set_and_restored():
-    from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
-    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to, set_max_recomputed_prefix
+def test_max_recomputed_prefix_and_swap_transport_are_checked_with_real_defaults():
+    from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX, layer
+    from relax_gdn.gdn.options import GDNOptions, gdn_option_problems
 
-    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX
-    for bad in (-1, 1.5, True, "1024"):
-        with pytest.raises(ValueError, match=r"gdn\.max_recomputed_prefix"):
-            set_max_recomputed_prefix(bad)
-    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX  # refused: nothing set
-    with prefixes_recomputed_up_to(64):
-        with prefixes_recomputed_up_to(0):
-            assert CPGatedDeltaNet.max_recomputed_prefix == 0
-        assert CPGatedDeltaNet.max_recomputed_prefix == 64  # the previous setting, not the default
-    assert CPGatedDeltaNet.max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX
+    assert GDNOptions().max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX
+    assert GDNOptions().swap_transport == "auto"
+    assert gdn_option_problems(GDNOptions()) == [] and gdn_option_problems(GDNOptions(max_recomputed_prefix=0)) == []
+    for bad in (-1, 1.5, True, "1024", None):
+        problems = gdn_option_problems(GDNOptions(max_recomputed_prefix=bad))
+        assert len(problems) == 1 and "gdn.max_recomputed_prefix" in problems[0], (bad, problems)
+    assert "gdn.swap_transport=None" in " ".join(gdn_option_problems(GDNOptions(swap_transport=None)))
+    # the limit is each layer's (told at build), not a class attribute or a setter of the process
+    assert not hasattr(layer.CPGatedDeltaNet, "max_recomputed_prefix")
+    assert not [n for n in dir(layer) if n in ("set_max_recomputed_prefix", "prefixes_recomputed_up_to")]

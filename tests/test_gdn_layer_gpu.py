@@ -2,8 +2,10 @@
 single-rank fp32 torch reference (chunkwise also with the rank cut on a document boundary, where
 each slice is scanned alone, and with the crossing document's prefix recomputed by the next
 rank), zero host syncs in steady-state chunkwise and headwise calls,
-and chunkwise bit-identical with and without ``fla_cp_summaries`` (the skipped summaries are
-multiplied by zero, so skipping them must not change a bit).
+and chunkwise bit-identical with and without ``GDNOptions.fla_skip_unread_cp_summaries`` (the
+skipped summaries are multiplied by zero, so skipping them must not change a bit); and two
+layers built with different options, run interleaved under whole-layer recompute, each giving
+its own result.
 
 Head counts and head dims are Qwen3.5-9B's (16 QK / 32 V heads x 128): FLA autotunes per head
 shape and dtype (minutes per shape on a fresh machine), so the test tunes exactly the kernels
@@ -35,8 +37,7 @@ def _gpu_cases(dtype: torch.dtype):
     import torch.distributed as dist
 
     from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.gdn.kernels import gate_outside_fla
-    from relax_gdn.gdn.layer import CPGatedDeltaNet, prefixes_recomputed_up_to
+    from relax_gdn.gdn.options import GDNOptions
     from tests import gdn_harness as h
 
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -46,43 +47,45 @@ def _gpu_cases(dtype: torch.dtype):
     ref = h.reference_run(reference, x, weight, h.packed_params(CU, device))
     results, syncs, identical, runs = {}, {}, {}, {}
 
-    # chunkwise passes the state through FLA's CP kernels here (the general path); the
-    # recomputed prefix, the default for this batch's 448 tokens before the cut, comes below
-    with prefixes_recomputed_up_to(0):
-        for mode in ("chunkwise", "headwise", "all_gather"):
-            print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
-            layer = fla_layer(mode)
-            psp = h.packed_params(CU, device)
-            got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
-            errors = _vs_reference(ref, got, dtype)
-            runs[mode] = got
-            results[(mode, str(dtype))] = max(errors.values())
-            worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
-            print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
-                  flush=True)
-            if mode == "chunkwise":
-                assert fla_cp_summaries.installed()
-                with fla_cp_summaries.uninstalled():  # FLA's own pre-pass, unread summaries included: same bits
-                    stock = h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
-                identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
-                with gate_outside_fla():  # the gate's activation by torch around FLA, as Megatron-Core
-                    unfused = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
-                results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
-            if mode != "all_gather":
-                ids = got[3]
+    # chunkwise passes the state through FLA's CP kernels here (the general path: layers built
+    # with max_recomputed_prefix=0); the recomputed prefix, the default for this batch's 448
+    # tokens before the cut, comes below
+    for mode in ("chunkwise", "headwise", "all_gather"):
+        print(f"[rank {rank}] {mode} {dtype}: start", flush=True)  # progress for `pytest -s` logs
+        layer = fla_layer(mode, max_recomputed_prefix=0)
+        psp = h.packed_params(CU, device)
+        got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
+        errors = _vs_reference(ref, got, dtype)
+        runs[mode] = got
+        results[(mode, str(dtype))] = max(errors.values())
+        worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
+        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
+              flush=True)
+        if mode == "chunkwise":
+            assert fla_cp_summaries.installed()  # by the Runtime the test harness installs
+            # FLA's own pre-pass, unread summaries included: same bits
+            stock_layer = fla_layer(mode, max_recomputed_prefix=0, fla_skip_unread_cp_summaries=False)
+            stock = h.cp_run(stock_layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
+            identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
+            # the gate's activation by torch around FLA, as Megatron-Core
+            unfused_layer = fla_layer(mode, max_recomputed_prefix=0, fla_fused_gate=False)
+            unfused = _as_fp32(h.cp_run(unfused_layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
+            results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
+        if mode != "all_gather":
+            ids = got[3]
 
-                def call():
-                    xx = x[ids].to(dtype).requires_grad_(True)
-                    out, _ = layer(xx, None, packed_seq_params=psp)
-                    out.backward(weight[ids].to(dtype))
+            def call():
+                xx = x[ids].to(dtype).requires_grad_(True)
+                out, _ = layer(xx, None, packed_seq_params=psp)
+                out.backward(weight[ids].to(dtype))
 
-                syncs[mode] = count_host_syncs(call)  # steady state: routes/checks cached
-                psp_new = h.packed_params(CU, device)  # built outside the counted call
-                where: dict = {}
-                syncs[mode + " (new micro-batch)"] = count_host_syncs(
-                    lambda: layer(x[ids].to(dtype), None, packed_seq_params=psp_new)[0].sum().backward(), where
-                )
-                syncs[mode + " (new micro-batch) at"] = where
+            syncs[mode] = count_host_syncs(call)  # steady state: routes/checks cached
+            psp_new = h.packed_params(CU, device)  # built outside the counted call
+            where: dict = {}
+            syncs[mode + " (new micro-batch)"] = count_host_syncs(
+                lambda: layer(x[ids].to(dtype), None, packed_seq_params=psp_new)[0].sum().backward(), where
+            )
+            syncs[mode + " (new micro-batch) at"] = where
     # every rank cut on a document boundary: chunkwise runs FLA's plain varlen kernels per slice
     layer = fla_layer("chunkwise")
     whole_ref = h.reference_run(reference, x, weight, h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device))
@@ -96,7 +99,7 @@ def _gpu_cases(dtype: torch.dtype):
     # the crossing document's 448 tokens before the cut recomputed by rank 1 instead of passing
     # the state (RecomputedPrefix, on by default up to gdn.max_recomputed_prefix tokens): FLA's
     # plain varlen kernels on the extended slice
-    assert CPGatedDeltaNet.max_recomputed_prefix >= 448
+    assert GDNOptions().max_recomputed_prefix >= 448
     layer = fla_layer("chunkwise")
     psp = h.packed_params(CU, device)
     got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=CU))
@@ -136,3 +139,34 @@ def test_fla_modes_match_reference_and_are_sync_free(dtype):
         assert syncs["chunkwise, prefix recomputed (new micro-batch)"] == 0, syncs
         # a NEW micro-batch too: routes from host copies, FLA's chunk index uploaded non-blocking
         assert syncs["chunkwise (new micro-batch)"] == 0 and syncs["headwise (new micro-batch)"] == 0, syncs
+
+
+# the document over [512, 2560) crosses the CP-2 cut (2048) with 1536 tokens before it: both models
+# pass the state through FLA's CP kernels (max_recomputed_prefix=0 for the first one as well)
+INTERLEAVED_CU = [0, 512, 512, 2560, 3072, 4096]
+
+
+def _interleaved_fla_case():
+    from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.model.fusion import Fusion
+    from tests.model_harness import interleaved_options_case
+
+    return interleaved_options_case("qwen3_5_9b_reduced", 8192, INTERLEAVED_CU, torch.float32, {
+        "defaults": dict(gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0)),
+        "other options": dict(
+            gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0, fla_fused_gate=False,
+                           fla_skip_unread_cp_summaries=False, swap_transport="all_to_all"),
+            fusion=Fusion(norms=False, cross_entropy=False)),
+    })
+
+
+def test_interleaved_fla_options_keep_their_own_results():
+    """Two models (one block of the 9B, fp32, full recompute) with different FLA options (gate in or
+    around FLA, summaries skipped or not, peer memory or NCCL swaps, fused or plain norms and loss),
+    forward a, forward b, backward a, backward b: each gives what it gives alone (up to the
+    run-to-run noise of FLA's non-deterministic CP kernels), its recompute ran inside backward."""
+    for rank, result in enumerate(run_distributed(_interleaved_fla_case, 2, backend="nccl")):
+        print(f"rank {rank}: {result}")
+        assert max(result["interleaved_vs_alone"].values()) < 1e-3, (rank, result)
+        assert result["recomputed_in_backward"] == {"defaults": 1, "other options": 1}, (rank, result)
+        assert result["a_vs_b"] > 0, (rank, result)

@@ -12,7 +12,7 @@
   - the VLM layout (sharded, with vision and MTP tensors) imports to the same weights; broken
     checkpoints raise errors naming the tensor or config field;
   - TP = 2: the shards gather back to the TP = 1 weights, give the same logits, and export the
-    same files.
+    same files; the drop-in export in the VLM layout is that checkpoint, bit for bit.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 def _build_model(checkpoint_dir, tp_group, single_group):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from relax_gdn.model.qwen3_5 import build_qwen3_5_model, qwen3_5_config
+    from relax_gdn.model.qwen3_5 import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
 
     overrides, model_kwargs = hfc.qwen3_5_config_from_hf(checkpoint_dir)
     config = qwen3_5_config(
@@ -258,14 +258,9 @@ def _build_model(checkpoint_dir, tp_group, single_group):
     )
     model_kwargs["vocab_size"] = MODEL_VOCAB
     groups = ProcessGroupCollection(tp=tp_group, cp=single_group, pp=single_group, embd=single_group)
-    return build_qwen3_5_model(
-        config,
-        pg_collection=groups,
-        gdn=GDNOptions(kernel_backend="torch", training=False),
-        spec_provider="local",
-        attention_backend="sdpa",
-        **model_kwargs,
-    ).eval()
+    options = Qwen3_5Options(gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider="local",
+                             attention_backend="sdpa", **model_kwargs)
+    return build_qwen3_5_model(config, options, groups).eval()
 
 
 def _logits(model, ids, tp_group) -> torch.Tensor:
@@ -453,8 +448,11 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
     logits = _logits(model, reference["ids"], tp_group)[:, : reference["logits"].shape[1]]
     export_dir = work / "export_tp2"
     hfc.save_hf_checkpoint(model, export_dir, base_config=work / "text")
+    # the VLM checkpoint's text weights are the ones loaded: its drop-in export is itself, bit for bit
+    hfc.save_drop_in_checkpoint(model, work / "drop_in_tp2", work / "vlm")
     dist.barrier()
     exported, original = hfc.read_hf_state_dict(export_dir), hfc.read_hf_state_dict(work / "text")
+    drop_in, vlm = hfc.read_hf_state_dict(work / "drop_in_tp2"), hfc.read_hf_state_dict(work / "vlm")
     in_proj = "decoder.layers.0.self_attention.in_proj.weight"
     return {
         "gathered_equal": all(
@@ -466,16 +464,17 @@ def _tp2_checks(work: Path, tp_group, single) -> dict:
         "logit_scale": reference["logits"].abs().max().item(),
         "export_equal": exported.keys() == original.keys()
         and all(torch.equal(exported[k], original[k]) for k in original),
+        "drop_in_equal": drop_in.keys() == vlm.keys() and all(torch.equal(drop_in[k], vlm[k]) for k in vlm),
+        "drop_in_files": hfc.HFCheckpoint.read(work / "drop_in_tp2").tensors
+        == hfc.HFCheckpoint.read(work / "vlm").tensors,
     }
 
 
 def _spawned_checks(workdir: str) -> dict:
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from tests.gdn_harness import self_group
 
-    apply_cpu_shims()
     torch.set_num_threads(1)
     work, rank = Path(workdir), dist.get_rank()
     single, pair = self_group(), dist.new_group([0, 1])  # every group made by every rank, up front
@@ -540,3 +539,4 @@ def test_tp2_import_gathers_to_tp1_gives_the_logits_and_exports_the_same(spawned
         assert t["gathered_equal"] and t["sharded"], (rank, t)
         assert t["logit_err"] < LOGIT_TOL * t["logit_scale"], (rank, t)
         assert t["export_equal"], (rank, t)
+        assert t["drop_in_equal"] and t["drop_in_files"], (rank, t)

@@ -16,9 +16,7 @@ from relax_gdn.layout import (
     prebuild_routes,
     resolve_cu_seqlens,
     rows_as_tensor,
-    set_swap_transport,
     swap_layout,
-    swap_transport_set_to,
     thd_rank_indices,
 )
 from relax_gdn.layout import cache as cache_module
@@ -199,8 +197,7 @@ def _transport_cases(w: int):
     route = build_route(cu, w, rank, "zigzag", "contiguous")
     data = torch.arange(cu[-1] * 2.0).reshape(-1, 2)
     for transport in SWAP_TRANSPORTS:
-        with swap_transport_set_to(transport):
-            y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
+        y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None, transport=transport)
         results.append((transport, "gloo", "transport", torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]), True))
     # A swap is a named range in profiler traces (it is skipped when no profiler runs: host time).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -466,8 +463,9 @@ def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
 
 
 def test_unknown_swap_transport_names_the_setting():
+    route = build_route([0, 8], 1, 0, "zigzag", "contiguous")
     with pytest.raises(ValueError, match=r"gdn.swap_transport='nvshmem'"):
-        set_swap_transport("nvshmem")
+        swap_layout(torch.zeros(8, 2), route, None, transport="nvshmem")
 
 
 @pytest.mark.parametrize("w", [2, 4])
@@ -485,12 +483,14 @@ def test_per_token_baseline_route_equals_build_route(w):
                     assert torch.equal(rows_as_tensor(getattr(naive, rows)), rows_as_tensor(getattr(built, rows))), rows
 
 
-def test_swap_transport_set_to_restores_the_previous_setting():
-    from relax_gdn.layout import swap_transport
+def test_the_swap_transport_is_the_callers_with_auto_by_default():
+    import inspect
 
-    assert swap_transport() == "auto"
-    with pytest.raises(RuntimeError, match="inside"):
-        with swap_transport_set_to("peer_memory"):
-            assert swap_transport() == "peer_memory"
-            raise RuntimeError("inside")
-    assert swap_transport() == "auto"
+    import relax_gdn.layout as layout
+    from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.layout import swap as swap_module
+
+    # each swap is told its transport (a layer passes its GDNOptions.swap_transport): no setting
+    # of the process's decides it
+    assert inspect.signature(swap_layout).parameters["transport"].default == "auto" == GDNOptions().swap_transport
+    assert not [n for n in dir(layout) + dir(swap_module) if "set_swap_transport" in n or n == "_transport"]

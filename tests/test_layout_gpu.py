@@ -17,21 +17,20 @@ pytestmark = [
 def _nccl_swap_cases():
     import torch.distributed as dist
 
-    from relax_gdn.layout import build_route, swap_layout
-    from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_transport_set_to
+    from relax_gdn.layout import SWAP_TRANSPORTS, build_route, swap_layout
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     failures = []
     for transport in SWAP_TRANSPORTS:
-        with swap_transport_set_to(transport):
-            # The first peer-memory swap allocates the staging buffers (a host-blocking
-            # rendezvous, once): done here, for the largest case, before syncs are forbidden.
-            swap_layout(torch.zeros(8192, 3, 16, device=device), build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device), None)
-            failures += [(transport, *f) for f in _swap_cases(rank, device)]
+        # The first peer-memory swap allocates the staging buffers (a host-blocking
+        # rendezvous, once): done here, for the largest case, before syncs are forbidden.
+        swap_layout(torch.zeros(8192, 3, 16, device=device),
+                    build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device), None, transport=transport)
+        failures += [(transport, *f) for f in _swap_cases(rank, device, transport)]
     return failures
 
 
-def _swap_cases(rank: int, device: torch.device):
+def _swap_cases(rank: int, device: torch.device, transport: str):
     from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
 
     failures = []
@@ -47,9 +46,9 @@ def _swap_cases(rank: int, device: torch.device):
                 weight = torch.randn_like(data)
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
-                y = swap_layout(x, route, None)
+                y = swap_layout(x, route, None, transport=transport)
                 (y * weight[tgt_ids]).sum().backward()
-                back = swap_layout(y.detach(), route.reverse(), None)
+                back = swap_layout(y.detach(), route.reverse(), None, transport=transport)
                 torch.cuda.set_sync_debug_mode("default")
                 ok = (
                     torch.equal(y, data[tgt_ids])
@@ -73,7 +72,6 @@ def _back_to_back_peer_memory_swaps():
     import torch.distributed as dist
 
     from relax_gdn.layout import build_route, swap_layout, thd_rank_indices
-    from relax_gdn.layout.swap import swap_transport_set_to
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(1)  # every rank draws the same global data
@@ -89,8 +87,7 @@ def _back_to_back_peer_memory_swaps():
         src, tgt = (thd_rank_indices(cu, 2, rank, layout).to(device) for layout in (source, target))
         cases.append((data[src].contiguous(), route, data[tgt]))
     torch.cuda.synchronize()
-    with swap_transport_set_to("peer_memory"):
-        outputs = [swap_layout(x, route, None) for x, route, _ in cases]
+    outputs = [swap_layout(x, route, None, transport="peer_memory") for x, route, _ in cases]
     torch.cuda.synchronize()
     return [i for i, (y, (_, _, expected)) in enumerate(zip(outputs, cases)) if not torch.equal(y, expected)]
 

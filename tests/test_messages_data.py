@@ -176,10 +176,24 @@ def test_malformed_records_are_reported_with_file_and_line(tmp_path):
         f"{path}:2: bad_messages ('messages' is not a non-empty list of turns)",
         f"{path}:3: no_assistant_turn (no assistant turn to train on)",
         f"{path}:4: unparsable (not a JSON object)",
-        f"{path}:5: bad_messages (turn 0 is not a {{role, content}} object with a role in "
-        "['system', 'user', 'assistant'])",
-        f"{path}:6: not_string (turn 0 (user): content is not a string)",
+        f"{path}:5: bad_messages (turn 1 has role 'robot'; the roles are ['system', 'user', 'assistant'])",
+        f"{path}:6: not_string (turn 1 (user): content is not a string)",
         "... and 2 more skipped record(s)",
+    ]
+
+
+def test_turn_problems_count_turns_from_one_and_name_what_is_wrong(tmp_path):
+    user = {"role": "user", "content": "x"}
+    bad = [
+        {"messages": [user, {"role": "assistant", "content": "y"}, {"role": "tool", "content": "z"}]},
+        {"messages": [user, "not a turn", {"role": "assistant", "content": "y"}]},
+        {"messages": [user, {"role": "system", "content": "late"}, {"role": "assistant", "content": "y"}]},
+    ]
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}] + bad)
+    assert load_sft_dataset(path, BYTE).counts.report_lines() == [
+        f"{path}:2: bad_messages (turn 3 has role 'tool'; the roles are ['system', 'user', 'assistant'])",
+        f"{path}:3: bad_messages (turn 2 is a str, not a {{role, content}} object)",
+        f"{path}:4: bad_messages (turn 2 is a system turn; a system prompt comes first, once)",
     ]
 
 

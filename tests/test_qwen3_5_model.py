@@ -96,9 +96,6 @@ def _tiny_reference():
         ref_loss, ref_grads = _run(reference, tokens, labels, positions, CU)
         return reference.state_dict(), ref_loss, ref_grads
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
-
-    apply_cpu_shims()
     return computed_once("qwen3_5_tiny reference", make)
 
 
@@ -179,6 +176,70 @@ def _tp2cp2_errors(mode: str, sp: bool) -> dict[str, float]:
     return _errors(ref_loss, ref_grads, loss, grads, ids, shard)
 
 
+def _rename_qk_norms(model) -> dict[str, str]:
+    """Register every attention layer's QK-norms as ``query_norm`` / ``key_norm``: the layer still
+    runs them (an instance attribute keeps the old name reachable), while no parameter name says
+    ``q_layernorm`` / ``k_layernorm`` any more. Returns {new parameter name: old one}."""
+    before = {id(p): n for n, p in model.named_parameters()}
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        for old, new in (("q_layernorm", "query_norm"), ("k_layernorm", "key_norm")):
+            module = attention._modules.pop(old, None)
+            if module is not None:
+                attention._modules[new] = module
+                object.__setattr__(attention, old, module)
+    return {n: before[id(p)] for n, p in model.named_parameters() if n != before[id(p)]}
+
+
+def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, ids) -> dict:
+    """TP = 2 x CP = 2 with the QK-norms under other names, gradients synced by the CPU path's
+    optimizer (``CPUGradSyncOptimizer``): the QK-norms' TP-partial gradients are summed because
+    their parameters say so, whatever their modules are called."""
+    from relax_gdn.config import RunConfig
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.train.optimizer import CPUGradSyncOptimizer
+    from tests.gdn_harness import packed_params
+
+    (ref_loss, ref_grads), (tokens, labels, positions) = reference, batch
+    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
+    model = _build(config, tp_group, cp_group, single, "chunkwise")
+    params = dict(model.named_parameters())
+
+    def shard(name, full):
+        return _tp_shard(name, full, params[name], config, 2, tp_group.rank())
+
+    model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
+    renamed = _rename_qk_norms(model)
+    optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group,
+                                     sequence_parallel=False)
+    optimizer.zero_grad()
+    loss = model(tokens[:, ids], positions[:, ids], None, labels=labels[:, ids], packed_seq_params=packed_params(CU, "cpu"))
+    loss.sum().backward()
+    optimizer._finish_grad_sync()  # DP x CP sum, then the TP-partial ones over TP
+    grads = {renamed.get(n, n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"errors": _errors(ref_loss, ref_grads, loss.detach(), grads, ids, shard), "renamed": sorted(renamed),
+            "names": [n for n, _ in model.named_parameters()]}
+
+
+def _tp2_renamed_qk_norms() -> dict:
+    """The renamed-QK-norm case at TP = 2 x CP = 2 (the pool of 4)."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_preset
+    from tests.gdn_harness import self_group
+
+    state, ref_loss, ref_grads = _tiny_reference()
+    rank = dist.get_rank()
+    single = self_group()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
+    batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    ids = thd_rank_indices(CU, 2, cp_group.rank(), "zigzag")
+    return _renamed_qk_norms_case(state, (ref_loss, ref_grads), batch, tp_group, cp_group, single, ids)
+
+
 def _packed_vs_alone() -> dict[str, float]:
     """Packing leaks nothing: each document alone gives the same per-token loss (the pool of 1)."""
     import torch.distributed as dist
@@ -208,11 +269,9 @@ def _alone(check: str):
     """A check that needs a group of one rank only (the pool of 1)."""
     import torch.distributed as dist
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.model import qwen3_5 as q
 
-    apply_cpu_shims()
     single = dist.group.WORLD
     if check == "counts":  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
         return _nine_b_counts(single)
@@ -257,15 +316,13 @@ def _configuration_errors(single) -> dict[str, str | None]:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_model, qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
 
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
 
-    def build(cfg=config, groups=pgs, **kwargs):
-        return build_qwen3_5_model(
-            cfg, vocab_size=256, max_sequence_length=64, pg_collection=groups, **kwargs
-        )
+    def build(cfg=config, groups=pgs, **fields):
+        return build_qwen3_5_model(cfg, Qwen3_5Options(vocab_size=256, max_sequence_length=64, **fields), groups)
 
     tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
     return {
@@ -373,6 +430,17 @@ def test_tp2_cp2_with_and_without_sp_matches_single_rank(gloo, mode, sp):
         assert not bad, (rank, mode, sp, bad)
 
 
+def test_tp_partial_gradients_follow_the_parameter_not_its_name(gloo):
+    """The QK-norms renamed: the CPU optimizer still sums their TP-partial gradients (an attribute
+    set where the norm makes its weight), and every gradient matches the single-rank model."""
+    for rank, case in enumerate(gloo(_tp2_renamed_qk_norms, 4)):
+        assert len(case["renamed"]) == 2, case["renamed"]  # q and k norm of the tiny model's attention layer
+        assert not [n for n in case["names"] if "q_layernorm" in n or "k_layernorm" in n]
+        assert len(case["errors"]) > 40  # loss + every parameter
+        bad = {k: v for k, v in case["errors"].items() if not v < _tolerance(k)}
+        assert not bad, (rank, bad)
+
+
 def test_packed_documents_do_not_leak(gloo):
     assert gloo(_packed_vs_alone, 1)[0]["loss"] < LOSS_TOL
 
@@ -399,12 +467,14 @@ def test_configuration_errors(gloo):
     assert "position_ids" in errors["no_positions"]
 
 
-def test_spec_provider_auto_is_local_without_te_and_te_refuses(gloo):
+def test_spec_provider_auto_is_local_and_te_refuses_without_te(gloo):
     outcome = gloo(_alone, 1, "spec_provider")[0]
+    assert outcome["choices"] == ["local", "local", "local"]  # auto is the verified path, TE or not
+    assert len(outcome["logged"]) == 2  # once per choice
     if outcome["te_imports"]:
-        pytest.skip("Transformer Engine imports here")
-    assert outcome["choices"] == ["local", "local", "local"]
-    assert len(outcome["logged"]) == 2 and "no transformer_engine" in outcome["logged"][0]  # once per choice
+        assert "model.spec_provider=te selects its specs" in outcome["logged"][0]
+        pytest.skip("Transformer Engine imports here: the refusal of spec_provider=te cannot be checked")
+    assert "no transformer_engine" in outcome["logged"][0]
     assert "spec_provider='te' needs Transformer Engine" in outcome["te"]
     assert "spec_provider='local'" in outcome["te"]
     assert "unknown spec_provider 'tex'" in outcome["unknown"]

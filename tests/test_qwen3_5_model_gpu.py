@@ -116,10 +116,11 @@ def _gpu_cases(spec_provider: str):
     return results, syncs
 
 
-def _providers() -> list[str]:
+def _providers() -> list:
+    """local everywhere; te (marked ``te``) where Transformer Engine is installed."""
     providers = ["local"]
     if importlib.util.find_spec("transformer_engine") is not None:
-        providers.append("te")
+        providers.append(pytest.param("te", marks=pytest.mark.te))
     return providers
 
 

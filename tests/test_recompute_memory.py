@@ -22,10 +22,12 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
-def test_selective_recompute_matches_no_recompute():
+def test_selective_recompute_matches_no_recompute(runtime):
     none = _train(**{"recompute.granularity": "none"})
-    for modules in (list(SELECTIVE_MODULES), ["gdn_core"]):
-        selective = _train(**{"recompute.granularity": "selective", "recompute.modules": modules})
+    for overrides in ({"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
+                      {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
+                      {"recompute.granularity": "mixed", "recompute.full_layers": 2}):
+        selective = _train(**overrides)
         for s, n in zip(selective, none):
             assert s["loss"] == pytest.approx(n["loss"], rel=1e-6)
             assert s["grad_norm"] == pytest.approx(n["grad_norm"], rel=1e-5)
@@ -39,6 +41,13 @@ def test_recompute_fields_split_megatron_and_own_modules():
     assert recompute_config_fields("full")["recompute_granularity"] == "full"
     with pytest.raises(ValueError, match="layernorm"):
         recompute_config_fields("selective", ["layernorm"])
+    # mixed: the first N layers whole (block), none of them whole = selective
+    assert recompute_config_fields("mixed", full_layers=3, num_layers=32) == dict(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=3)
+    assert recompute_config_fields("mixed", ["core_attn"], full_layers=0) == recompute_config_fields(
+        "selective", ["core_attn"])
+    with pytest.raises(ValueError, match="full_layers"):
+        recompute_config_fields("mixed", full_layers=None)
 
 
 def _built_tiny(**config_fields):
@@ -49,16 +58,14 @@ def _built_tiny(**config_fields):
     return build_qwen3_5_preset_model("qwen3_5_tiny", config, recompute_skips_unread_gemm=skip)
 
 
-def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
+def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
     """``recompute.skip_unused``: the last layer kept, linear_fc2's GEMM skipped when a layer is
     recomputed; loss and every gradient equal plain full recompute and no recompute (fp32)."""
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -103,6 +110,141 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients():
             torch.distributed.destroy_process_group()
 
 
+def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
+    """Tiny model (3 GDN layers, then attention), layers 0-1 recomputed whole, 2-3 selective: loss
+    and every gradient equal no recompute (fp32), the selective pieces run in layers 2-3 (forward +
+    recompute) and never inside the whole-layer recompute of 0-1 (there: the layer's forward under
+    no_grad and its recompute, nothing nested)."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.model.recompute import apply_mixed_recompute
+    from relax_gdn.train.loop import init_distributed
+
+    created = init_distributed(torch.device("cpu"))
+    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    try:
+        fields = recompute_config_fields("mixed", SELECTIVE_MODULES, full_layers=2, num_layers=4)
+        none = _built_tiny()
+        mixed = build_qwen3_5_preset_model(
+            "qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **fields),
+            gdn=dataclasses.replace(GDNOptions(), recompute_core=True), recompute_mlp_activation=True)
+        assert apply_mixed_recompute(mixed, 2, SELECTIVE_MODULES) == 1  # the one attention layer (index 3)
+        mixed.load_state_dict(none.state_dict())
+        calls: dict[tuple[int, str], int] = {}
+
+        def counted(layer_index, what, fn):
+            def run(*args, **kwargs):
+                calls[(layer_index, what)] = calls.get((layer_index, what), 0) + 1
+                return fn(*args, **kwargs)
+            return run
+
+        for i, layer in enumerate(mixed.decoder.layers):
+            layer.mlp._swiglu = counted(i, "swiglu", layer.mlp._swiglu)  # only mlp_act's path calls it
+            layer.mlp.register_forward_pre_hook(
+                lambda m, args, i=i: calls.__setitem__((i, "mlp"), calls.get((i, "mlp"), 0) + 1))
+            attention = layer.self_attention
+            if hasattr(attention, "_core_body"):
+                attention._core_body = counted(i, "gdn_core", attention._core_body)
+            else:
+                attention.core_attention.register_forward_pre_hook(
+                    lambda m, args, i=i: calls.__setitem__((i, "core_attn"), calls.get((i, "core_attn"), 0) + 1))
+        g = torch.Generator().manual_seed(1)
+        tokens, labels = torch.randint(0, 256, (1, 48), generator=g), torch.randint(0, 256, (1, 48), generator=g)
+        results = []
+        for model in (none, mixed):
+            model.train()
+            loss = model(tokens, torch.arange(48)[None], None, labels=labels)
+            loss.sum().backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
+        for n, grad in results[1][1].items():
+            torch.testing.assert_close(grad, results[0][1][n], rtol=1e-5, atol=1e-7, msg=n)
+        # whole layers: forward + recompute, Megatron-Core's own SwiGLU; selective: one forward, the
+        # activation (mlp_act), the GDN core and the attention core run again for backward
+        assert calls == {(0, "mlp"): 2, (0, "gdn_core"): 2, (1, "mlp"): 2, (1, "gdn_core"): 2,
+                         (2, "mlp"): 1, (2, "swiglu"): 2, (2, "gdn_core"): 2,
+                         (3, "mlp"): 1, (3, "swiglu"): 2, (3, "core_attn"): 2}
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def test_mixed_recompute_memory_model():
+    """mixed with 0 layers whole is selective, with all of them full; each layer moved to full saves
+    memory; the memory model's choice is the fewest that fit 95 % of an H200 (checked at the boundary)."""
+    from relax_gdn.train.memory import MIXED_HEADROOM, fewest_full_layers
+
+    shape = _shape("qwen3_5_9b", 248_832)
+    for tokens in (8192, 32768, 65536, 131072):
+        common = dict(tokens_per_gpu=tokens, optimizer="none")
+        sizes = [estimate_memory(shape, recompute="mixed", full_layers=n, **common).total for n in range(33)]
+        assert sizes[0] == estimate_memory(shape, recompute="selective", **common).total
+        assert sizes[32] == estimate_memory(shape, recompute="full", **common).total
+        # (the last step adds one layer's input: 31 whole + 1 selective already peaks in a recompute)
+        assert sizes[:32] == sorted(sizes[:32], reverse=True) and sizes[1] < sizes[0]
+        budget = MIXED_HEADROOM * H200_GIB * GIB
+        n = fewest_full_layers(shape, H200_GIB * GIB, **common)
+        assert sizes[n] <= budget and (n == 0 or sizes[n - 1] > budget), tokens
+    # selective fits at 8k; 32k and 64k fit only with some layers whole, and neither none nor all
+    assert fewest_full_layers(shape, H200_GIB * GIB, tokens_per_gpu=8192, optimizer="none") == 0
+    for tokens in (32768, 65536):
+        assert 0 < fewest_full_layers(shape, H200_GIB * GIB, tokens_per_gpu=tokens, optimizer="none") < 32
+    assert fewest_full_layers(shape, H200_GIB * GIB, tokens_per_gpu=1 << 20, optimizer="none") is None
+
+
+def test_refusal_names_only_settings_that_fit(monkeypatch):
+    """The refusal before the model is built: the estimate, the GPU, and only the alternatives whose
+    estimate fits (never the setting that was asked for), each with its GiB."""
+    import re
+
+    from relax_gdn.config import ParallelDims, RunConfig
+    from relax_gdn.errors import MemoryFitError
+    from relax_gdn.train import loop
+
+    monkeypatch.setattr(loop, "device_memory_bytes", lambda device: int(H200_GIB * GIB))
+    dims = ParallelDims(1, 1, 1)
+    for asked, tokens in (("selective", 32768), ("none", 16384), ("full", 1 << 19)):
+        cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": tokens,
+                                          "recompute.granularity": asked, "optim.name": "none"})
+        with pytest.raises(MemoryFitError) as caught:
+            loop.check_memory_fits(cfg, dims, torch.device("cpu"), True, 248_832, log=False)
+        error = caught.value
+        assert error.estimate_gib["total"] > error.capacity_gib == pytest.approx(H200_GIB, abs=0.01)
+        assert error.fits and not any(f.startswith(f"recompute.granularity={asked} (") for f in error.fits)
+        for alternative in error.fits:
+            assert float(re.search(r"\(([0-9.]+) GiB\)$", alternative).group(1)) <= H200_GIB, alternative
+            assert alternative in str(error)
+        if asked == "selective":
+            assert [f.split(" (")[0] for f in error.fits] == [
+                "recompute.granularity=mixed recompute.full_layers=" + error.fits[0].split("=")[-1].split(" ")[0],
+                "recompute.granularity=full"]
+        if asked == "full":  # nothing at 512k tokens: the largest power-of-two micro-batch that fits
+            assert error.fits == [error.fits[0]]
+            assert error.fits[0].startswith("train.max_tokens_per_gpu=131072 recompute.granularity=full (")
+    # what resolve_full_layers picks for mixed at 64k passes the check
+    cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": 65536,
+                                      "recompute.granularity": "mixed", "optim.name": "none"})
+    resolved = loop.resolve_full_layers(cfg, dims, torch.device("cpu"), True, 248_832)
+    assert 0 < resolved.recompute.full_layers < 32
+    loop.check_memory_fits(resolved, dims, torch.device("cpu"), True, 248_832, log=False)
+
+
+def test_full_layers_is_checked():
+    from relax_gdn.config import ConfigError, RunConfig, validate
+
+    validate(RunConfig().with_overrides({"recompute.granularity": "mixed", "recompute.full_layers": 4}), 1)
+    for overrides, match in (({"recompute.granularity": "selective", "recompute.full_layers": 2}, "mixed only"),
+                             ({"recompute.granularity": "mixed", "recompute.full_layers": 5}, "from 0 to"),
+                             ({"recompute.granularity": "mixed", "recompute.full_layers": -1}, "from 0 to")):
+        with pytest.raises(ConfigError, match=f"recompute.full_layers=.*{match}"):
+            validate(RunConfig().with_overrides(overrides), 1)
+
+
 def test_unknown_recompute_module_is_a_config_error():
     from relax_gdn.config import ConfigError, RunConfig, validate
 
@@ -110,14 +252,12 @@ def test_unknown_recompute_module_is_a_config_error():
         validate(RunConfig().with_overrides({"recompute.modules": ["core_attn", "everything"]}), 1)
 
 
-def test_parameter_count_matches_the_built_model():
+def test_parameter_count_matches_the_built_model(runtime):
     from megatron.core import parallel_state
 
-    from relax_gdn.compat.cpu import apply_cpu_shims
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.train.loop import init_distributed
 
-    apply_cpu_shims()
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
@@ -156,7 +296,7 @@ def test_run_settings_reach_the_modules_through_the_specs():
     """recompute.* and model.fused_* travel builder -> spec -> module (no process-wide setting):
     the GDN options carry gdn_core, the MLP spec mlp_act, every relax_gdn norm spec the Fusion."""
     from relax_gdn.config import RunConfig
-    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
 
@@ -165,8 +305,9 @@ def test_run_settings_reach_the_modules_through_the_specs():
     assert RunConfig().with_overrides({"recompute.granularity": "full"}).gdn_options.recompute_core is False
 
     own = Fusion(norms=False, cross_entropy=True)
-    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), spec_provider="local", gdn=selective.gdn_options,
-                              tp_group=object(), fusion=own, recompute_mlp_activation=True)
+    options = Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local", gdn=selective.gdn_options,
+                                        fusion=own, recompute_mlp_activation=True)
+    spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), options, tp_group=object())
     assert spec.layer_norm.params["fusion"] is own
     for layer in spec.layer_specs:
         sub = layer.submodules

@@ -1,20 +1,26 @@
 """Sweeps as a user runs them: ``python train.py -m hydra/launcher=local ...`` starts each job as
 its own 2-process group (submitit's local executor, gloo; two jobs at once); a job the config validation refuses is
 recorded as failed and the others still run; the exit code counts the failed jobs; ``sweep.json``
-says what happened; the comparison reads the sweep directory. Plus the refusals and the plain
-sbatch path's dry run."""
+says what happened; the launcher reports each start and end as it happens and names a job that
+runs far longer than the finished ones; the comparison reads the sweep directory. Plus the
+refusals and the plain sbatch path's dry run."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from relax_gdn.sweep import SweepManifest, gpu_slots, variant_label, varying_keys, visible_gpu_ids, wandb_run_id
+from relax_gdn.sweep import (SweepManifest, SweepProgress, gpu_slots, variant_label, varying_keys, visible_gpu_ids,
+                             wandb_run_id)
 from tests.distributed import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +45,7 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert done.returncode == 1, log[-4000:]  # one failed job
     assert "1 of 3 jobs failed" in log
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
-    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1}
+    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1, "refused": 1}
     assert manifest["varying_keys"] == ["gdn.cp_mode"] and manifest["world_size_per_job"] == 2
     ok, ok2, refused = manifest["jobs"]
     assert [j["variant"] for j in manifest["jobs"]] == [f"gdn.cp_mode={m}" for m in ("headwise", "chunkwise",
@@ -55,6 +61,18 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert refused["status"] == "failed" and refused["rc"] == 2 and refused["run_dir"] is None
     assert "all_gather" in refused["error"] and "recompute.granularity=full" in refused["error"]
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["0", "1"]
+    # submitit's task logs, one directory per job id, and no empty unformatted ".submitit/%j"
+    assert sorted(p.name for p in (sweep_dir / ".submitit").iterdir()) == sorted(str(j["submitit_job_id"])
+                                                                             for j in (ok, ok2))
+    for job in (ok, ok2):
+        assert Path(job["log"]).parent.parent == sweep_dir / ".submitit" and Path(job["log"]).exists()
+    # one line per start and end as they happen, with the exit code and the run directory
+    for job in (ok, ok2):
+        assert log.count(f"job #{job['num']} started") == 1 and log.count(f"job #{job['num']} ok (exit 0, ") == 1
+        assert log.index(f"job #{job['num']} started") < log.index(f"job #{job['num']} ok")
+        assert re.search(rf"job #{job['num']} ok \(exit 0, \d+:\d\d:\d\d\): {re.escape(job['run_dir'])}$", log, re.M)
+    assert log.count("job #2 refused (exit 2), not run: ") == 1
+    assert "sweep: 0 running, 2 ok, 1 failed (1 refused), 0 waiting (of 3)" in log.splitlines()[-2]
 
 
 def test_compare_reads_the_sweep(sweep, tmp_path):
@@ -76,18 +94,81 @@ def test_compare_reads_the_sweep(sweep, tmp_path):
     assert "gdn.cp_mode=chunkwise" in (out / "summary.md").read_text()
 
 
-def test_jobs_failing_inside_are_reported_and_the_next_still_runs(tmp_path):
-    # both configs pass the launcher's validation (the files exist); loading them fails in the job
-    bad = []
-    for name in ("a", "b"):
-        bad.append(tmp_path / f"{name}.jsonl")
-        bad[-1].write_text('not json\n{"question": "no prompt field"}\n')
-    done = subprocess.run(
+class _Lines:
+    """A child's output lines as they come (a reader thread), each wait bounded."""
+
+    def __init__(self, stream):
+        self.seen: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True)
+        self._reader.start()
+
+    def all(self, timeout: float) -> str:
+        """Every line, once the child has closed its output."""
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), f"the output did not end within {timeout} s"
+        while not self._queue.empty():
+            self.seen.append(self._queue.get())
+        return "".join(self.seen)
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        """The first line from here on that matches ``pattern``."""
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output so far:\n"
+                                     + "".join(self.seen[-60:])) from None
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+
+
+def _write_when_read(fifo: Path, text: str, timeout: float) -> None:
+    writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
+    writer.start()
+    writer.join(timeout)
+    assert not writer.is_alive(), f"nothing opened {fifo} for reading within {timeout} s"
+
+
+def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs(tmp_path):
+    """Two jobs, one after the other. Both configs pass the launcher's validation (the files exist);
+    loading them fails in the job. The second job's data file is a named pipe, so it runs until the
+    test writes the pipe: while it runs, the launcher has reported it started (sweep.json says
+    so), then names it for running past 1.5x the first job's duration, once."""
+    bad_text = 'not json\n{"question": "no prompt field"}\n'
+    bad = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    bad[0].write_text(bad_text)
+    os.mkfifo(bad[1])
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "data.source=jsonl",
-         f"data.path={bad[0]},{bad[1]}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY],
-        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]  # two failed jobs
-    jobs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["jobs"]
+         f"data.path={bad[0]},{bad[1]}", f"hydra.sweep.dir={sweep_dir}", "hydra.launcher.slow_job_factor=1.5",
+         "hydra.launcher.timeout_min=15", *TINY],
+        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    lines = _Lines(proc.stdout)
+    try:
+        lines.wait_for(r"job #0 failed \(exit 2, \d+:\d\d:\d\d\): .*no usable record", timeout=600)
+        lines.wait_for(r"job #1 started", timeout=300)
+        # printed after sweep.json was rewritten: the running job is there, the sweep is not finished
+        manifest = json.loads((sweep_dir / "sweep.json").read_text())
+        assert manifest["jobs"][1]["status"] == "running" and "finished" not in manifest, manifest
+        assert manifest["counts"] == {"submitted": 0, "running": 1, "ok": 0, "failed": 1, "refused": 0}
+        slow = lines.wait_for(r"job #1 has run", timeout=600)
+        assert re.search(r"has run \d+:\d\d:\d\d, \d+\.\dx the median \d+:\d\d:\d\d of the 1 finished job\(s\): "
+                         + re.escape(str(sweep_dir / "1")) + r"; its output: .*\.submitit/\d+/\d+_0_log\.out", slow), slow
+        _write_when_read(bad[1], bad_text, timeout=120)
+        lines.wait_for(r"job #1 failed \(exit 2, ", timeout=300)
+        assert proc.wait(timeout=120) == 2  # two failed jobs
+    finally:
+        if proc.poll() is None:  # a failed wait: release the pipe's reader and stop the sweep
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    log = lines.all(timeout=60)
+    assert log.count("job #1 has run") == 1, log[-4000:]  # named once
+    assert "2 of 2 jobs failed: #0 (exit 2), #1 (exit 2)" in log
+    jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["failed", "failed"]
     for job, path in zip(jobs, bad):
         # the recipe's refusal (exit code 2) with its message, naming the file
@@ -128,6 +209,46 @@ def test_variant_labels_leave_seeds_out():
     assert varying == ["gdn.cp_mode", "train.seed"]
     assert variant_label(jobs[0], varying) == "gdn.cp_mode=headwise"
     assert variant_label(["train.seed=3"], ["train.seed"]) == "default"
+
+
+def test_progress_lines_tally_and_a_slow_job_named_once():
+    progress = SweepProgress(slow_factor=3.0)
+    jobs = [dict(num=0, status="submitted", variant="a", run_dir="/s/0"),
+            dict(num=1, status="submitted", variant="b", run_dir="/s/1"),
+            dict(num=2, status="failed", refused=True, rc=2, run_dir=None,
+                 error="2 configuration problems:\n  - x\n  - y")]
+    assert progress.update(jobs, now=100.0) == [
+        ("ERROR", "job #2 refused (exit 2), not run: 2 configuration problems: - x - y"),
+        ("INFO", "sweep: 0 running, 0 ok, 1 failed (1 refused), 2 waiting (of 3)")]
+    assert progress.update(jobs, now=101.0) == []  # nothing changed: nothing printed
+    for job in jobs[:2]:
+        job.update(status="running", started=100.0, host="n1")
+    assert progress.update(jobs, now=102.0) == [
+        ("INFO", "job #0 started on n1 (a): /s/0"), ("INFO", "job #1 started on n1 (b): /s/1"),
+        ("INFO", "sweep: 2 running, 0 ok, 1 failed (1 refused), 0 waiting (of 3)")]
+    jobs[0].update(status="ok", rc=0, ended=160.0)
+    assert progress.update(jobs, now=161.0) == [
+        ("INFO", "job #0 ok (exit 0, 0:01:00): /s/0"),
+        ("INFO", "sweep: 1 running, 1 ok, 1 failed (1 refused), 0 waiting (of 3)")]
+    assert progress.update(jobs, now=280.0) == []  # 180 s: three times the median, not past it
+    jobs[1]["log"] = "/s/.submitit/7/7_0_log.out"
+    assert progress.update(jobs, now=281.0) == [
+        ("WARNING", "job #1 has run 0:03:01, 3.0x the median 0:01:00 of the 1 finished job(s): /s/1; "
+                    "its output: /s/.submitit/7/7_0_log.out")]
+    assert progress.update(jobs, now=900.0) == []  # named once
+    jobs[1].update(status="submitted", requeues=1, ended=None)
+    assert progress.update(jobs, now=901.0) == [
+        ("WARNING", "job #1 requeued after a checkpoint (1): /s/1"),
+        ("INFO", "sweep: 0 running, 1 ok, 1 failed (1 refused), 1 waiting (of 3)")]
+    jobs[1].update(status="running", started=950.0)
+    assert progress.update(jobs, now=951.0)[0] == ("INFO", "job #1 started on n1 (b): /s/1")
+    jobs[1].update(status="failed", rc=1, ended=1000.0, error="Traceback (most recent call last):\n  ...\n"
+                                                                  "RuntimeError: boom")
+    assert progress.update(jobs, now=1001.0) == [
+        ("ERROR", "job #1 failed (exit 1, 0:00:50): /s/1: RuntimeError: boom"),
+        ("INFO", "sweep: 0 running, 1 ok, 2 failed (1 refused), 0 waiting (of 3)")]
+    assert SweepProgress(slow_factor=0).update([{**jobs[0]}, {**jobs[1], "status": "running"}], now=1e6)[-1][1] \
+        .startswith("sweep:")  # factor 0: no job is ever named slow
 
 
 def test_manifest_merges_job_files_atomically(tmp_path):

@@ -150,6 +150,19 @@ def _cp2_demo(tmp: str) -> dict:
     return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records}
 
 
+def _step_totals() -> dict:
+    """The step's one all-reduce: losses summed (/ tp), a flag raised on rank 1 raised on both ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from relax_gdn.train.loop import StepFlag, all_reduce_step
+
+    loss = torch.tensor(float(dist.get_rank() + 1))
+    totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
+              all_reduce_step(loss, set(), tp=2)]
+    return {"step_totals": [(t.loss_sum, sorted(flag.name for flag in t.flags)) for t in totals]}
+
+
 SINGLE_PROCESS_JOBS = {_demo: ("demo", "demo_files", "wandb_runs"), _wandb_broken: ("wandb_broken", "wandb_warnings"),
                        _resume: ("full", "checkpoints", "resumed", "resumed_start"),
                        _preempted: ("preempted", "traces")}
@@ -174,7 +187,8 @@ def pair(gloo_once, tmp_path_factory):
     """(directory, per rank: the two-process cases by key)."""
     tmp = tmp_path_factory.mktemp("pair")
     jobs = {case: (_two_process_step, 2, case) for case in TWO_PROCESS_CASES}
-    return tmp, [JobResults(gloo_once, {**jobs, "cp2_demo": (_cp2_demo, 2, str(tmp))}, rank) for rank in range(2)]
+    jobs.update(cp2_demo=(_cp2_demo, 2, str(tmp)), step_totals=(_step_totals, 2))
+    return tmp, [JobResults(gloo_once, jobs, rank) for rank in range(2)]
 
 
 def test_demo_loss_is_finite_and_falls(single):
@@ -250,6 +264,11 @@ def test_step1_cp2_equals_cp1(single, pair, case):
         assert got["tokens"] == reference["tokens"] and got["loss_tokens"] == reference["loss_tokens"]
         for key in ("loss", "grad_norm"):
             assert got[key] == pytest.approx(reference[key], rel=EQ_TOL), (case, rank, key, got, reference)
+
+
+def test_step_all_reduce_sums_the_loss_and_gives_every_rank_a_flag_any_rank_raised(pair):
+    for out in pair[1]:
+        assert out["step_totals"] == [(3.0, ["STOP_REQUESTED"]), (1.5, [])]
 
 
 def test_dynamic_cp_uses_both_cp_sizes(pair):
@@ -377,3 +396,5 @@ def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
                 step_time_s=0.5)
     assert step_line({**line, "cp_sizes": {"1": 4, "2": 2}}, total=2).endswith("[CP1 x 4, CP2 x 2]")
     assert "CP" not in step_line(line, total=2)
+    assert " TFLOP/s/process " in step_line(line, total=2)  # a CPU record (no GPU memory): no "/gpu"
+    assert " TFLOP/s/gpu " in step_line({**line, "peak_mem_gb": 3.5}, total=2)

@@ -116,3 +116,69 @@ def test_trace_dir_needs_profile(capsys, tmp_path):
         train_e2e.main(["--device", "cpu", "--trace-dir", str(tmp_path / "traces")])
     assert "add --profile" in capsys.readouterr().err
     assert not (tmp_path / "traces").exists()
+
+
+def test_grid_variants():
+    assert train_e2e.grid_variants("mt=32768/65536; recompute=full/mixed") == [
+        "mt=32768,recompute=full", "mt=32768,recompute=mixed", "mt=65536,recompute=full", "mt=65536,recompute=mixed"]
+    assert train_e2e.grid_variants("") == []
+    with pytest.raises(ValueError, match="--grid axis 'mt'"):
+        train_e2e.grid_variants("mt")
+
+
+def test_table_ratios_per_micro_batch_size_and_refusals():
+    def variant(name, mt, tok_s=None, refused=False):
+        summary = ({"refused": "no", "memory_estimate_gib": {"total": 170.8}, "capacity_gib": 139.8,
+                    "fits": ["recompute.granularity=full (71.3 GiB)"]} if refused else
+                   {"tokens_per_s": tok_s, "tokens_per_s_total": tok_s, "tokens_per_s_per_gpu": tok_s,
+                    "step_time_s": 1.0, "optimizer_time_s": 0.0, "mfu": 0.4, "mfu_relax": 0.45, "peak_mem_gib": 60.0,
+                    "memory_estimate_gib": {"total": 61.0}, "host_syncs_max": 0})
+        return {"name": name, "config": {"train.max_tokens_per_gpu": mt}, "summary": summary}
+
+    table = train_e2e.format_table({"variants": [
+        variant("mt=8192,recompute=full", 8192, 1000.0), variant("mt=8192,recompute=mixed", 8192, 1200.0),
+        variant("mt=32768,recompute=selective", 32768, refused=True),
+        variant("mt=32768,recompute=full", 32768, 500.0), variant("mt=32768,recompute=mixed", 32768, 650.0)]})
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+    assert "1.200x" in rows["mt=8192,recompute=mixed"]
+    assert "1.300x" in rows["mt=32768,recompute=mixed"]  # against 32k's first measured row, not 8k's
+    assert "REFUSED by the memory model: 170.8 GiB > 139.8 GiB; fits: recompute.granularity=full (71.3 GiB)" \
+        in rows["mt=32768,recompute=selective"]
+
+
+@pytest.mark.slow  # trains the tiny model (in this process)
+def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """The memory model refuses a variant before anything is built (here: a GPU of between the
+    full-recompute and the selective estimate of the tiny model, in-process): the variant is in the
+    table and the JSON as refused, with the estimate and what fits, and the next variants run;
+    ``recompute=mixed`` without a layer count takes the memory model's choice."""
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.train import loop
+    from relax_gdn.train.flops import ModelShape
+    from relax_gdn.train.memory import estimate_memory
+
+    shape = ModelShape.from_transformer_config(qwen3_5_config("qwen3_5_tiny"), 1024)  # vocab padded to 1024
+    settings = dict(tokens_per_gpu=256, bf16=False, optimizer="adam")
+    full, selective = (estimate_memory(shape, recompute=r, **settings).total for r in ("full", "selective"))
+    assert full < selective
+    monkeypatch.setattr(loop, "device_memory_bytes", lambda device: (full + selective) / 2)
+    out = tmp_path / "e2e.json"
+    train_e2e.main([
+        "--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "2", "--skip", "1", "--global-batch-size", "4",
+        "--mean-tokens", "60", "--min-tokens", "16", "--max-tokens", "400", "--max-tokens-per-gpu", "256",
+        "--variants", "recompute=full;recompute=selective;recompute=mixed", "--no-warm-up-pass", "--out", str(out),
+    ])
+    saved = {v["name"]: v for v in json.loads(out.read_text())["variants"]}
+    refused = saved["recompute=selective"]["summary"]
+    assert refused["memory_estimate_gib"]["total"] >= refused["capacity_gib"]  # (GiB to 2 decimals)
+    assert "will not fit this GPU" in refused["refused"]
+    assert refused["fits"] and all("recompute.granularity=selective" not in f for f in refused["fits"])
+    assert any(f.startswith("recompute.granularity=full (") for f in refused["fits"])
+    assert saved["recompute=selective"]["records"] == []
+    for name in ("recompute=full", "recompute=mixed"):
+        assert len(saved[name]["records"]) == 2 and saved[name]["summary"]["tokens_per_s"] > 0
+    # under the 95 % headroom no partial split fits this small a margin: every layer recomputed whole
+    assert saved["recompute=mixed"]["full_layers"] == 4
+    printed = capsys.readouterr().out
+    assert "recompute=selective: refused by the memory model" in printed
+    assert "REFUSED by the memory model" in printed

@@ -30,7 +30,7 @@ def _overrides(**extra) -> dict:
         "train.steps": 1, "train.global_batch_size": 16, "train.max_tokens_per_gpu": 1024,
         "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 256,
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "parallel.cp": 2, "logging.console": False,
-        "logging.jsonl": False, **extra,
+        "logging.jsonl": False, "logging.count_host_syncs": True, **extra,
     }
 
 

@@ -13,7 +13,9 @@ What they add to hydra-submitit-launcher's ``LocalLauncher`` / ``SlurmLauncher``
   cannot read, so Hydra's sweeper would stop at the first failed job). After every job has ended
   the launcher exits with the number of failed jobs (capped at 125) when any failed;
 * ``sweep.json``: each job's overrides, run directory, status, return code / error and W&B id
-  (``relax_gdn.sweep.SweepManifest``);
+  (``relax_gdn.sweep.SweepManifest``), rewritten when a job starts or ends; the launcher prints a
+  line for each start and end, a tally when it changes, and names a job running far past the
+  median duration of the finished ones (``relax_gdn.sweep.SweepProgress``);
 * W&B: ``group`` = the sweep's name, ``job_type`` = the job's variant (its overrides of the keys
   the sweep varies, seeds left out), the run id fixed per job (a requeued job continues its run).
 
@@ -40,6 +42,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
+from relax_gdn.sweep import SLOW_JOB_FACTOR
+
 log = logging.getLogger(__name__)
 
 # What train.py exits with after a stop request (SIGUSR1/SIGTERM) made it save a checkpoint:
@@ -58,6 +62,8 @@ class LocalSweepConf(LocalQueueConf):
     timeout_min: int = 24 * 60
     parallel_jobs: int = 1  # jobs running at once on this machine (each is tasks_per_node processes)
     wandb_group: Optional[str] = None  # null: sweep-<date>_<time> from the sweep directory
+    # name a job that has run this many times the median duration of the finished jobs (0: never)
+    slow_job_factor: float = SLOW_JOB_FACTOR
 
 
 @dataclass
@@ -78,6 +84,7 @@ class SlurmSweepConf(SlurmQueueConf):
     requeue: bool = True
     container_image: Optional[str] = None  # pyxis/enroot: srun --container-image (a .sqsh or registry#image)
     container_mounts: Optional[str] = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
+    slow_job_factor: float = SLOW_JOB_FACTOR  # name a job running this many times the finished jobs' median
     srun_args: List[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
     # lines run in the sbatch script before srun (the same environment as slurm/train.sbatch)
     setup: Optional[List[str]] = field(default_factory=lambda: ["export NCCL_NVLS_ENABLE=0",
@@ -90,7 +97,8 @@ ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_local_schem
 ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_slurm_schema", node=SlurmSweepConf,
                              provider="relax_gdn")
 
-_OWN_KEYS = ("parallel_jobs", "wandb_group", "requeue", "container_image", "container_mounts", "srun_args")
+_OWN_KEYS = ("parallel_jobs", "wandb_group", "requeue", "container_image", "container_mounts", "srun_args",
+             "slow_job_factor")
 
 
 @dataclass
@@ -137,7 +145,7 @@ class _SweepLauncher(BaseSubmititLauncher):
         if rank == 0:
             manifest.update_job(job_num, status="running", started=time.time(), host=socket.gethostname(),
                                 submitit_job_id=job_env.job_id, world_size=int(dist_env["WORLD_SIZE"]),
-                                wandb_id=wandb_id)
+                                wandb_id=wandb_id, log=str(job_env.paths.stdout))
         try:
             ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
                           job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
@@ -228,14 +236,25 @@ class _SweepLauncher(BaseSubmititLauncher):
             return str(e)
         return None
 
+    def _report(self, manifest) -> None:
+        """Print what changed since the last look at the job files (starts, ends, the tally, a slow
+        job) and rewrite ``sweep.json`` when something did."""
+        lines = self._progress.update(manifest.jobs(), time.time())
+        for level, line in lines:
+            log.log(logging.getLevelName(level), "%s", line)
+        if lines:
+            manifest.merge()
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from relax_gdn.sweep import SweepManifest, override_key, sweep_wandb_group, variant_label, varying_keys
+        from relax_gdn.sweep import (SweepManifest, SweepProgress, override_key, sweep_wandb_group,
+                                     variant_label, varying_keys)
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_dir = sweep_dir  # resolved once here (its ${now:...}); the jobs get it pickled
         manifest = SweepManifest(sweep_dir)
+        self._progress = SweepProgress(float(self.params.get("slow_job_factor", SLOW_JOB_FACTOR)))
         group = self.params.get("wandb_group") or sweep_wandb_group(sweep_dir)
         varying = varying_keys([filter_overrides(o) for o in job_overrides])
         manifest.merge(launcher=self._EXECUTOR, wandb_group=group, varying_keys=varying,
@@ -255,16 +274,16 @@ class _SweepLauncher(BaseSubmititLauncher):
             added += [o for o in self._extra_overrides(run_dir) if override_key(o) not in keys]
             overrides = user + added
             refusal = self._refusal(overrides, num)
-            if refusal is not None:  # no run directory: nothing ran
-                log.error("job #%d (%s) refused, not submitted: %s", num, " ".join(user), refusal)
+            if refusal is not None:  # no run directory: nothing ran (the progress report prints it)
                 manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=None,
-                                    status="failed", rc=2, error=refusal, ended=time.time())
+                                    status="failed", refused=True, rc=2, error=refusal, ended=time.time())
                 continue
             manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=run_dir,
                                 status="submitted", rc=None, error=None)
             log.info("\t#%d : %s", num, " ".join(filter_overrides(user)))
             to_run.append((num, overrides))
         manifest.merge()
+        self._report(manifest)
 
         from relax_gdn.errors import RecipeError
 
@@ -273,15 +292,16 @@ class _SweepLauncher(BaseSubmititLauncher):
         except RecipeError as e:  # the launcher's own settings (e.g. more GPUs per job than visible)
             log.error("%s", e)
             raise SystemExit(2) from None
+        self._report(manifest)
         entries = [manifest.read_job(initial_job_idx + i) for i in range(len(job_overrides))]
         failed = [e for e in entries if e.get("status") != "ok"]
         manifest.merge(finished=time.time())
-        for e in entries:
-            log.info("job #%d %s%s: %s", e["num"], e.get("status"),
-                     f" (rc {e.get('rc')})" if e.get("status") != "ok" else "", e.get("run_dir") or "not run")
         if failed:
-            log.error("%d of %d jobs failed (sweep.json in %s lists them)", len(failed), len(entries), sweep_dir)
+            which = ", ".join(f"#{e['num']} (exit {e.get('rc')})" for e in failed)
+            log.error("%d of %d jobs failed: %s; sweep.json in %s says why", len(failed), len(entries), which,
+                      sweep_dir)
             raise SystemExit(min(len(failed), MAX_FAILED_EXIT_CODE))
+        log.info("all %d jobs ok; sweep.json in %s", len(entries), sweep_dir)
         return [results[num] for num in sorted(results)]
 
     def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
@@ -310,6 +330,7 @@ class _SweepLauncher(BaseSubmititLauncher):
                 running[num] = (job, slot)
                 manifest.update_job(num, submitit_job_id=job.job_id)
             manifest.merge()
+            self._report(manifest)
 
         if slots is None:
             submit(pending)
@@ -323,7 +344,7 @@ class _SweepLauncher(BaseSubmititLauncher):
                     del running[num]
                     if slot is not None:
                         free.append(slot)
-                    manifest.merge()
+            self._report(manifest)
             if running:
                 time.sleep(POLL_SECONDS)
         return results
@@ -337,16 +358,25 @@ class _SweepLauncher(BaseSubmititLauncher):
             error = str(e).strip()[-4000:]
             manifest.update_job(num, status="failed", rc=manifest.read_job(num).get("rc") or 1, error=error,
                                 ended=time.time())
-            log.error("job #%d failed: %s", num, error.splitlines()[-1] if error else "")
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(error))
         failures = [o for o in outcomes if isinstance(o, JobFailure)]
         if failures:
             first = failures[0]
-            manifest.update_job(num, status="failed", rc=first.rc, error=first.error, ended=time.time())
-            log.error("job #%d failed (%d of %d tasks): %s", num, len(failures), len(outcomes), first)
+            ended = manifest.read_job(num).get("ended") or time.time()  # rank 0's, when it wrote one
+            manifest.update_job(num, status="failed", rc=first.rc, error=first.error, ended=ended,
+                                failed_tasks=len(failures), tasks=len(outcomes))
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(first)))
         manifest.update_job(num, status="ok", rc=0)
         return outcomes[0]
+
+
+def _remove_unformatted_folder(folder: str) -> None:
+    """submitit's local job controller creates the folder it is given with ``%j`` unformatted
+    before it formats the job id into the paths it writes (submitit 1.5.4,
+    ``local._local.Controller.start_tasks``): an empty ``.submitit/%j`` would stay behind."""
+    path = Path(folder)
+    if "%" in path.name and path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
 
 
 def _quoted(value: str) -> str:
@@ -371,6 +401,12 @@ class LocalSweepLauncher(_SweepLauncher):
         executor.update_parameters(**{k: self.params[k] for k in ("timeout_min", "tasks_per_node", "stderr_to_stdout")
                                       if self.params.get(k) is not None})
         return executor
+
+    def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
+        try:
+            return super()._run(jobs, manifest)
+        finally:
+            _remove_unformatted_folder(str(self.params["submitit_folder"]))
 
     def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
         """``parallel_jobs`` slots, each with its own GPUs: submitit's local executor shows a job

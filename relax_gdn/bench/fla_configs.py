@@ -1,7 +1,7 @@
 """Turn Triton's on-disk autotuning results into FLA kernel-config files, so FLA stops autotuning.
 
-FLA autotunes every kernel per head shape and dtype on first use: minutes per process on an H200,
-paid again by every rank of every job. Triton keeps the results when ``TRITON_CACHE_AUTOTUNING=1``
+FLA autotunes every kernel per head shape and dtype on first use, paid again by every rank of
+every job. Triton keeps the results when ``TRITON_CACHE_AUTOTUNING=1``
 (``<cache>/<hash>/<kernel>.autotune.json``). FLA reads ``$FLA_CONFIG_DIR/<kernel>.json`` when
 ``FLA_CACHE_MODE`` is ``strict`` (exact key) or ``fuzzy`` (numeric key parts may differ, e.g.
 head counts or lengths). Tune once, convert, ship the directory with the job:
@@ -64,4 +64,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

@@ -18,6 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms
 
 
@@ -48,6 +49,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.fused_ops")
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        _measure_all(args)
+
+
+def _measure_all(args) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -14,16 +14,17 @@ until it exceeds it. The ideal gets both, from the same two measurements taken b
 Variants: chunkwise with the cached route; the same with FLA's own CP pre-pass (which also
 computes the transition summaries no rank reads, see ``relax_gdn.gdn.fla_cp_summaries``); the
 same with the decay gate's activation computed by torch around FLA instead of inside FLA's
-chunk cumsum (``FlaKernels.fused_gate``); the same with the swaps through NCCL's all-to-all
+chunk cumsum (``GDNOptions.fla_fused_gate``); the same with the swaps through NCCL's all-to-all
 instead of reading peers' memory (``relax_gdn.layout.peer_memory``, the default on one host);
 the same with the state of a document crossing the cut always passed through FLA's CP kernels,
 where by default a prefix of at most ``gdn.max_recomputed_prefix`` tokens before the cut is
 recomputed by the next rank (``RecomputedPrefix``; only the 16k row with a document across the
 cut differs: the 64k ones cross with longer prefixes); the same with FLA's native zigzag CP
-(``kernels.fla_zigzag_cp``: no swaps, FLA passes the state along 2 x CP parts; it applies only
+(``GDNOptions.fla_zigzag_cp``: no swaps, FLA passes the state along 2 x CP parts; it applies only
 to the one-document row, where FLA's whole-stream zigzag is the data's per-document zigzag;
-every other row runs plain chunkwise) (these six in ``--rounds`` interleaved
-rounds, both their latency and pipelined times); chunkwise with the route rebuilt per call the
+every other row runs plain chunkwise) (these six are one layer each, built with its
+``GDNOptions`` and the same weights, timed in ``--rounds`` interleaved rounds, both their latency
+and pipelined times); chunkwise with the route rebuilt per call the
 per-token way (the seed's naive baseline); headwise (ours: cached checks and row maps); headwise
 (stock Megatron-Core class); all_gather (layer only: the whole-layer recompute it needs in
 training is not timed here); and the ideal: half the single-GPU time of the whole micro-batch
@@ -40,7 +41,6 @@ traces, ``--python-hotspots`` a cProfile of chunkwise (host time per Python func
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, cuda_pipelined_ms, host_enqueue_ms
 from relax_gdn.gdn.options import GDNOptions
 
@@ -63,22 +64,16 @@ MICRO_BATCHES = {
 }
 
 
-def _chunkwise_variants():
-    """The defaults (swaps through peer memory under torchrun), then one change each: label ->
-    context manager."""
-    from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.gdn.kernels import fla_zigzag_cp, gate_outside_fla
-    from relax_gdn.gdn.layer import prefixes_recomputed_up_to
-    from relax_gdn.layout import swap_transport_set_to
-
-    return {
-        "chunkwise": contextlib.nullcontext,
-        "chunkwise, FLA's full CP summaries": fla_cp_summaries.uninstalled,
-        "chunkwise, gate outside FLA": gate_outside_fla,
-        "chunkwise, NCCL all-to-all swaps": lambda: swap_transport_set_to("all_to_all"),
-        "chunkwise, state always passed": lambda: prefixes_recomputed_up_to(0),
-        "chunkwise, FLA zigzag CP (1 doc)": fla_zigzag_cp,
-    }
+# The defaults (swaps through peer memory under torchrun), then one change each: label -> the
+# GDNOptions fields its layer is built with.
+CHUNKWISE_VARIANTS = {
+    "chunkwise": {},
+    "chunkwise, FLA's full CP summaries": {"fla_skip_unread_cp_summaries": False},
+    "chunkwise, gate outside FLA": {"fla_fused_gate": False},
+    "chunkwise, NCCL all-to-all swaps": {"swap_transport": "all_to_all"},
+    "chunkwise, state always passed": {"max_recomputed_prefix": 0},
+    "chunkwise, FLA zigzag CP (1 doc)": {"fla_zigzag_cp": True},
+}
 
 
 def qwen35_gdn_config(**overrides):
@@ -168,15 +163,6 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
 
 
 def main() -> None:
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
-    from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-    from relax_gdn.bench.routes import per_token_route
-    from relax_gdn.gdn import layer as gdn_layer
-    from relax_gdn.layout import thd_rank_indices
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
@@ -186,6 +172,25 @@ def main() -> None:
     parser.add_argument("--python-hotspots", action="store_true",
                         help="with --profile: cProfile of chunkwise on rank 0 (host time per Python function)")
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.gdn_layer", gpus=2)  # CP 2: the micro-batches are cut in two
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        _run(args)
+
+
+def _run(args) -> None:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from relax_gdn.bench.routes import per_token_route
+    from relax_gdn.gdn import layer as gdn_layer
+    from relax_gdn.layout import thd_rank_indices
+
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
 
@@ -199,15 +204,15 @@ def main() -> None:
     mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     config = qwen35_gdn_config()
 
-    def make(mode, cp_group, stock=False):
-        spec = gdn_layer.gdn_cp_layer_spec(GDNOptions(cp_mode=mode, max_cp_size=2))
+    def make(mode, cp_group, stock=False, **options):
+        spec = gdn_layer.gdn_cp_layer_spec(GDNOptions(cp_mode=mode, max_cp_size=2, **options))
         if stock:
             spec = ModuleSpec(module=GatedDeltaNet, submodules=spec.submodules)
         pgs = ProcessGroupCollection(tp=single, cp=cp_group)
         return build_module(spec, config=config, layer_number=1, pg_collection=pgs).to(device)
 
     layers = {
-        "chunkwise": make("chunkwise", world),
+        **{label: make("chunkwise", world, **options) for label, options in CHUNKWISE_VARIANTS.items()},
         "headwise": make("headwise", world),
         "headwise (stock MCore)": make("headwise", world, stock=True),
         "all_gather": make("all_gather", world),
@@ -218,7 +223,7 @@ def main() -> None:
         layer.load_state_dict(state)
 
     table = []
-    variants = _chunkwise_variants()
+    variants = list(CHUNKWISE_VARIANTS)
     names = args.only.split(";") if args.only else list(MICRO_BATCHES)
     for name in names:
         docs = MICRO_BATCHES[name]
@@ -246,20 +251,18 @@ def main() -> None:
             row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn), cuda_pipelined_ms(fn))
             print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
 
-        # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): on
-        # a host-bound 16k row one variant timed once drifts by up to ±15 % from the next.
-        chunkwise = step(layers["chunkwise"], x_local, dy_local, psp)
+        # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): a
+        # host-bound row drifts between one timing and the next, so no variant is timed alone.
+        calls = {label: step(layers[label], x_local, dy_local, psp) for label in variants}
         samples = {label: ([], []) for label in variants}  # (latency, pipelined) per round
         for _ in range(args.rounds):
-            for label, variant in variants.items():
-                with variant():
-                    samples[label][0].append(cuda_median_ms(chunkwise, args.iters))
-                    samples[label][1].append(cuda_pipelined_ms(chunkwise))
-        for label, variant in variants.items():
-            with variant():
-                latency, pipelined = samples[label]
-                row[label] = (statistics.median(latency), count_host_syncs(chunkwise), host_enqueue_ms(chunkwise),
-                              statistics.median(pipelined))
+            for label in variants:
+                samples[label][0].append(cuda_median_ms(calls[label], args.iters))
+                samples[label][1].append(cuda_pipelined_ms(calls[label]))
+        for label in variants:
+            latency, pipelined = samples[label]
+            row[label] = (statistics.median(latency), count_host_syncs(calls[label]), host_enqueue_ms(calls[label]),
+                          statistics.median(pipelined))
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 

@@ -50,7 +50,7 @@ def _kernels(kernels):
     from relax_gdn.gdn import layer as gdn_layer
 
     real = gdn_layer.select_kernels
-    gdn_layer.select_kernels = lambda backend, device: kernels
+    gdn_layer.select_kernels = lambda options, device: kernels
     try:
         yield
     finally:
@@ -61,14 +61,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton-dqkwg", action="store_true", help="FLA's Triton chunk_bwd_dqkwg, not TileLang's")
     args = parser.parse_args()
+    if args.triton_dqkwg:
+        if "fla" in sys.modules:
+            raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
+        os.environ["FLA_TILELANG"] = "0"  # FLA decides once per process which backends it may use
+        import fla.ops.common.chunk_o as fla_chunk_o
+
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # after FLA's backend choice above: the Runtime imports FLA on CUDA
+        _measure(args)
+
+
+def _measure(args) -> None:
     cpu = not torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
     if cpu:
-        from relax_gdn.compat.cpu import apply_cpu_shims
-
-        apply_cpu_shims()
         device = torch.device("cpu")
     else:
         torch.cuda.set_device(0)
@@ -78,13 +89,6 @@ def main() -> None:
         from megatron.core.tensor_parallel import random as mcore_random
 
         mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
-    if args.triton_dqkwg:
-        if "fla" in sys.modules:
-            raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
-        os.environ["FLA_TILELANG"] = "0"  # FLA decides once per process which backends it may use
-        import fla.ops.common.chunk_o as fla_chunk_o
-
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
 
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
@@ -126,7 +130,7 @@ def main() -> None:
     truth = run(torch_kernels, torch.float64)
     variants = [("torch, fp32", torch_kernels, torch.float32)]
     if not cpu:
-        fla = FlaKernels(device)
+        fla = FlaKernels(fused_gate=True, zigzag_cp=False, skip_unread_cp_summaries=False)  # CP 1: no summaries
         variants += [
             ("FLA conv + FLA scan, fp32", fla, torch.float32),
             ("torch conv + FLA scan, fp32", _Pairing(torch_kernels, fla), torch.float32),
@@ -146,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # installs the Runtime itself, after the FLA backend choice that must precede FLA's import

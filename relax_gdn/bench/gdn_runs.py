@@ -100,10 +100,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl")
-    else:
-        from relax_gdn.compat.cpu import apply_cpu_shims
-
-        apply_cpu_shims()
+    else:  # Megatron-Core runs on CPU through the Runtime's shims (installed with main)
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -186,4 +183,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

@@ -47,8 +47,8 @@ def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Gener
 
 def paired_medians(fast, slow, rounds: int, fast_per_round: int = 20, fast_warmup: int = 3) -> tuple[float, float]:
     """Median seconds of ``fast()`` and ``slow()``, timed interleaved so that both see the same
-    machine (this shared 2-core VM drifts by up to 2x in speed over seconds, which skews a ratio
-    of back-to-back medians): each round runs ``slow`` once, then ``fast`` ``fast_warmup`` times
+    machine (a shared VM's speed drifts from one second to the next, which skews a ratio of
+    back-to-back medians): each round runs ``slow`` once, then ``fast`` ``fast_warmup`` times
     untimed (the slow call leaves caches and the allocator cold) and ``fast_per_round`` times timed."""
     fast(), slow()  # warm-up
     fast_samples, slow_samples = [], []
@@ -125,4 +125,7 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
 
 
 if __name__ == "__main__":
-    main()
+    from relax_gdn.runtime import Runtime
+
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        main()

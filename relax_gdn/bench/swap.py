@@ -13,7 +13,7 @@ all-to-all timed the same way. "host ms" is the host time to issue one call (wha
 pays for on a slow host). A second table times the swap's scatter
 kernels alone (no NCCL, so no transfer noise): every scattered row list of the multi-document
 routes (``put_rows`` into index rows), as 16-byte words (what the swap does) and as 2-byte
-elements (``relax_gdn.layout.route.WIDE_ROW_COPIES = False``).
+elements (``put_rows(..., as_words=False)``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.timing import count_host_syncs, cuda_median_ms, host_enqueue_ms
-from relax_gdn.layout import build_route, swap_layout
-from relax_gdn.layout import route as route_module
-from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_transport_set_to
+from relax_gdn.layout import SWAP_TRANSPORTS, build_route, swap_layout
 from relax_gdn.layout.route import put_rows
 
 
@@ -42,14 +41,9 @@ def _scatter_kernels(x: torch.Tensor, routes: dict, iters: int) -> dict[str, tup
                 if isinstance(rows, slice):
                     continue
                 values = x[: len(rows)].contiguous()
-                row = []
-                for wide in (True, False):
-                    route_module.WIDE_ROW_COPIES = wide
-                    try:  # rank-local work: ranks may have different numbers of index row lists
-                        row.append(cuda_median_ms(lambda rows=rows: put_rows(out, rows, values), iters, 5,
-                                                  align_ranks=False))
-                    finally:
-                        route_module.WIDE_ROW_COPIES = True
+                # rank-local work: ranks may have different numbers of index row lists
+                row = [cuda_median_ms(lambda rows=rows, wide=wide: put_rows(out, rows, values, as_words=wide), iters, 5,
+                                      align_ranks=False) for wide in (True, False)]
                 timings[f"{name} {r.source}->{r.target} {field} ({len(rows)})"] = tuple(row)
     return timings
 
@@ -61,6 +55,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--pipelined", type=int, default=8, help="calls back to back per pipelined sample")
     args = parser.parse_args()
+    require_gpus("relax_gdn.bench.swap", gpus=2, more_ok=True)
+
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        _run(args)
+
+
+def _run(args) -> None:
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
@@ -97,11 +101,10 @@ def main() -> None:
             for direction, r in (("zigzag->contiguous", route), ("contiguous->zigzag", route.reverse())):
                 results = {}
                 for transport in SWAP_TRANSPORTS:  # side by side, the same route and data
-                    with swap_transport_set_to(transport):
-                        fn = lambda r=r: swap_layout(x, r, None)  # noqa: E731
-                        results[transport] = fn()
-                        label = f"{name} {direction}" + ("" if transport == "all_to_all" else f" [{transport}]")
-                        rows.append((label, *timings(fn), count_host_syncs(fn)))
+                    fn = lambda r=r, transport=transport: swap_layout(x, r, None, transport=transport)  # noqa: E731
+                    results[transport] = fn()
+                    label = f"{name} {direction}" + ("" if transport == "all_to_all" else f" [{transport}]")
+                    rows.append((label, *timings(fn), count_host_syncs(fn)))
                 if not all(torch.equal(results["all_to_all"], v) for v in results.values()):
                     mismatches.append(f"{name} {direction}")
 

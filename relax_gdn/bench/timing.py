@@ -8,8 +8,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from relax_gdn.train.metrics import HostSyncCounter
-
 
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, align_ranks: bool = True) -> float:
     """Median of ``iters`` timed calls (CUDA events; ranks aligned by a barrier before each call
@@ -47,6 +45,10 @@ def cuda_pipelined_ms(fn, calls: int = 8, iters: int = 5, warmup: int = 2) -> fl
 def count_host_syncs(fn, where: dict | None = None) -> int:
     """Host<->device synchronisations during ``fn()``, as ``set_sync_debug_mode("warn")`` sees them;
     ``where`` (optional) receives ``{"file:line": count}``."""
+    # imported here: relax_gdn.train imports Megatron-Core, which a benchmark refused on this
+    # machine (relax_gdn.bench.needs) never gets to
+    from relax_gdn.train.metrics import HostSyncCounter
+
     torch.cuda.synchronize()
     with HostSyncCounter(enabled=True) as counter:
         fn()

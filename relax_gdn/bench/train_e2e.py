@@ -9,7 +9,10 @@
         --mean-tokens 60 --min-tokens 16 --max-tokens 200 --max-tokens-per-gpu 256   # CPU smoke
 
 Each variant is a short ``run_training`` of the same global batches (same seed): ``;`` separates
-variants, ``,`` the settings of one. A setting is a shorthand or any dotted config key:
+variants, ``,`` the settings of one; ``--grid 'mt=32768/65536;recompute=full/mixed;
+model.attention_backend=varlen/fa4'`` adds every combination of the axes (the long-context table in
+one run; ratios are then to the first variant of each micro-batch size). A setting is a shorthand
+or any dotted config key:
 
 ``static:<mode>`` / ``dynamic:<mode>``  ``parallel.cp`` = world size with ``gdn.cp_mode=<mode>``
                                          (dynamic: ``parallel.dynamic_cp`` with ``max_cp`` = world)
@@ -19,14 +22,20 @@ variants, ``,`` the settings of one. A setting is a shorthand or any dotted conf
 ``baseline``                             Megatron-Core's own forms: ``fused=off`` and
                                          ``recompute.skip_unused=false`` (what the targets compare to)
 ``mt=<tokens>``                          ``train.max_tokens_per_gpu``
+``profile``                              this variant's profiled step (``--profile`` for one variant)
 ``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
 
 Data: random-token SFT samples whose lengths follow a log-normal distribution (default mean
 3,000 tokens, σ 0.8, clipped to 128-16,384: the shape of long chain-of-thought SFT sets such as
 OpenMathReasoning; ``relax_gdn.data.LengthProfile``), or the lengths listed in ``--lengths-file``
-(one ``length`` or ``length count`` per line). Samples longer than one micro-batch
+(one ``length`` or ``length count`` per line); ``--mean-fraction f`` draws each variant's lengths
+with mean ``f`` x its micro-batch, up to the micro-batch. Samples longer than one micro-batch
 (``max_tokens_per_gpu x cp``) are cut to it. The vocabulary is the preset's (248,320 for the 9B,
 padded to a multiple of 1024), so the output layer and the loss cost what they cost in training.
+
+A variant the memory model refuses (:class:`~relax_gdn.errors.MemoryFitError`) is reported as
+refused, with the estimate and the settings that would fit, and the run goes on with the next.
+``recompute=mixed`` without ``recompute.full_layers`` takes the memory model's choice for the GPU.
 
 Optimizer: Megatron-Core's distributed Adam when the memory model
 (:mod:`relax_gdn.train.memory`) says it fits the GPU; otherwise (``--optimizer auto``, e.g. the full
@@ -35,9 +44,9 @@ Optimizer: Megatron-Core's distributed Adam when the memory model
 
 Warm-up: the variants share Triton's autotuning and compile caches, keyed partly by shape, and a
 global batch of new lengths can trigger more tuning or compiling after ``--skip`` (FLA's gated
-norm compiles once per row-block count, ≈ 0.2 s each on the full 9B): measured without a warm-up,
-the first variant of a run was 3 % slower (median tok/s) than the same variant run again last,
-and a fused variant after ``fused=off`` compiled inside its timed steps. So every variant first
+norm compiles once per row-block count): without a warm-up the first variant of a run was slower
+than the same variant run again last, and a fused variant after ``fused=off`` compiled inside its
+timed steps (docs/benchmarks.md, "Figures behind code comments"). So every variant first
 runs once, untimed, over the same batches, the profiled step's included (repeats that differ only
 in ``train.seed`` share one pass); ``--no-warm-up-every-variant`` warms up the first variant only,
 ``--no-warm-up-pass`` none.
@@ -48,7 +57,10 @@ step time and optimizer time; the peak memory, the most host syncs in one step, 
 model's estimate; with ``--profile``, one more step under ``torch.profiler`` (left out of the
 medians) split into kernel categories (GEMM / elementwise / copy / GDN / attention /
 communication) and idle GPU time (under the profiler, and estimated for an unprofiled step: the
-profiler's host cost inflates the former). ``--out`` writes ``{"meta": ..., "variants": [{"name",
+profiler's host cost inflates the former; the estimate takes the profiled step's FLOPs at the
+timed steps' FLOP rate) and the caching allocator's retries (``alloc_retries``: a full cache freed
+and the GPU drained to find room; ``--cuda-alloc-conf expandable_segments:True`` is the usual
+cure). ``--out`` writes ``{"meta": ..., "variants": [{"name",
 "config", "records", "summary"}]}`` (the record schema of metrics.jsonl); the table gives
 ratios to the first variant.
 """
@@ -59,6 +71,7 @@ import argparse
 import datetime
 import gc
 import gzip
+import itertools
 import json
 import os
 import re
@@ -71,6 +84,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from relax_gdn.bench.needs import require_gpus
 
 CP_MODES = ("chunkwise", "headwise", "all_gather")
 KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "elementwise")
@@ -103,6 +118,8 @@ def variant_overrides(variant: str, world: int) -> dict:
     for setting in filter(None, (s.strip() for s in variant.split(","))):
         if setting == "baseline":
             overrides |= {**variant_overrides("fused=off", world), "recompute.skip_unused": False}
+            continue
+        if setting == "profile":  # this variant's extra profiled step (profiled_variant), no config key
             continue
         kind, colon, mode = setting.partition(":")
         if colon and kind in ("static", "dynamic"):
@@ -146,6 +163,25 @@ class VocabularyOnly:
     eos_id: int = 1
 
 
+def profiled_variant(variant: str) -> bool:
+    """Whether ``variant`` asks for the profiled step itself (setting ``profile``), as ``--profile``
+    does for every variant."""
+    return "profile" in (s.strip() for s in variant.split(","))
+
+
+def grid_variants(grid: str) -> list[str]:
+    """Every combination of the axes of ``grid``: axes separated by ``;``, each ``key=v1/v2/...``
+    (any variant setting: ``mt=32768/65536;recompute=full/mixed;model.attention_backend=varlen/fa4``),
+    the first axis varying slowest."""
+    axes = []
+    for axis in filter(None, (a.strip() for a in grid.split(";"))):
+        key, eq, values = axis.partition("=")
+        if not eq or not values:
+            raise ValueError(f"--grid axis {axis!r}: want key=value1/value2/...")
+        axes.append([f"{key.strip()}={v.strip()}" for v in values.split("/") if v.strip()])
+    return [",".join(combo) for combo in itertools.product(*axes)] if axes else []
+
+
 def warm_up_variants(variants: list[str], world: int, every: bool) -> list[str]:
     """The variants given a warm-up pass: the first, or with ``every`` each variant whose settings
     other than ``train.seed`` differ from those of an earlier one."""
@@ -185,8 +221,12 @@ def benchmark_data(args, vocab_size: int, capacity: int, num_samples: int):
 
     from relax_gdn.data import LengthProfile, SFTDataset, SkipCounts, length_matched_samples
 
-    profile = LengthProfile(mean_tokens=args.mean_tokens, sigma=args.sigma, min_tokens=args.min_tokens,
-                            max_tokens=args.max_tokens, prompt_tokens=min(96, args.min_tokens - 1))
+    mean, low, high = args.mean_tokens, args.min_tokens, args.max_tokens
+    if args.mean_fraction:  # every micro-batch size its own lengths: mean this fraction of it, up to all of it
+        mean, high = args.mean_fraction * capacity, capacity
+        low = min(low, high)
+    profile = LengthProfile(mean_tokens=mean, sigma=args.sigma, min_tokens=low, max_tokens=high,
+                            prompt_tokens=min(96, low - 1))
     if args.lengths_file:
         pool = read_length_file(args.lengths_file)
         lengths = np.random.default_rng(args.seed).choice(pool, size=num_samples).tolist()
@@ -352,16 +392,30 @@ def summarize(records: list[dict], skip: int, world: int) -> dict:
 
 
 def _memory_estimate(cfg, world: int, bf16: bool, vocab_size: int, optimizer: str):
-    from relax_gdn.model import qwen3_5_config
-    from relax_gdn.train.flops import ModelShape
+    from relax_gdn.config import ParallelDims
+    from relax_gdn.train.loop import memory_inputs
     from relax_gdn.train.memory import estimate_memory
 
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
-    tp, cp = cfg.parallel.tp, cfg.parallel.cp
-    return estimate_memory(shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=tp, cp=cp,
-                           dp=world // (tp * cp), sequence_parallel=cfg.parallel.sp, bf16=bf16,
-                           recompute=cfg.recompute.granularity, fused_norms=cfg.model.fused_norms,
-                           fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=optimizer)
+    dims = ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp)
+    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
+    return estimate_memory(shape, **{**settings, "optimizer": optimizer})
+
+
+def _unprofiled_step_s(records: list[dict], summary: dict) -> float | None:
+    """The profiled step's time at the timed steps' rate: its FLOPs at their FLOP rate (its
+    documents' lengths, hence its attention share, differ from theirs), else its tokens at their
+    token rate."""
+    last, rate = records[-1], summary.get("tflops_per_gpu")
+    if rate and last.get("tflops_per_gpu"):
+        return last["tflops_per_gpu"] * last["step_time_s"] / rate
+    tok_rate = summary.get("tokens_per_s_total")
+    return last["tokens"] / tok_rate if tok_rate else None
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    """cudaMalloc retries so far (the caching allocator freed its cache and synchronised to find
+    room: a stall of the GPU's queue)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries") if device.type == "cuda" else None
 
 
 def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
@@ -384,13 +438,19 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
                        "forward + backward + DDP gradient reduction, no update")
     capacity = cfg.train.max_tokens_per_gpu * cfg.parallel.cp
     cfg = cfg.with_overrides({"optim.name": optimizer, "data.max_sample_tokens": capacity})
+    from relax_gdn.config import ParallelDims
+    from relax_gdn.train.loop import resolve_full_layers
+
+    # recompute.full_layers=null: the memory model's choice, here as in the loop (same GPU)
+    cfg = resolve_full_layers(cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab)
     estimate = _memory_estimate(cfg, world, bf16, padded_vocab, optimizer)
     data = benchmark_data(args, vocab, capacity, cfg.data.num_samples)
     from relax_gdn.data import length_stats
-    from relax_gdn.errors import RecipeError
+    from relax_gdn.errors import MemoryFitError, RecipeError
 
     entry = {"name": name, "optimizer": optimizer, "optimizer_note": why,
-             "lengths": length_stats(data[1].lengths())}
+             "lengths": length_stats(data[1].lengths()), "full_layers": cfg.recompute.full_layers}
+    retries_before = _alloc_retries(device)
     with tempfile.TemporaryDirectory() as tmp:
         steps = cfg.train.steps
         run_dir = None
@@ -399,6 +459,11 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
             run_dir = Path(tmp) / name.replace("/", "_")
         try:
             result = run_training(cfg, run_dir, data=data)
+        except MemoryFitError as e:  # refused before anything was built: report it, go on
+            entry |= {"records": [], "summary": {
+                "refused": str(e), "memory_estimate_gib": e.estimate_gib, "capacity_gib": e.capacity_gib,
+                "fits": e.fits}}
+            return entry
         except RecipeError:  # a wrong setting: every variant would need fixing
             raise
         except Exception as e:  # noqa: BLE001 - one variant failing (e.g. out of memory) must not end the rest
@@ -413,11 +478,12 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
             records[-1]["profiled"] = True
         summary = summarize(records, args.skip, world)
         summary["memory_estimate_gib"] = estimate.as_gib()
+        if retries_before is not None:
+            summary["alloc_retries"] = _alloc_retries(device) - retries_before
         trace = result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
         if trace is not None and trace.exists() and dist.get_rank() == 0:
-            rate = summary.get("tokens_per_s_total")
             summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"],
-                                                   records[-1]["tokens"] / rate if rate else None)
+                                                   _unprofiled_step_s(records, summary))
             if args.trace_dir:  # the run directory is temporary: keep the trace for a closer look
                 kept = Path(args.trace_dir) / f"{_file_stem(name)}.json.gz"
                 kept.parent.mkdir(parents=True, exist_ok=True)
@@ -447,11 +513,19 @@ def _commit() -> str | None:
         return None
 
 
+def _micro_batch_tokens(variant: dict) -> object:
+    return (variant.get("config") or {}).get("train.max_tokens_per_gpu")
+
+
 def format_table(result: dict) -> str:
+    """One row per variant; ratios are to the first measured variant of the same micro-batch size
+    (``mt=``), so a grid over sizes compares each size with its own first setting."""
     rows = [v for v in result["variants"]]
-    first = next((v["summary"].get("tokens_per_s") for v in rows if v["summary"].get("tokens_per_s")), None)
-    first_total = next((v["summary"].get("tokens_per_s_total") for v in rows
-                        if v["summary"].get("tokens_per_s_total")), None)
+
+    def first_of(v, key):
+        return next((w["summary"].get(key) for w in rows if w["summary"].get(key)
+                     and _micro_batch_tokens(w) == _micro_batch_tokens(v)), None)
+
     lines = [f"{'variant':<34}{'tok/s':>9}{'/GPU':>8}{'vs 1st':>8}{'Σtok/Σs':>9}{'vs 1st':>8}{'step s':>8}{'opt s':>7}{'MFU':>7}"
              f"{'MFU-R':>7}{'GiB':>7}{'est':>7}{'syncs':>6}"]
     for v in rows:
@@ -459,6 +533,12 @@ def format_table(result: dict) -> str:
         if "error" in s:
             lines.append(f"{v['name']:<34}  FAILED: {s['error'][:160]}")
             continue
+        if "refused" in s:
+            fits = "; ".join(s["fits"]) or "nothing tried fits"
+            lines.append(f"{v['name']:<34}  REFUSED by the memory model: {s['memory_estimate_gib']['total']:.1f} GiB "
+                         f"> {s['capacity_gib']:.1f} GiB; fits: {fits}")
+            continue
+        first, first_total = first_of(v, "tokens_per_s"), first_of(v, "tokens_per_s_total")
         ratio = s["tokens_per_s"] / first if first else float("nan")
 
         def fmt(x, spec):
@@ -488,8 +568,17 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="baseline,recompute=full;recompute=full;recompute=selective;"
-                                              "recompute=none")
+    parser.add_argument("--variants", default=None,
+                        help="';'-separated variants (default without --grid: baseline,recompute=full;"
+                             "recompute=full;recompute=selective;recompute=none)")
+    parser.add_argument("--grid", help="variants from every combination of axes, e.g. "
+                                       "'mt=32768/65536;recompute=full/mixed;model.attention_backend=varlen/fa4' "
+                                       "(after any --variants)")
+    parser.add_argument("--mean-fraction", type=float, default=None,
+                        help="sample lengths per variant: mean this fraction of its micro-batch, clipped to "
+                             "[--min-tokens, the micro-batch] (replaces --mean-tokens / --max-tokens)")
+    parser.add_argument("--cuda-alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for this process, set before CUDA "
+                                                  "starts (e.g. expandable_segments:True)")
     parser.add_argument("--preset", default="qwen3_5_9b_reduced")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
@@ -515,11 +604,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trace-dir", help="with --profile: keep each variant's profiled step here as a gzipped "
                                             "chrome trace of rank 0 (opens in Perfetto)")
     args = parser.parse_args(argv)
+    if args.variants is None:
+        args.variants = "" if args.grid else "baseline,recompute=full;recompute=full;recompute=selective;recompute=none"
+    if args.mean_fraction is not None and not 0 < args.mean_fraction <= 1:
+        parser.error(f"--mean-fraction {args.mean_fraction} must be in (0, 1]")
+    if args.cuda_alloc_conf:
+        if torch.cuda.is_initialized():
+            parser.error("--cuda-alloc-conf must be set before CUDA starts in this process")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
-    if args.trace_dir and not args.profile:
+    try:
+        variants = [v for v in (v.strip() for v in args.variants.split(";")) if v] + grid_variants(args.grid or "")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.trace_dir and not (args.profile or any(map(profiled_variant, variants))):
         parser.error(f"--trace-dir {args.trace_dir} keeps the profiled step's trace: add --profile")
+    if args.device == "cuda":
+        require_gpus("relax_gdn.bench.train_e2e")
 
+    from relax_gdn.runtime import Runtime
+
+    # after the checks above: installing touches CUDA, and a refused run must not pay for it
+    with Runtime():  # every process-wide change of the benchmark, undone when it ends
+        return _run(args, variants)
+
+
+def _run(args, variants: list[str]) -> dict:
     from relax_gdn.config import RunConfig
     from relax_gdn.train.loop import init_distributed, select_device
 
@@ -528,7 +639,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train.max_tokens_per_gpu": args.max_tokens_per_gpu, "train.device": args.device,
         "train.seed": args.seed, "data.num_samples": args.global_batch_size * (args.steps + 1),
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6,
-        "logging.console": False, "logging.jsonl": False,
+        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": True,
     })
     device = select_device(base)
     created = init_distributed(device)
@@ -538,23 +649,26 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
+        # what every variant starts from: relax_gdn.compare labels a key a variant leaves alone by it
+        "base_config": base.resolved().to_dict(),
     }, "variants": []}
-    variants = [v for v in (v.strip() for v in args.variants.split(";")) if v]
     if args.warm_up_pass and variants:
         untimed = argparse.Namespace(**{**vars(args), "profile": False})
         # the profiled step's batch too: its new shapes would otherwise compile inside the profile
         warm_up_steps = {"train.steps": args.steps + 1} if args.profile else {}
         passes = []
         for variant in warm_up_variants(variants, world, every=args.warm_up_every_variant):
+            steps = warm_up_steps or ({"train.steps": args.steps + 1} if profiled_variant(variant) else {})
             warm_up = run_variant(f"{variant} (warm-up pass)",
-                                  base.with_overrides({**variant_overrides(variant, world), **warm_up_steps}),
+                                  base.with_overrides({**variant_overrides(variant, world), **steps}),
                                   untimed, world, device)
             passes.append({"variant": variant, "steps": len(warm_up["records"]),
-                           "error": warm_up["summary"].get("error")})
+                           "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused")})
         result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
     for variant in variants:
         overrides = variant_overrides(variant, world)
-        entry = run_variant(variant, base.with_overrides(overrides), args, world, device)
+        variant_args = args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
+        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device)
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:
@@ -562,9 +676,12 @@ def main(argv: list[str] | None = None) -> dict:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))
             s = entry["summary"]
-            print(f"[train_e2e] {variant}: " + (s["error"] if "error" in s else
-                  f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} GiB, "
-                  f"optimizer {entry['optimizer']}"), flush=True)
+            if "error" in s or "refused" in s:
+                outcome = s.get("error") or f"refused by the memory model: {s['refused']}"
+            else:
+                outcome = (f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} "
+                           f"GiB, optimizer {entry['optimizer']}")
+            print(f"[train_e2e] {variant}: {outcome}", flush=True)
     if dist.get_rank() == 0:
         print(f"\n{args.preset}, world {world}, global batch {args.global_batch_size}, max_tokens_per_gpu "
               f"{args.max_tokens_per_gpu}, medians of steps {args.skip + 1}-{args.steps}")

@@ -21,7 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m relax_gdn.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", help="run directories, sweep directories or benchmark .json files")
-    p.add_argument("--out", help="output directory (default: <first path>/compare, or ./compare)")
+    p.add_argument("--out", help="output directory (default: beside the first input: <dir>/compare for a "
+                                 "directory, <name>-compare/ next to a .json file; ./compare-<group> for W&B "
+                                 "alone)")
     p.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
                    help="the variant others are compared with (repeatable; default: the first variant)")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read the runs of --group from W&B")
@@ -30,6 +32,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-by", default="gdn.cp_mode", help="config key the W&B report groups runs by")
     p.add_argument("--print-spec", action="store_true", help="with --wandb-report: print the spec, save nothing")
     return p.parse_args(argv)
+
+
+def default_out_dir(paths: list[str], group: str | None) -> Path:
+    """Where the reports go without ``--out``: beside the first input, so they stay with what they
+    describe (``<dir>/compare/`` for a run or sweep directory, ``<stem>-compare/`` next to a
+    benchmark file), never into whatever directory the command ran in; W&B alone:
+    ``./compare-<group>/``."""
+    if not paths:
+        return Path(f"compare-{group}")
+    first = Path(paths[0])
+    return first / "compare" if first.is_dir() else first.with_name(f"{first.stem}-compare")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             raise ValueError("nothing to compare: give run/sweep directories, a benchmark .json or --wandb")
         summary = compare_runs(runs, args.baseline)
-        out = Path(args.out) if args.out else (Path(args.paths[0]) / "compare" if args.paths and
-                                               Path(args.paths[0]).is_dir() else Path("compare"))
+        out = Path(args.out) if args.out else default_out_dir(args.paths, args.group)
         paths = write_reports(runs, summary, out)
     except (ValueError, FileNotFoundError) as e:
         print(f"relax_gdn.compare: {e}", file=sys.stderr)

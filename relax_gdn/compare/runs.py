@@ -11,9 +11,12 @@ Benchmark results (e.g. ``python -m relax_gdn.bench.train_e2e``) are read from o
     {"variants": [{"name": "chunkwise", "config": {"gdn": {"cp_mode": "chunkwise"}, ...},
                    "records": [{"step": 1, "loss": ..., "tokens_per_s": ...}, ...]}, ...]}
 
-Each entry is one run; entries with the same ``name`` and config are repeats of one variant.
-``config`` (optional) may be nested or dotted; the name is kept as the config key
-``bench.variant``; other keys (``summary``, ``meta``) are ignored.
+Each entry is one run. ``config`` (nested or dotted) holds what the variant set: a key that some
+variants set and others leave alone takes, in those, the value every variant started from:
+``meta.base_config`` (nested or dotted) where the file has it, else the recipe's default
+(``relax_gdn.config.schema``), never an empty value. Entries whose configs then agree (seeds
+aside) are repeats of one variant. An entry without ``config`` is told apart by its ``name``
+(the config key ``bench.variant``). Other keys (``summary``, ``meta``'s rest) are ignored.
 """
 
 from __future__ import annotations
@@ -107,18 +110,31 @@ def load_run_dir(path: str | Path) -> Run:
     return Run(name=path.name, source=str(path), config=config, records=clean_records(read_jsonl(metrics)))
 
 
+def recipe_defaults() -> dict[str, Any]:
+    """Every config key's default, dotted (``relax_gdn.config.schema``, the one place that holds them)."""
+    from dataclasses import asdict
+
+    from relax_gdn.config.schema import RunConfig
+
+    return flatten(asdict(RunConfig()))
+
+
 def load_bench_json(path: str | Path) -> list[Run]:
     """The benchmark shape in the module docstring."""
     path = Path(path)
     data = json.loads(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
         raise ValueError(f"{path}: expected {{\"variants\": [{{\"name\", \"config\", \"records\"}}, ...]}}")
+    configs = [flatten(variant.get("config") or {}) for variant in data["variants"]]
+    set_somewhere = {key for config in configs for key in config}
+    start = {**recipe_defaults(), **flatten((data.get("meta") or {}).get("base_config") or {})}
     runs = []
-    for i, variant in enumerate(data["variants"]):
+    for i, (variant, config) in enumerate(zip(data["variants"], configs)):
         name = str(variant.get("name", f"variant{i}"))
-        config = flatten(variant.get("config") or {})
-        config[BENCH_VARIANT_KEY] = name
-        runs.append(Run(name=f"{name}#{i}", source=f"{path}#{i}", config=config,
+        resolved = {key: start[key] for key in set_somewhere if key in start} | config
+        if "config" not in variant:  # nothing says what it ran: its name does
+            resolved[BENCH_VARIANT_KEY] = name
+        runs.append(Run(name=f"{name}#{i}", source=f"{path}#{i}", config=resolved,
                         records=clean_records(variant.get("records") or [])))
     return runs
 

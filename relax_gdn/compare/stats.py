@@ -11,7 +11,8 @@ Rules (docs/compare.md repeats them):
 * **Variants.** Runs are grouped by the config keys whose values differ between them, except
   keys that do not change what is trained or measured (``logging.*``, ``checkpoint.*``,
   ``run_name``, W&B's ``derived.*``) and the seed (``train.seed``: runs that differ only in it
-  are repeats of one variant).
+  are repeats of one variant). A variant's label is its values of those keys alone; keys of one
+  group that take the same values in every run are written once (``model.fused_*=false``).
 * **Noise floor (A/A).** Variants with >= 2 runs give it: for throughput, the largest spread
   (max - min) / median of the runs' steady-state median tok/s; for a curve (loss, grad norm), the
   run-to-run variance at each step, pooled over those variants (and the largest max - min spread,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,18 +171,54 @@ def _canonical(value: Any) -> str:
 def group_variants(runs: list[Run]) -> tuple[list[str], list[Variant]]:
     """(varying keys, variants in order of first appearance)."""
     keys = sorted({k for run in runs for k in run.config if _counts(k)})
-    varying = [k for k in keys if len({_canonical(run.config.get(k)) for run in runs}) > 1]
+    varying = [k for k in keys if len({_canonical(run.config.get(k, UNSET)) for run in runs}) > 1]
+    label_keys = _label_keys(varying, runs)
     variants: dict[str, Variant] = {}
     for run in runs:
-        config = {k: run.config.get(k) for k in varying}
-        label = ", ".join(f"{k}={_fmt_value(v)}" for k, v in config.items()) or "all runs"
+        config = {k: run.config.get(k, UNSET) for k in varying}
+        label = ", ".join(f"{name}={_fmt_value(config[keys[0]])}" for name, keys in label_keys) or "all runs"
         variants.setdefault(label, Variant(label, config, [])).runs.append(run)
     return varying, list(variants.values())
 
 
+def _label_keys(varying: list[str], runs: list[Run]) -> list[tuple[str, list[str]]]:
+    """What a label names: each varying key, or one name for the keys of one group whose values
+    agree in every run (``model.fused_norms`` and ``model.fused_swiglu`` -> ``model.fused_*``, or
+    ``group.{a,b}`` when their names share no prefix)."""
+    together: dict[tuple[str, str], list[str]] = {}
+    for key in varying:
+        values = _canonical([run.config.get(key, UNSET) for run in runs])
+        together.setdefault((key.rpartition(".")[0], values), []).append(key)
+    named = []
+    for (group, _), keys in together.items():
+        if len(keys) == 1:
+            named.append((keys[0], keys))
+            continue
+        leaves = [k.rpartition(".")[2] for k in keys]
+        prefix = os.path.commonprefix(leaves)
+        dot = f"{group}." if group else ""
+        named.append((f"{dot}{prefix}*" if len(prefix) >= 2 else f"{dot}{{{','.join(leaves)}}}", keys))
+    return named
+
+
+class _Unset:
+    """A key a run's config does not have (unlike an explicit null)."""
+
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+UNSET = _Unset()
+
+
 def _fmt_value(value: Any) -> str:
+    """A config value as an override would write it (``true``, ``null``, ``0.003``)."""
     if isinstance(value, bool):
         return str(value).lower()
+    if value is None:
+        return "null"
+    if value is UNSET:
+        return repr(value)
     return str(value)
 
 
@@ -288,13 +326,13 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
     rms_noise = math.sqrt(float(np.mean(list(expected.values()))))
     worst = max(steps, key=lambda s: diffs[s])
     out = {"steps": len(steps), "rms_diff": rms_diff, "rms_noise": rms_noise,
-           "noise_ratio": rms_diff / rms_noise if rms_noise else math.inf,
+           "noise_ratio": rms_diff / rms_noise if rms_noise else (math.inf if rms_diff else 0.0),
            "outside": sum(diffs[s] > 2.0 * math.sqrt(expected[s]) for s in steps),
            "max_abs_diff": diffs[worst], "at_step": worst,
            "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
            "mean_abs_diff": float(np.mean(list(diffs.values())))}
-    if not noise["available"]:
-        out["verdict"] = "no A/A"
+    if not noise["available"]:  # no repeats: no noise to weigh the difference against, none quoted
+        out |= {"verdict": "no A/A", "rms_noise": None, "noise_ratio": None, "outside": None}
     else:
         out["verdict"] = "differs" if out["noise_ratio"] > CURVE_NOISE_RATIO else "within noise"
     return out
@@ -315,7 +353,8 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
             s, b = stats[variant.label][metric], stats[base.label][metric]
             ratios[metric] = s["median"] / b["median"] if s and b and b["median"] else None
         out_variants.append({
-            "label": variant.label, "config": variant.config, "baseline": variant is base,
+            "label": variant.label, "config": {k: v for k, v in variant.config.items() if v is not UNSET},
+            "baseline": variant is base,
             "runs": [{"name": r.name, "source": r.source, "steps": len(r.records), "world_size": r.world_size,
                       "steady_steps": len(steady_records(r.records)), "summary": run_summary(r.records, r.world_size)}
                      for r in variant.runs],

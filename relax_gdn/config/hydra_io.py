@@ -114,9 +114,10 @@ def run_config_from_hydra(cfg: DictConfig) -> RunConfig:
 
 
 def save_run_config(cfg: RunConfig, run_dir: str | Path) -> Path:
-    """Write the resolved config as ``<run_dir>/config.yaml`` (rank 0 only; the caller decides)."""
+    """Write the resolved config (derived defaults filled in, :meth:`RunConfig.resolved`) as
+    ``<run_dir>/config.yaml`` (rank 0 only; the caller decides)."""
     path = Path(run_dir) / "config.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.resolved().to_dict())))
     return path
 
 

@@ -37,6 +37,7 @@ from relax_gdn.choices import (
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.options import GDNOptions
+from relax_gdn.model.presets import qwen3_5_preset
 from relax_gdn.model.recompute import recomputes
 
 
@@ -44,7 +45,7 @@ from relax_gdn.model.recompute import recomputes
 class ModelConfig:
     preset: ModelPreset = "qwen3_5_tiny"  # relax_gdn.model.presets (qwen3_5_tiny: 4 layers, hidden 64, CPU)
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
-    spec_provider: SpecProvider = "auto"  # auto: Transformer Engine specs where it imports, else local
+    spec_provider: SpecProvider = "auto"  # auto: the local specs (the tested path); te: Transformer Engine's
     attention_backend: ModelAttentionBackend = "auto"
     # relax_gdn.model.fusion: one-kernel RMSNorms (and the GDN gated norm on CUDA); off: fp32 formulas
     fused_norms: bool = True
@@ -91,11 +92,14 @@ class ParallelConfig:
 @dataclass
 class RecomputeConfig:
     granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
-    # what granularity=selective recomputes (relax_gdn.model.recompute says what each one is)
+    # what granularity=selective (and mixed's other layers) recomputes (relax_gdn.model.recompute)
     modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))  # of relax_gdn.choices.RecomputeModule
     # granularity=full: leave out what no gradient reads (the last layer's recompute, each recomputed
     # layer's linear_fc2 GEMM; relax_gdn.model.recompute); false: Megatron-Core's plain full recompute
     skip_unused: bool = True
+    # granularity=mixed: the first N layers recomputed whole, the rest selective; None: the fewest
+    # that the memory model fits on the GPU (relax_gdn.train.memory.fewest_full_layers)
+    full_layers: int | None = None
 
 
 @dataclass
@@ -136,8 +140,10 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = "adam"  # Adam with decoupled weight decay
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    # peak rate; null: the model preset's (relax_gdn.model.presets: 1e-5 for the 9B, 2e-4 for the
+    # randomly initialised reduced 9B, 3e-3 for the tiny demo). RunConfig.learning_rates resolves it.
+    lr: float | None = None
+    min_lr: float | None = None  # the schedule's floor; null: optim.lr / 10
     schedule: LRSchedule = "cosine"  # after a linear warm-up
     # linear warm-up from 0: a value below 1 is a fraction of train.steps (0.1 x the demo's 30
     # steps = 3), a whole number >= 1 is steps (clamped below train.steps, with a warning)
@@ -172,6 +178,9 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile_steps: list[int] | None = None  # [first, last]: torch profiler traces per rank for these steps
     show_third_party_warnings: bool = False  # true: keep the notices relax_gdn.known_warnings silences
+    # CUDA: count host<->device syncs in forward + backward (metrics' host_syncs) with torch's
+    # process-wide sync debug mode; off in training runs, on in benchmarks and GPU tests
+    count_host_syncs: bool = False
 
 
 @dataclass
@@ -237,6 +246,19 @@ class RunConfig:
                           swap_transport=g.swap_transport, max_recomputed_prefix=g.max_recomputed_prefix,
                           max_cp_size=self.effective_max_cp, training=True,
                           recompute_core=recomputes(self.recompute.granularity, self.recompute.modules, "gdn_core"))
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """(peak, floor) of the schedule: ``optim.lr`` or, when null, the model preset's rate
+        (``Qwen3_5Preset.sft_lr``); ``optim.min_lr`` or, when null, a tenth of the peak."""
+        lr = self.optim.lr if self.optim.lr is not None else qwen3_5_preset(self.model.preset).sft_lr
+        return lr, self.optim.min_lr if self.optim.min_lr is not None else lr / 10
+
+    def resolved(self) -> "RunConfig":
+        """A copy with every null that stands for a derived value filled in (the learning rates):
+        what ``config.yaml`` records, so a run's file says what it trained with."""
+        lr, min_lr = self.learning_rates
+        return dataclasses.replace(self, optim=dataclasses.replace(self.optim, lr=lr, min_lr=min_lr))
 
     @property
     def sample_token_limit(self) -> int:

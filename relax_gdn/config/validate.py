@@ -129,9 +129,26 @@ def _choices(cfg: RunConfig) -> list[str]:
     unknown_modules = sorted(set(cfg.recompute.modules or ()) - set(RECOMPUTE_MODULES))
     if unknown_modules:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
+    problems += _full_layers(cfg)
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
+
+
+def _full_layers(cfg: RunConfig) -> list[str]:
+    """``recompute.full_layers``: null or 0..num_layers, and only with ``recompute.granularity=mixed``."""
+    n, granularity = cfg.recompute.full_layers, cfg.recompute.granularity
+    if n is None:
+        return []
+    if granularity != "mixed":
+        return [f"recompute.full_layers={n!r} applies to recompute.granularity=mixed only (got {granularity!r}); "
+                "set recompute.granularity=mixed or recompute.full_layers=null"]
+    preset = PRESETS.get(cfg.model.preset)
+    layers = preset.config["num_layers"] if preset is not None else None
+    if not _is_int(n) or n < 0 or (layers is not None and n > layers):
+        return [f"recompute.full_layers={n!r} must be null (the memory model chooses) or an integer from 0 to the "
+                f"model's {layers} layers"]
+    return []
 
 
 def _mesh(cfg: RunConfig, world_size: int) -> tuple[ParallelDims | None, list[str]]:
@@ -243,10 +260,12 @@ def _data(cfg: RunConfig) -> list[str]:
 
 def _optim(cfg: RunConfig) -> list[str]:
     optim, problems = cfg.optim, []
-    if not optim.lr > 0:
-        problems.append(f"optim.lr={optim.lr!r} must be > 0")
-    if not 0 <= optim.min_lr <= optim.lr:
-        problems.append(f"optim.min_lr={optim.min_lr!r} must be within [0, optim.lr={optim.lr}]")
+    if cfg.model.preset in PRESETS:  # an unknown preset is reported with the model keys
+        lr, min_lr = cfg.learning_rates
+        if not lr > 0:
+            problems.append(f"optim.lr={lr!r} must be > 0")
+        if not 0 <= min_lr <= lr:
+            problems.append(f"optim.min_lr={min_lr!r} must be within [0, optim.lr={lr}]")
     warmup = optim.warmup_steps
     if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
             (warmup >= 1 and warmup != int(warmup)):

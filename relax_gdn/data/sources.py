@@ -33,6 +33,9 @@ SOURCE_FORMATS = ("jsonl", "parquet", "hf_disk")
 MESSAGES_FIELD = "messages"
 SYSTEM_FIELD = "system"  # optional top-level system prompt of a messages record
 
+# what sets the longest sample kept (relax_gdn.config.schema.RunConfig.sample_token_limit)
+SAMPLE_LIMIT_KEYS = "data.max_sample_tokens; when null, train.max_tokens_per_gpu x CP size"
+
 _UNPARSABLE = object()  # a record slot that could not be read as a dict
 _HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
 _PARQUET_BATCH_ROWS = 1024
@@ -205,13 +208,15 @@ def _messages_problem(record: dict) -> tuple[str, str] | None:
     system = record.get(SYSTEM_FIELD)
     if system is not None and not isinstance(system, str):
         return "not_string", f"{SYSTEM_FIELD!r} is a {type(system).__name__}, not a string"
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
-            return "bad_messages", f"turn {i} is not a {{role, content}} object with a role in {list(ROLES)}"
+    for number, turn in enumerate(turns, start=1):  # counted from 1, as a person counts turns
+        if not isinstance(turn, dict):
+            return "bad_messages", f"turn {number} is a {type(turn).__name__}, not a {{role, content}} object"
+        if turn.get("role") not in ROLES:
+            return "bad_messages", f"turn {number} has role {turn.get('role')!r}; the roles are {list(ROLES)}"
         if not isinstance(turn.get("content"), str):
-            return "not_string", f"turn {i} ({turn['role']}): content is not a string"
-        if turn["role"] == "system" and (i > 0 or system is not None):
-            return "bad_messages", f"turn {i} is a system turn; a system prompt comes first, once"
+            return "not_string", f"turn {number} ({turn['role']}): content is not a string"
+        if turn["role"] == "system" and (number > 1 or system is not None):
+            return "bad_messages", f"turn {number} is a system turn; a system prompt comes first, once"
     if not any(turn["role"] == "assistant" for turn in turns):
         return "no_assistant_turn", "no assistant turn to train on"
     if any(turn["role"] == "assistant" and not turn["content"].strip() for turn in turns):
@@ -259,7 +264,8 @@ def tokenize_records(
             else:
                 input_ids, loss_mask = tokenizer.encode_sft(record[prompt_field], record[response_field])
             if max_sample_tokens is not None and len(input_ids) > max_sample_tokens:
-                problem = ("too_long", f"{len(input_ids)} tokens")
+                problem = ("too_long",
+                           f"{len(input_ids)} tokens > {max_sample_tokens} allowed ({SAMPLE_LIMIT_KEYS})")
         if problem is not None:
             counts.skip(problem[0], where=where, detail=problem[1])
             continue

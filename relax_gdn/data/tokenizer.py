@@ -22,6 +22,10 @@ The embedded template, for ``[system, user, assistant, user, assistant]``::
 
 (each turn opens with its role token; only an assistant turn is closed, by ``<|end|>``; its
 generation prompt is ``<|assistant|>``, so ``A1<|end|>`` and ``A2<|end|>`` are trained on).
+
+:meth:`ByteChatTokenizer.save_pretrained` writes the embedded tokenizer as a Hugging Face one
+(``tokenizer.json`` + this template as ``chat_template.jinja``) that gives the same ids: exports of
+runs that used it ship it, and ``AutoTokenizer`` / :class:`HFChatTokenizer` load it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ class ByteChatTokenizer:
 
     SPECIAL_TOKENS = ("<|pad|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>")
     NUM_RESERVED = 3
+    # the template of the module docstring, in the Jinja form of Hugging Face chat templates
+    CHAT_TEMPLATE = (
+        "{%- for message in messages -%}<|{{ message['role'] }}|>{{ message['content'] }}"
+        "{%- if message['role'] == 'assistant' -%}<|end|>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    )
 
     def __init__(self) -> None:
         self.special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
@@ -107,6 +117,26 @@ class ByteChatTokenizer:
             out.append(self._special_names.get(i, f"<|reserved_{i}|>"))
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
+        """Write this tokenizer as a Hugging Face tokenizer directory with the same ids: a byte-level
+        BPE without merges (byte b is id b), the special and reserved tokens as added tokens, and
+        :attr:`CHAT_TEMPLATE`. Text that spells a special token (``<|end|>``) inside a turn's content
+        becomes that token there, as with any Hugging Face tokenizer, where this one keeps its bytes.
+        Returns the files written."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        byte_chars = bytes_to_unicode()  # the printable stand-in of every byte, as byte-level BPE writes it
+        backend = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        names = [self._special_names.get(i, f"<|reserved_{i}|>") for i in range(256, self.vocab_size)]
+        backend.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>", pad_token="<|pad|>",
+                                     chat_template=self.CHAT_TEMPLATE)
+        return [Path(f).name for f in hf.save_pretrained(str(directory))]
 
     def __repr__(self) -> str:
         return f"ByteChatTokenizer(vocab_size={self.vocab_size})"

@@ -10,20 +10,21 @@ computes ``M`` and multiplies it by zero, or never reads it.
 
 It is the expensive half: the ``M`` column blocks compose a K x K product per 64-token chunk in
 TF32x3 while the ``h`` blocks do K x 64 products in bf16, and the next rank waits for the kernel
-(5.2 ms of a 64k-token single-document CP-2 layer call on H200, ``bench.gdn_layer --profile``).
+(its share of a layer call: ``bench.gdn_layer --profile``, docs/benchmarks.md).
 The backward mirrors it for the FIRST local segment (``chunk_cp_bwd_kernel_dh``, ``[dh | dM]``;
 ``dM``, read under the same condition).
 
 When ``M`` is provably unread this launches FLA's own kernel over the ``h`` column blocks only
 (same kernel, same autotuned config, a smaller grid) and leaves ``M`` zero; every other case --
 and the zigzag layout and CUDA-graph paths -- goes to FLA unchanged. It replaces two names in
-``fla.ops.gated_delta_rule.chunk`` and is installed explicitly (``install``), after checking the
-FLA version and that the names are FLA's originals.
+``fla.ops.gated_delta_rule.chunk``, installed once per process by :class:`relax_gdn.runtime.Runtime`
+(``install``, after checking the FLA version and that the names are FLA's originals; ``uninstall``
+when it closes). The replacements act only on a CP context marked by
+:func:`skip_unread_summaries_of` (what a layer with ``GDNOptions.fla_skip_unread_cp_summaries``
+does); any other context runs FLA's own functions, so the choice is the layer's, not the process's.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import inspect
 
@@ -44,9 +45,25 @@ def transition_is_read(context) -> bool:
     return context.num_seqs == 1 and not context.is_first_rank and not context.is_last_rank
 
 
+_SKIP_MARK = "relax_gdn_skip_unread_summaries"
+
+
+def skip_unread_summaries_of(context) -> None:
+    """Mark FLA CP ``context`` so the installed pre-processing skips the summaries no rank reads
+    for every scan given it, forward and backward (FLA hands the same context to both)."""
+    if not installed():
+        raise RuntimeError(
+            "GDNOptions.fla_skip_unread_cp_summaries needs FLA's CP pre-processing routed through "
+            "relax_gdn.gdn.fla_cp_summaries, which relax_gdn.runtime.Runtime installs (the entry points do): "
+            "install a Runtime before running the layer, or build it with fla_skip_unread_cp_summaries=False"
+        )
+    setattr(context, _SKIP_MARK, True)
+
+
 def _skippable(context, use_graph: bool) -> bool:
-    # Only FLA's contiguous, eager branch is re-expressed here; the rest stays FLA's.
-    return context is not None and context.group is not None and context.layout == "contiguous" and not use_graph
+    # Only FLA's contiguous, eager branch of a marked context is re-expressed here; the rest stays FLA's.
+    return (context is not None and getattr(context, _SKIP_MARK, False) and context.group is not None
+            and context.layout == "contiguous" and not use_graph)
 
 
 def _value_blocks(K: int) -> int:
@@ -150,7 +167,8 @@ def _parameters(fn) -> list[tuple[str, object, object]]:
 
 
 def install() -> None:
-    """Route FLA's gated-delta-rule CP pre-processing through the versions above (idempotent)."""
+    """Route FLA's gated-delta-rule CP pre-processing through the versions above (idempotent); they
+    act on marked contexts only (:func:`skip_unread_summaries_of`)."""
     import importlib
 
     import fla
@@ -179,26 +197,15 @@ def install() -> None:
 
 
 def installed() -> bool:
+    """Whether FLA's pre-processing names are the versions above."""
     import importlib
 
     chunk = importlib.import_module(_PATCHED_MODULE)
     return all(getattr(getattr(chunk, n), "relax_gdn_original", None) is not None for n in (_FWD_NAME, _BWD_NAME))
 
 
-@contextlib.contextmanager
-def uninstalled():
-    """FLA's own pre-processing inside the block (A/Bs, tests), the previous state after it."""
-    was_installed = installed()
-    uninstall()
-    try:
-        yield
-    finally:
-        if was_installed:
-            install()
-
-
 def uninstall() -> None:
-    """Back to FLA's own pre-processing (the benchmark's A/B switch)."""
+    """Back to FLA's own functions (what :meth:`relax_gdn.runtime.Runtime.close` does)."""
     import importlib
 
     chunk = importlib.import_module(_PATCHED_MODULE)

@@ -4,12 +4,14 @@ Both take the same :class:`ScanRows` description of the rows they get, so the la
 once. ``ScanRows.cp_group`` set means "these rows are this rank's CONTIGUOUS slice of the packed
 batch described by the GLOBAL boundaries": the conv halo and the recurrent state then cross
 rank boundaries (FLA's CP context on GPU, differentiable collectives in the reference).
-``ScanRows.cp_layout="zigzag"`` (FLA only, the ``fla_zigzag_cp`` A/B) means FLA's own zigzag parts.
+``ScanRows.cp_layout="zigzag"`` (FLA only, ``GDNOptions.fla_zigzag_cp``) means FLA's own zigzag parts.
+
+Which kernels run is fixed by the layer's :class:`~relax_gdn.gdn.options.GDNOptions`
+(:func:`select_kernels`): one stateless instance per distinct choice, nothing process-wide.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from relax_gdn.choices import KERNEL_BACKENDS, choice_problem
 from relax_gdn.gdn import fla_cp_summaries, reference
-from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
+from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.layout.route import upload_rows
 
 logger = logging.getLogger(__name__)
@@ -31,13 +33,12 @@ def fla_fp32_gradient_caveat(dtype: torch.dtype, capability: tuple[int, int]) ->
     """What is known to be wrong with FLA's gradients for activations of ``dtype`` on a GPU of
     compute ``capability``; None where nothing is.
 
-    Measured on H200 (``python -m relax_gdn.bench.gdn_precision``, 2026-11-30): in fp32 the
-    gated delta rule's backward misses an fp64 reference by 46 % (``A_log``) and 23 %
-    (``dt_bias``) of their largest gradient, with the output exact; bf16 is within 1 %. It is in
-    FLA's scan backward (not the conv, not CP), survives exact fp32 products in every Triton
-    kernel (``TRITON_F32_DEFAULT=ieee``) and does not depend on which ``chunk_bwd_dqkwg`` runs
-    (TileLang, FLA 0.6's choice on Hopper, or Triton: the same errors, ``--triton-dqkwg``).
-    Other GPUs were not measured.
+    ``python -m relax_gdn.bench.gdn_precision`` on Hopper (numbers in docs/benchmarks.md): in fp32
+    the gated delta rule's backward misses an fp64 reference in the gate gradients (``A_log``,
+    ``dt_bias``) while the output is exact, and bf16 stays close. It is in FLA's scan backward
+    (not the conv, not CP), survives exact fp32 products in every Triton kernel
+    (``TRITON_F32_DEFAULT=ieee``) and does not depend on which ``chunk_bwd_dqkwg`` runs (TileLang,
+    FLA 0.6's choice on Hopper, or Triton, ``--triton-dqkwg``). Other GPUs make no claim here.
     """
     if dtype != torch.float32 or capability[0] != 9:
         return None
@@ -65,9 +66,11 @@ class ScanRows:
     cp_group: dist.ProcessGroup | None = None  # chunkwise CP: rows are a contiguous slice
     conv_kernel_size: int = 4
     # with cp_group: "contiguous" (one slice of the global stream per rank) or "zigzag" (FLA's own
-    # zigzag: global parts r and 2W-1-r of the stream cut in 2W; FLA kernels only, see fla_zigzag_cp)
+    # zigzag: global parts r and 2W-1-r of the stream cut in 2W; FLA kernels only, GDNOptions.fla_zigzag_cp)
     cp_layout: str = "contiguous"
-    _fla_context: object = field(default=None, repr=False)
+    # FLA's CP context, one per summary-skipping choice: layers with different options may share
+    # the micro-batch's rows, and the choice travels on the context into FLA's backward
+    _fla_contexts: dict = field(default_factory=dict, repr=False)
     _fla_chunk_indices: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -88,41 +91,9 @@ class GateInputs:
         return -self.a_log.float().exp() * F.softplus(self.alpha.float() + self.dt_bias.float())
 
 
-@contextlib.contextmanager
-def gate_outside_fla():
-    """Inside the block FLA gets ``g`` computed by torch around it, as Megatron-Core does, instead
-    of computing the gate's activation in its chunk cumsum (A/Bs, tests); the previous setting
-    after it."""
-    before = FlaKernels.fused_gate
-    FlaKernels.fused_gate = False
-    try:
-        yield
-    finally:
-        FlaKernels.fused_gate = before
-
-
-@contextlib.contextmanager
-def fla_zigzag_cp():
-    """Inside the block, chunkwise GDN scans a micro-batch that holds ONE document on its zigzag
-    rows with FLA's native zigzag CP (``build_cp_context(..., layout="zigzag")``) instead of
-    swapping them to the contiguous layout and back (A/B of the FLA kernels; FLA backend only).
-
-    FLA's zigzag is a zigzag of the whole packed stream (rank r holds parts r and 2W-1-r of the
-    stream cut in 2W), the data's is per document (docs/design/LAYOUTS.md §1): they are the same rows only
-    when the micro-batch holds one document. With several, FLA's layout would need a swap as
-    well, into a layout with twice the rank cuts to pass the state across. The previous setting
-    after the block."""
-    before = FlaKernels.zigzag_cp
-    FlaKernels.zigzag_cp = True
-    try:
-        yield
-    finally:
-        FlaKernels.zigzag_cp = before
-
-
 class GDNKernels(Protocol):
     name: str
-    zigzag_cp: bool  # scans one-document micro-batches on their zigzag rows (fla_zigzag_cp)
+    zigzag_cp: bool  # scans one-document micro-batches on their zigzag rows (GDNOptions.fla_zigzag_cp)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ScanRows) -> torch.Tensor:
         """SiLU(depthwise causal conv) of ``x [B, S, D]`` with ``weight [D, Wc]``."""
@@ -170,30 +141,37 @@ class FlaKernels:
     them back from the device, and so is the chunk index both the conv and the scan need: FLA
     would build it from the host copy and copy it to the GPU from pageable memory, a host sync
     per new micro-batch; built here once per micro-batch and uploaded pinned + non_blocking.
-    FLA's CP pre-pass skips the transition summaries no rank reads (``fla_cp_summaries``).
+
+    Args (the layer's ``GDNOptions.fla_*``):
+        fused_gate: the gate's activation inside FLA's chunk cumsum, else ``g`` computed by torch.
+        zigzag_cp: one-document micro-batches scanned on their zigzag rows.
+        skip_unread_cp_summaries: FLA's CP pre-pass skips the transition summaries no rank reads
+            (:mod:`relax_gdn.gdn.fla_cp_summaries`, whose patch the Runtime installs).
     """
 
     name = "fla"
     chunk_size = 64  # FLA's default for the gated delta rule and the causal conv alike
-    fused_gate = True  # the gate's activation inside FLA's cumsum (benchmarks A/B it off)
-    zigzag_cp = False  # one-document micro-batches scanned on their zigzag rows (fla_zigzag_cp)
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, *, fused_gate: bool, zigzag_cp: bool, skip_unread_cp_summaries: bool) -> None:
         from fla.modules.convolution import causal_conv1d
         from fla.ops.cp import build_cp_context
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         self._conv, self._scan, self._build_cp_context = causal_conv1d, chunk_gated_delta_rule, build_cp_context
-        use_bundled_fla_configs(device)
-        fla_cp_summaries.install()  # CP pre-pass without the transition summaries no rank reads
+        self.fused_gate, self.zigzag_cp = fused_gate, zigzag_cp
+        self.skip_unread_cp_summaries = skip_unread_cp_summaries
 
     def _context(self, rows: ScanRows):
-        if rows._fla_context is None:  # once per micro-batch: ScanRows is cached per micro-batch
-            rows._fla_context = self._build_cp_context(
+        context = rows._fla_contexts.get(self.skip_unread_cp_summaries)
+        if context is None:  # once per micro-batch: ScanRows is cached per micro-batch
+            context = self._build_cp_context(
                 rows.cu_device, rows.cp_group, conv1d_kernel_size=rows.conv_kernel_size,
                 cu_seqlens_cpu=rows.cu_host, layout=rows.cp_layout,
             )
-        return rows._fla_context
+            if self.skip_unread_cp_summaries:
+                fla_cp_summaries.skip_unread_summaries_of(context)
+            rows._fla_contexts[self.skip_unread_cp_summaries] = context
+        return context
 
     def _chunk_indices(self, rows: ScanRows, cu_device: torch.Tensor, cu_host: torch.Tensor) -> torch.Tensor:
         if rows._fla_chunk_indices is None:  # once per micro-batch, like the context
@@ -231,13 +209,16 @@ class FlaKernels:
         return o
 
 
-def select_kernels(backend: str, device: torch.device) -> GDNKernels:
-    """``auto``: FLA on CUDA, the torch reference elsewhere (one stateless instance per choice)."""
-    return _kernels(backend, device.type)
+def select_kernels(options: GDNOptions, device: torch.device) -> GDNKernels:
+    """The kernels a layer told ``options`` runs for activations on ``device``: ``auto`` is FLA on
+    CUDA, the torch reference elsewhere (one stateless instance per distinct choice)."""
+    return _kernels(options.kernel_backend, device.type, options.fla_fused_gate, options.fla_zigzag_cp,
+                    options.fla_skip_unread_cp_summaries)
 
 
 @functools.cache
-def _kernels(backend: str, device_type: str) -> GDNKernels:  # noqa: D103 - see select_kernels
+def _kernels(backend: str, device_type: str, fused_gate: bool, zigzag_cp: bool,
+             skip_unread_cp_summaries: bool) -> GDNKernels:  # noqa: D103 - see select_kernels
     problem = choice_problem("gdn.kernel_backend", backend, KERNEL_BACKENDS)
     if problem:
         raise ValueError(problem)
@@ -245,4 +226,7 @@ def _kernels(backend: str, device_type: str) -> GDNKernels:  # noqa: D103 - see 
         backend = "fla" if device_type == "cuda" else "torch"
     if backend == "fla" and device_type != "cuda":
         raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto")
-    return FlaKernels(torch.device(device_type)) if backend == "fla" else TorchKernels()
+    if backend == "torch":
+        return TorchKernels()
+    return FlaKernels(fused_gate=fused_gate, zigzag_cp=zigzag_cp,
+                      skip_unread_cp_summaries=skip_unread_cp_summaries)

@@ -22,7 +22,7 @@ Modes (docs/design/LAYOUTS.md §4):
                ``hidden_layout="contiguous"`` the layer takes and returns contiguous rows and
                swaps nothing: the model keeps its residual stream contiguous through a run of
                GDN layers and converts it with :meth:`CPGatedDeltaNet.convert_hidden_layout`
-               (``relax_gdn.model.gdn_runs``). Under ``kernels.fla_zigzag_cp`` (an A/B) a
+               (``relax_gdn.model.gdn_runs``). With ``GDNOptions.fla_zigzag_cp`` (an A/B) a
                micro-batch of ONE document is scanned on its zigzag rows by FLA's native
                zigzag CP, without swaps.
 ``all_gather`` every rank gathers the whole sequence and recomputes conv + scan for it, keeping
@@ -30,8 +30,6 @@ Modes (docs/design/LAYOUTS.md §4):
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import torch
@@ -44,17 +42,12 @@ from megatron.core.ssm.gated_delta_net.common import (
     tensor_a2a_hp2cp,
 )
 from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
-from relax_gdn.gdn.options import (
-    GDNOptions,
-    all_gather_recompute_problem,
-    gdn_cp_problems,
-    max_recomputed_prefix_problem,
-)
+from relax_gdn.gdn.options import GDNOptions, all_gather_recompute_problem, gdn_cp_problems
 from relax_gdn.gdn.reference import RecomputedPrefix, recomputed_prefix
 from relax_gdn.layout import (
     CP_LAYOUT_PAIR,
@@ -91,13 +84,8 @@ def _head_share(param: torch.Tensor, sections: list[int], parts: int, part: int)
 
 
 class CPGatedDeltaNet(GatedDeltaNet):
-    """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring)."""
-
-    # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
-    # recomputed by the next rank instead of passing the state (``RecomputedPrefix``). A layer
-    # given ``GDNOptions.max_recomputed_prefix`` (every training run) keeps its own; this class
-    # value serves layers built without one, and ``prefixes_recomputed_up_to`` flips it for A/Bs.
-    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
+    """``GatedDeltaNet`` whose context parallelism is ``cp_mode`` (see the module docstring); every
+    choice it makes is in the ``options`` it is built with."""
 
     def __init__(
         self,
@@ -118,9 +106,10 @@ class CPGatedDeltaNet(GatedDeltaNet):
                 f"(got cp_mode={options.cp_mode!r}, sequence-parallel size {self.sp_size}); build it with 'zigzag'"
             )
         self.options = options
-        self.cp_mode, self.route_strategy, self.kernel_backend = options.cp_mode, options.route, options.kernel_backend
-        if options.max_recomputed_prefix is not None:
-            self.max_recomputed_prefix = options.max_recomputed_prefix
+        self.cp_mode, self.route_strategy = options.cp_mode, options.route
+        # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
+        # recomputed by the next rank instead of passing the state (``RecomputedPrefix``)
+        self.max_recomputed_prefix = options.max_recomputed_prefix
         # Selective recompute of the cheap, activation-heavy middle (conv -> gates -> scan -> gated
         # norm): only the in_proj output is kept; q/k/v, the gate copy and the norm's input are
         # recomputed in backward (recompute.modules: gdn_core).
@@ -247,9 +236,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return self.out_proj(swap_layout(core, route.reverse(), cp.group, 0, transport))
 
     def _scans_zigzag_rows(self, resolved, device: torch.device) -> bool:
-        """FLA's native zigzag CP (``kernels.fla_zigzag_cp``, an A/B) on a micro-batch of one
+        """FLA's native zigzag CP (``GDNOptions.fla_zigzag_cp``, an A/B) on a micro-batch of one
         document: only then are its zigzag parts of the whole stream the data's zigzag rows."""
-        return select_kernels(self.kernel_backend, device).zigzag_cp and one_document(resolved.host)
+        return select_kernels(self.options, device).zigzag_cp and one_document(resolved.host)
 
     def _forward_zigzag_scan(self, hidden_states, psp, resolved, cp: CPGroup):
         """Conv + scan of this rank's zigzag rows of a one-document micro-batch, no swap: FLA
@@ -313,7 +302,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         return super()._apply_gated_norm(x, gate)
 
     def _core(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
-        if self.recompute_core and torch.is_grad_enabled() and self.config.recompute_granularity != "full":
+        # never inside a whole-layer recompute (full, or a full layer of mixed): nothing to save there
+        if self.recompute_core and torch.is_grad_enabled() and not is_checkpointing():
             return torch.utils.checkpoint.checkpoint(self._core_body, qkvzba, rows, parts, part, use_reentrant=False)
         return self._core_body(qkvzba, rows, parts, part)
 
@@ -331,7 +321,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
         conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
         weight = _head_share(self.conv1d.weight, conv_sections, parts, part).squeeze(1)
         bias = _head_share(self.conv1d.bias, conv_sections, parts, part) if self.conv_bias else None
-        kernels = select_kernels(self.kernel_backend, qkvzba.device)
+        kernels = select_kernels(self.options, qkvzba.device)
         rows = rows or ScanRows(None, None)
         # The depthwise conv once per section, on the strided views of the in_proj output: each
         # output is the contiguous tensor the scan takes: no copy of a joint qkv, none of q, k, v
@@ -359,26 +349,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
 def one_document(cu_host: np.ndarray) -> bool:
     """Do the packed boundaries hold exactly one non-empty document (empty padding slots aside)?"""
     return int(np.count_nonzero(np.diff(cu_host))) == 1
-
-
-def set_max_recomputed_prefix(tokens: int) -> None:
-    """Chunkwise recomputes crossing sequences' prefixes of up to ``tokens`` tokens instead of
-    passing the state (``CPGatedDeltaNet.max_recomputed_prefix``; 0 always passes the state)."""
-    problem = max_recomputed_prefix_problem(tokens)
-    if problem:
-        raise ValueError(problem)
-    CPGatedDeltaNet.max_recomputed_prefix = tokens
-
-
-@contextlib.contextmanager
-def prefixes_recomputed_up_to(tokens: int):
-    """``set_max_recomputed_prefix(tokens)`` inside the block, the previous setting after it."""
-    before = CPGatedDeltaNet.max_recomputed_prefix
-    set_max_recomputed_prefix(tokens)
-    try:
-        yield
-    finally:
-        CPGatedDeltaNet.max_recomputed_prefix = before
 
 
 def gdn_cp_layer_spec(

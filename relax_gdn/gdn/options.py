@@ -25,26 +25,48 @@ from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 
 @dataclass(frozen=True)
 class GDNOptions:
-    """The GDN layer's context-parallel options (the ``gdn.*`` keys, plus the largest CP size a
-    micro-batch can run on and whether the layer trains), built once per run and passed
-    builder -> spec -> layer.
+    """What a GDN layer is told, fixed when it is built (passed builder -> spec -> layer): the
+    ``gdn.*`` keys, the largest CP size a micro-batch can run on, whether the layer trains, and
+    the kernel variants benchmarks compare. Every field has a value of its own: two layers built
+    with different options run side by side in one process, recompute included.
 
-    ``recompute_core``: recompute the layer's conv -> gates -> scan -> gated norm in backward
-    (``recompute.modules: gdn_core`` under selective recompute).
-
-    ``swap_transport`` and ``max_recomputed_prefix`` set to None follow the process-wide A/B
-    switches (``relax_gdn.layout.swap_transport_set_to``,
-    ``relax_gdn.gdn.layer.prefixes_recomputed_up_to``) that benchmarks and tests flip around
-    already-built layers; a training run always gives them."""
+    Args:
+        cp_mode: how the layer splits its work over CP (``gdn.cp_mode``; docs/design/LAYOUTS.md §4).
+        route: zigzag <-> contiguous routes built on first use or by the data side (``gdn.route``).
+        kernel_backend: FLA on CUDA, the pure-torch reference elsewhere, or one of them forced
+            (``gdn.kernel_backend``).
+        swap_transport: how chunkwise layout swaps of CUDA tensors move rows over NCCL
+            (``gdn.swap_transport``; swaps on gloo always use the all-to-all).
+        max_recomputed_prefix: chunkwise: a sequence crossing a rank cut with at most this many
+            tokens before the cut is recomputed by the next rank instead of passing the state
+            (``gdn.max_recomputed_prefix``; 0 always passes the state).
+        max_cp_size: the largest CP group a micro-batch can run on (what head splits must divide);
+            None: the CP group the layer is built with.
+        training: the layer trains (some CP modes need recompute then).
+        recompute_core: recompute the layer's conv -> gates -> scan -> gated norm in backward
+            (``recompute.modules: gdn_core`` under selective recompute).
+        fla_fused_gate: FLA computes the decay gate's activation inside its chunk cumsum (and its
+            gradient in one backward kernel); False: torch computes ``g`` around FLA, as
+            Megatron-Core does. FLA kernels only.
+        fla_zigzag_cp: chunkwise scans a micro-batch of ONE document on its zigzag rows with FLA's
+            native zigzag CP, without the layout swaps (only then is FLA's whole-stream zigzag the
+            data's per-document zigzag). FLA kernels only.
+        fla_skip_unread_cp_summaries: FLA's CP pre-pass skips the transition summaries no rank
+            reads (:mod:`relax_gdn.gdn.fla_cp_summaries`; needs the patch that
+            :class:`relax_gdn.runtime.Runtime` installs). FLA kernels only.
+    """
 
     cp_mode: CPMode = "chunkwise"
     route: RouteStrategy = "lazy_cache"
     kernel_backend: KernelBackend = "auto"
-    swap_transport: SwapTransport | None = None
-    max_recomputed_prefix: int | None = None
-    max_cp_size: int | None = None  # None: the CP group the layer is built with
+    swap_transport: SwapTransport = "auto"
+    max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
+    max_cp_size: int | None = None
     training: bool = True
     recompute_core: bool = False
+    fla_fused_gate: bool = True
+    fla_zigzag_cp: bool = False
+    fla_skip_unread_cp_summaries: bool = True
 
 
 def _is_count(value: object, minimum: int) -> bool:
@@ -65,9 +87,8 @@ def gdn_option_problems(options: GDNOptions) -> list[str]:
         choice_problem("gdn.cp_mode", options.cp_mode, CP_MODES),
         choice_problem("gdn.route", options.route, ROUTE_STRATEGIES),
         choice_problem("gdn.kernel_backend", options.kernel_backend, KERNEL_BACKENDS),
-        None if options.swap_transport is None else
         choice_problem("gdn.swap_transport", options.swap_transport, SWAP_TRANSPORTS),
-        None if options.max_recomputed_prefix is None else max_recomputed_prefix_problem(options.max_recomputed_prefix),
+        max_recomputed_prefix_problem(options.max_recomputed_prefix),
     ) if p]
 
 

@@ -19,13 +19,7 @@ from relax_gdn.layout.cache import (
 )
 from relax_gdn.layout.partition import LAYOUTS, thd_rank_indices, validated_boundaries
 from relax_gdn.layout.route import GatheredOrder, Route, build_route, gathered_zigzag_order, rows_as_tensor
-from relax_gdn.layout.swap import (
-    SWAP_TRANSPORTS,
-    set_swap_transport,
-    swap_layout,
-    swap_transport,
-    swap_transport_set_to,
-)
+from relax_gdn.layout.swap import SWAP_TRANSPORTS, swap_layout
 
 __all__ = [
     "CP_LAYOUT_PAIR",
@@ -46,10 +40,7 @@ __all__ = [
     "prebuild_routes",
     "resolve_cu_seqlens",
     "rows_as_tensor",
-    "set_swap_transport",
     "swap_layout",
-    "swap_transport",
-    "swap_transport_set_to",
     "thd_rank_indices",
     "validated_boundaries",
 ]

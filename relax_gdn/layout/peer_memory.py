@@ -34,7 +34,7 @@ from relax_gdn.layout.route import Route, Rows, copy_rows, put_rows, row_bytes
 @dataclass
 class _Pulls:
     """Views one call reuses for a (route, staging half, row shape): building them costs more
-    host time than issuing the copies (about 12 us per view on an H200 host)."""
+    host time than issuing the copies."""
 
     pack: torch.Tensor  # this rank's packed send rows in its staging half
     blocks: list[tuple[torch.Tensor, Rows]]  # (peer's block for this rank, where its rows go)

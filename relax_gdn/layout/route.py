@@ -29,12 +29,11 @@ def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 
 
 # ``index_copy_`` moves one ELEMENT per thread: scattering bf16 rows as 16-byte words needs 8x
-# fewer threads and index computations, measured 2.1x faster on H200 for 4096 x 12352 bf16 rows
-# (``python -m relax_gdn.bench.swap``; ``index_select`` is as fast either way, so gathers stay
-# plain). Rows move as raw bytes, so any dtype of the same width works: complex128 is just
-# torch's 16-byte element, nothing reads it as a number.
+# fewer threads and index computations (faster: ``python -m relax_gdn.bench.swap``'s scatter
+# table, docs/benchmarks.md; ``index_select`` is as fast either way, so gathers stay plain).
+# Rows move as raw bytes, so any dtype of the same width works: complex128 is just torch's
+# 16-byte element, nothing reads it as a number.
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32)
-WIDE_ROW_COPIES = True  # False: element-wise scatters (the benchmark's A/B switch)
 
 
 def row_bytes(t: torch.Tensor) -> int:
@@ -45,7 +44,7 @@ def row_bytes(t: torch.Tensor) -> int:
 def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous, rows on dim 0) viewed as ``[rows, words]`` of the widest element that
     divides a row's bytes and the storage offset; ``t`` itself when none does."""
-    if not WIDE_ROW_COPIES or t.dim() == 0 or not t.is_contiguous():
+    if t.dim() == 0 or not t.is_contiguous():
         return t
     t_row_bytes = row_bytes(t)
     offset_bytes = t.storage_offset() * t.element_size()
@@ -56,12 +55,14 @@ def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def put_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
+def put_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor, as_words: bool = True) -> None:
+    """``out[rows] = values``; ``as_words=False`` scatters element by element (the benchmark's
+    comparison)."""
     if isinstance(rows, slice):
         out[rows].copy_(values)
         return
     wide_out, wide_values = _as_wide_rows(out), _as_wide_rows(values.contiguous())
-    if wide_out is not out and wide_values.dtype == wide_out.dtype:
+    if as_words and wide_out is not out and wide_values.dtype == wide_out.dtype:
         wide_out.index_copy_(0, rows, wide_values)
     else:
         out.index_copy_(0, rows, values)
@@ -292,6 +293,8 @@ class GatheredOrder:
     natural_rows: torch.Tensor  # natural[i] = rank_major[natural_rows[i]]
     rank_major_rows: torch.Tensor  # rank_major[j] = natural[rank_major_rows[j]]
     local_rows: int  # T / W
+    # host copy of rank_major_rows (what host-side index builders read without a device copy)
+    rank_major_host: np.ndarray | None = field(default=None, repr=False)
 
     def own_rows(self, cp_rank: int) -> torch.Tensor:
         """Natural-order ids of the rows ``cp_rank`` holds, in its local (zigzag) order."""
@@ -308,4 +311,5 @@ def gathered_zigzag_order(cu_seqlens: CuSeqlens, cp_size: int, device: torch.dev
     natural = expand_runs(seg.rank * local_rows + seg.local_start, lengths)
     by_rank = np.lexsort((seg.local_start, seg.rank))  # rank-major order of the segments
     rank_major = expand_runs(seg.start[by_rank], lengths[by_rank])
-    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows)
+    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows,
+                         rank_major_host=rank_major)

@@ -4,11 +4,12 @@ memory (``peer_memory``).
 
 Nothing here reads device data on the host: split sizes are host ints from the route, row lists
 are device tensors, so a swap issues no device->host sync.
+
+The transport is the caller's (``GDNOptions.swap_transport``, passed with every swap): two layers
+built with different transports run side by side.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -18,42 +19,13 @@ from relax_gdn.choices import SWAP_TRANSPORTS, choice_problem
 from relax_gdn.layout.peer_memory import exchange_through_peer_memory, group_is_on_this_host
 from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
-_transport = "auto"
 _on_one_host: dict[str, bool] = {}  # group name -> every rank on this host (auto's choice)
 
 
-def set_swap_transport(name: str) -> None:
-    """How swaps of CUDA tensors over NCCL move rows when the caller names no transport (the
-    process-wide switch benchmarks and tests flip; a training run passes gdn.swap_transport to
-    every swap): ``all_to_all``
-    (NCCL, any topology), ``peer_memory`` (symmetric memory: the group's GPUs on one host, see
-    ``relax_gdn.layout.peer_memory``; measured faster on 2 x H200, README) or ``auto``
-    (peer_memory when the CP group is on this host, else all_to_all). Swaps on gloo always use
-    the all-to-all."""
-    global _transport
-    problem = choice_problem("gdn.swap_transport", name, SWAP_TRANSPORTS)
-    if problem:
-        raise ValueError(problem)
-    _transport = name
-
-
-def swap_transport() -> str:
-    return _transport
-
-
-@contextlib.contextmanager
-def swap_transport_set_to(name: str):
-    """``set_swap_transport(name)`` inside the block, the previous setting after it (A/Bs, tests)."""
-    before = _transport
-    set_swap_transport(name)
-    try:
-        yield
-    finally:
-        set_swap_transport(before)
-
-
-def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup, transport: str | None) -> bool:
-    transport = transport or _transport
+def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup, transport: str) -> bool:
+    """``all_to_all``: NCCL's all-to-all (any topology); ``peer_memory``: symmetric memory (the
+    group's GPUs on one host, ``relax_gdn.layout.peer_memory``); ``auto``: peer_memory when the CP
+    group is on this host. CPU tensors and gloo always take the all-to-all."""
     if transport == "all_to_all" or not x.is_cuda or dist.get_backend(group) != "nccl":
         return False
     if transport == "peer_memory":
@@ -74,14 +46,14 @@ def _needs_byte_transport(dtype: torch.dtype, group: dist.ProcessGroup | None) -
     return dtype not in _GLOO_NATIVE and dist.get_backend(group) == "gloo"
 
 
-def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str | None) -> torch.Tensor:
+def _exchange(x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str) -> torch.Tensor:
     """Move rows of ``x`` (rows on dim 0, ``route.local_rows`` of them) along ``route``."""
     process_group = group or dist.group.WORLD
     if _uses_peer_memory(x, process_group, transport):
         exchange = exchange_through_peer_memory
     else:
         exchange = _exchange_rows
-    if not torch.autograd._profiler_enabled():  # the range costs ~10 us of host time per swap
+    if not torch.autograd._profiler_enabled():  # the named range costs host time on every swap
         return exchange(x, route, process_group)
     # A named range in torch profiler traces, and an NVTX range under emit_nvtx (nsys).
     with record_function(f"relax_gdn.swap {route.source}->{route.target}"):
@@ -123,7 +95,7 @@ class _SwapLayout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None,
-                transport: str | None) -> torch.Tensor:
+                transport: str) -> torch.Tensor:
         ctx.route, ctx.group, ctx.transport = route, group, transport
         return _exchange(x, route, group, transport)
 
@@ -134,15 +106,16 @@ class _SwapLayout(torch.autograd.Function):
 
 def swap_layout(
     x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0,
-    transport: str | None = None,
+    transport: str = "auto",
 ) -> torch.Tensor:
     """Convert ``x`` (this rank's rows in ``route.source`` layout along ``seq_dim``) to ``route.target``.
 
     Any trailing shape and dtype; differentiable (the backward is the reverse swap). An identity
     route (CP = 1, or source == target) returns ``x`` itself with no collective. ``transport``:
-    one of :data:`SWAP_TRANSPORTS` (the caller's ``gdn.swap_transport``); None follows the
-    process-wide A/B switch (:func:`swap_transport_set_to`).
+    one of :data:`SWAP_TRANSPORTS` (the caller's ``gdn.swap_transport``).
     """
+    if transport not in SWAP_TRANSPORTS:
+        raise ValueError(choice_problem("gdn.swap_transport", transport, SWAP_TRANSPORTS))
     if x.shape[seq_dim] != route.local_rows:
         raise ValueError(
             f"swap_layout: x has {x.shape[seq_dim]} rows on seq_dim={seq_dim} but the route "

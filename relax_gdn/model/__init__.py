@@ -3,8 +3,8 @@ Engine, norms, checkpoint import.
 
 The names below load on first use (PEP 562): ``relax_gdn.model.presets`` is plain numbers that
 configuration checks read before anything heavy is imported, and importing this package eagerly
-would pull in Megatron-Core (measured with ``python -X importtime``: 10-20 s on a busy 2-core
-machine, against about 1 s for the whole configuration check).
+would pull in Megatron-Core, which takes many times longer to import than the whole configuration
+check takes (docs/benchmarks.md, "Figures behind code comments").
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ _LAZY = {
     "CPDotProductAttention": "relax_gdn.model.attention",
     "RMSNorm": "relax_gdn.model.norms",
     **{name: "relax_gdn.model.qwen3_5" for name in (
-        "Qwen3_5Model", "Qwen3_5SelfAttention", "TokenRotaryEmbedding", "build_qwen3_5_model",
-        "build_qwen3_5_preset_model", "qwen3_5_block_spec", "qwen3_5_config", "resolve_spec_provider",
+        "Qwen3_5Model", "Qwen3_5Options", "Qwen3_5SelfAttention", "TokenRotaryEmbedding",
+        "build_qwen3_5_model", "build_qwen3_5_preset_model", "qwen3_5_block_spec", "qwen3_5_config", "resolve_spec_provider",
         "transformer_engine_import_error",
     )},
 }

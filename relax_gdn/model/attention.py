@@ -7,17 +7,16 @@ chunks ``r`` and ``2W-1-r`` of every document (docs/design/LAYOUTS.md §1), so:
 1. All-gather K and V over the CP group (one collective; its backward is a reduce-scatter SUM).
 2. Each local query attends to the keys of its own document up to its own GLOBAL position.
 
-Two interchangeable kernels do step 2, chosen by :func:`attend_zigzag_shard`:
-
-* ``sdpa`` (reference, any device/dtype): dense masked ``scaled_dot_product_attention`` over all
-  gathered keys, mask ``doc_start(q) <= pos(k) <= pos(q)`` (= same document and causal).
-  O(T/W x T) memory; exact.
-* ``varlen`` (CUDA, fp16/bf16): ``torch.nn.attention.varlen.varlen_attn`` with causal masking.
-  Each (document, local chunk) is one query segment whose keys are the document's gathered keys
-  from its start to the END of that chunk. Flash attention aligns the causal mask bottom-right
-  when a segment has fewer queries than keys, so query ``i`` of a chunk of ``c`` tokens sees
-  ``k_len - c + i + 1`` keys: exactly the document prefix up to its own global position.
-  Queries and outputs stay in local storage order; only keys/values are copied into segments.
+Step 2 runs one of several kernels (:mod:`relax_gdn.model.attention_kernels` says what each is and
+needs): ``sdpa`` (dense masked ``scaled_dot_product_attention``, the reference on any device),
+``varlen`` (torch's FlashAttention-2), ``flex`` (FlexAttention with a block mask), ``cudnn`` (cuDNN's
+fused attention, CP 1), ``fa4`` (FlashAttention-4); ``auto`` picks one. The flash kernels run
+``varlen`` segments: each (document, local chunk) is one query segment whose keys are the
+document's gathered keys from its start to the END of that chunk. Flash attention aligns the
+causal mask bottom-right when a segment has fewer queries than keys, so query ``i`` of a chunk of
+``c`` tokens sees ``k_len - c + i + 1`` keys: exactly the document prefix up to its own global
+position. Queries and outputs stay in local storage order; only keys/values are copied into
+segments.
 
 Everything the kernels need (gather order, positions, segment boundaries) is host integer work on
 the global boundaries, done once per micro-batch and cached on its ``PackedSeqParams`` with the
@@ -28,7 +27,6 @@ side's host copy of ``cu_seqlens`` attached, a forward issues no device->host sy
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -56,19 +54,19 @@ from relax_gdn.layout import (
 from relax_gdn.layout.collectives import all_gather_rows
 from relax_gdn.layout.partition import CuSeqlens
 from relax_gdn.layout.route import expand_runs, upload_rows
+from relax_gdn.model.attention_kernels import (
+    KERNELS,
+    build_flex_block_mask,
+    choose_backend,
+    varlen_unsupported_reason,
+)
 from relax_gdn.parallel import resolve_cp_group
 
-try:  # torch >= 2.9; its signature differs between versions: see varlen_unsupported_reason
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - depends on the torch build
-    varlen_attn = None
-
-# ATTENTION_BACKENDS (relax_gdn.choices): ``auto`` is ``varlen`` where it applies (CUDA, fp16/bf16,
-# head dim <= 256), else ``sdpa``.
+# ATTENTION_BACKENDS (relax_gdn.choices): ``auto`` is attention_kernels.AUTO_ATTENTION_BACKEND where it
+# applies, else ``varlen`` where it applies (CUDA, fp16/bf16, head dim <= 256), else ``sdpa``.
 
 _PLAN_CACHE_NAME = "zigzag_attention_plan"
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
-_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,27 +118,41 @@ class ZigzagAttentionPlan:
     def local_rows(self) -> int:
         return self.total_rows // self.cp_size
 
-    def _documents(self) -> tuple[np.ndarray, np.ndarray]:
+    def documents(self) -> tuple[np.ndarray, np.ndarray]:
         """(start, length) of every non-empty document (repeated boundaries are empty slots)."""
         lengths = np.diff(self.cu_seqlens)
         keep = lengths > 0
         return self.cu_seqlens[:-1][keep], lengths[keep]
 
     @functools.cached_property
-    def dense(self) -> DenseIndex:
-        starts, lengths = self._documents()
+    def dense_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host copies of :attr:`dense`'s ``(q_pos, q_start, k_pos)``."""
+        starts, lengths = self.documents()
         # A rank holds L/W rows of every document, stored document by document.
         q_start = np.repeat(starts, lengths // self.cp_size)
+        k_pos = self.order.rank_major_host
+        if k_pos is None:  # an order built elsewhere without its host copy: rebuild it on the host
+            k_pos = gathered_zigzag_order(self.cu_seqlens, self.cp_size, "cpu").rank_major_host
+        q_pos = k_pos[self.cp_rank * self.local_rows:(self.cp_rank + 1) * self.local_rows]
+        return q_pos, q_start, k_pos
+
+    @functools.cached_property
+    def dense(self) -> DenseIndex:
         return DenseIndex(
             q_pos=self.order.own_rows(self.cp_rank),
-            q_start=upload_rows(q_start, self.device, torch.long),
+            q_start=upload_rows(self.dense_host[1], self.device, torch.long),
             k_pos=self.order.rank_major_rows,
         )
 
     @functools.cached_property
+    def flex_block_mask(self):
+        """FlexAttention's ``BlockMask`` for this rank (tiles classified on the host)."""
+        return build_flex_block_mask(*self.dense_host, self.dense, self.device)
+
+    @functools.cached_property
     def varlen(self) -> VarlenSegments:
         world, rank = self.cp_size, self.cp_rank
-        starts, lengths = self._documents()
+        starts, lengths = self.documents()
         if world == 1:  # one segment per document; the keys are the local keys as they are
             q_lens = k_lens = lengths
             key_rows = None
@@ -209,83 +221,6 @@ def zigzag_attention_plan(
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
-def varlen_unsupported_reason(query: torch.Tensor) -> str | None:
-    """Why the ``varlen`` kernel cannot run on ``query`` (None when it can)."""
-    if varlen_attn is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
-    if query.device.type != "cuda":
-        return f"it needs CUDA tensors, got {query.device}"
-    if query.dtype not in _VARLEN_DTYPES:
-        return f"flash attention needs float16 or bfloat16, got {query.dtype}"
-    head_dim = query.shape[-1]
-    if head_dim > 256 or head_dim % 8:
-        return f"flash attention needs head_dim <= 256 and a multiple of 8, got {head_dim}"
-    params = _varlen_parameters()
-    if "window_size" not in params and "is_causal" not in params:
-        return "this torch's varlen_attn takes neither is_causal nor window_size"
-    return None
-
-
-def _choose_backend(backend: str, query: torch.Tensor) -> str:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}: use one of {ATTENTION_BACKENDS}")
-    if backend == "sdpa":
-        return backend
-    reason = varlen_unsupported_reason(query)
-    if reason is None:
-        return "varlen"
-    if backend == "varlen":
-        raise ValueError(f"attention backend 'varlen' cannot run here: {reason}; use 'sdpa' or 'auto'")
-    return "sdpa"
-
-
-def _dense_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
-    index = plan.dense
-    k_pos = index.k_pos[None, :]
-    mask = (k_pos >= index.q_start[:, None]) & (k_pos <= index.q_pos[:, None])  # [T/W, T]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, T/W, D]
-        k_all.transpose(0, 1).unsqueeze(0),  # [1, Hkv, T, D]
-        v_all.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k_all.shape[1],
-    )
-    return out[0].transpose(0, 1)  # [T/W, Hq, D]
-
-
-def _varlen_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
-    seg = plan.varlen
-    if seg.key_rows is None:
-        k, v = k_all.contiguous(), v_all.contiguous()
-    else:
-        k, v = k_all.index_select(0, seg.key_rows), v_all.index_select(0, seg.key_rows)
-    q = q.contiguous()
-    params = _varlen_parameters()
-    kwargs = {}
-    if "is_causal" in params:  # older signature
-        kwargs["is_causal"] = True
-    else:
-        kwargs["window_size"] = (-1, 0)  # causal, bottom-right aligned (see the module docstring)
-    if "scale" in params:
-        kwargs["scale"] = scale
-    else:  # the kernel's own scale is 1/sqrt(D)
-        q = q * (scale * math.sqrt(q.shape[-1]))
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:  # torch 2.11
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def attend_zigzag_shard(
     query: torch.Tensor,
     key_all: torch.Tensor,
@@ -315,12 +250,10 @@ def attend_zigzag_shard(
         )
     if query.device != plan.device:
         raise ValueError(f"query is on {query.device} but the plan's index tensors are on {plan.device}")
-    backend = _choose_backend(backend, query)
+    backend = choose_backend(backend, query, plan)
     if plan.total_rows == 0:
         return query.clone()
-    if backend == "varlen":
-        return _varlen_attention(query, key_all, value_all, plan, softmax_scale)
-    return _dense_attention(query, key_all, value_all, plan, softmax_scale)
+    return KERNELS[backend](query, key_all, value_all, plan, softmax_scale)
 
 
 def zigzag_cp_attention(

@@ -17,8 +17,8 @@
   straight into Megatron-Core DDP's fp32 ``main_grad`` (``index_put_`` with ``accumulate``: sorted,
   deterministic; the protocol of its fused linears, ``grad_added_to_main_grad``). The plain path
   zero-fills a dense bf16 gradient of all 248k rows, scatters into it, and DDP's hook then adds
-  all of it: ≈ 12 GB of memory traffic per micro-batch of the 9B (≈ 5 ms on an H200) for the
-  few thousand rows a micro-batch touches.
+  all of it: memory traffic over the whole vocabulary for the few thousand rows a micro-batch
+  touches (docs/benchmarks.md, "The embedding's gradient into the main grad").
 
 Numerics against the plain path (tests/test_fusion.py, tests/test_fusion_gpu.py): fp32 equal to
 rounding (rel. 1e-5); bf16 within bf16 rounding (rel. 2e-2 of the output norm), because the fused
@@ -28,21 +28,17 @@ chunk.
 
 SwiGLU (``model.fused_swiglu``) is Megatron-Core's own fused form (``bias_activation_fusion``: a
 compiled ``SwiGLUFunction`` that saves only its input), switched on CUDA by the training loop;
-FLA's ``swiglu`` measured no faster than the plain form on an H200 (1.51 vs 1.52 ms fwd+bwd at
-8192 x 12288).
+FLA's ``swiglu`` is not used: it was no faster than the plain form (docs/benchmarks.md, "Figures
+behind code comments").
 
 The setting travels with the model, like the GDN options: the training loop builds the model with
 ``Fusion(norms=model.fused_norms, cross_entropy=model.fused_cross_entropy,
 embedding_grad_into_main_grad=model.fused_grad_accumulation)`` and every norm, the embedding and the
-model keep it. Modules built without one (None) follow the process-wide default instead, which
-:func:`fusion_set_to` switches inside a block: an A/B for benchmarks and tests around modules
-already built, with nothing for a training run to set.
+model keep it. An A/B builds one model per setting; nothing process-wide decides it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -53,39 +49,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Fusion:
-    """Which fused forms a model runs (``model.fused_norms``, ``model.fused_cross_entropy``),
-    passed builder -> spec -> module."""
+    """Which fused forms a model runs, fixed when it is built (passed builder -> spec -> module).
+
+    Args:
+        norms: the RMSNorms as one ``F.rms_norm`` call, the GDN gated norm as FLA's kernel on
+            CUDA (``model.fused_norms``).
+        cross_entropy: the output layer and the loss in token chunks, no full-vocabulary logits
+            (``model.fused_cross_entropy``; TP 1).
+        embedding_grad_into_main_grad: at TP 1 the embedding adds its gradient rows straight into
+            Megatron-Core DDP's fp32 ``main_grad`` (``model.fused_grad_accumulation``).
+    """
 
     norms: bool = True
     cross_entropy: bool = True
     embedding_grad_into_main_grad: bool = True
-
-
-# What modules built without a Fusion follow; only fusion_set_to changes it.
-_active = Fusion()
-
-
-def active_fusion() -> Fusion:
-    """The process-wide default (what modules built without a :class:`Fusion` run)."""
-    return _active
-
-
-def fusion_in_effect(own: Fusion | None) -> Fusion:
-    """A module's own setting, or the process-wide default when it was built without one."""
-    return _active if own is None else own
-
-
-@contextlib.contextmanager
-def fusion_set_to(**switches: bool):
-    """The process-wide default with ``switches`` changed inside the block, the previous one after
-    it. Reaches only modules built without a :class:`Fusion` (benchmark and test A/B)."""
-    global _active
-    before = _active
-    _active = dataclasses.replace(before, **switches)
-    try:
-        yield
-    finally:
-        _active = before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,10 +78,10 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
     return F.rms_norm(x, (x.shape[-1],), scale.to(x.dtype), eps)
 
 
-def gated_rms_norm_applies(x: torch.Tensor, own: Fusion | None = None) -> bool:
-    """Whether :func:`fused_gated_rms_norm` runs for ``x`` (CUDA, fused norms on for a module whose
-    own setting is ``own``)."""
-    return fusion_in_effect(own).norms and x.is_cuda
+def gated_rms_norm_applies(x: torch.Tensor, fusion: Fusion) -> bool:
+    """Whether :func:`fused_gated_rms_norm` runs for ``x`` in a module built with ``fusion`` (CUDA,
+    fused norms on)."""
+    return fusion.norms and x.is_cuda
 
 
 def fused_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -352,14 +329,11 @@ def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, los
 
 __all__ = [
     "Fusion",
-    "active_fusion",
     "cross_entropy_chunk_tokens",
     "embedding_into_main_grad",
     "fused_gated_rms_norm",
     "fused_output_loss",
     "fused_rms_norm",
-    "fusion_in_effect",
-    "fusion_set_to",
     "gated_rms_norm_applies",
     "linear_cross_entropy",
     "takes_main_grad",

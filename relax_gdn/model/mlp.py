@@ -68,8 +68,8 @@ class Qwen3_5MLP(MLP):
             fc1_out, fc1_bias = self.linear_fc1(hidden_states)
             with _MatmulOutputUnread():
                 return self.linear_fc2(self._swiglu(fc1_out, fc1_bias))
-        if not (self.recompute_activation and torch.is_grad_enabled() and plain
-                and self.config.recompute_granularity != "full"):
+        # never inside a whole-layer recompute (full, or a full layer of mixed): nothing to save there
+        if not (self.recompute_activation and torch.is_grad_enabled() and plain and not is_checkpointing()):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1_out, fc1_bias = self.linear_fc1(hidden_states)
         checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)  # fp8=False would import TE

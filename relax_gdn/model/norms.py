@@ -24,9 +24,13 @@ from relax_gdn.model.fusion import (
     Fusion,
     fused_gated_rms_norm,
     fused_rms_norm,
-    fusion_in_effect,
     gated_rms_norm_applies,
 )
+
+# A parameter attribute, set where the parameter is made: its gradient on each TP rank is a partial
+# sum that must be summed over the TP group (Megatron-Core's counterpart for averages is
+# ``average_gradients_across_tp_domain``; it has none for sums outside sequence parallelism).
+SUM_GRAD_OVER_TP = "sum_gradients_across_tp_domain"
 
 
 class RMSNorm(torch.nn.Module):
@@ -34,12 +38,15 @@ class RMSNorm(torch.nn.Module):
     ``w``. Built like any Megatron-Core norm: ``RMSNorm(config=..., hidden_size=..., eps=...)``.
 
     ``zero_centered_gamma``: ``None`` follows ``config.layernorm_zero_centered_gamma``.
-    ``fusion``: whether the fused forms run (:class:`~relax_gdn.model.fusion.Fusion`); ``None``
-    follows the process-wide default (``fusion_set_to``, for A/B around built modules).
+    ``fusion``: whether the fused forms run (:class:`~relax_gdn.model.fusion.Fusion`), fixed here.
     ``grad_sum_group``: a group over which the weight's gradient is summed inside autograd. The GDN
     output norm needs it under tensor parallelism: its weight is shared by every value head, each
     TP rank holds other heads, and Megatron-Core's ``finalize_model_grads`` sums only norms marked
     ``sequence_parallel`` (and only with SP on) or named ``q_layernorm``/``k_layernorm``.
+    ``heads_split_over_tp``: the weight is shared by heads that TP splits between ranks (the
+    attention QK-norms), so each rank's gradient is a partial sum: the weight is marked
+    :data:`SUM_GRAD_OVER_TP` for the optimizer that sums it (the CPU path's; on GPU Megatron-Core's
+    ``finalize_model_grads`` sums these norms by their names).
 
     Like Transformer Engine's norms, the weight is marked ``sequence_parallel`` when SP is on, so
     ``finalize_model_grads`` sums its partial (sequence-sharded) gradient over TP — except when
@@ -51,9 +58,11 @@ class RMSNorm(torch.nn.Module):
         config: TransformerConfig,
         hidden_size: int,
         eps: float = 1e-6,
+        *,
         zero_centered_gamma: bool | None = None,
         grad_sum_group: torch.distributed.ProcessGroup | None = None,
-        fusion: Fusion | None = None,
+        fusion: Fusion = Fusion(),
+        heads_split_over_tp: bool = False,
         **unused,  # persist_layer_norm, normalization, ...: accepted like Megatron-Core's norms
     ):
         super().__init__()
@@ -77,12 +86,14 @@ class RMSNorm(torch.nn.Module):
         self.grad_sum_group = grad_sum_group if summing else None
         if grad_sum_group is None:
             self.weight.sequence_parallel = config.sequence_parallel
+        if heads_split_over_tp:
+            setattr(self.weight, SUM_GRAD_OVER_TP, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.grad_sum_group is not None:
             weight = _sum_grad_over(weight, self.grad_sum_group)
-        if fusion_in_effect(self.fusion).norms:
+        if self.fusion.norms:
             return fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -118,4 +129,4 @@ def _current_device():
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-__all__ = ["RMSNorm"]
+__all__ = ["RMSNorm", "SUM_GRAD_OVER_TP"]

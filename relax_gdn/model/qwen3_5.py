@@ -1,7 +1,8 @@
 """Qwen3.5 (text) on Megatron-Core 0.19.2: presets, layer specs, and the model.
 
 One place decides the presets (:data:`PRESETS`); :func:`qwen3_5_config` turns one into a
-``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` (docs/design/QWEN3_5.md):
+``TransformerConfig`` and :func:`build_qwen3_5_model` builds the ``GPTModel`` from it and a frozen
+:class:`Qwen3_5Options` (everything else the model is told, fixed at build) (docs/design/QWEN3_5.md):
 
 * 3 GDN layers then 1 full-attention layer, repeated (``linear_attention_freq=4``);
 * GDN layers are :class:`~relax_gdn.gdn.layer.CPGatedDeltaNet` told one frozen
@@ -16,7 +17,7 @@ Spec providers: ``"te"`` takes Megatron-Core's Transformer Engine block spec for
 attention variants and substitutes the CP-mode GDN, the output norm and the RoPE handling;
 ``"local"`` (no Transformer Engine) builds the same layers from Megatron-Core's own linears, the
 CP + THD attention core :class:`~relax_gdn.model.attention.CPDotProductAttention` and
-:class:`~relax_gdn.model.norms.RMSNorm`. ``"auto"`` picks ``te`` where it imports.
+:class:`~relax_gdn.model.norms.RMSNorm`. ``"auto"`` picks ``local`` (``te`` only when asked).
 
 RoPE by per-token positions: Megatron-Core's packed (THD) RoPE derives each token's position
 from ``cu_seqlens`` with ``.tolist()``/``.item()`` (host syncs in every attention layer) and its
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +50,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
+from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS, ModelAttentionBackend, SpecProvider
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model.fusion import (
-    Fusion, embedding_into_main_grad, fused_output_loss, fusion_in_effect, takes_main_grad,
+    Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
 )
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
@@ -65,7 +67,7 @@ logger = logging.getLogger(__name__)
 # The options (relax_gdn.choices): SPEC_PROVIDERS ``auto`` takes Transformer Engine specs where
 # ``transformer_engine`` imports, else local specs. MODEL_ATTENTION_BACKENDS is the core attention
 # of the full-attention layers: ``te`` is Transformer Engine's ``TEDotProductAttention`` (``te``
-# specs only); ``varlen``/``sdpa`` is :class:`CPDotProductAttention` with that kernel; ``auto``
+# specs only); the others are :class:`CPDotProductAttention` with that kernel; ``auto``
 # is ``te`` with ``te`` specs, else ``CPDotProductAttention(backend="auto")``.
 
 
@@ -93,6 +95,58 @@ _PP_MESSAGE = (
 )
 
 
+@dataclass(frozen=True)
+class Qwen3_5Options:
+    """What :func:`build_qwen3_5_model` builds besides the ``TransformerConfig`` and the process
+    groups, fixed for the model's life (two models built with different options run side by side).
+
+    Args:
+        vocab_size: rows of the input embedding and the output layer (the tokenizer's vocabulary
+            padded for TP, or a checkpoint's).
+        max_sequence_length: the longest sequence the model is built for (``GPTModel``'s).
+        gdn: what every GDN layer is told (:class:`~relax_gdn.gdn.options.GDNOptions`, e.g.
+            ``RunConfig.gdn_options``).
+        attention_backend: the core attention of the full-attention layers, one of
+            :data:`~relax_gdn.choices.MODEL_ATTENTION_BACKENDS`.
+        spec_provider: Transformer Engine or Megatron-Core's local layers, one of
+            :data:`~relax_gdn.choices.SPEC_PROVIDERS`.
+        rotary_percent: the share of each attention head's dimensions that RoPE rotates.
+        rotary_base: RoPE's θ.
+        parallel_output: the logits stay split over TP (``GPTModel``'s ``parallel_output``).
+        contiguous_between_layers: chunkwise GDN runs keep the residual stream contiguous (two
+            layout swaps per run of GDN layers instead of two per GDN layer;
+            :mod:`relax_gdn.model.gdn_runs`).
+        fusion: the fused norms, loss and embedding gradient (:class:`~relax_gdn.model.fusion.Fusion`,
+            e.g. ``model.fused_*``).
+        recompute_mlp_activation: the MLPs recompute their SwiGLU (``recompute.modules: mlp_act``;
+            local provider; the GDN layers' own recompute is ``GDNOptions.recompute_core``).
+        recompute_skips_unread_gemm: under full recompute the MLPs skip linear_fc2's GEMM when their
+            layer is recomputed (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
+    """
+
+    vocab_size: int
+    max_sequence_length: int
+    gdn: GDNOptions = GDNOptions()
+    attention_backend: ModelAttentionBackend = "auto"
+    spec_provider: SpecProvider = "auto"
+    rotary_percent: float = 0.25
+    rotary_base: float = 10_000_000.0
+    parallel_output: bool = True
+    contiguous_between_layers: bool = True
+    fusion: Fusion = Fusion()
+    recompute_mlp_activation: bool = False
+    recompute_skips_unread_gemm: bool = False
+
+    @classmethod
+    def for_preset(cls, preset: str | Qwen3_5Preset, **fields) -> Qwen3_5Options:
+        """The options of ``preset``'s vocabulary, sequence length and RoPE, with ``fields``
+        (any of the fields above) given or overriding them."""
+        p = qwen3_5_preset(preset)
+        shapes = dict(vocab_size=p.vocab_size, max_sequence_length=p.max_sequence_length,
+                      rotary_percent=p.rotary_percent, rotary_base=p.rotary_base)
+        return cls(**{**shapes, **fields})
+
+
 # ---------------------------------------------------------------------------------------------
 # Spec provider
 # ---------------------------------------------------------------------------------------------
@@ -114,23 +168,27 @@ def transformer_engine_import_error() -> str | None:
 
 def resolve_spec_provider(spec_provider: str = "auto") -> str:
     """``"te"`` or ``"local"`` for the request ``spec_provider`` (one of :data:`SPEC_PROVIDERS`);
-    the choice is logged once per process."""
+    the choice is logged once per process.
+
+    ``auto`` is ``local`` even where Transformer Engine imports (every NGC container): the local
+    specs are the path every test and benchmark of this recipe runs; TE's stays an explicit
+    ``te``, and the log says it is available."""
     if spec_provider not in SPEC_PROVIDERS:
         raise ValueError(f"unknown spec_provider {spec_provider!r}: use one of {SPEC_PROVIDERS}")
-    if spec_provider == "local":
-        chosen, why = "local", "requested"
-    else:
-        te_error = transformer_engine_import_error()
-        if spec_provider == "te" and te_error is not None:
+    te_error = None if spec_provider == "local" else transformer_engine_import_error()
+    if spec_provider == "te":
+        if te_error is not None:
             raise ValueError(
                 f"spec_provider='te' needs Transformer Engine, which does not import here ({te_error}); "
                 "install transformer_engine or use spec_provider='local' (or 'auto')"
             )
-        chosen = "te" if te_error is None else "local"
-        if spec_provider == "te":
-            why = "requested"
-        else:
-            why = "transformer_engine imports" if te_error is None else f"no transformer_engine ({te_error})"
+        chosen, why = "te", "requested"
+    elif spec_provider == "local":
+        chosen, why = "local", "requested"
+    else:
+        chosen = "local"
+        why = ("the verified path; Transformer Engine imports here, model.spec_provider=te selects its specs"
+               if te_error is None else f"no transformer_engine ({te_error})")
     if (spec_provider, chosen) not in _logged_choices:
         _logged_choices.add((spec_provider, chosen))
         logger.info("Qwen3.5 spec provider: %s (spec_provider=%r: %s)", chosen, spec_provider, why)
@@ -216,44 +274,45 @@ def _core_attention_spec(provider: str, attention_backend: str, te_core):
     if attention_backend == "te" and provider != "te":
         raise ValueError(
             "attention_backend='te' needs Transformer Engine specs (spec_provider='te'); "
-            "use attention_backend='auto', 'varlen' or 'sdpa' with local specs"
+            f"use one of {[b for b in MODEL_ATTENTION_BACKENDS if b != 'te']} with local specs"
         )
     if attention_backend == "te" or (attention_backend == "auto" and provider == "te"):
         return te_core
     return ModuleSpec(module=CPDotProductAttention, params={"backend": attention_backend})
 
 
-def _gdn_output_norm_spec(tp_group, fusion: Fusion | None) -> ModuleSpec:
+def _gdn_output_norm_spec(tp_group, fusion: Fusion) -> ModuleSpec:
     # HF's Qwen3_5RMSNormGated: plain weight (init 1) whatever layernorm_zero_centered_gamma says
     return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group,
                                               "fusion": fusion})
 
 
-def _local_block_spec(config, gdn_spec_for, attention_backend: str, fusion: Fusion | None,
-                      recompute_mlp_activation: bool, recompute_skips_unread_gemm: bool) -> TransformerBlockSubmodules:
+def _local_block_spec(config, gdn_spec_for, options: Qwen3_5Options) -> TransformerBlockSubmodules:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_linear_attention_pattern,
     )
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 
-    norm = ModuleSpec(module=RMSNorm, params={"fusion": fusion})
+    norm = ModuleSpec(module=RMSNorm, params={"fusion": options.fusion})
+    # one head_dim weight shared by the heads TP splits: each TP rank's gradient is a partial sum
+    qk_norm = ModuleSpec(module=RMSNorm, params={"fusion": options.fusion, "heads_split_over_tp": True})
     attention = ModuleSpec(
         module=Qwen3_5SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=_core_attention_spec("local", attention_backend, None),
+            core_attention=_core_attention_spec("local", options.attention_backend, None),
             linear_proj=RowParallelLinear,
-            q_layernorm=norm,  # zero-centred per config
-            k_layernorm=norm,
+            q_layernorm=qk_norm,  # zero-centred per config
+            k_layernorm=qk_norm,
         ),
     )
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
     mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args,  # same submodules
-                            recompute_activation=recompute_mlp_activation,
-                            skip_unread_gemm=recompute_skips_unread_gemm, **mlp.keywords)
+                            recompute_activation=options.recompute_mlp_activation,
+                            skip_unread_gemm=options.recompute_skips_unread_gemm, **mlp.keywords)
     layers = [
         ModuleSpec(
             module=TransformerLayer,
@@ -304,46 +363,33 @@ def _te_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerB
 
 
 def qwen3_5_block_spec(
-    config: TransformerConfig,
-    *,
-    spec_provider: str = "auto",
-    gdn: GDNOptions = GDNOptions(),
-    attention_backend: str = "auto",
+    config: TransformerConfig, options: Qwen3_5Options,
     tp_group: torch.distributed.ProcessGroup | None = None,
-    contiguous_between_layers: bool = True,
-    fusion: Fusion | None = None,
-    recompute_mlp_activation: bool = False,
-    recompute_skips_unread_gemm: bool = False,
 ) -> TransformerBlockSubmodules:
-    """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm.
+    """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm, as ``options`` say
+    (its layer fields: ``gdn``, ``attention_backend``, ``spec_provider``,
+    ``contiguous_between_layers``, ``fusion``, ``recompute_*``).
 
     ``tp_group``: the tensor-parallel group (for the GDN output norm's gradient sum; None reads
     Megatron-Core's ``parallel_state``). ``config.transformer_impl`` must match the provider
-    (:func:`build_qwen3_5_model` sees to it). ``contiguous_between_layers``: keep the residual
-    stream contiguous between consecutive chunkwise GDN layers (:mod:`relax_gdn.model.gdn_runs`).
-    ``fusion``: what the relax_gdn norms run (:class:`~relax_gdn.model.fusion.Fusion`; None: the
-    process-wide default). ``recompute_mlp_activation``: the MLPs recompute their SwiGLU
-    (``recompute.modules: mlp_act``; local provider, whose MLP is :class:`Qwen3_5MLP`).
-    ``recompute_skips_unread_gemm``: under full recompute the MLPs skip linear_fc2's GEMM when their
-    layer is recomputed (``recompute.skip_unused``; local provider).
+    (:func:`build_qwen3_5_model` sees to it).
     """
-    provider = resolve_spec_provider(spec_provider)
+    provider = resolve_spec_provider(options.spec_provider)
     if tp_group is None:
         from megatron.core import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def gdn_spec_for(in_proj, out_proj) -> ModuleSpec:
-        return gdn_cp_layer_spec(gdn, in_proj=in_proj, out_norm=_gdn_output_norm_spec(tp_group, fusion),
-                                 out_proj=out_proj)
+        out_norm = _gdn_output_norm_spec(tp_group, options.fusion)
+        return gdn_cp_layer_spec(options.gdn, in_proj=in_proj, out_norm=out_norm, out_proj=out_proj)
 
     if provider == "te":
-        block = _te_block_spec(config, gdn_spec_for, attention_backend)
+        block = _te_block_spec(config, gdn_spec_for, options.attention_backend)
     else:
-        block = _local_block_spec(config, gdn_spec_for, attention_backend, fusion, recompute_mlp_activation,
-                                  recompute_skips_unread_gemm)
+        block = _local_block_spec(config, gdn_spec_for, options)
     return with_contiguous_gdn_runs(
-        block, contiguous_between_layers=contiguous_between_layers, cp_mode=gdn.cp_mode,
+        block, contiguous_between_layers=options.contiguous_between_layers, cp_mode=options.gdn.cp_mode,
         sequence_parallel=config.sequence_parallel,
     )
 
@@ -359,12 +405,12 @@ class _VocabEmbeddingIntoMainGrad(VocabParallelEmbedding):
     (``Fusion.embedding_grad_into_main_grad``, :func:`relax_gdn.model.fusion.embedding_into_main_grad`);
     Megatron-Core's forward otherwise (TP > 1, no DDP, no gradient)."""
 
-    fusion: Fusion | None = None
+    fusion: Fusion = Fusion()
 
     def forward(self, input_):
         weight = self.weight
         if (self.tp_group.size() == 1 and getattr(self, "gtp_remat_size", 1) == 1 and torch.is_grad_enabled()
-                and weight.requires_grad and fusion_in_effect(self.fusion).embedding_grad_into_main_grad
+                and weight.requires_grad and self.fusion.embedding_grad_into_main_grad
                 and takes_main_grad(weight)):
             return embedding_into_main_grad(input_, weight)
         return super().forward(input_)
@@ -379,13 +425,12 @@ class Qwen3_5Model(GPTModel):
 
     ``fusion``: whether the loss runs chunked with the output layer
     (:class:`~relax_gdn.model.fusion.Fusion` ``cross_entropy``) and whether the embedding's gradient
-    goes straight into its DDP main grad (``embedding_grad_into_main_grad``); None follows the
-    process-wide default (``fusion_set_to``).
+    goes straight into its DDP main grad (``embedding_grad_into_main_grad``), fixed here.
     """
 
     def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
                  rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection,
-                 fusion: Fusion | None = None, **kwargs):
+                 fusion: Fusion = Fusion(), **kwargs):
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
@@ -430,7 +475,7 @@ class Qwen3_5Model(GPTModel):
         # model.fused_cross_entropy: the output layer + loss in token chunks (no full-vocabulary
         # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
         loss_mask = kwargs.get("loss_mask") if kwargs.get("labels") is not None else None
-        if (fusion_in_effect(self.fusion).cross_entropy and kwargs.get("labels") is not None
+        if (self.fusion.cross_entropy and kwargs.get("labels") is not None
                 and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
                 and self.pg_collection.tp.size() == 1):
             kwargs["output_processor"] = fused_output_loss
@@ -462,42 +507,44 @@ def _ensure_global_memory_buffer() -> None:
 
 
 def build_qwen3_5_model(
-    config: TransformerConfig,
-    *,
-    vocab_size: int,
-    max_sequence_length: int,
-    pg_collection: ProcessGroupCollection | None = None,
-    gdn: GDNOptions = GDNOptions(),
-    attention_backend: str = "auto",
-    spec_provider: str = "auto",
-    rotary_percent: float = 0.25,
-    rotary_base: float = 10_000_000.0,
-    parallel_output: bool = True,
-    contiguous_between_layers: bool = True,
-    fusion: Fusion | None = None,
-    recompute_mlp_activation: bool = False,
-    recompute_skips_unread_gemm: bool = False,
+    config: TransformerConfig, options: Qwen3_5Options, pg_collection: ProcessGroupCollection | None = None,
 ) -> Qwen3_5Model:
-    """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`).
+    """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`) built as ``options`` say.
 
     ``pg_collection``: explicit groups (``tp``, ``cp``, ``pp`` of size 1, ``embd``); None uses
-    Megatron-Core's ``parallel_state``. ``gdn``: what every GDN layer is told
-    (:class:`~relax_gdn.gdn.options.GDNOptions`, e.g. ``RunConfig.gdn_options``); ``attention_backend``:
-    one of :data:`MODEL_ATTENTION_BACKENDS`; ``spec_provider``: one of :data:`SPEC_PROVIDERS`;
-    ``contiguous_between_layers``: chunkwise GDN runs keep the residual stream contiguous (two
-    layout swaps per run of GDN layers instead of two per GDN layer; :mod:`relax_gdn.model.gdn_runs`);
-    ``fusion``: the fused norms and loss (:class:`~relax_gdn.model.fusion.Fusion`, e.g.
-    ``model.fused_*``; None follows the process-wide default, for A/B with ``fusion_set_to``);
-    ``recompute_mlp_activation``: the MLPs recompute their SwiGLU (``recompute.modules: mlp_act``;
-    the GDN layers' own recompute is ``gdn.recompute_core``); ``recompute_skips_unread_gemm``: under
-    full recompute the MLPs skip linear_fc2's GEMM when their layer is recomputed
-    (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
+    Megatron-Core's ``parallel_state``.
     Forward: ``model(input_ids [1, t], position_ids [1, t], None, labels=..., packed_seq_params=...)``
     returns the per-token loss ``[1, t]`` (logits ``[t, 1, vocab/TP]`` without labels); given
     ``loss_mask=[1, t]`` as well, ``Σ loss × loss_mask`` (fp32 scalar; what training calls, which lets
     the fused loss form its gradients in forward).
     """
     pgs = _process_groups(pg_collection)
+    tp_size = _check_parallel_sizes(config, pgs)
+    # Fail before building anything on a GDN setting that cannot work.
+    check_gdn_cp_config(config, options.gdn, tp_size, options.gdn.max_cp_size or pgs.cp.size())
+    if config.sequence_parallel:
+        _ensure_global_memory_buffer()
+    provider = resolve_spec_provider(options.spec_provider)
+    impl = "transformer_engine" if provider == "te" else "local"
+    aligned = {"transformer_impl": impl}
+    if provider == "te":
+        # TEDotProductAttention joins its CP group only when config.context_parallel_size > 1.
+        # (Not on the local path: there Megatron-Core's config check would demand GDN heads
+        # divisible by TP x CP, which only headwise needs.)
+        aligned["context_parallel_size"] = pgs.cp.size()
+    if any(getattr(config, k) != v for k, v in aligned.items()):
+        config = dataclasses.replace(config, **aligned)
+    spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
+    return Qwen3_5Model(
+        config, spec, options.vocab_size, options.max_sequence_length,
+        rotary_percent=options.rotary_percent, rotary_base=options.rotary_base, pg_collection=pgs,
+        parallel_output=options.parallel_output, fusion=options.fusion,
+    )
+
+
+def _check_parallel_sizes(config: TransformerConfig, pgs: ProcessGroupCollection) -> int:
+    """The TP size, after refusing what the model cannot run: pipeline parallelism, a config whose
+    TP size is not the group's, sequence parallelism without TP."""
     pp_size = pgs.pp.size()
     if pp_size > 1 or config.pipeline_model_parallel_size > 1:
         raise ValueError(_PP_MESSAGE.format(pp=max(pp_size, config.pipeline_model_parallel_size)))
@@ -509,47 +556,24 @@ def build_qwen3_5_model(
         )
     if config.sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs tensor parallelism (tp > 1); turn it off for tp=1")
-    # Fail before building anything on a GDN setting that cannot work.
-    check_gdn_cp_config(config, gdn, tp_size, gdn.max_cp_size or pgs.cp.size())
-    if config.sequence_parallel:
-        _ensure_global_memory_buffer()
-    provider = resolve_spec_provider(spec_provider)
-    impl = "transformer_engine" if provider == "te" else "local"
-    aligned = {"transformer_impl": impl}
-    if provider == "te":
-        # TEDotProductAttention joins its CP group only when config.context_parallel_size > 1.
-        # (Not on the local path: there Megatron-Core's config check would demand GDN heads
-        # divisible by TP x CP, which only headwise needs.)
-        aligned["context_parallel_size"] = pgs.cp.size()
-    if any(getattr(config, k) != v for k, v in aligned.items()):
-        config = dataclasses.replace(config, **aligned)
-    spec = qwen3_5_block_spec(  # the request, not `provider`: it resolves the same, and logs once
-        config, spec_provider=spec_provider, gdn=gdn, attention_backend=attention_backend, tp_group=pgs.tp,
-        contiguous_between_layers=contiguous_between_layers, fusion=fusion,
-        recompute_mlp_activation=recompute_mlp_activation, recompute_skips_unread_gemm=recompute_skips_unread_gemm,
-    )
-    return Qwen3_5Model(
-        config, spec, vocab_size, max_sequence_length,
-        rotary_percent=rotary_percent, rotary_base=rotary_base, pg_collection=pgs,
-        parallel_output=parallel_output, fusion=fusion,
-    )
+    return tp_size
 
 
 def build_qwen3_5_preset_model(
-    preset: str | Qwen3_5Preset, config: TransformerConfig | None = None, **kwargs
+    preset: str | Qwen3_5Preset, config: TransformerConfig | None = None,
+    pg_collection: ProcessGroupCollection | None = None, **fields,
 ) -> Qwen3_5Model:
-    """:func:`build_qwen3_5_model` with the vocabulary, sequence length and RoPE of ``preset``
-    (``config`` defaults to ``qwen3_5_config(preset)``); ``kwargs`` override any of them."""
+    """:func:`build_qwen3_5_model` with ``Qwen3_5Options.for_preset(preset, **fields)`` (the
+    vocabulary, sequence length and RoPE of ``preset`` unless ``fields`` give them); ``config``
+    defaults to ``qwen3_5_config(preset)``."""
     p = qwen3_5_preset(preset)
-    defaults = dict(
-        vocab_size=p.vocab_size, max_sequence_length=p.max_sequence_length,
-        rotary_percent=p.rotary_percent, rotary_base=p.rotary_base,
-    )
-    return build_qwen3_5_model(config if config is not None else qwen3_5_config(p), **{**defaults, **kwargs})
+    options = Qwen3_5Options.for_preset(p, **fields)
+    return build_qwen3_5_model(config if config is not None else qwen3_5_config(p), options, pg_collection)
 
 
 __all__ = [
     "Qwen3_5Model",
+    "Qwen3_5Options",
     "Qwen3_5SelfAttention",
     "TokenRotaryEmbedding",
     "build_qwen3_5_model",

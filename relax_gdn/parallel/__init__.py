@@ -1,5 +1,7 @@
-"""Process groups and the per-micro-batch CP group decision."""
+"""Process groups (:class:`ParallelContext`, made once at start-up) and the per-micro-batch CP group
+decision."""
 
+from relax_gdn.parallel.context import ParallelContext
 from relax_gdn.parallel.cp_group import CPGroup, resolve_cp_group
 from relax_gdn.parallel.dynamic_cp import (
     DynamicCPGroups,
@@ -14,6 +16,7 @@ __all__ = [
     "CPGroup",
     "DynamicCPGroups",
     "DynamicCPPlan",
+    "ParallelContext",
     "cp_sizes",
     "dynamic_cp_micro_batches",
     "plan_dynamic_cp",

@@ -33,7 +33,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +463,35 @@ def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimiz
         get_cuda_rng_tracker().set_states(state["rng_cuda"]["tracker"])
     return LoadedCheckpoint(directory=directory, step=int(state["step"]), manifest=manifest,
                             scheduler_state=state["scheduler"])
+
+
+def checkpoint_fp32_main_params(directory: Path, manifest: dict[str, Any], model):
+    """The fp32 main parameters a checkpoint holds in the model's shapes, as the HF export's
+    ``MainParams`` (model tensors by name -> fp32 copies), or None when it holds none in that form:
+    Megatron-Core writes them model-shaped (``optimizer.state.param.<key>``) only with
+    ``checkpoint.optimizer_sharding=fully_reshardable``; the ``dp_reshardable`` form keeps flat
+    slices laid out by the run's DDP buckets, and a CPU run's weights are fp32 themselves."""
+    if (manifest.get("optimizer") or {}).get("sharding") != "fully_reshardable":
+        return None
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+
+    def load(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        request = {}
+        for name, sharded in model.sharded_state_dict().items():
+            key = f"optimizer.state.param.{getattr(sharded, 'key', '')}"
+            if name in params and isinstance(sharded, ShardedTensor) and key in stored:
+                fp32 = torch.empty_like(sharded.data, dtype=torch.float32)
+                request[name] = replace(sharded, key=key, data=fp32, dtype=torch.float32)
+        if not request:
+            return {}
+        # Megatron-Core's load returns the checkpoint's common state (step, scheduler, ...) too
+        loaded = _load_sharded(request, directory, "; its optimizer state does not fit this model")
+        return {name: loaded[name] for name in request}
+
+    return load
 
 
 def load_model_weights(directory: Path, model) -> dict[str, Any]:

@@ -44,10 +44,11 @@ def _is_terminal(stream) -> bool:
 
 def step_line(record: dict[str, Any], total: int) -> str:
     """The plain one-line account of a step (non-terminal output)."""
+    per = "gpu" if record.get("peak_mem_gb") is not None else "process"  # GPU runs alone measure memory
     line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} "
             f"grad_norm {_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} "
             f"{record['tokens_per_s']:.0f} tok/s "
-            f"{record['tflops_per_gpu']:.3g} TFLOP/s/gpu mfu {_fmt(record.get('mfu'), 3)} "
+            f"{record['tflops_per_gpu']:.3g} TFLOP/s/{per} mfu {_fmt(record.get('mfu'), 3)} "
             f"{record['step_time_s']:.2f} s")
     if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
         line += f" [{format_cp_sizes(record['cp_sizes'])}]"

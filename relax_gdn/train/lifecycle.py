@@ -36,6 +36,7 @@ from relax_gdn.train.checkpoint import (
     resolve_resume,
     write_text_atomically,
 )
+from relax_gdn.train.hf_export import export_spec, write_hf_export
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -167,6 +168,7 @@ class RunLifecycle:
     wandb_run_id: str | None = None
     saved: list[Path] = field(default_factory=list)
     tokenizer_vocab_size: int | None = None  # the export trims the padded vocabulary to it
+    optimizer: Any = None  # its fp32 main parameters go into the export's float32 tensors
 
     @classmethod
     def start(cls, cfg, *, run_dir: Path | None, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
@@ -187,23 +189,26 @@ class RunLifecycle:
                            "saves inline")
         saver = Saver(root, cfg.checkpoint.keep_last, dp_cp_group, async_save=async_save) if root else None
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        source = str(Path(cfg.model.hf_checkpoint).absolute()) if cfg.model.hf_checkpoint else None
         manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
-                         "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype},
+                         "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype,
+                                   "hf_checkpoint": source},  # the export keeps its layout
                          "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
-                   tokenizer_vocab_size=tokenizer_vocab_size)
+                   tokenizer_vocab_size=tokenizer_vocab_size, optimizer=optimizer)
         if cfg.checkpoint.resume:
             directory, notes = resolve_resume(cfg.checkpoint.resume, root)
             if is_rank0:
                 for note in notes:
                     logger.warning("%s", note)
             if directory is not None:
-                life._resume(directory, layout, data_key, model, optimizer, scheduler, vocab_size)
+                life._resume(directory, layout, data_key, model=model, optimizer=optimizer, scheduler=scheduler,
+                             vocab_size=vocab_size)
         if is_rank0 and life.resumed is not None and life.run_dir is not None:
             trim_metrics(life.run_dir / "metrics.jsonl", life.start_step)
         return life
 
-    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
+    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, *, model, optimizer, scheduler,
                 vocab_size: int) -> None:
         manifest = read_manifest(directory)
         saved_data = manifest.get("data", {})
@@ -267,30 +272,9 @@ class RunLifecycle:
                 logger.warning("checkpoint.export_hf_final=true but the run has no run directory: not exported")
             return None
         out = self.run_dir / "hf"
-        write_hf_export(model, out, vocab_size=self.manifest_base["model"]["vocab_size"],
-                        tokenizer_vocab_size=self.tokenizer_vocab_size,
-                        tokenizer_path=local_tokenizer_dir(self.cfg.data.tokenizer))
-        if dist.get_rank() == 0:
-            logger.info("Hugging Face export written to %s", out)
+        fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
+        report = write_hf_export(model, out, export_spec(self.manifest_base), main_params=fp32_main)
+        if report is not None:
+            for line in ["Hugging Face export:", *report.lines()]:
+                logger.info("%s", line)
         return out
-
-
-def local_tokenizer_dir(tokenizer_key: str | None) -> str | None:
-    """``data.tokenizer`` when it is a local HF tokenizer directory (what an export can copy)."""
-    if tokenizer_key and tokenizer_key not in ("embedded", "byte") and Path(tokenizer_key).is_dir():
-        return tokenizer_key
-    return None
-
-
-def write_hf_export(model, out: Path, *, vocab_size: int, tokenizer_vocab_size: int | None,
-                    tokenizer_path: str | None) -> None:
-    """A directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads: config.json and
-    safetensors (the vocabulary trimmed to the tokenizer's), plus the tokenizer when the run used a
-    local one. A collective over the model's TP group; global rank 0 writes."""
-    from relax_gdn.model.hf_checkpoint import save_hf_checkpoint
-
-    save_hf_checkpoint(model, out, vocab_size=min(tokenizer_vocab_size or vocab_size, vocab_size))
-    if dist.get_rank() == 0 and tokenizer_path is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out)

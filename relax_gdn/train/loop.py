@@ -1,15 +1,25 @@
-"""The training loop: read it top to bottom (nanoGPT style).
+"""The training loop: :func:`run_training` (the entry point) runs a :class:`Trainer`.
 
-1. validate the config (nothing built yet), pick the device, load + tokenize the data (a bad
-   source fails here, before any process group, model or file exists);
-2. process groups: ``parallel_state.initialize_model_parallel(tp, cp)``, DP = world / (tp·cp);
-3. model (``build_qwen3_5_model``), gradient sync + optimizer + warm-up/cosine schedule, resume;
-4. per step: the step's global batch (a pure function of seed and step), packed into
-   micro-batches for this DP rank, sharded for this CP rank (dynamic CP: each micro-batch at its
-   own CP size d, split over the CP group's sub-groups of size d, ``relax_gdn.parallel.dynamic_cp``); gradient
-   accumulation with the loss
-   ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``; optimizer step;
-   metrics; logging; checkpoint.
+:func:`run_training` validates the config (nothing built yet), picks the device and loads +
+tokenizes the data (a bad source fails here, before any process group, model or file exists), then:
+
+1. :meth:`Trainer.setup`: process groups (:class:`relax_gdn.parallel.ParallelContext`: TP x CP
+   groups from ``parallel_state.initialize_model_parallel``, DP = world / (tp·cp), dynamic-CP
+   sub-groups), the model (``build_qwen3_5_model``), gradient sync + optimizer + warm-up/cosine
+   schedule, checkpoint/resume and the run directory (:class:`RunLifecycle`), loggers, the
+   micro-batch planner, the evaluator and the metrics;
+2. :meth:`Trainer.train_step`: ONE optimizer step: the step's global batch (a pure function of seed
+   and step) planned into this rank's micro-batches (:class:`MicroBatchPlanner`: packed for this
+   DP rank, sharded for this CP rank; dynamic CP: each micro-batch at its own CP size d, split over
+   the CP group's sub-groups of size d), gradient accumulation with the loss
+   ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``, the optimizer
+   step, the step's ONE all-reduce (loss + the :class:`StepFlag` s of every rank), the metrics
+   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank);
+3. :meth:`Trainer.run`: the steps, each followed by its evaluation when due, logging, the profiler
+   window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1); then the
+   background save is awaited and the Hugging Face export written;
+4. :meth:`Trainer.close`: signal handlers, loggers and process groups released (also after an
+   error).
 
 Loss normalisation: every loss token of the global batch counts once across CP and DP. The
 count is known on every rank without a collective: the global batch and its split are computed
@@ -25,43 +35,43 @@ import random
 import signal
 import threading
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from torch.profiler import ProfilerActivity, profile
 
-from relax_gdn.compat.cpu import apply_cpu_shims
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
 from relax_gdn.data import (
+    SFTDataset,
     global_batch_at_step,
     load_sft_dataset,
     load_tokenizer,
-    make_micro_batch,
     padded_length,
-    plan_micro_batches,
     synthetic_math_dataset,
 )
-from relax_gdn.errors import ConfigError, DataError, RecipeError
-from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
+from relax_gdn.errors import ConfigError, DataError, MemoryFitError
+from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
-from relax_gdn.model.hf_checkpoint import load_hf_checkpoint
-from relax_gdn.model.recompute import recompute_config_fields, recomputes
-from relax_gdn.parallel import DynamicCPGroups, dynamic_cp_micro_batches
-from relax_gdn.train.evaluate import Evaluator, split_eval_set
+from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
+from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
+from relax_gdn.parallel import ParallelContext
+from relax_gdn.runtime import require_runtime
+from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_loss
-from relax_gdn.train.memory import GIB, estimate_memory
+from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, settings_that_fit
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
+from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -102,8 +112,18 @@ def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
 
 
-def load_data(cfg: RunConfig):
-    """(tokenizer, training set, eval set or None): errors name the data.* / eval.* key to fix."""
+@dataclass(frozen=True)
+class RunData:
+    """A run's data, loaded and checked before any process group or model exists."""
+
+    tokenizer: Any  # relax_gdn.data.SFTTokenizer
+    dataset: SFTDataset  # the training set
+    eval_set: EvalSet | None  # None: no evaluation
+
+
+def load_data(cfg: RunConfig) -> RunData:
+    """The tokenizer, training set and eval set that ``cfg`` names: errors name the data.* / eval.*
+    key to fix."""
     d = cfg.data
     tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
     if d.source == "synthetic":
@@ -130,7 +150,7 @@ def load_data(cfg: RunConfig):
     check_samples_fit(dataset.samples, cfg)
     if eval_set is not None:
         check_samples_fit(eval_set.samples, cfg)
-    return tokenizer, dataset, eval_set
+    return RunData(tokenizer, dataset, eval_set)
 
 
 def check_samples_fit(samples, cfg: RunConfig) -> None:
@@ -184,7 +204,7 @@ class ProfileWindow:
         self._profiler = None
 
     def before_step(self, step: int) -> None:
-        if step == self.first and self.trace_dir is not None:
+        if step == self.first and self.trace_dir is not None:  # (CPU: the Runtime quieted kineto)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
@@ -228,30 +248,63 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What the memory model checks against: the GPU's total memory (None off CUDA)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
+    """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    settings = dict(
+        tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
+        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
+        full_layers=cfg.recompute.full_layers or 0, fused_norms=cfg.model.fused_norms,
+        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name,
+    )
+    return shape, settings
+
+
+def resolve_full_layers(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool,
+                        vocab_size: int) -> RunConfig:
+    """``recompute.granularity=mixed`` with ``recompute.full_layers=null``: the fewest whole-layer
+    recomputes the memory model fits on this GPU (every layer when none fits: the check then refuses;
+    none without a GPU to fit). ``cfg`` as it is otherwise."""
+    if cfg.recompute.granularity != "mixed" or cfg.recompute.full_layers is not None:
+        return cfg
+    capacity = device_memory_bytes(device)
+    layers = 0
+    if capacity is not None:
+        shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
+        chosen = fewest_full_layers(shape, capacity, **settings)
+        layers = shape.num_layers if chosen is None else chosen
+    return cfg.with_overrides({"recompute.full_layers": layers})
+
+
 def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
                       log: bool) -> None:
-    """On CUDA: log the per-GPU memory model and refuse (before building the model) a run whose
-    estimate exceeds the GPU's memory. (A CPU run has no GPU memory to estimate.)"""
-    if device.type != "cuda":
+    """On a GPU: log the per-GPU memory model and refuse (before building the model) a run whose
+    estimate exceeds the GPU's memory, naming the settings the model says would fit
+    (:class:`~relax_gdn.errors.MemoryFitError`). (A CPU run has no GPU memory to estimate.)"""
+    capacity = device_memory_bytes(device)
+    if capacity is None:
         return
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
-    estimate = estimate_memory(
-        shape, tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
-        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
-        fused_norms=cfg.model.fused_norms, fused_cross_entropy=cfg.model.fused_cross_entropy,
-        optimizer=cfg.optim.name,
-    )
+    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
+    estimate = estimate_memory(shape, **settings)
+    recompute = cfg.recompute.granularity + (f" ({cfg.recompute.full_layers} layers whole)"
+                                             if cfg.recompute.granularity == "mixed" else "")
     if log:
         logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
-                    cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, estimate.summary())
-    capacity = torch.cuda.get_device_properties(device).total_memory
+                    recompute, cfg.train.max_tokens_per_gpu, estimate.summary())
     if estimate.total > capacity:
-        raise RecipeError(
-            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()}, above its {capacity / GIB:.0f} GiB. "
-            "Lower train.max_tokens_per_gpu, use recompute.granularity=selective or full, or spread the "
-            "optimizer state over more GPUs (parallel.cp / data parallel); benchmarks of a model whose "
-            "optimizer state cannot fit can set optim.name=none (gradients without an update)"
-        )
+        fits = [a.describe() for a in settings_that_fit(shape, capacity, **settings)]
+        advice = ("The memory model says these fit: " + "; ".join(fits) if fits else
+                  "Nothing the memory model tries fits (other recompute settings, a smaller "
+                  "train.max_tokens_per_gpu, no optimizer state, more CP ranks)")
+        raise MemoryFitError(
+            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()} with recompute {recompute}, above its "
+            f"{capacity / GIB:.0f} GiB. {advice} (optim.name=none is for benchmarks: gradients without an update)",
+            estimate_gib=estimate.as_gib(), capacity_gib=round(capacity / GIB, 2), fits=fits)
 
 
 def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
@@ -271,7 +324,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one. ``data``: a prepared
+    Uses the initialized default process group, else makes a one-process one. It needs an installed
+    :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names.
     """
@@ -279,24 +333,21 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
     if data is None:
-        tokenizer, dataset, eval_set = load_data(cfg)
+        run_data = load_data(cfg)
     else:
-        (tokenizer, dataset), eval_set = data, None
-        check_samples_fit(dataset.samples, cfg)
-    if device.type == "cpu":
-        apply_cpu_shims()
+        run_data = RunData(*data, eval_set=None)
+        check_samples_fit(run_data.dataset.samples, cfg)
+    # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
+    cpu = device.type == "cpu"
+    require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    created_group = init_distributed(device)
+    trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
+                      data=run_data)
     try:
-        run_dir = _broadcast_run_dir(Path(run_dir) if run_dir is not None else None)
-        return _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir)
+        trainer.setup()
+        return trainer.run()
     finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if created_group and dist.is_initialized():
-            dist.destroy_process_group()
+        trainer.close()
 
 
 def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
@@ -304,7 +355,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
     if cfg.model.fused_grad_accumulation and device.type == "cuda":
         from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
 
-        fuse_wgrad = enable_wgrad_accumulation_fusion()
+        fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
+        require_runtime("the fused wgrad GEMM").adopt(undo)  # Megatron-Core patched: the Runtime undoes it
 
     tconfig = qwen3_5_config(
         cfg.model.preset,
@@ -319,18 +371,21 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         gradient_accumulation_fusion=fuse_wgrad,
         **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules,
                                   skip_unused=cfg.recompute.skip_unused,
-                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"]),
+                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
+                                  full_layers=cfg.recompute.full_layers),
     )
-    model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=vocab_size, gdn=cfg.gdn_options,
+    options = Qwen3_5Options.for_preset(
+        cfg.model.preset, vocab_size=vocab_size, gdn=cfg.gdn_options,
         attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
-        # given at build time (no process-wide switch), so every module keeps this run's setting
         fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
                       embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
     )
+    model = build_qwen3_5_model(tconfig, options)
+    if cfg.recompute.granularity == "mixed":
+        apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
         model.cuda(device)
     if cfg.model.hf_checkpoint:
@@ -339,11 +394,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
 
 
 def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
-    if cfg.model.hf_checkpoint:  # the checkpoint's embedding decides
-        vocab = qwen3_5_preset(cfg.model.preset).vocab_size
-        if tokenizer.vocab_size > vocab:
-            raise ValueError(f"data.tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's {vocab}")
-        return vocab
+    if cfg.model.hf_checkpoint:  # the checkpoint's (its other sizes checked against the preset)
+        return run_vocab_size(cfg.model.hf_checkpoint, cfg.model.preset, tokenizer.vocab_size, tp)
     # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead gives every TP <= 8 the
     # SAME padded vocabulary, so a checkpoint written at one TP loads at another (the embedding and
     # output layer keep their global shape). The initial values still differ between TP sizes:
@@ -352,157 +404,293 @@ def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
     return -(-tokenizer.vocab_size // multiple) * multiple
 
 
-def _train(cfg, dims, device, bf16, tokenizer, dataset, eval_set, run_dir) -> TrainResult:
-    rank = dist.get_rank()
-    is_rank0 = rank == 0
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    seed_everything(cfg.train.seed)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=dims.tp, context_parallel_size=dims.cp, create_gloo_process_groups=False,
-    )
-    if device.type == "cuda":
-        model_parallel_cuda_manual_seed(cfg.train.seed)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    cp_rank = parallel_state.get_context_parallel_rank()
-    cp_group = parallel_state.get_context_parallel_group()
-    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    dynamic_cp = cfg.parallel.dynamic_cp.enabled
-    if dynamic_cp:
-        dynamic_groups = DynamicCPGroups(cp_group, cfg.parallel.dynamic_cp.max_cp)
+class StepFlag(Enum):
+    """A condition one rank raises for the step, carried by the step's one all-reduce: raised on
+    any rank, it is raised on every rank in that same step, so all ranks decide alike. Each member
+    is one slot of the reduced vector, after the loss, in the order defined here."""
 
-    vocab_size = _vocab_size(cfg, tokenizer, dims.tp)
-    check_memory_fits(cfg, dims, device, bf16, vocab_size, log=is_rank0)
-    tconfig, model = _build_model(cfg, dims, device, bf16, vocab_size)
-    if device.type == "cuda":
-        core_model = model
-        if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
-            model = Float16Module(tconfig, model)
-        model, optimizer = build_megatron_ddp_and_optimizer(model, tconfig, cfg, bf16=bf16)
-        model.broadcast_params()  # every DP replica starts from rank 0's weights
-    else:
-        optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=dp_cp_group, tp_group=tp_group,
-                                         sequence_parallel=cfg.parallel.sp)
-        core_model = model
-    scheduler = build_scheduler(optimizer, cfg, log=is_rank0)
-    # checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run
-    lifecycle = RunLifecycle.start(
-        cfg, run_dir=run_dir, model=core_model, optimizer=optimizer, scheduler=scheduler, vocab_size=vocab_size,
-        layout=Layout(dims.world_size, dims.tp, dims.cp, dynamic_cp, cfg.effective_max_cp),
-        data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(dataset)),
-        tokenizer_vocab_size=tokenizer.vocab_size, device=device, dp_cp_group=dp_cp_group)
-    start_step, run_dir = lifecycle.start_step, lifecycle.run_dir
+    STOP_REQUESTED = auto()  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step
 
-    config_dict = {**cfg.to_dict(), "derived": {"world_size": dims.world_size, "dp": dims.dp, "device": str(device),
-                                               "bf16": bf16, "vocab_size": vocab_size, "run_name": default_run_name(cfg),
-                                               "tags": run_tags(cfg), "num_samples": len(dataset),
-                                               "data_skips": dataset.counts.as_dict()}}
-    if is_rank0 and run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_run_config(cfg, run_dir)
-    loggers = RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step,
-                                append=lifecycle.resumed is not None, wandb_run_id=lifecycle.wandb_run_id)
-    lifecycle.wandb_run_id = loggers.wandb_run_id()  # saved in checkpoints: a resume continues this W&B run
-    if is_rank0:
-        n_params = sum(p.numel() for p in core_model.parameters())
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What the step's one all-reduce gives every rank alike."""
+
+    loss_sum: float  # Σ per-token loss × loss mask over the global batch
+    flags: frozenset[StepFlag]  # raised on at least one rank
+
+
+def all_reduce_step(loss_sum: torch.Tensor, raised: set[StepFlag], tp: int) -> StepTotals:
+    """The step's one collective and one host read: the loss summed over DP × CP (TP ranks hold the
+    same value, hence / tp) and every rank's :class:`StepFlag` s. The read waits for the device, so
+    it ends the timed step."""
+    flags = torch.tensor([float(flag in raised) for flag in StepFlag], device=loss_sum.device)
+    stats = torch.cat(((loss_sum / tp).reshape(1), flags))
+    dist.all_reduce(stats)
+    loss_total, *flag_totals = stats.tolist()
+    return StepTotals(loss_total, frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total))
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step did and what the run does after it, alike on every rank."""
+
+    record: dict[str, Any]  # the step's metrics (run() adds the evaluation when due)
+    updated: bool  # the optimizer applied the update (optim.name=none measures gradients only)
+    stop: bool  # a rank was asked to stop: save and end the run after this step
+
+
+class Trainer:
+    """One training run in this process: :meth:`setup`, :meth:`run` (which calls
+    :meth:`train_step` once per optimizer step), :meth:`close`. See the module docstring."""
+
+    # what setup() builds
+    rank: int  # global rank
+    is_rank0: bool  # the rank that logs and writes the run directory
+    parallel: ParallelContext
+    tconfig: Any  # Megatron-Core TransformerConfig
+    model: torch.nn.Module  # what runs forward/backward (on CUDA: wrapped in DDP, bf16 wrapper)
+    core_model: torch.nn.Module  # the model itself: what checkpoints and exports read
+    optimizer: Any  # gradient sync + clipping + update (relax_gdn.train.optimizer)
+    scheduler: Any
+    vocab_size: int
+    lifecycle: RunLifecycle
+    start_step: int  # steps already done (a resumed run)
+    planner: MicroBatchPlanner
+    evaluator: Evaluator
+    metrics: MetricsProcessor
+    profile_window: ProfileWindow
+    host_syncs: HostSyncCounter
+
+    def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
+                 data: RunData):
+        """Args:
+            cfg: the validated run configuration.
+            run_dir: rank 0's run directory (rank 0's name is broadcast in setup); None: none.
+            dims: the parallel sizes ``validate`` derived (world, dp, cp, tp).
+            device: where this rank trains (``select_device``).
+            bf16: bf16 parameters and compute (``select_bf16``); else fp32.
+            data: the tokenizer, training set and eval set, loaded and checked.
+        """
+        self.cfg, self.run_dir, self.dims, self.device, self.bf16, self.data = cfg, run_dir, dims, device, bf16, data
+        # what close() releases, set as setup() gets to it
+        self.created_group = False
+        self.loggers: RunLoggers | None = None
+        self.preemption: PreemptionRequest | None = None
+
+    # ----------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        """Everything before step 1, in this order (a collective)."""
+        self._init_process_groups()
+        self._build_model_and_optimizer()
+        self._start_lifecycle()
+        self._start_loggers()
+        self._log_run()
+        cfg, device = self.cfg, self.device
+        self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
+                                         pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route)
+        # the eval set packed exactly like a training global batch
+        self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
+                                   device=device, micro_batches=self.planner.micro_batches)
+        self.metrics = MetricsProcessor(ModelShape.from_transformer_config(self.tconfig, self.vocab_size),
+                                        self.dims.world_size, device)
+        self.preemption = PreemptionRequest()
+        trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
+        self.profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, self.rank, device)
+        # in forward + backward only (logging.count_host_syncs)
+        self.host_syncs = HostSyncCounter(enabled=device.type == "cuda" and cfg.logging.count_host_syncs)
+
+    def _init_process_groups(self) -> None:
+        cfg, device = self.cfg, self.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.created_group = init_distributed(device)
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
+        self.run_dir = _broadcast_run_dir(self.run_dir)
+        if cfg.train.deterministic:  # process-wide: the Runtime puts torch's setting back when it closes
+            require_runtime("train.deterministic").use_deterministic_algorithms(warn_only=True)
+        seed_everything(cfg.train.seed)
+        dynamic = cfg.parallel.dynamic_cp
+        self.parallel = ParallelContext.initialize(tp=self.dims.tp, cp=self.dims.cp,
+                                                   dynamic_max_cp=dynamic.max_cp if dynamic.enabled else None)
+        if device.type == "cuda":
+            model_parallel_cuda_manual_seed(cfg.train.seed)
+
+    def _build_model_and_optimizer(self) -> None:
+        cfg, dims, device, bf16 = self.cfg, self.dims, self.device, self.bf16
+        self.vocab_size = _vocab_size(cfg, self.data.tokenizer, dims.tp)
+        # mixed recompute without a layer count: the memory model's choice, kept in the run's config
+        self.cfg = cfg = resolve_full_layers(cfg, dims, device, bf16, self.vocab_size)
+        check_memory_fits(cfg, dims, device, bf16, self.vocab_size, log=self.is_rank0)
+        self.tconfig, model = _build_model(cfg, dims, device, bf16, self.vocab_size)
+        self.core_model = model
+        if device.type == "cuda":
+            if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
+                model = Float16Module(self.tconfig, model)
+            model, self.optimizer = build_megatron_ddp_and_optimizer(model, self.tconfig, cfg, bf16=bf16)
+            model.broadcast_params()  # every DP replica starts from rank 0's weights
+        else:
+            self.optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=self.parallel.dp_cp_group,
+                                                  tp_group=self.parallel.tp_group, sequence_parallel=cfg.parallel.sp)
+        self.model = model
+        self.scheduler = build_scheduler(self.optimizer, cfg, log=self.is_rank0)
+
+    def _start_lifecycle(self) -> None:
+        """checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run."""
+        cfg, dims = self.cfg, self.dims
+        self.lifecycle = RunLifecycle.start(
+            cfg, run_dir=self.run_dir, model=self.core_model, optimizer=self.optimizer, scheduler=self.scheduler,
+            vocab_size=self.vocab_size,
+            layout=Layout(dims.world_size, dims.tp, dims.cp, cfg.parallel.dynamic_cp.enabled, cfg.effective_max_cp),
+            data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(self.data.dataset)),
+            tokenizer_vocab_size=self.data.tokenizer.vocab_size, device=self.device,
+            dp_cp_group=self.parallel.dp_cp_group)
+        self.start_step, self.run_dir = self.lifecycle.start_step, self.lifecycle.run_dir
+
+    def _start_loggers(self) -> None:
+        """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends)."""
+        cfg, dims, dataset = self.cfg, self.dims, self.data.dataset
+        derived = {"world_size": dims.world_size, "dp": dims.dp, "device": str(self.device), "bf16": self.bf16,
+                   "vocab_size": self.vocab_size, "run_name": default_run_name(cfg), "tags": run_tags(cfg),
+                   "num_samples": len(dataset), "data_skips": dataset.counts.as_dict()}
+        if self.is_rank0 and self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_run_config(cfg, self.run_dir)
+        self.loggers = RunLoggers.create(cfg, self.run_dir, is_rank0=self.is_rank0,
+                                         config_dict={**cfg.to_dict(), "derived": derived},
+                                         start_step=self.start_step, append=self.lifecycle.resumed is not None,
+                                         wandb_run_id=self.lifecycle.wandb_run_id)
+        self.lifecycle.wandb_run_id = self.loggers.wandb_run_id()  # saved in checkpoints: a resume continues it
+
+    def _log_run(self) -> None:
+        if not self.is_rank0:
+            return
+        cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
+        n_params = sum(p.numel() for p in self.core_model.parameters())
         logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
-                    default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, device,
-                    "bf16" if bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
+                    default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, self.device,
+                    "bf16" if self.bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
         if eval_set is not None and cfg.eval.every_steps:
             logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
                         len(eval_set.samples), eval_set.source)
 
-    def plan_this_rank(batch):
-        """This rank's micro-batches of a global batch as (samples, CP size, rank in that CP group,
-        the group), the batch's padded tokens, and micro-batches per CP size (dynamic CP) or None."""
-        plan = plan_micro_batches(batch, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, cp_size=dims.cp,
-                                  dp_size=dims.dp)
-        if dynamic_cp:
-            return dynamic_cp_micro_batches(plan, dp_rank, cp_rank, dynamic_groups, cfg.train.max_tokens_per_gpu)
-        mine = [(samples, dims.cp, cp_rank, cp_group) for samples in plan[dp_rank]]
-        return mine, sum(padded_length(len(s), dims.cp) for s in batch), None
+    # ----------------------------------------------------------------------------- one step
 
-    def build(samples, mb_cp_size, mb_cp_rank, mb_cp_group):
-        return make_micro_batch(samples, cp_size=mb_cp_size, cp_rank=mb_cp_rank, device=device,
-                                pad_id=tokenizer.pad_id, route_strategy=cfg.gdn.route, cp_group=mb_cp_group,
-                                carries_cp_group=dynamic_cp)
+    def train_step(self, step: int) -> StepOutcome:
+        """Optimizer step ``step`` (1-based) over this rank's micro-batches of the step's global batch;
+        a collective. Plan, build, forward + backward, optimizer step, the step's one all-reduce,
+        the record, the outcome."""
+        cfg = self.cfg
+        timer = StepTimer()
+        epoch, batch = global_batch_at_step(self.data.dataset.samples, cfg.train.global_batch_size, cfg.train.seed,
+                                            step - 1)
+        plan = self.planner.plan(batch)
+        loss_tokens = sum(s.num_loss_tokens for s in batch)
+        self.optimizer.zero_grad()
+        self.scheduler.step(1)  # the rate of THIS step (see build_scheduler)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        loss_sum = self._forward_backward(plan, loss_tokens)
+        optimizer_timer = OptimizerTimer(self.device)
+        updated, grad_norm = self.optimizer.step()
+        optimizer_timer.stop()
+        totals = all_reduce_step(loss_sum, self._raised_flags(), self.dims.tp)
+        step_time = timer.elapsed()
+        record = self.metrics.record(
+            step=step, loss=totals.loss_sum / max(loss_tokens, 1), grad_norm=grad_norm, lr=lr,
+            seq_lengths=[len(s) for s in batch], loss_tokens=loss_tokens, padded_tokens=plan.padded_tokens,
+            num_micro_batches=len(plan.micro_batches), epoch=epoch, step_time_s=step_time,
+            host_syncs=self.host_syncs.count if self.host_syncs.enabled else None,
+        ).as_dict()
+        record["optimizer_time_s"] = optimizer_timer.seconds()  # the step's host read has waited
+        if plan.cp_size_counts is not None:
+            record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
+        self._log_host_syncs(step)
+        return self._outcome(record, totals, updated=updated)
 
-    # the eval set packed exactly like a training global batch
-    evaluator = Evaluator(eval_set, cfg.eval.every_steps, cfg.train.steps, tp=dims.tp, device=device,
-                          micro_batches=lambda samples: (build(*planned) for planned in plan_this_rank(samples)[0]))
-    metrics = MetricsProcessor(ModelShape.from_transformer_config(tconfig, vocab_size), dims.world_size, device)
-    records: list[dict[str, Any]] = []
-    result = TrainResult(records=records, run_dir=run_dir, checkpoints=lifecycle.saved, start_step=start_step,
-                         save_timings=lifecycle.saver.timings if lifecycle.saver else [])
-    preemption = PreemptionRequest()
-    trace_root = run_dir / "traces" if run_dir is not None else None  # no run directory: no traces
-    profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, rank, device)
-    host_syncs = HostSyncCounter(enabled=device.type == "cuda")  # in forward + backward only
-    try:
-        model.train()
-        for step in range(start_step + 1, cfg.train.steps + 1):
-            profile_window.before_step(step)
-            timer = StepTimer()
-            epoch, batch = global_batch_at_step(dataset.samples, cfg.train.global_batch_size, cfg.train.seed, step - 1)
-            mine, padded_tokens, cp_size_counts = plan_this_rank(batch)
-            global_loss_tokens = sum(s.num_loss_tokens for s in batch)
-            optimizer.zero_grad()
-            scheduler.step(1)  # the rate of THIS step (see build_scheduler)
-            lr = float(optimizer.param_groups[0]["lr"])
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            host_syncs.reset()
-            # every micro-batch built (and its upload queued) before the first forward: the host's
-            # packing never stands between one micro-batch's backward and the next forward
-            for mb in [build(*planned) for planned in mine]:
-                with host_syncs:
-                    mb_loss = summed_token_loss(model, mb)
-                    (mb_loss / max(global_loss_tokens, 1)).backward()
-                loss_sum += mb_loss.detach()
-            optimizer_timer = OptimizerTimer(device)
-            updated, grad_norm = optimizer.step()
-            optimizer_timer.stop()
-            # One collective and one host read per step carry the loss (summed over DP x CP; TP ranks
-            # hold the same value, hence / tp) and whether any rank was asked to stop.
-            stats = torch.stack((loss_sum / dims.tp, torch.tensor(float(preemption.requested), device=device)))
-            dist.all_reduce(stats)
-            loss_total, stop_requested = stats.tolist()  # waits for the GPU: ends the timed step
-            loss = loss_total / max(global_loss_tokens, 1)
-            step_time = timer.elapsed()
-            record = metrics.record(
-                step=step, loss=loss, grad_norm=grad_norm, lr=lr, seq_lengths=[len(s) for s in batch],
-                loss_tokens=global_loss_tokens, padded_tokens=padded_tokens,
-                num_micro_batches=len(mine), epoch=epoch, step_time_s=step_time,
-                host_syncs=host_syncs.count if host_syncs.enabled else None,
-            ).as_dict()
-            if host_syncs.count and is_rank0 and step <= start_step + 2:  # where (first steps only)
-                logger.info("step %d: %d host syncs in forward+backward, at %s", step, host_syncs.count,
-                            dict(host_syncs.locations.most_common(8)))
-            record["optimizer_time_s"] = optimizer_timer.seconds()  # the step's host read has waited
-            if dynamic_cp:
-                record["cp_sizes"] = cp_size_counts  # micro-batches per CP size, whole step
-            if evaluator.due(step):  # after the step's timing: evaluation is not in tok/s
-                record.update(evaluator.run(model))
-            if not updated:
-                record["skipped_update"] = True
-            records.append(record)
-            loggers.log(record)
-            trace = profile_window.after_step(step)
-            if trace is not None and is_rank0:
+    def _forward_backward(self, plan: StepPlan, loss_tokens: int) -> torch.Tensor:
+        """Gradients of the global batch's loss accumulated over this rank's micro-batches; returns
+        this rank's summed per-token loss (a device scalar, not yet reduced over ranks)."""
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.host_syncs.reset()
+        # every micro-batch built (and its upload queued) before the first forward: the host's
+        # packing never stands between one micro-batch's backward and the next forward
+        for mb in [self.planner.build(planned) for planned in plan.micro_batches]:
+            with self.host_syncs:
+                mb_loss = summed_token_loss(self.model, mb)
+                (mb_loss / max(loss_tokens, 1)).backward()
+            loss_sum += mb_loss.detach()
+        return loss_sum
+
+    def _raised_flags(self) -> set[StepFlag]:
+        """This rank's :class:`StepFlag` s for the step's all-reduce."""
+        return {StepFlag.STOP_REQUESTED} if self.preemption.requested else set()
+
+    def _outcome(self, record: dict[str, Any], totals: StepTotals, *, updated: bool) -> StepOutcome:
+        """The one place a step's outcome is decided. From all-reduced values only, so every rank
+        takes the same decision in the same step."""
+        return StepOutcome(record=record, updated=updated, stop=StepFlag.STOP_REQUESTED in totals.flags)
+
+    def _log_host_syncs(self, step: int) -> None:
+        if self.host_syncs.count and self.is_rank0 and step <= self.start_step + 2:  # where (first steps only)
+            logger.info("step %d: %d host syncs in forward+backward, at %s", step, self.host_syncs.count,
+                        dict(self.host_syncs.locations.most_common(8)))
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def run(self) -> TrainResult:
+        """Steps ``start_step + 1 .. train.steps``, each followed by its evaluation when due, its log
+        record, the profiler window and its checkpoint when due; ends early (saved) after a step in
+        which a rank was asked to stop. Then waits for a background save and exports when asked."""
+        cfg = self.cfg
+        result = TrainResult(records=[], run_dir=self.run_dir, checkpoints=self.lifecycle.saved,
+                             start_step=self.start_step,
+                             save_timings=self.lifecycle.saver.timings if self.lifecycle.saver else [])
+        self.model.train()
+        for step in range(self.start_step + 1, cfg.train.steps + 1):
+            self.profile_window.before_step(step)
+            outcome = self.train_step(step)
+            record = self._logged_record(step, outcome)
+            result.records.append(record)
+            self.loggers.log(record)
+            trace = self.profile_window.after_step(step)
+            if trace is not None and self.is_rank0:
                 logger.info("profiler traces of steps %s written to %s", cfg.logging.profile_steps, trace.parent)
-            saved = lifecycle.after_step(step, stop_requested=bool(stop_requested), model=core_model,
-                                         optimizer=optimizer, scheduler=scheduler)
-            if stop_requested and step != cfg.train.steps:
+            saved = self.lifecycle.after_step(step, stop_requested=outcome.stop, model=self.core_model,
+                                              optimizer=self.optimizer, scheduler=self.scheduler)
+            if outcome.stop and step != cfg.train.steps:
                 result.preempted_at = step
-                if is_rank0:
-                    logger.warning("stop requested (SIGTERM/SIGUSR1): stopped after step %d%s", step,
-                                   f", checkpoint {saved}" if saved is not None else
-                                   " without a checkpoint (no run directory or checkpoint.dir)")
+                self._report_stop(step, saved)
                 break
-        lifecycle.finish(completed=result.preempted_at is None, model=core_model)
-        wandb = loggers.wandb()
+        self.lifecycle.finish(completed=result.preempted_at is None, model=self.core_model)
+        wandb = self.loggers.wandb()
         result.wandb_dir = wandb.run_dir if wandb is not None else None
-    finally:
-        preemption.restore()
-        loggers.close()
-    return result
+        return result
+
+    def _logged_record(self, step: int, outcome: StepOutcome) -> dict[str, Any]:
+        """The step's record as logged: the evaluation when due (after the step's timing: evaluation
+        is not in tok/s) and whether the update was skipped."""
+        record = dict(outcome.record)
+        if self.evaluator.due(step):
+            record.update(self.evaluator.run(self.model))
+        if not outcome.updated:
+            record["skipped_update"] = True
+        return record
+
+    def _report_stop(self, step: int, saved: Path | None) -> None:
+        if self.is_rank0:
+            logger.warning("stop requested (SIGTERM/SIGUSR1): stopped after step %d%s", step,
+                           f", checkpoint {saved}" if saved is not None else
+                           " without a checkpoint (no run directory or checkpoint.dir)")
+
+    def close(self) -> None:
+        """Release what setup() made, also after a setup or a step that failed part way: signal
+        handlers, loggers, the model-parallel groups, and the default group when made here."""
+        if self.preemption is not None:
+            self.preemption.restore()
+        if self.loggers is not None:
+            self.loggers.close()
+        ParallelContext.destroy()
+        if self.created_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -8,7 +8,15 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
 * optimizer: the distributed optimizer's fp32 main weights and two Adam moments (12 bytes),
   sharded over data parallel x context parallel; none with ``optim.name=none``;
 * activations: what autograd keeps for backward, per local token and layer, by recompute setting
-  (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss's logits and a fixed workspace.
+  (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss's logits and a fixed workspace. Under
+  ``mixed`` recompute the first ``full_layers`` layers keep only their input and the others what
+  selective keeps; the peak is the larger of the end of forward (everything kept) and a
+  recomputed layer's backward (the inputs of the recomputed layers plus one layer's full
+  activations, the selective layers' already freed).
+
+:func:`fewest_full_layers` is the memory-aware choice of ``recompute.full_layers``;
+:func:`settings_that_fit` lists the recompute settings (and the smaller micro-batch, the
+optimizer off, more CP ranks) that fit a given GPU, for the refusal message.
 
 The per-token activation figures are fitted to peaks measured on an H200 (the full 9B at 8k tokens,
 ``bench.train_e2e``; docs/benchmarks.md gives each measured peak next to its estimate) and
@@ -36,6 +44,9 @@ ACTIVATION_BYTES_PER_TOKEN = {
     ("full", False): (8_192, 8_192),
 }
 WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, autotune buffers
+# recompute.full_layers=null (mixed) picks the fewest whole-layer recomputes whose estimate fits this
+# fraction of the GPU: near the top the allocator's fragmentation grows with the micro-batch
+MIXED_HEADROOM = 0.95
 
 
 @dataclass(frozen=True)
@@ -82,22 +93,36 @@ def parameter_count(shape: ModelShape) -> int:
             + shape.num_attention_layers * (per_layer + attention))
 
 
+def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int) -> float:
+    """Peak bytes kept for backward per local token, all layers (see the module docstring)."""
+    def kept(granularity: str, layers: range) -> float:
+        gdn_bytes, attn_bytes = ACTIVATION_BYTES_PER_TOKEN[(granularity, fused_norms)]
+        return sum(attn_bytes if (i + 1) % shape.linear_attention_freq == 0 else gdn_bytes for i in layers)
+
+    layers = shape.num_layers
+    if recompute != "mixed":
+        full_layers = layers if recompute == "full" else 0
+        recompute = "selective" if recompute == "full" else recompute
+    full_layers = min(max(full_layers, 0), layers)
+    inputs = kept("full", range(full_layers))
+    peak = inputs + kept(recompute if recompute != "mixed" else "selective", range(full_layers, layers))
+    if full_layers:  # the one layer being recomputed holds its full activations meanwhile
+        peak = max(peak, inputs + ACTIVATION_BYTES_PER_TOKEN[("none", fused_norms)][0])
+    return peak * shape.hidden_size / 4096
+
+
 def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
                     sequence_parallel: bool = False, bf16: bool = True, recompute: str = "none",
-                    fused_norms: bool = True, fused_cross_entropy: bool = True,
+                    full_layers: int = 0, fused_norms: bool = True, fused_cross_entropy: bool = True,
                     optimizer: str = "adam") -> MemoryEstimate:
-    """The per-GPU memory of one training step (see the module docstring)."""
+    """The per-GPU memory of one training step (see the module docstring); ``full_layers``: the
+    layers recomputed whole under ``recompute="mixed"``."""
     params = parameter_count(shape) / tp
     weights = params * (2 if bf16 else 4)
     gradients = params * 4
     optimizer_bytes = 0.0 if optimizer == "none" else params * 12 / (dp * cp)
-    gdn_bytes, attn_bytes = ACTIVATION_BYTES_PER_TOKEN[(recompute, fused_norms)]
-    width = shape.hidden_size / 4096
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
-    per_token = (shape.num_gdn_layers * gdn_bytes + shape.num_attention_layers * attn_bytes) * width
-    activations = act_tokens * per_token
-    if recompute == "full":  # the one layer being recomputed holds its full activations meanwhile
-        activations += act_tokens * ACTIVATION_BYTES_PER_TOKEN[("none", fused_norms)][0] * width
+    activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     vocab = shape.vocab_size / tp
     if fused_cross_entropy and tp == 1:
         from relax_gdn.model.fusion import cross_entropy_chunk_tokens
@@ -110,4 +135,72 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
                           logits=logits, workspace=WORKSPACE_BYTES)
 
 
-__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MemoryEstimate", "estimate_memory", "parameter_count"]
+def fewest_full_layers(shape: ModelShape, capacity_bytes: float, **settings) -> int | None:
+    """The fewest layers recomputed whole (``recompute.granularity=mixed``) whose estimate fits
+    :data:`MIXED_HEADROOM` of ``capacity_bytes``; None when not even every layer recomputed does.
+    ``settings``: the other keywords of :func:`estimate_memory`."""
+    settings = {k: v for k, v in settings.items() if k not in ("recompute", "full_layers")}
+    budget = capacity_bytes * MIXED_HEADROOM
+    for layers in range(shape.num_layers + 1):
+        if estimate_memory(shape, recompute="mixed", full_layers=layers, **settings).total <= budget:
+            return layers
+    return None
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One change of settings that the memory model says fits: ``overrides`` (config key -> value)
+    and its estimate."""
+
+    overrides: dict
+    estimate: MemoryEstimate
+
+    def describe(self) -> str:
+        keys = " ".join(f"{k}={v}" for k, v in self.overrides.items())
+        return f"{keys} ({self.estimate.total / GIB:.1f} GiB)"
+
+
+def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> list[Alternative]:
+    """What fits ``capacity_bytes`` when the run with ``settings`` (keywords of
+    :func:`estimate_memory`) does not: each other recompute setting at the same micro-batch (mixed
+    with its fewest full layers), else the largest power-of-two ``train.max_tokens_per_gpu`` with
+    full recompute, the optimizer state off (benchmarks) and the smallest CP size that shards the
+    optimizer state enough; only those whose estimate fits."""
+    def fits(**change) -> MemoryEstimate | None:
+        estimate = estimate_memory(shape, **{**settings, **change})
+        return estimate if estimate.total <= capacity_bytes else None
+
+    found: list[Alternative] = []
+    current = settings.get("recompute", "none")
+    for granularity in ("none", "selective", "mixed", "full"):
+        if granularity == current and granularity != "mixed":
+            continue
+        change: dict = {"recompute": granularity}
+        if granularity == "mixed":
+            layers = fewest_full_layers(shape, capacity_bytes, **settings)
+            if layers is None or layers in (0, shape.num_layers):
+                continue  # no mixed setting fits, or the one that does is plain selective / full
+            change["full_layers"] = layers
+        if (estimate := fits(**change)) is not None:
+            overrides = {"recompute.granularity": granularity}
+            if "full_layers" in change:
+                overrides["recompute.full_layers"] = change["full_layers"]
+            found.append(Alternative(overrides, estimate))
+    if not found:
+        tokens = settings["tokens_per_gpu"]
+        while tokens > 1024 and fits(tokens_per_gpu=tokens, recompute="full") is None:
+            tokens //= 2
+        if tokens < settings["tokens_per_gpu"] and (estimate := fits(tokens_per_gpu=tokens, recompute="full")):
+            found.append(Alternative({"train.max_tokens_per_gpu": tokens, "recompute.granularity": "full"}, estimate))
+    if settings.get("optimizer", "adam") != "none" and (estimate := fits(optimizer="none")):
+        found.append(Alternative({"optim.name": "none"}, estimate))
+    cp = settings.get("cp", 1)
+    for more in (2 * cp, 4 * cp, 8 * cp):
+        if settings.get("optimizer", "adam") != "none" and (estimate := fits(cp=more)):
+            found.append(Alternative({"parallel.cp": more}, estimate))
+            break
+    return found
+
+
+__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "Alternative", "MemoryEstimate", "estimate_memory",
+           "fewest_full_layers", "parameter_count", "settings_that_fit"]

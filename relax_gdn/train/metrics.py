@@ -65,8 +65,11 @@ class HostSyncCounter:
     """Counts host<->device synchronisations inside ``with counter:`` blocks, as torch's sync debug
     mode ("warn") reports them, and where they happened (``file:line`` of the Python caller).
 
-    A no-op off CUDA. Other warnings raised inside the block are shown after it, each distinct one
-    once per counter (the block has to record every warning to see the sync ones)."""
+    Off unless ``enabled`` (``logging.count_host_syncs``, on in benchmarks and GPU tests): the
+    debug mode is process-wide and costs a check per CUDA call. Inside the block the mode is
+    "warn" on CUDA; after it, whatever mode was set before. Every warning raised inside is
+    recorded (the sync ones have to be seen); the others are issued again after the block
+    through ``warnings.warn_explicit``, so the process's filters decide, once per counter."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -74,6 +77,7 @@ class HostSyncCounter:
         self.locations: Counter[str] = Counter()
         self._shown: set[tuple] = set()
         self._catch = None
+        self._mode_before: int | None = None
 
     def reset(self) -> None:
         self.count = 0
@@ -84,13 +88,17 @@ class HostSyncCounter:
             self._catch = warnings.catch_warnings(record=True)
             self._caught = self._catch.__enter__()
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            if torch.cuda.is_available():
+                self._mode_before = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
-        torch.cuda.set_sync_debug_mode("default")
+        if self._mode_before is not None:
+            torch.cuda.set_sync_debug_mode(self._mode_before)
+            self._mode_before = None
         self._catch.__exit__(*exc)
         for w in self._caught:
             if SYNC_WARNING in str(w.message):
@@ -100,7 +108,7 @@ class HostSyncCounter:
                 key = (w.category, str(w.message), w.filename, w.lineno)
                 if key not in self._shown:
                     self._shown.add(key)
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         self._caught = None
 
 

@@ -10,9 +10,10 @@ every ``MegatronOptimizer`` allocates ``torch.tensor(..., device='cuda')`` in ``
 ``clip_grads`` — patching those would be patching the optimizer itself. The nearest working
 equivalent is used instead, with the same semantics: gradients SUMMED over the data-parallel x
 context-parallel group (``calculate_per_token_loss``: the loss is already divided by the global
-loss-token count), TP-partial gradients (sequence-parallel norms, QK-norms) summed over TP as
-Megatron-Core's ``finalize_model_grads`` does, the grad norm over non-duplicated parameters
-reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
+loss-token count), TP-partial gradients summed over TP as Megatron-Core's ``finalize_model_grads``
+does (sequence-parallel norms by their ``sequence_parallel`` attribute; the QK-norms, which
+Megatron-Core picks by name, by the ``SUM_GRAD_OVER_TP`` attribute their norm sets), the grad
+norm over non-duplicated parameters reduced over TP (Megatron's ``get_grad_norm_fp32``), clipping by ``clip / (norm + 1e-6)``,
 ``torch.optim.AdamW`` (what Megatron-Core itself falls back to without TE/Apex) with Megatron's
 no-weight-decay rule for biases and 1-D parameters. Both paths use Megatron-Core's
 ``OptimizerParamScheduler`` for warm-up + cosine.
@@ -62,13 +63,15 @@ class CPUGradSyncOptimizer:
         self.clip_grad = cfg.optim.clip_grad
         self.update = cfg.optim.name != "none"  # "none": gradients synced and measured, no update
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._norm_params = [p for _, p in self.named_params if param_is_not_tensor_parallel_duplicate(p)]
+        # duplicates over the TP group it was given, not Megatron-Core's global one
+        self._norm_params = [p for _, p in self.named_params
+                             if param_is_not_tensor_parallel_duplicate(p, tp_group=tp_group)]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
         no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+            lr=cfg.learning_rates[0], betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
         )
 
     @property
@@ -93,14 +96,20 @@ class CPUGradSyncOptimizer:
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
         if dist.get_world_size(self.tp_group) > 1:
-            partial = [p.grad for n, p in self.named_params
-                       if (self.sequence_parallel and getattr(p, "sequence_parallel", False))
-                       or "q_layernorm" in n or "k_layernorm" in n]
+            partial = [p.grad for p in params if self._partial_over_tp(p)]
             if partial:
                 flat = _flatten_dense_tensors(partial)
                 dist.all_reduce(flat, group=self.tp_group)
                 for g, synced in zip(partial, _unflatten_dense_tensors(flat, partial)):
                     g.copy_(synced)
+
+    def _partial_over_tp(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is a partial sum over TP, told by attributes set where the
+        parameter is made (never by its name)."""
+        from relax_gdn.model.norms import SUM_GRAD_OVER_TP
+
+        return (self.sequence_parallel and getattr(param, "sequence_parallel", False)) or getattr(
+            param, SUM_GRAD_OVER_TP, False)
 
     def _grad_norm(self) -> float:
         local = torch.zeros((), dtype=torch.float64)
@@ -243,6 +252,32 @@ class MegatronOptimizerAdapter:
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
 
+    def fp32_main_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This TP rank's fp32 main copy of each of ``params`` (model tensors by name), whole and
+        shaped like the parameter: the distributed optimizer holds it as slices spread over its
+        DP x CP ranks (each rank knows only its own), summed into place here; a parameter whose
+        slices do not cover it is left out. A collective over that group: every rank asks for the
+        same names in the same order (the HF export's float32 tensors)."""
+        members = self._members()
+        group = members[0].data_parallel_group
+        out = {}
+        for name, param in params.items():
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            covered = torch.zeros(1, dtype=torch.int64, device=param.device)
+            for member in members:
+                if param not in member.model_param_group_index_map:  # no slice on this rank
+                    continue
+                # Megatron-Core's own accessors: what its checkpoints save as the main parameter
+                piece = member._get_model_param_range_map(param)["param"]
+                main = member._get_main_param_and_optimizer_states(param)["param"]
+                flat[piece.start:piece.end] = main.detach().view(-1).float()
+                covered += piece.end - piece.start
+            dist.all_reduce(flat, group=group)
+            dist.all_reduce(covered, group=group)
+            if covered.item() == param.numel():
+                out[name] = flat.view(param.shape)
+        return out
+
     def _members(self) -> list:
         """The distributed optimizers (get_megatron_optimizer may return a ChainedOptimizer)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
@@ -282,11 +317,12 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
     )
     ddp = DistributedDataParallel(transformer_config, ddp_config, model)
     o = cfg.optim
+    lr, min_lr = cfg.learning_rates
     if o.name == "none":
-        return ddp, GradientsOnly(ddp, o.lr)
+        return ddp, GradientsOnly(ddp, lr)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
             adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=bf16,
             params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True,
         ),
@@ -320,11 +356,12 @@ def build_scheduler(optimizer, cfg: RunConfig, log: bool = True):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optim
+    lr, min_lr = cfg.learning_rates
     warmup = resolve_warmup_steps(o.warmup_steps, cfg.train.steps, log)
     decay_steps = o.decay_steps or cfg.train.steps
     decay_steps = max(decay_steps, warmup + 1)  # the scheduler needs warmup < decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps, lr_decay_style=o.schedule, start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=max(cfg.train.steps, 1), wd_incr_style="constant",
     )

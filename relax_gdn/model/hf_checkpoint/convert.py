@@ -9,18 +9,29 @@ from dataclasses import replace
 
 import torch
 
+from relax_gdn.errors import RecipeError
 from relax_gdn.model.hf_checkpoint.dims import Qwen3_5Dims
 from relax_gdn.model.hf_checkpoint.plan import TensorRule, conversion_plan
 
 
 VLM_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
-# Weights of the VLM checkpoint that text SFT does not use (vision tower, multi-token prediction).
+# Weights of the VLM checkpoint that text SFT does not use (vision tower, multi-token prediction):
+# the import skips them, a drop-in export copies them from the source (``drop_in.tensor_origins``).
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(RecipeError, ValueError):
     """A checkpoint tensor is missing, mis-shaped or unknown; the message names it."""
+
+    same_on_every_rank = True  # every rank reads the same files
+
+
+def text_layout_name(name: str) -> str:
+    """A checkpoint key in the text layout (VLM ``model.language_model.x`` -> ``model.x``)."""
+    if name.startswith(VLM_TEXT_PREFIX):
+        return TEXT_PREFIX + name[len(VLM_TEXT_PREFIX) :]
+    return name
 
 
 def hf_text_name(name: str) -> str | None:
@@ -28,9 +39,7 @@ def hf_text_name(name: str) -> str | None:
     or None for weights text SFT ignores (vision tower, MTP)."""
     if name.startswith(IGNORED_PREFIXES):
         return None
-    if name.startswith(VLM_TEXT_PREFIX):
-        return TEXT_PREFIX + name[len(VLM_TEXT_PREFIX) :]
-    return name
+    return text_layout_name(name)
 
 
 def hf_to_mcore_state_dict(

@@ -1,15 +1,17 @@
 """Model <-> files: :func:`load_hf_checkpoint` reads safetensors lazily one rule at a time (peak
 memory: the largest merged tensor, not the checkpoint), cuts this rank's TP shard and copies it
 into the parameter; :func:`save_hf_checkpoint` gathers the shards over TP and writes HF
-text-layout safetensors + ``config.json``."""
+text-layout safetensors + ``config.json`` (:mod:`.drop_in` writes the layout of a source
+checkpoint instead, with the same gathering: :func:`gathered_hf_tensors`)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,11 +34,14 @@ from relax_gdn.model.hf_checkpoint.dims import (
     read_hf_config,
     unwrap_model,
 )
-from relax_gdn.model.hf_checkpoint.plan import TPSplit, conversion_plan, shard_for_tp, unshard_from_tp
-
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
+from relax_gdn.model.hf_checkpoint.plan import (
+    TensorRule,
+    TPSplit,
+    conversion_plan,
+    shard_for_tp,
+    unshard_from_tp,
+)
+from relax_gdn.model.hf_checkpoint.source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
 
 
 def read_hf_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -132,6 +137,11 @@ def _dims_for_checkpoint(
     return replace(dims, lm_head_from_embedding=tied and not dims.tie_word_embeddings)
 
 
+# Given model tensors by state-dict name (every rank the same names, in the same order: it may be a
+# collective), this rank's fp32 main copies of those that have one (TP shards, like the parameters).
+MainParams = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
 def save_hf_checkpoint(
     model: torch.nn.Module,
     out_dir: str | os.PathLike,
@@ -142,66 +152,224 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     writer: bool | None = None,
-) -> Qwen3_5Dims | None:
+    main_params: MainParams | None = None,
+) -> ExportReport | None:
     """Write ``model`` as an HF ``Qwen3_5ForCausalLM`` checkpoint (text layout, safetensors + config.json).
 
     A collective over ``tp_group`` (default ``model.pg_collection.tp``): every TP rank calls it; the
     shards are gathered and ``writer`` (default: global rank 0) writes. ``vocab_size`` trims a padded
     vocabulary; ``base_config`` (the original checkpoint dir or its config dict) keeps fields the
     model does not know (token ids). Files larger than ``max_shard_bytes`` are split with an index.
+    ``dtype`` (default: the model's) is written from ``main_params`` where it is float32 and the
+    parameters are narrower. Returns what was written (None on the ranks that do not write).
     """
-    from safetensors.torch import save_file
+    model, tp_group, writer = export_ranks(model, tp_group, writer)
+    if vocab_size is None and base_config is not None:
+        vocab_size = language_model_config(read_hf_config(base_config))["vocab_size"]
+    dims = dims_from_model(model, vocab_size=vocab_size)
+    model_dtype = next(model.parameters()).dtype
+    target = dtype or model_dtype
+    # every rank, replicas included: fetching main parameters may be a collective over DP x CP
+    main = fp32_main_copies(model, dims, lambda rule: target == torch.float32, main_params)
+    if writer is None:
+        return None  # a data/context-parallel replica: its TP group need not gather anything
 
+    out = Path(out_dir)
+    shards = _SizedShards(out, max_shard_bytes) if writer else None
+    for _, name, tensor in gathered_hf_tensors(model, dims, tp_group, writer, main):
+        shards.add(name, tensor.to(target))
+    if not writer:
+        return None
+    files = shards.finish()
+    config = hf_text_config(dims, None if base_config is None else read_hf_config(base_config))
+    config["dtype"] = str(target).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written = [name for _, keys in shards.files for name in keys]
+    from_main = _hf_names_of(dims, main)
+    rounded = (
+        set(written) - set(from_main) if target == torch.float32 and model_dtype != torch.float32 else ()
+    )
+    return ExportReport(
+        out=out,
+        architecture=config["architectures"][0],
+        files=files,
+        trained=written,
+        fp32_from_main=from_main,
+        fp32_from_weights=sorted(rounded),
+    )
+
+
+class _SizedShards:
+    """Tensors into ``model-part-*`` files of at most ``max_bytes`` (one tensor larger goes alone),
+    renamed to HF's names at the end (:func:`_finish_files`)."""
+
+    def __init__(self, out: Path, max_bytes: int):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = self.total_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.clone()  # own storage: splits are views of one merged tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        if self.pending:
+            name = f"model-part-{len(self.files):05d}.safetensors"
+            write_safetensors(self.pending, self.out / name)
+            self.files.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self._flush()
+        return _finish_files(self.out, self.files, self.total_bytes)
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote, for the person who runs it (:meth:`lines`)."""
+
+    out: Path
+    architecture: str
+    files: list[str]  # the safetensors files
+    trained: list[str]  # HF tensors written from the run
+    copied: list[str] = field(default_factory=list)  # copied bit for bit from the source
+    added: list[str] = field(default_factory=list)  # trained tensors the source has no place for yet
+    fp32_from_main: list[str] = field(default_factory=list)  # fp32, from the fp32 main parameters
+    fp32_from_weights: list[str] = field(default_factory=list)  # fp32, from narrower weights (rounded)
+    source: Path | None = None  # the checkpoint whose layout was kept
+    config_changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # key: (source, export)
+    copied_files: list[str] = field(default_factory=list)  # non-weight files from the source
+    notes: list[str] = field(default_factory=list)  # set by the caller (tokenizer, ...)
+
+    def lines(self) -> list[str]:
+        like = f" in the layout of {self.source}" if self.source is not None else " (text layout)"
+        out = [
+            f"wrote {self.out}: {self.architecture}{like}, {len(self.files)} safetensors file(s)",
+            f"  written from the run: {len(self.trained)} tensors ({_by_prefix(self.trained)})",
+        ]
+        if self.copied:
+            copied = _by_prefix(self.copied)
+            out.append(f"  copied bit for bit from the source: {len(self.copied)} tensors ({copied})")
+        if self.added:
+            out.append(f"  added (the source has none): {', '.join(self.added)}")
+        if self.fp32_from_main:
+            out.append(
+                f"  float32 from the fp32 main parameters: {len(self.fp32_from_main)} tensors "
+                f"({_by_prefix(self.fp32_from_main)})"
+            )
+        if self.fp32_from_weights:
+            out.append(
+                f"  float32 from the run's lower-precision weights (no fp32 main parameters at hand): "
+                f"{len(self.fp32_from_weights)} tensors ({_by_prefix(self.fp32_from_weights)})"
+            )
+        if self.source is not None:
+            changes = (
+                "; ".join(
+                    f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in self.config_changes.items())
+                )
+                or "unchanged"
+            )
+            out.append(f"  config.json from the source: {changes}")
+        if self.copied_files:
+            out.append(f"  files copied from the source: {', '.join(self.copied_files)}")
+        return out + [f"  {note}" for note in self.notes]
+
+
+def _by_prefix(names: list[str]) -> str:
+    """``model.visual.*: 16, mtp.*: 4, lm_head.weight``: names counted by their module prefix (the
+    first part, two under ``model.``); a name alone under its prefix is written out."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        depth = 2 if parts[0] == "model" else 1
+        groups.setdefault(".".join(parts[:depth]) + ".*" if len(parts) > depth + 1 else name, []).append(name)
+    return ", ".join(f"{k}: {len(v)}" if len(v) > 1 else v[0] for k, v in groups.items())
+
+
+def export_ranks(model: torch.nn.Module, tp_group, writer: bool | None):
+    """``(model, tp_group, writer)`` of an export collective: the unwrapped model, its TP group and
+    whether this rank writes (default: global rank 0); ``writer`` None on ranks whose TP group has no
+    writer (data/context-parallel replicas: nothing to gather)."""
     model = unwrap_model(model)
     tp_group = _model_tp_group(model, tp_group)
     if writer is None:
         writer = not dist.is_initialized() or dist.get_rank() == 0
     if _group_size(tp_group) > 1 and not _any_in_group(writer, tp_group, next(model.parameters()).device):
-        return None  # a data/context-parallel replica: its TP group need not gather anything
-    if vocab_size is None and base_config is not None:
-        vocab_size = language_model_config(read_hf_config(base_config))["vocab_size"]
-    dims = dims_from_model(model, vocab_size=vocab_size)
+        return model, tp_group, None
+    return model, tp_group, writer
+
+
+def fp32_main_copies(
+    model: torch.nn.Module,
+    dims: Qwen3_5Dims,
+    wants_fp32: Callable[[TensorRule], bool],
+    main_params: MainParams | None,
+) -> dict[str, torch.Tensor]:
+    """Plan name -> this rank's fp32 main copy, for the rules ``wants_fp32`` whose parameter is
+    narrower than fp32 and that ``main_params`` has (on every rank alike: it may be a collective)."""
+    if main_params is None:
+        return {}
     tensors = model_tensors(model)
-    plan = conversion_plan(dims)
+    plan = conversion_plan(_export_dims(dims))
     names = resolve_model_names(plan, tensors)
+    wanted = {
+        names[rule.mcore]: rule.mcore
+        for rule in plan
+        if wants_fp32(rule) and tensors[names[rule.mcore]].dtype != torch.float32
+    }
+    if not wanted:
+        return {}
+    found = main_params({name: tensors[name] for name in wanted})
+    return {wanted[name]: tensor for name, tensor in found.items()}
 
-    out = Path(out_dir)
-    pending: dict[str, torch.Tensor] = {}
-    files: list[tuple[str, list[str]]] = []
-    pending_bytes = 0
-    total_bytes = 0
 
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending:
-            name = f"model-part-{len(files):05d}.safetensors"
-            save_file(pending, str(out / name), metadata={"format": "pt"})
-            files.append((name, list(pending)))
-        pending, pending_bytes = {}, 0
-
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
+def gathered_hf_tensors(
+    model: torch.nn.Module, dims: Qwen3_5Dims, tp_group, writer: bool, main: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[TensorRule, str, torch.Tensor]]:
+    """``(rule, HF text-layout name, full tensor on the CPU)`` for every tensor of the export plan
+    (lm_head always written), yielded on the writer; every TP rank must run it to its end (the
+    gathers are collectives). ``main``: fp32 copies to write instead of the parameters, by plan name."""
+    tensors = model_tensors(model)
+    plan = conversion_plan(_export_dims(dims))
+    names = resolve_model_names(plan, tensors)
     with torch.no_grad():
         for rule in plan:
-            full = gather_from_tp(tensors[names[rule.mcore]].detach(), rule.tp, tp_group)
-            if not writer:
-                continue
-            full = full.to("cpu", dtype=dtype or full.dtype)
-            for name, tensor in split_rule(rule, full).items():
-                size = tensor.numel() * tensor.element_size()
-                if pending and pending_bytes + size > max_shard_bytes:
-                    flush()
-                pending[name] = tensor.clone()  # own storage: splits are views of one merged tensor
-                pending_bytes += size
-                total_bytes += size
-    if not writer:
-        return None
-    flush()
-    _finish_files(out, files, total_bytes)
-    config = hf_text_config(dims, None if base_config is None else read_hf_config(base_config))
-    config["dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return dims
+            local = main.get(rule.mcore, tensors[names[rule.mcore]]).detach()
+            full = gather_from_tp(local.reshape(tensors[names[rule.mcore]].shape), rule.tp, tp_group)
+            if writer:
+                for name, tensor in split_rule(rule, full.to("cpu")).items():
+                    yield rule, name, tensor
+
+
+def _export_dims(dims: Qwen3_5Dims) -> Qwen3_5Dims:
+    return replace(dims, lm_head_from_embedding=False)  # an export always writes lm_head: it trains apart
+
+
+def _hf_names_of(dims: Qwen3_5Dims, main: Mapping[str, torch.Tensor]) -> list[str]:
+    return [name for rule in conversion_plan(_export_dims(dims)) if rule.mcore in main for name in rule.hf]
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``path`` written whole or not at all, readable as the umask allows (safetensors itself
+    creates its files 0600)."""
+    from safetensors.torch import save_file
+
+    partial = path.with_name(f".{path.name}.partial")
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.chmod(partial, 0o666 & ~_umask())
+    os.replace(partial, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def gather_from_tp(local: torch.Tensor, split: TPSplit, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -281,17 +449,22 @@ def _any_in_group(flag: bool, group, device) -> bool:
     return bool(value.item())
 
 
-def _finish_files(out: Path, files: list[tuple[str, list[str]]], total_bytes: int) -> None:
-    """HF names: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index."""
+def _final_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _finish_files(out: Path, files: list[tuple[str, list[str]]], total_bytes: int) -> list[str]:
+    """HF names: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index; returns them."""
     for stale in [out / SAFETENSORS_SINGLE, out / SAFETENSORS_INDEX, *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     if len(files) == 1:
         os.replace(out / files[0][0], out / SAFETENSORS_SINGLE)
-        return
+        return [SAFETENSORS_SINGLE]
     weight_map = {}
     for i, (name, keys) in enumerate(files):
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        final = _final_name(i, len(files))
         os.replace(out / name, out / final)
         weight_map.update({k: final for k in keys})
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [_final_name(i, len(files)) for i in range(len(files))]

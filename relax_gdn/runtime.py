@@ -1,0 +1,209 @@
+"""The one owner of every process-wide change the recipe makes.
+
+Library code (model building, the GDN kernels, the training loop) changes nothing outside the
+objects it builds. What the process itself needs is done here, once, by the entry point
+(``train.py``, ``python -m relax_gdn.export_hf``, every ``python -m relax_gdn.bench.*``), and
+undone by :meth:`Runtime.close`::
+
+    with Runtime():
+        run_training(cfg, run_dir)
+
+A :class:`Runtime` owns, in the order it installs them:
+
+* the filters for third-party notices known to be harmless (:mod:`relax_gdn.known_warnings`),
+  first, so they are in place before Megatron-Core, FLA or torch's extension loader import;
+* on a machine without CUDA, Megatron-Core's CPU shims (:mod:`relax_gdn.compat.cpu`:
+  ``torch.cuda.current_device``, the RNG tracker functions, a checkpoint staging method, dynamo)
+  and a quiet CPU profiler (``KINETO_LOG_LEVEL``, :func:`relax_gdn.known_warnings.quiet_cpu_profiler`);
+* on CUDA, FLA's process settings: the bundled kernel configs (``FLA_CONFIG_DIR``,
+  :mod:`relax_gdn.gdn.fla_tuning`) and the CP pre-processing that skips unread transition
+  summaries for the layers that ask for it (:mod:`relax_gdn.gdn.fla_cp_summaries`);
+* torch's CUDA sync debug mode, when one is asked for;
+* the signal handlers other components ask it for (:meth:`Runtime.handle_signal`);
+* the process-wide changes a run can only make once it knows its device and configuration
+  (Megatron-Core's fused wgrad GEMM, torch's deterministic algorithms): made by the run, handed
+  over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`.
+
+Code that needs one of these asks for it (:func:`require_runtime`) and fails with a message that
+says what to install, instead of patching the process itself. One Runtime is installed at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+_current: Runtime | None = None  # the installed Runtime, so library code can check for it
+
+SignalHandler = Callable[[int, FrameType | None], object]
+
+
+class Runtime:
+    """Every process-wide change of one run, made by :meth:`install` and undone by :meth:`close`
+    (see the module docstring). A context manager: ``with Runtime(): ...``.
+
+    Args:
+        silence_warnings: install the known-harmless warning and log filters
+            (``logging.show_third_party_warnings=false``).
+        cpu_shims: apply Megatron-Core's CPU shims; None: where CUDA is not available.
+        fla: FLA's bundled kernel configs and CP-summary patch; None: where CUDA is available and
+            FLA is installed.
+        sync_debug_mode: torch's CUDA sync debug mode for the run (``"warn"``, ``"error"``); None
+            leaves torch's. CUDA only.
+    """
+
+    def __init__(self, *, silence_warnings: bool = True, cpu_shims: bool | None = None,
+                 fla: bool | None = None, sync_debug_mode: str | None = None) -> None:
+        self.silence_warnings = silence_warnings
+        self._cpu_shims, self._fla = cpu_shims, fla
+        self.sync_debug_mode = sync_debug_mode
+        self._undo: list[Callable[[], None]] = []
+        self._signals: dict[int, object] = {}
+        self.installed = False
+        self.cpu_shims = False  # resolved by install
+        self.fla = False
+
+    # ------------------------------------------------------------------ install / close
+
+    def install(self) -> Runtime:
+        """Make the changes (see the class docstring); returns ``self``. Refused while another
+        Runtime is installed."""
+        global _current
+        if self.installed:
+            raise RuntimeError("this Runtime is already installed")
+        if _current is not None:
+            raise RuntimeError("another relax_gdn Runtime is installed in this process; close it first")
+        _current, self.installed = self, True
+        try:
+            if self.silence_warnings:
+                from relax_gdn.known_warnings import silence_known_warnings
+
+                self._undo.append(silence_known_warnings())
+            self._install_device_shims()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _install_device_shims(self) -> None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        self.cpu_shims = not cuda if self._cpu_shims is None else self._cpu_shims
+        if self.cpu_shims:
+            from relax_gdn.compat.cpu import apply_cpu_shims
+
+            self._undo.append(apply_cpu_shims())
+        if not cuda:  # before any profile: kineto reads its log level once per process
+            from relax_gdn.known_warnings import quiet_cpu_profiler
+
+            self._undo.append(quiet_cpu_profiler())
+        self.fla = (cuda and importlib.util.find_spec("fla") is not None) if self._fla is None else self._fla
+        if self.fla:
+            self._install_fla(torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+        if self.sync_debug_mode is not None and cuda:
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(self.sync_debug_mode)
+            self._undo.append(lambda: torch.cuda.set_sync_debug_mode(before))
+
+    def _install_fla(self, device) -> None:
+        from relax_gdn.gdn import fla_cp_summaries
+
+        if device is not None:
+            from relax_gdn.gdn.fla_tuning import use_bundled_fla_configs
+
+            undo_configs = use_bundled_fla_configs(device)
+            if undo_configs is not None:
+                self._undo.append(undo_configs)
+        if not fla_cp_summaries.installed():
+            fla_cp_summaries.install()
+            self._undo.append(fla_cp_summaries.uninstall)
+
+    def close(self) -> None:
+        """Undo everything :meth:`install` and :meth:`handle_signal` did, newest first; a closed
+        Runtime does nothing more (a second close is a no-op)."""
+        global _current
+        for signum in list(self._signals):
+            self.restore_signal(signum)
+        while self._undo:
+            self._undo.pop()()
+        if _current is self:
+            _current = None
+        self.installed = False
+
+    def __enter__(self) -> Runtime:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ changes made by the run
+
+    def adopt(self, undo: Callable[[], None] | None) -> None:
+        """Take over a process-wide change made after :meth:`install` by code that needed the run's
+        device or configuration first: ``undo`` (None: nothing was changed) runs at :meth:`close`,
+        with the Runtime's own, newest first."""
+        if not self.installed:
+            raise RuntimeError("Runtime.adopt needs an installed Runtime")
+        if undo is not None:
+            self._undo.append(undo)
+
+    def use_deterministic_algorithms(self, warn_only: bool = True) -> None:
+        """``torch.use_deterministic_algorithms(True, warn_only=...)`` until :meth:`close`, which puts
+        torch's previous setting back (``train.deterministic``)."""
+        import torch
+
+        enabled, warn_only_before = (torch.are_deterministic_algorithms_enabled(),
+                                     torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        self.adopt(lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only_before))
+
+    # ------------------------------------------------------------------ signals
+
+    def handle_signal(self, signum: int, handler: SignalHandler) -> bool:
+        """Install ``handler`` for ``signum`` until :meth:`restore_signal` or :meth:`close`, which
+        put back the handler it replaced. Python takes signal handlers in the main thread only:
+        elsewhere nothing is installed and False is returned (the caller then gets no signal)."""
+        if not self.installed:
+            raise RuntimeError("Runtime.handle_signal needs an installed Runtime")
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        previous = signal.signal(signum, handler)
+        self._signals.setdefault(signum, previous)  # handled twice: close restores the original
+        return True
+
+    def restore_signal(self, signum: int) -> None:
+        """Put back the handler ``signum`` had before :meth:`handle_signal` (nothing if none was set)."""
+        if signum in self._signals:
+            signal.signal(signum, self._signals.pop(signum))
+
+
+def current_runtime() -> Runtime | None:
+    """The installed Runtime, or None."""
+    return _current
+
+
+def require_runtime(what: str, *, cpu_shims: bool = False) -> Runtime:
+    """The installed Runtime, for ``what`` (a phrase naming the caller); raises ``RuntimeError``
+    saying how to install one when there is none, or when it lacks the CPU shims and
+    ``cpu_shims`` is asked for."""
+    runtime = _current
+    if runtime is None:
+        raise RuntimeError(
+            f"{what} needs the process set up by relax_gdn.runtime.Runtime, and none is installed: wrap "
+            "the call in `with Runtime(): ...` (train.py, export_hf and the benchmarks do; tests use the "
+            "`runtime` fixture)"
+        )
+    if cpu_shims and not runtime.cpu_shims:
+        raise RuntimeError(
+            f"{what} needs Megatron-Core's CPU shims, which the installed Runtime did not apply (it "
+            "applies them only where CUDA is not available): run on a machine without CUDA, or on CUDA "
+            "with train.device=auto"
+        )
+    return runtime
+
+
+__all__ = ["Runtime", "current_runtime", "require_runtime"]

@@ -1,0 +1,117 @@
+"""relax_gdn.runtime.Runtime: it makes every process-wide change of a run, and close() leaves the
+process exactly as it found it; library code asks for it instead of patching the process."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+
+
+def _process_state() -> dict:
+    """Everything a Runtime may change, as values that compare equal when nothing changed."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.tensor_parallel import random as mcore_random
+    from torch import _dynamo
+
+    from relax_gdn.known_warnings import KNOWN_LOG_LINES
+
+    state = {
+        "torch.cuda.current_device": torch.cuda.current_device,
+        "dynamo.disable": _dynamo.config.disable,
+        "environ": dict(os.environ),
+        "warning filters": list(warnings.filters),
+        "log filters": {k.logger: list(logging.getLogger(k.logger).filters) for k in KNOWN_LOG_LINES},
+        "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)},
+        "rng tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
+        "cuda rng state functions": (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state),
+        "checkpoint staging": FileSystemWriterAsync.__dict__["preload_tensors"],
+        "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                     torch.is_deterministic_algorithms_warn_only_enabled()),
+    }
+    if importlib.util.find_spec("fla") is not None:
+        from relax_gdn.gdn.fla_cp_summaries import _BWD_NAME, _FWD_NAME, _PATCHED_MODULE
+
+        chunk = importlib.import_module(_PATCHED_MODULE)
+        state["FLA pre-processing"] = (getattr(chunk, _FWD_NAME), getattr(chunk, _BWD_NAME))
+    return state
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are for machines without CUDA")
+def test_close_leaves_the_process_as_it_was():
+    from megatron.core.tensor_parallel import random as mcore_random
+    from torch import _dynamo
+
+    from relax_gdn.gdn import fla_cp_summaries
+    from relax_gdn.runtime import Runtime, current_runtime
+
+    before = _process_state()
+    calls = []
+    # fla=True on CPU too: the FLA patch is plain Python, so its install and removal are checked here
+    runtime = Runtime(fla=importlib.util.find_spec("fla") is not None).install()
+    try:
+        runtime.use_deterministic_algorithms(warn_only=True)  # what train.deterministic asks for
+        runtime.adopt(None)  # a change a run did not need to make: nothing to undo
+        during = _process_state()
+        assert current_runtime() is runtime and runtime.cpu_shims
+        assert torch.cuda.current_device() == "cpu" and _dynamo.config.disable
+        assert mcore_random._get_cuda_rng_state() is None
+        changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers"}
+        expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
+                    "cuda rng state functions", "checkpoint staging", "deterministic algorithms"}
+        expected |= {"dynamo.disable"} if not before["dynamo.disable"] else set()
+        expected |= {"FLA pre-processing"} if "FLA pre-processing" in before else set()
+        assert changed == expected, changed ^ expected
+        if "FLA pre-processing" in before:
+            assert fla_cp_summaries.installed()
+        assert runtime.handle_signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+        runtime.handle_signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1]
+        runtime.restore_signal(signal.SIGTERM)  # given back early, as a component that is done does
+        assert signal.getsignal(signal.SIGTERM) == before["signal handlers"][signal.SIGTERM]
+        with pytest.raises(RuntimeError, match="another relax_gdn Runtime"):
+            Runtime().install()  # one owner at a time
+    finally:
+        runtime.close()
+    after = _process_state()
+    assert {k: after[k] for k in before if after[k] != before[k]} == {}
+    assert current_runtime() is None
+    runtime.close()  # a second close does nothing
+    assert _process_state() == before
+
+
+def test_library_code_asks_for_a_runtime_instead_of_patching(tmp_path):
+    """Training on CPU without a Runtime is refused with a message that says what to install, and
+    nothing of the process has changed."""
+    from relax_gdn.config import RunConfig
+    from relax_gdn.runtime import current_runtime, require_runtime
+    from relax_gdn.train.loop import run_training
+
+    assert current_runtime() is None
+    before = torch.cuda.current_device
+    cfg = RunConfig().with_overrides({"train.steps": 1, "train.device": "cpu", "logging.console": False})
+    with pytest.raises(RuntimeError, match=r"training on CPU needs .*relax_gdn\.runtime\.Runtime.*with Runtime\(\)"):
+        run_training(cfg, tmp_path / "run")
+    assert torch.cuda.current_device is before and not (tmp_path / "run").exists()
+    with pytest.raises(RuntimeError, match="export"):
+        require_runtime("export")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are for machines without CUDA")
+def test_a_runtime_without_the_cpu_shims_is_refused_where_they_are_needed():
+    from relax_gdn.runtime import Runtime, require_runtime
+
+    with Runtime(cpu_shims=False, silence_warnings=False) as bare:
+        assert not bare.cpu_shims
+        with pytest.raises(RuntimeError, match="CPU shims"):
+            require_runtime("training on CPU", cpu_shims=True)
+        assert require_runtime("reading a config") is bare
+    with Runtime() as shimmed:
+        assert require_runtime("training on CPU", cpu_shims=True) is shimmed
