@@ -143,6 +143,8 @@ def _worker(
 
 def _how_it_ended(proc) -> str:
     code = proc.exitcode
+    if code is None:
+        return "closed its pipe"
     return f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
 
 
@@ -361,11 +363,13 @@ class RankPool:
     """W ranks joined by one default group (gloo on CPU), started at the first job and kept: each
     ``run(fn, *args)`` runs ``fn(*args)`` on every rank and returns each rank's result.
 
-    A job may make process groups (every rank the same ones, in the same order): they are destroyed
-    after it. It must leave Megatron-Core's model-parallel state as it found it (a job that does
-    not fails) and keep the default group; ``os.environ`` and the working directory are restored.
-    A job that fails (a rank raises, dies or passes its limit) takes the ranks with it: the next
-    job starts a fresh pool. What the ranks print is relayed to the caller's stdout after the job.
+    Each job runs inside a Runtime (unless ``runtime=False``) from the random state its rank started
+    with. It may make process groups (every rank the same ones, in the same order): they are
+    destroyed after it. It must leave Megatron-Core's model-parallel state as it found it (a job
+    that does not fails) and keep the default group; ``os.environ`` and the working directory are
+    restored. A job that fails (a rank raises, dies or passes its limit) takes the ranks with it:
+    the next job starts a fresh pool. What the ranks print is relayed to the caller's stdout after
+    the job.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo"):
@@ -398,7 +402,11 @@ class RankPool:
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         message = pickle.dumps((fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
         if not self._procs:
-            self._start()
+            try:
+                self._start()
+            except BaseException:
+                self.close()
+                raise
         for conn in self._conns:
             try:
                 conn.send_bytes(message)
@@ -471,8 +479,9 @@ class RankPool:
                 conn.send_bytes(b"")
             except OSError:
                 pass
+        deadline = time.monotonic() + _STACK_DUMP_GRACE_S
         for proc in self._procs:
-            proc.join(_STACK_DUMP_GRACE_S)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
