@@ -334,7 +334,10 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
 
 
 def _drop_in_cases(tmp: str) -> dict:
+    """On a bare rank (``runtime=False``): the run and the model builds below install a Runtime as
+    an entry point does, while ``python -m relax_gdn.export_hf`` (``_cli``) installs its own."""
     from relax_gdn.config import RunConfig
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
@@ -359,7 +362,8 @@ def _drop_in_cases(tmp: str) -> dict:
             "checkpoint.export_hf_final": True,
         }
     )
-    run_training(cfg, tmp / "run")
+    with Runtime():
+        run_training(cfg, tmp / "run")
     r: dict = {"cli": _cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)
@@ -385,7 +389,8 @@ def _drop_in_cases(tmp: str) -> dict:
     saved, original = hfc.read_hf_state_dict(export), hfc.read_hf_state_dict(source_dir)
     copied = [n for n in original if n.startswith(("model.visual.", "mtp."))]
     r["copied"] = (len(copied), all(torch.equal(saved[n], original[n]) for n in copied))
-    run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+    with Runtime():
+        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
     r["trained"] = (
         sorted(run) == sorted(set(original) - set(copied)),
         [n for n in run if not torch.equal(saved[n], run[n])],
@@ -395,7 +400,8 @@ def _drop_in_cases(tmp: str) -> dict:
     theirs, ours = _files(source_dir), _files(export)
     r["other_files"] = {n: ours.get(n) == b for n, b in theirs.items() if not n.startswith("model")}
     r["in_run_export_equal"] = _files(tmp / "run" / "hf") == ours
-    r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
+    with Runtime():
+        r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
 
     _force_transformers_pure_torch()
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
@@ -410,7 +416,7 @@ def _drop_in_cases(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def drop_in(gloo, tmp_path_factory):
-    return gloo(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")))[0]
+    return gloo(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")), runtime=False)[0]
 
 
 def test_drop_in_export_has_the_sources_tensors_files_and_layout(drop_in):
