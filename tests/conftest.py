@@ -1,8 +1,23 @@
-"""Fixtures shared by the test modules."""
+"""What every test module shares: the session's gloo pools (fixture ``gloo``) and the collection
+hook that marks every test that starts a process ``slow``.
+
+The shared builders live in modules the spawned ranks can import too: ``tests/helpers.py``
+(configs, ``python train.py`` runs), ``tests/model_harness.py`` (the tiny Qwen3.5 on process
+groups), ``tests/gdn_harness.py`` (one GDN layer).
+"""
 
 from __future__ import annotations
 
+import types
+
 import pytest
+
+# A fixture that starts processes: a test that uses it (directly or through other fixtures) is slow.
+PROCESS_FIXTURES = frozenset({"gloo", "gloo_once", "short_train_py"})
+# What starts a process when a test, one of its fixtures, or a tests/ function they call uses it:
+# names as written in the code (also in function-local imports) and the modules behind them.
+PROCESS_NAMES = frozenset({"subprocess", "Popen", "multiprocessing", "run_distributed", "RankPool", "RankPools"})
+PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "pty")
 
 
 @pytest.fixture
@@ -14,3 +29,141 @@ def runtime():
 
     with Runtime() as installed:
         yield installed
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """``gloo(fn, world_size, *args, timeout_s=None, runtime=True)``: ``fn(*args)`` on every rank of
+    the session's pool of ``world_size`` gloo processes (started at its first job, kept for the
+    session), inside a Runtime unless ``runtime=False``; a list of each rank's result. Same
+    guarantees as ``run_distributed``: see tests/distributed.py."""
+    from tests.distributed import RankPools
+
+    pools = RankPools()
+    yield pools.run
+    pools.close()
+
+
+@pytest.fixture(scope="module")
+def gloo_once(gloo):
+    """``gloo_once(fn, world_size, *args)``: like ``gloo``, but each distinct call runs once per test
+    module; a later call gets the first one's results, or its failure again (a case that several
+    tests read fails each of them, and only them). ``args`` must be hashable."""
+    outcomes: dict = {}
+
+    def run(fn, world_size: int, *args, runtime: bool = True):
+        key = (fn, world_size, args, runtime)
+        if key not in outcomes:
+            try:
+                outcomes[key] = (True, gloo(fn, world_size, *args, runtime=runtime))
+            except AssertionError as failure:
+                outcomes[key] = (False, str(failure))
+        succeeded, value = outcomes[key]
+        if not succeeded:
+            raise AssertionError(f"{fn.__name__}{args!r} on {world_size} ranks failed:\n{value}")
+        return value
+
+    return run
+
+
+# Short ``python train.py`` runs as a user starts them, each read by several tests (a child's imports
+# cost more than its training): name -> overrides.
+SHORT_TRAIN_PY_RUNS = {
+    "3 steps": ("train.steps=3", "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
+                "run_name=entry-test", "logging.profile_steps=[2,2]"),
+    "1 step, third-party notices": ("train.steps=1", "train.global_batch_size=4", "data.num_samples=64",
+                                    "data.synthetic_max_steps=1", "logging.show_third_party_warnings=true"),
+}
+
+
+@pytest.fixture(scope="session")
+def short_train_py(tmp_path_factory):
+    """``short_train_py(name)``: the run ``SHORT_TRAIN_PY_RUNS[name]`` (started when first asked for,
+    once per session) as ``(CompletedProcess, its run directory, the package's .jsonl/.yaml files
+    before it, after it)``."""
+    from tests.helpers import ROOT, train_py
+
+    def package_files() -> list[str]:
+        return sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
+
+    runs: dict = {}
+
+    def run(name: str):
+        if name not in runs:
+            tmp = tmp_path_factory.mktemp("train_py")
+            before = package_files()
+            done = train_py(tmp, *SHORT_TRAIN_PY_RUNS[name])
+            runs[name] = (done, tmp / "run", before, package_files())
+        return runs[name]
+
+    return run
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _starts_process_itself(obj: object) -> bool:
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__.startswith(PROCESS_MODULES)
+    module = getattr(obj, "__module__", None) or ""
+    return module.startswith(PROCESS_MODULES) or getattr(obj, "__name__", None) in PROCESS_NAMES
+
+
+def _is_a_test_suite_function(target: object, caller: types.FunctionType) -> bool:
+    """A function of the caller's module or of the tests package (not one of a library's)."""
+    if not isinstance(target, types.FunctionType):
+        return False
+    return target.__module__ == caller.__module__ or target.__module__.partition(".")[0] == "tests"
+
+
+def reaches_a_process_start(fn: types.FunctionType, seen: set | None = None) -> bool:
+    """Whether ``fn`` (its nested functions included) names a process starter, or calls a function
+    of tests/ that does."""
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return False
+    seen.add(fn)
+    for code in _code_objects(fn.__code__):
+        if PROCESS_NAMES.intersection(code.co_names):
+            return True
+        for name in code.co_names:
+            target = fn.__globals__.get(name)
+            if target is None:
+                continue
+            if _starts_process_itself(target):
+                return True
+            if _is_a_test_suite_function(target, fn) and reaches_a_process_start(target, seen):
+                return True
+    return False
+
+
+def starts_process(item: pytest.Item) -> bool:
+    """A test that uses a process fixture, or whose function or fixtures reach a process start."""
+    if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for definitions in (info.name2fixturedefs.values() if info else ()):
+        functions.extend(d.func for d in definitions)
+    return any(isinstance(f, types.FunctionType) and _reaches(f) for f in functions)
+
+
+_answers: dict[types.FunctionType, bool] = {}
+
+
+def _reaches(fn: types.FunctionType) -> bool:
+    if fn not in _answers:
+        _answers[fn] = reaches_a_process_start(fn)
+    return _answers[fn]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test that starts a process (a gloo group, ``train.py``, torchrun, a sweep) is ``slow``:
+    ``make test-fast`` leaves it out. Marked here so that a new one cannot be forgotten."""
+    for item in items:
+        if not item.get_closest_marker("slow") and starts_process(item):
+            item.add_marker(pytest.mark.slow)

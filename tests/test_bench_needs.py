@@ -42,7 +42,6 @@ def test_every_benchmark_is_classified():
 
 
 @pytest.mark.parametrize("module", sorted(NEEDS_GPU))
-@pytest.mark.slow  # starts the benchmark's process (it stops before any heavy import)
 def test_gpu_benchmark_on_a_machine_without_gpus_is_one_line_and_exit_2(module, tmp_path):
     args, says = NEEDS_GPU[module]
     done = subprocess.run([sys.executable, "-m", f"relax_gdn.bench.{module}", *args], cwd=tmp_path,

@@ -20,15 +20,16 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import child_env, run_distributed
-from tests.test_train import _cfg
+from tests.distributed import JobResults, child_env
+from tests.helpers import output_lines
+from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)
 STEPS = 6
 
 
@@ -90,24 +91,24 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     raise AssertionError("the run was not killed")
 
 
-def _finish_runs(tmp: str, cases: list[str]) -> dict:
-    """The uninterrupted run, then every killed run again with the same command (resume=auto)."""
-    import torch
-
+def _uninterrupted_run(tmp: str) -> dict:
     from relax_gdn.train.loop import run_training
 
-    torch.set_num_threads(1)
     tmp = Path(tmp)
-    out = {}
     run_training(_lifecycle_cfg(tmp / "uninterrupted"), tmp / "uninterrupted" / "run")
-    out["uninterrupted"] = _metrics(tmp / "uninterrupted" / "run")
-    for case in cases:
-        before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
-        result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir")
-        out[case] = dict(before=before, start=result.start_step, run_dir=str(result.run_dir),
-                         metrics=_metrics(tmp / case / "run"),
-                         after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()))
-    return out
+    return {"uninterrupted": _metrics(tmp / "uninterrupted" / "run")}
+
+
+def _finish_run(tmp: str, case: str) -> dict:
+    """A killed run again with the same command (resume=auto)."""
+    from relax_gdn.train.loop import run_training
+
+    tmp = Path(tmp)
+    before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
+    result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir")
+    return {case: dict(before=before, start=result.start_step, run_dir=str(result.run_dir),
+                       metrics=_metrics(tmp / case / "run"),
+                       after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()))}
 
 
 KILL_CASES = {  # name: (kill point, step)
@@ -117,16 +118,43 @@ KILL_CASES = {  # name: (kill point, step)
 }
 
 
+class _KilledAndFinished(Mapping):
+    """``self[case]``: that case's run killed (a process of its own: it kills its process group),
+    then finished on the pool; ``self["uninterrupted"]``: the reference run's metrics. Each is made
+    when a test first reads it."""
+
+    def __init__(self, tmp: Path, run):
+        self._tmp, self._run, self._killed = tmp, run, {}
+
+    def _kill(self, case: str) -> None:
+        if case not in self._killed:
+            point, step = KILL_CASES[case]
+            process = mp.get_context("spawn").Process(target=_run_killed, args=(str(self._tmp / case), point, step))
+            process.start()
+            process.join(600)
+            if process.is_alive():
+                process.kill()
+                process.join(60)
+            self._killed[case] = process.exitcode
+        assert self._killed[case] == -signal.SIGKILL, (case, self._killed[case])
+
+    def __getitem__(self, key: str) -> dict:
+        if key == "uninterrupted":
+            return self._run(_uninterrupted_run, 1, str(self._tmp))[0][key]
+        self._kill(key)
+        return self._run(_finish_run, 1, str(self._tmp), key)[0][key]
+
+    def __iter__(self):
+        return iter(["uninterrupted", *KILL_CASES])
+
+    def __len__(self) -> int:
+        return 1 + len(KILL_CASES)
+
+
 @pytest.fixture(scope="module")
-def killed_and_finished(tmp_path_factory):
+def killed_and_finished(gloo_once, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("killed")
-    ctx = mp.get_context("spawn")
-    for case, (point, step) in KILL_CASES.items():
-        process = ctx.Process(target=_run_killed, args=(str(tmp / case), point, step))
-        process.start()
-        process.join(600)
-        assert process.exitcode == -signal.SIGKILL, (case, process.exitcode)
-    return tmp, run_distributed(_finish_runs, 1, str(tmp), list(KILL_CASES))[0]
+    return tmp, _KilledAndFinished(tmp, gloo_once)
 
 
 @pytest.mark.parametrize("case", list(KILL_CASES))
@@ -173,8 +201,10 @@ def _auto_resume_cases(tmp: str) -> dict:
         def emit(self, record):
             messages.append(record.getMessage())
 
-    logging.getLogger("relax_gdn.train").addHandler(Collect())
-    logging.getLogger("relax_gdn.train").setLevel(logging.INFO)
+    logger, collect = logging.getLogger("relax_gdn.train"), Collect()
+    level = logger.level
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
     os.environ["WANDB_SILENT"] = "true"
     (tmp / "wandb").mkdir()
@@ -210,10 +240,20 @@ def _auto_resume_cases(tmp: str) -> dict:
     from relax_gdn.data import load_tokenizer
 
     out["tokenizer_vocab"] = load_tokenizer(None).vocab_size
+    logger.removeHandler(collect)  # the pool's rank runs other jobs after this one
+    logger.setLevel(level)
+    return out
 
-    # a save whose shard write fails (a full disk) at step 4: one message naming it, step 2 intact
+
+def _full_disk(tmp: str) -> dict:
+    """A save whose shard write fails (a full disk) at step 4: one message naming it, step 2 intact."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    from relax_gdn.errors import RecipeError
+    from relax_gdn.train.loop import run_training
+
+    tmp = Path(tmp)
+    out = {}
     write = FileSystemWriterAsync.write_preloaded_data
 
     def no_space_at_step_4(*args, **kwargs):
@@ -234,9 +274,13 @@ def _auto_resume_cases(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def auto_resume(tmp_path_factory):
+def auto_resume(gloo_once, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auto")
-    return tmp, run_distributed(_auto_resume_cases, 1, str(tmp))[0]
+    scenario = ("fresh_note", "first_id", "fallback_notes", "resumed_notes", "second_start", "second_wandb_dir",
+                "metrics_steps", "refused", "applied", "export_files", "export_config", "tokenizer_vocab")
+    jobs = {**{key: (_auto_resume_cases, 1, str(tmp)) for key in scenario},
+            **{key: (_full_disk, 1, str(tmp)) for key in ("save_failed", "after_failed_save")}}
+    return tmp, JobResults(gloo_once, jobs)
 
 
 def test_resume_auto_starts_fresh_then_falls_back_past_a_damaged_checkpoint(auto_resume):
@@ -405,7 +449,7 @@ def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     lines = []
-    for line in process.stdout:  # the console prints one line per step
+    for line in output_lines(process, timeout_s=300):  # the console prints one line per step
         lines.append(line)
         if "step 2/40" in line:
             process.send_signal(signal.SIGUSR1)
@@ -428,7 +472,7 @@ def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path):
     torchrun = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     lines = []
-    for line in torchrun.stdout:
+    for line in output_lines(torchrun, timeout_s=300):
         lines.append(line)
         if "step 2/40" in line:  # as SLURM does: the signal goes to the workers, not to torchrun
             for worker in psutil.Process(torchrun.pid).children():

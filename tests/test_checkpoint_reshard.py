@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import child_env, run_distributed
-from tests.test_train import _cfg
+from tests.distributed import child_env, computed_once
+from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # every case starts processes (gloo groups, train.py)
 MODES = ("chunkwise", "headwise", "all_gather")
 TOL = 1e-5
 LAYOUTS = {
@@ -48,35 +47,36 @@ def _key(record: dict) -> dict:
     return {k: record[k] for k in ("step", "loss", "grad_norm", "lr")}
 
 
-def _reshard_cases(tmp: str) -> dict:
-    import torch.distributed as dist
+def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
+    """4 steps at ``layout``, the checkpoint of step 2 kept: (records, that checkpoint); run once
+    per pool rank and (layout, mode)."""
 
+    def make():
+        from relax_gdn.train.loop import run_training
+
+        run = run_training(_run_cfg(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
+                                    checkpoint__every_steps=2), None)
+        return [_key(r) for r in run.records], str(run.checkpoints[0])
+
+    return computed_once(("reshard", tmp, layout, mode), make)
+
+
+def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
+    """The checkpoint written at ``source`` resumed at ``target`` in ``mode`` (the pool of 2).
+    Mode-independent sources (CP 1 runs no GDN CP path) are written once, by chunkwise."""
     from relax_gdn.train.loop import run_training
 
-    torch.set_num_threads(1)
-    tmp = Path(tmp)
-    out = {"reference": {}, "resumed": {}}
-    saved = {}
+    source_key = (source, mode if source == "cp2" else "chunkwise")
+    reference, saved = _uninterrupted(tmp, *source_key)
+    resumed = run_training(_run_cfg(target, mode, 4, checkpoint__resume=saved), None)
+    return {"resumed": (source_key, resumed.start_step, [_key(r) for r in resumed.records]),
+            "reference": reference}
 
-    def uninterrupted(layout: str, mode: str) -> None:  # 4 steps, the checkpoint of step 2 kept
-        run = run_training(_run_cfg(layout, mode, 4, checkpoint__dir=str(tmp / f"{layout}_{mode}"),
-                                    checkpoint__every_steps=2), None)
-        out["reference"][(layout, mode)] = [_key(r) for r in run.records]
-        saved[(layout, mode)] = run.checkpoints[0]
 
-    # mode-independent sources (CP 1 runs no GDN CP path): written once, by chunkwise
-    for layout in ("cp1", "tp2"):
-        uninterrupted(layout, "chunkwise")
-    for mode in MODES:
-        uninterrupted("cp2", mode)
-        for source, target in PAIRS:
-            source_key = (source, mode if source == "cp2" else "chunkwise")
-            resumed = run_training(_run_cfg(target, mode, 4, checkpoint__resume=str(saved[source_key])), None)
-            out["resumed"][(mode, source, target)] = (source_key, resumed.start_step,
-                                                      [_key(r) for r in resumed.records])
-    out["export_source"] = str(tmp / "cp2_chunkwise" / "step_000004")  # written at CP 2
-    dist.barrier()
-    return out
+def _export_source(tmp: str) -> str:
+    """The CP 2 chunkwise run's last checkpoint (step 4)."""
+    _uninterrupted(tmp, "cp2", "chunkwise")
+    return str(Path(tmp) / "cp2_chunkwise" / "step_000004")
 
 
 def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
@@ -106,16 +106,16 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def reshard(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reshard")
-    return tmp, run_distributed(_reshard_cases, 2, str(tmp), timeout_s=1800)  # 14 short runs
+    """The directory of the runs' checkpoints (the pool's ranks write them once, see _uninterrupted)."""
+    return tmp_path_factory.mktemp("reshard")
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}_to_{p[1]}")
-def test_resumed_steps_equal_the_uninterrupted_run(reshard, mode, pair):
-    for rank_out in reshard[1]:
-        source, start, resumed = rank_out["resumed"][(mode, *pair)]
-        reference = rank_out["reference"][source]
+def test_resumed_steps_equal_the_uninterrupted_run(gloo, reshard, mode, pair):
+    for rank_out in gloo(_resumed, 2, str(reshard), mode, *pair):
+        source, start, resumed = rank_out["resumed"]
+        reference = rank_out["reference"]
         assert start == 2 and [r["step"] for r in resumed] == [3, 4]
         for got, want in zip(resumed, reference[2:]):
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
@@ -123,10 +123,10 @@ def test_resumed_steps_equal_the_uninterrupted_run(reshard, mode, pair):
                 assert got[key] == pytest.approx(want[key], rel=TOL), (mode, pair, key, got, want)
 
 
-def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(reshard, tmp_path):
-    from tests.test_hf_checkpoint import _force_transformers_pure_torch
+def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(gloo, reshard, tmp_path):
+    from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
-    source = reshard[1][0]["export_source"]
+    source = gloo(_export_source, 2, str(reshard))[0]
     out = tmp_path / "hf"
     env = child_env()
     done = subprocess.run([sys.executable, "-m", "relax_gdn.export_hf", source, str(out)], cwd=ROOT, env=env,
@@ -144,6 +144,6 @@ def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(reshard, tmp_path)
     ids = torch.randint(0, vocab, (1, 47), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         theirs = hf.eval()(input_ids=ids).logits[0]
-    ours = run_distributed(_project_logits, 1, source, ids)[0][:, :vocab]
+    ours = gloo(_project_logits, 1, source, ids)[0][:, :vocab]
     err = (ours - theirs).abs().max().item() / theirs.abs().max().item()
     assert err < LOGIT_TOL, err

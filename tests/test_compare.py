@@ -15,8 +15,7 @@ import pytest
 from relax_gdn.compare import compare_runs, find_runs, run_summary, warmup_steps
 from relax_gdn.compare.runs import Run, load_bench_json, records_from_wandb_history, run_from_wandb
 from relax_gdn.compare.stats import median_ci, steady_records
-from tests.distributed import run_distributed
-from tests.test_train import _cfg
+from tests.helpers import small_config as _cfg
 
 STEPS = 8
 
@@ -48,9 +47,9 @@ def _runs(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(gloo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compare")
-    out = run_distributed(_runs, 1, str(tmp))[0]
+    out = gloo(_runs, 1, str(tmp))[0]
     return tmp, out
 
 
@@ -59,7 +58,6 @@ def _by_label(summary: dict, fragment: str) -> dict:
     return match
 
 
-@pytest.mark.slow
 def test_identical_seeds_are_within_noise_and_a_different_lr_differs(trained):
     tmp, _ = trained
     runs = find_runs([tmp / "runs"])
@@ -79,7 +77,6 @@ def test_identical_seeds_are_within_noise_and_a_different_lr_differs(trained):
     assert route["grad_norm"]["verdict"] == "within noise", route["grad_norm"]
 
 
-@pytest.mark.slow
 def test_reports_hold_the_runs_numbers(trained):
     tmp, _ = trained
     out = tmp / "report"
@@ -105,7 +102,6 @@ def test_reports_hold_the_runs_numbers(trained):
     assert html.count("data:image/png;base64,") == 4 and "optim.lr=0.01" in html
 
 
-@pytest.mark.slow
 def test_unknown_baseline_is_one_message_and_exit_2(trained, capsys):
     tmp, _ = trained
     from relax_gdn.compare.__main__ import main
@@ -115,7 +111,6 @@ def test_unknown_baseline_is_one_message_and_exit_2(trained, capsys):
     assert "--baseline gdn.cp_mode=nope matches no variant" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
 def test_wandb_offline_run_holds_the_summary(trained):
     from tests.wandb_records import offline_run_records
 

@@ -221,7 +221,6 @@ def test_plots_keep_their_axes_size_and_coinciding_curves_stay_visible(reports):
         assert close.sum() > 200, colour
 
 
-@pytest.mark.slow  # starts Chromium
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed: apt-get install -y chromium (.ci/run does)")
 @pytest.mark.parametrize("name", ["sweep", "bench"])
 def test_report_html_renders_plots_at_full_size_in_chromium(reports, name, tmp_path):

@@ -10,13 +10,9 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.config import ConfigError, RunConfig, run_config_from_dict, validate
+from tests.helpers import config_with as _cfg
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def _cfg(**dotted) -> RunConfig:
-    """The default (demo) config with ``a__b__c=value`` overrides."""
-    return RunConfig().with_overrides({key.replace("__", "."): value for key, value in dotted.items()})
 
 
 def _problems(cfg: RunConfig, world: int) -> str:

@@ -11,7 +11,6 @@ import pytest
 
 from relax_gdn.train.console import ConsoleProgress, print_run_summary, run_summary, steady_state
 from relax_gdn.train.loop import TrainResult
-from tests.test_train_entry import _train
 
 # What the third-party notices look like: warnings.warn lines (with the library's file path) and
 # the log lines relax_gdn.known_warnings names.
@@ -19,20 +18,17 @@ from tests.test_train_entry import _train
 # (its USDT markers, "gpuGetDeviceCount failed with code 35").
 THIRD_PARTY = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style|"
                          r"gpuGetDeviceCount|USDT:")
-SHORT_RUN = ("train.steps=3", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
-             "data.synthetic_max_steps=1")
 
 
 @pytest.fixture(scope="module")
-def quiet_and_loud(tmp_path_factory):
-    quiet_dir = tmp_path_factory.mktemp("quiet")
-    quiet = _train(quiet_dir, *SHORT_RUN, "logging.profile_steps=[2,2]")
-    quiet.trace = quiet_dir / "run" / "traces" / "rank0_steps2-2.json"
-    loud = _train(tmp_path_factory.mktemp("loud"), *SHORT_RUN, "logging.show_third_party_warnings=true")
-    return quiet, loud
+def quiet_and_loud(short_train_py):
+    """The session's 3-step train.py run (step 2 profiled), and its 1-step run with
+    logging.show_third_party_warnings=true."""
+    quiet, run_dir, _, _ = short_train_py("3 steps")
+    quiet.trace = run_dir / "traces" / "rank0_steps2-2.json"
+    return quiet, short_train_py("1 step, third-party notices")[0]
 
 
-@pytest.mark.slow  # two short train.py runs
 def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_loud):
     quiet, loud = quiet_and_loud
     assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr[-3000:] + loud.stderr[-3000:]
@@ -48,7 +44,6 @@ def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_
         assert re.search(rf"^  {re.escape(label)} +\S", summary, re.M), (label, summary)
 
 
-@pytest.mark.slow  # two short train.py runs
 def test_non_terminal_output_is_plain_lines_without_redraws(quiet_and_loud):
     quiet, _ = quiet_and_loud
     assert "\r" not in quiet.stdout and "\x1b" not in quiet.stdout

@@ -7,7 +7,8 @@ under dynamic CP, and with a pattern that ends in GDN layers (the loss then foll
 CP = 1 with the switch on is bit-identical to off; the swaps per forward and per backward drop
 from 2 x (GDN layers) to 2 x (GDN runs), counted through the swap's profiler range.
 
-All process-group cases run in ONE spawn of 4 gloo processes.
+Each case is one job of the session's gloo pools (tests/conftest.py); the CP = 1 reference is
+computed once per pool rank and layer count.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import pytest
 import torch
 
 from relax_gdn.model.gdn_runs import residual_layouts
-from tests.distributed import run_distributed, value_error_message
-from tests.test_qwen3_5_model import FULL_RECOMPUTE, _build, _errors, _finalize_grads, _tolerance
+from tests.distributed import computed_once, value_error_message
+from tests.model_harness import FULL_RECOMPUTE
+from tests.model_harness import build as _build
+from tests.model_harness import errors as _errors
+from tests.model_harness import finalize_grads as _finalize_grads
+from tests.model_harness import tolerance as _tolerance
 
 Z, C = "zigzag", "contiguous"
 QWEN = [True, True, True, False]  # one Qwen3.5 block: GDN, GDN, GDN, attention
@@ -85,75 +90,107 @@ def _run(model, batch, ids, cp_group=None):
     return loss.detach(), grads, {"forward": _swaps(forward), "backward": _swaps(backward)}
 
 
-def _cases():
-    import torch.distributed as dist
+def _config(layers: int, **overrides):
+    from relax_gdn.model import qwen3_5_config
 
-    from relax_gdn.layout import thd_rank_indices
-    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    return qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, num_layers=layers, **overrides)
 
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    singles = [dist.new_group([r]) for r in range(4)]
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    single, pair, world = singles[rank], pairs[rank // 2], dist.group.WORLD
-    batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
-    everything = list(range(CU[-1]))
-    results = {}
 
-    for layers in (4, 6):
-        def config(**overrides):
-            return qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, num_layers=layers, **overrides)
+def _reference(layers: int):
+    """CP = 1 with the switch off, on the whole batch: the weights (perturbed so every one matters),
+    loss, gradients and swaps; made once per pool rank and layer count, the same on every rank."""
 
+    def make():
+        from relax_gdn.model import qwen3_5_preset
+        from tests.gdn_harness import self_group
+
+        single = self_group()
+        batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
         torch.manual_seed(0)
-        reference = _build(config(), single, single, single, contiguous_between_layers=False)
+        reference = _build(_config(layers), single, single, single, contiguous_between_layers=False)
         with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
             for p in reference.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-        state = reference.state_dict()
-        ref_loss, ref_grads, ref_swaps = _run(reference, batch, everything)
-        results[(layers, "cp1", "off", "swaps")] = ref_swaps
+        return (reference.state_dict(), *_run(reference, batch, list(range(CU[-1]))))
 
-        # CP = 1 with the switch on: the conversions are identities, the numbers bit-identical
-        model = _build(config(), single, single, single)
-        model.load_state_dict(state)
-        loss, grads, swaps = _run(model, batch, everything)
-        results[(layers, "cp1", "on", "swaps")] = swaps
-        results[(layers, "cp1", "on", "identical")] = torch.equal(loss, ref_loss) and all(
-            torch.equal(grads[n], g) for n, g in ref_grads.items()
-        )
-
-        cases = [(2, "on", {}), (2, "off", {}), (2, "on", FULL_RECOMPUTE), (4, "on", {}), (4, "off", {})]
-        if layers == 4:
-            cases += [(4, "on", FULL_RECOMPUTE), (2, "on", "dynamic")]
-        for cp, switch, extra in cases:
-            dynamic = extra == "dynamic"
-            cfg = config(**({} if dynamic else extra))
-            group = world if cp == 4 or dynamic else pair
-            model = _build(
-                cfg, single, group, single, contiguous_between_layers=switch == "on",
-                **({"max_cp_size": 4} if dynamic else {}),
-            )
-            model.load_state_dict(state)
-            cp_group = pair if cp == 2 else world
-            ids = thd_rank_indices(CU, cp, cp_group.rank(), "zigzag")
-            loss, grads, swaps = _run(model, batch, ids, cp_group=pair if dynamic else None)
-            grads = _finalize_grads(model, grads, cfg, single, cp_group)
-            name = "dynamic" if dynamic else ("recompute" if extra else "plain")
-            results[(layers, f"cp{cp}", switch, name)] = _errors(ref_loss, ref_grads, loss, grads, ids)
-            results[(layers, f"cp{cp}", switch, name, "swaps")] = swaps
-            if layers == 4 and cp == 2 and switch == "on" and not extra:
-                results["layer_kinds"] = [type(layer).__name__ for layer in model.decoder.layers]
-
-    if rank == 0:
-        results["errors"] = _configuration_errors(single, pair)
-    return results
+    return computed_once(("contiguous runs reference", layers), make)
 
 
-def _configuration_errors(single, pair) -> dict:
+def _cp1_switch_on(layers: int) -> dict:
+    """CP = 1 with the switch on (the pool of 1): the conversions are identities, the numbers
+    bit-identical to the reference."""
+    import torch.distributed as dist
+
+    from relax_gdn.model import qwen3_5_preset
+
+    state, ref_loss, ref_grads, ref_swaps = _reference(layers)
+    single = dist.group.WORLD
+    model = _build(_config(layers), single, single, single)
+    model.load_state_dict(state)
+    loss, grads, swaps = _run(model, _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size), list(range(CU[-1])))
+    identical = torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+    return {"off_swaps": ref_swaps, "on_swaps": swaps, "identical": identical}
+
+
+# (layers, CP, switch, variant); CP 2 runs on the pool of 2, CP 4 and dynamic CP on the pool of 4
+CP_CASES = [
+    (layers, cp, switch, variant)
+    for layers in (4, 6)
+    for cp, switch, variant in [(2, "on", "plain"), (2, "off", "plain"), (2, "on", "recompute"), (4, "on", "plain"),
+                                (4, "off", "plain")]
+    + ([(4, "on", "recompute"), (2, "on", "dynamic")] if layers == 4 else [])
+]
+
+
+def _case_id(case) -> str:
+    layers, cp, switch, variant = case
+    return f"{layers}layers-cp{cp}-{switch}-{variant}"
+
+
+def _world_size(case) -> int:
+    _, cp, _, variant = case
+    return 4 if variant == "dynamic" else cp
+
+
+def _cp_case(layers: int, cp: int, switch: str, variant: str) -> dict:
+    """One CP case against the reference: errors, swaps and the decoder's layer kinds."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_preset
+    from tests.gdn_harness import self_group
+
+    state, ref_loss, ref_grads, _ = _reference(layers)
+    single, world = self_group(), dist.group.WORLD
+    dynamic = variant == "dynamic"
+    if dynamic:  # the pool of 4: the micro-batch runs on a pair of it
+        pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][dist.get_rank() // 2]
+    else:
+        pair = world  # CP 2 on the pool of 2
+    cfg = _config(layers, **(FULL_RECOMPUTE if variant == "recompute" else {}))
+    model = _build(
+        cfg, single, world, single, contiguous_between_layers=switch == "on",
+        **({"max_cp_size": 4} if dynamic else {}),
+    )
+    model.load_state_dict(state)
+    cp_group = pair if cp == 2 else world
+    ids = thd_rank_indices(CU, cp, cp_group.rank(), "zigzag")
+    batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    loss, grads, swaps = _run(model, batch, ids, cp_group=pair if dynamic else None)
+    grads = _finalize_grads(model, grads, cfg, single, cp_group)
+    return {"errors": _errors(ref_loss, ref_grads, loss, grads, ids), "swaps": swaps,
+            "layer_kinds": [type(layer).__name__ for layer in model.decoder.layers]}
+
+
+def _configuration_errors() -> dict:
+    """On the pool of 2 (a TP group of 2 for the sequence-parallel spec)."""
+    import torch.distributed as dist
+
     from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
-    from tests.gdn_harness import build_gdn, tiny_config
+    from tests.gdn_harness import build_gdn, self_group, tiny_config
 
+    single, pair = self_group(), dist.group.WORLD
     config = tiny_config()
     # TP = 2 with sequence parallelism splits each rank's rows over TP too: no contiguous runs
     sp = qwen3_5_config("qwen3_5_tiny", tensor_model_parallel_size=2, sequence_parallel=True)
@@ -170,67 +207,58 @@ def _configuration_errors(single, pair) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_cases, 4)
-
-
 def _bad(errors: dict[str, float]) -> dict[str, float]:
     assert len(errors) > 40  # loss + every parameter
     return {k: v for k, v in errors.items() if not v < _tolerance(k)}
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("case", CP_CASES, ids=_case_id)
+def test_cp2_and_cp4_equal_cp1_with_the_switch_on_and_off(gloo_once, case):
+    for rank, res in enumerate(gloo_once(_cp_case, _world_size(case), *case)):
+        assert not _bad(res["errors"]), (rank, case, _bad(res["errors"]))
+
+
+def test_full_recompute_and_dynamic_cp_are_covered():
+    assert len([c for c in CP_CASES if c[0] == 4]) == 7 and len([c for c in CP_CASES if c[0] == 6]) == 5
+    assert {(4, 2, "on", "recompute"), (4, 4, "on", "recompute"), (6, 2, "on", "recompute"),
+            (4, 2, "on", "dynamic")} <= set(CP_CASES)
+
+
 @pytest.mark.parametrize("layers", [4, 6])
-def test_cp2_and_cp4_equal_cp1_with_the_switch_on_and_off(results, layers):
-    for rank, res in enumerate(results):
-        cases = [k for k in res if k[0] == layers and len(k) == 4 and k[1] != "cp1" and k[3] != "swaps"]
-        expected = 7 if layers == 4 else 5
-        assert len(cases) == expected, cases
-        for case in cases:
-            assert not _bad(res[case]), (rank, case, _bad(res[case]))
+def test_cp1_with_the_switch_on_is_bit_identical_and_swaps_nothing(gloo_once, layers):
+    for res in gloo_once(_cp1_switch_on, 1, layers):
+        assert res["identical"]
+        assert res["on_swaps"] == {"forward": 0, "backward": 0}
+        assert res["off_swaps"] == {"forward": 0, "backward": 0}
 
 
-@pytest.mark.slow
-def test_full_recompute_and_dynamic_cp_are_covered(results):
-    cases = {k for k in results[0] if len(k) == 4}
-    assert {(4, "cp2", "on", "recompute"), (4, "cp4", "on", "recompute"), (6, "cp2", "on", "recompute"),
-            (4, "cp2", "on", "dynamic")} <= cases
-
-
-@pytest.mark.slow
-def test_cp1_with_the_switch_on_is_bit_identical_and_swaps_nothing(results):
-    for res in results:
-        for layers in (4, 6):
-            assert res[(layers, "cp1", "on", "identical")]
-            assert res[(layers, "cp1", "on", "swaps")] == {"forward": 0, "backward": 0}
-            assert res[(layers, "cp1", "off", "swaps")] == {"forward": 0, "backward": 0}
-
-
-@pytest.mark.slow
-def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(results):
+@pytest.mark.parametrize("layers", [4, 6])
+def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(gloo_once, layers):
     gdn_layers, runs = {4: 3, 6: 5}, {4: 1, 6: 2}
-    for res in results:
-        for layers in (4, 6):
-            for cp in (2, 4):
-                off = res[(layers, f"cp{cp}", "off", "plain", "swaps")]
-                on = res[(layers, f"cp{cp}", "on", "plain", "swaps")]
-                assert off == {"forward": 2 * gdn_layers[layers], "backward": 2 * gdn_layers[layers]}
-                assert on == {"forward": 2 * runs[layers], "backward": 2 * runs[layers]}
-            # full recompute replays the forward's swaps once in the backward
-            replayed = res[(layers, "cp2", "on", "recompute", "swaps")]
-            assert replayed == {"forward": 2 * runs[layers], "backward": 4 * runs[layers]}
-        assert res[(4, "cp2", "on", "dynamic", "swaps")] == {"forward": 2, "backward": 2}
+
+    def swaps(cp, switch, variant):
+        return [res["swaps"] for res in gloo_once(_cp_case, _world_size((layers, cp, switch, variant)), layers, cp,
+                                                  switch, variant)]
+
+    for cp in (2, 4):
+        for off, on in zip(swaps(cp, "off", "plain"), swaps(cp, "on", "plain")):
+            assert off == {"forward": 2 * gdn_layers[layers], "backward": 2 * gdn_layers[layers]}
+            assert on == {"forward": 2 * runs[layers], "backward": 2 * runs[layers]}
+    # full recompute replays the forward's swaps once in the backward
+    for replayed in swaps(2, "on", "recompute"):
+        assert replayed == {"forward": 2 * runs[layers], "backward": 4 * runs[layers]}
+    if layers == 4:
+        for dynamic in swaps(2, "on", "dynamic"):
+            assert dynamic == {"forward": 2, "backward": 2}
 
 
-@pytest.mark.slow
-def test_gdn_layers_of_a_run_are_contiguous_layers(results):
-    assert results[0]["layer_kinds"] == ["ContiguousGDNLayer"] * 3 + ["TransformerLayer"]
-    assert results[0]["errors"]["sp_layer_kinds"] == ["TransformerLayer"] * 4
+def test_gdn_layers_of_a_run_are_contiguous_layers(gloo_once):
+    assert gloo_once(_cp_case, 2, 4, 2, "on", "plain")[0]["layer_kinds"] == ["ContiguousGDNLayer"] * 3 + [
+        "TransformerLayer"]
+    assert gloo_once(_configuration_errors, 2)[0]["sp_layer_kinds"] == ["TransformerLayer"] * 4
 
 
-@pytest.mark.slow
-def test_contiguous_hidden_layout_needs_chunkwise(results):
-    errors = results[0]["errors"]
+def test_contiguous_hidden_layout_needs_chunkwise(gloo_once):
+    errors = gloo_once(_configuration_errors, 2)[0]
     assert "hidden_layout='contiguous' needs gdn.cp_mode=chunkwise" in errors["headwise"]
     assert "unknown GDN hidden_layout 'global'" in errors["unknown"]

@@ -23,7 +23,6 @@ from relax_gdn.model.attention import (
     build_zigzag_attention_plan,
     zigzag_attention_plan,
 )
-from tests.distributed import run_distributed
 
 HEADS, GROUPS, DIM = 4, 2, 8  # GQA: two query heads per key/value head
 TOL = 2e-5  # fp32
@@ -182,12 +181,11 @@ def _cp_cases():
     return errors
 
 
-@pytest.mark.slow
-def test_cp_equals_single_rank_on_gloo():
+def test_cp_equals_single_rank_on_gloo(gloo):
     """W = 4 on the world and W = 2 on pairs, in one spawn: outputs and q/k/v gradients of the
     core, FlexAttention's outputs (it has no CPU backward), and the whole SelfAttention layer
     around the core, equal W = 1 on the full packed batch."""
-    per_rank = run_distributed(_cp_cases, 4)
+    per_rank = gloo(_cp_cases, 4)
     for rank, errors in enumerate(per_rank):
         assert len(errors) == 10
         for case, err in errors.items():

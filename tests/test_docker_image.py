@@ -91,7 +91,6 @@ def test_a_path_the_image_lacks_fails_as_it_would_in_the_image(tmp_path):
     assert missing.returncode != 0 and "ModuleNotFoundError" in missing.stderr
 
 
-@pytest.mark.slow  # starts train.py, a sweep, compare and export_hf
 def test_the_documented_commands_run_from_the_image(image):
     run = _in_image(image, "train.py", *TINY, "checkpoint.save_final=true", "hydra.run.dir=outputs/run")
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]

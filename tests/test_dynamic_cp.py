@@ -7,7 +7,6 @@ import random
 import pytest
 
 from relax_gdn.parallel.dynamic_cp import DynamicCPGroups, cp_sizes, plan_dynamic_cp, plan_dynamic_cp_over_dp
-from tests.distributed import run_distributed
 
 
 def _padded(n: int, d: int) -> int:
@@ -75,9 +74,8 @@ def _group_cases():
     return {d: (dist.get_process_group_ranks(groups.group(d)), groups.rank_in(d)) for d in (1, 2, 4)}
 
 
-@pytest.mark.slow
-def test_groups_of_every_size_on_gloo():
-    per_rank = run_distributed(_group_cases, 4, runtime=False)  # pure torch: no Megatron-Core to shim
+def test_groups_of_every_size_on_gloo(gloo):
+    per_rank = gloo(_group_cases, 4, runtime=False)  # pure torch: no Megatron-Core to shim
     for rank, got in enumerate(per_rank):
         assert got[1] == ([rank], 0)
         assert got[2] == ([rank - rank % 2, rank - rank % 2 + 1], rank % 2)

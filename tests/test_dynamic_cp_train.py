@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.test_train import EQ_TOL, MODES, _cfg, _step
-
-pytestmark = pytest.mark.slow  # one 4-process group runs every case
+from tests.distributed import JobResults
+from tests.helpers import EQ_TOL
+from tests.helpers import GDN_MODES as MODES
+from tests.helpers import small_config as _cfg
+from tests.helpers import step_fields as _step
 
 
 def _mixed(mode: str, dynamic: bool):
@@ -22,20 +23,23 @@ def _mixed(mode: str, dynamic: bool):
     )
 
 
-def _four_process_cases() -> dict:
-    import torch
+def _static_and_dynamic(mode: str) -> dict:
+    """Step 1 at static CP 4 and at dynamic CP <= 4 on the same samples (the pool of 4)."""
+    from relax_gdn.train.loop import run_training
+
+    return {mode: (run_training(_mixed(mode, False), None).records, run_training(_mixed(mode, True), None).records)}
+
+
+def _s4_preset() -> dict:
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.config.hydra_io import register_schema
     from relax_gdn.train.loop import run_training
-    from tests.test_train import Path
+    from tests.helpers import ROOT
 
-    torch.set_num_threads(1)
-    out = {}
-    for mode in MODES:
-        out[mode] = (run_training(_mixed(mode, False), None).records, run_training(_mixed(mode, True), None).records)
-    conf_dir = str(Path(__file__).resolve().parents[1] / "conf")
+    conf_dir = str(ROOT / "conf")
     register_schema()  # conf/config.yaml composes on top of the dataclass schema
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         raw = compose("config", overrides=[
@@ -43,15 +47,14 @@ def _four_process_cases() -> dict:
             "train.steps=2", "train.global_batch_size=8", "train.max_tokens_per_gpu=256", "train.device=cpu",
             "train.precision=fp32", "data.max_sample_tokens=1024", "logging.wandb.mode=disabled", "logging.jsonl=false",
         ])
-    from omegaconf import OmegaConf
-
-    out["s4"] = run_training(run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None).records
-    return out
+    return {"s4": run_training(run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None).records}
 
 
 @pytest.fixture(scope="module")
-def four():
-    return run_distributed(_four_process_cases, 4)
+def four(gloo_once):
+    """Per rank of the pool of 4: the cases by key, each job run when a test first reads it."""
+    jobs = {**{mode: (_static_and_dynamic, 4, mode) for mode in MODES}, "s4": (_s4_preset, 4)}
+    return [JobResults(gloo_once, jobs, rank) for rank in range(4)]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -13,9 +13,9 @@ import pytest
 from relax_gdn.config import ConfigError, validate
 from relax_gdn.data import ByteChatTokenizer, synthetic_math_dataset
 from relax_gdn.train.evaluate import EVAL_LOSS, holdout_indices, split_eval_set
-from tests.distributed import run_distributed
-from tests.test_config import _cfg
-from tests.test_messages_data import EXAMPLE, messages_cfg
+from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
+from tests.helpers import config_with as _cfg
+from tests.helpers import messages_config as messages_cfg
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following imports from:DeprecationWarning")
 
@@ -123,11 +123,10 @@ def _single_process_eval(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return run_distributed(_single_process_eval, 1, str(tmp_path_factory.mktemp("eval")))[0]
+def single(gloo, tmp_path_factory):
+    return gloo(_single_process_eval, 1, str(tmp_path_factory.mktemp("eval")))[0]
 
 
-@pytest.mark.slow
 def test_eval_loss_equals_a_hand_computed_forward_over_the_eval_samples(single):
     records = single["records"]
     assert [EVAL_LOSS in r for r in records] == [False, True, True]  # every 2 steps and after the last
@@ -141,7 +140,6 @@ def test_eval_loss_equals_a_hand_computed_forward_over_the_eval_samples(single):
     assert all("train/eval/loss" not in row for row in single["wandb"])
 
 
-@pytest.mark.slow
 def test_evaluating_leaves_training_unchanged(single):
     with_eval, without = single["records"], single["without_eval"]
     assert [r["loss"] for r in with_eval] == [r["loss"] for r in without]

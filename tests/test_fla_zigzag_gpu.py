@@ -52,7 +52,10 @@ def _zigzag_cases():
 
     from relax_gdn.bench.timing import count_host_syncs
     from tests import gdn_harness as h
-    from tests.test_gdn_layer_gpu import HIDDEN, _as_fp32, _paired, _vs_reference, nine_b_heads
+    from tests.gdn_harness import HIDDEN, nine_b_heads
+    from tests.gdn_harness import as_fp32 as _as_fp32
+    from tests.gdn_harness import paired as _paired
+    from tests.gdn_harness import vs_reference as _vs_reference
 
     rank, world = dist.get_rank(), dist.group.WORLD
     dtype = torch.bfloat16
@@ -99,7 +102,7 @@ def _zigzag_cases():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_fla_native_zigzag_matches_reference_without_swaps():
-    from tests.test_gdn_layer_gpu import CP_TOLERANCE, TOLERANCE
+    from tests.gdn_harness import CP_TOLERANCE, TOLERANCE
 
     for rank, results in enumerate(run_distributed(_zigzag_cases, 2, backend="nccl")):
         print(f"rank {rank}: {results}")

@@ -12,18 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from relax_gdn.model import fusion
+from tests.helpers import as_ddp_parameter as _as_ddp_parameter
+from tests.helpers import plain_rms_norm as _plain_rms_norm
+from tests.helpers import relative_error as _rel
+from tests.helpers import train_records_in_this_process as _train
 
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _plain_rms_norm(x, w, eps, zero_centered):
-    x32 = x.float()
-    scale = w.float() + 1.0 if zero_centered else w.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
 
 
 @pytest.mark.parametrize("zero_centered", [True, False])
@@ -148,17 +142,6 @@ def test_a_module_built_with_a_setting_keeps_it(monkeypatch):
     assert len(fused_calls) == 2
 
 
-def _train(**overrides):
-    from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
-
-    cfg = RunConfig().with_overrides({
-        "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
-        "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
-    })
-    return run_training(cfg, None).records
-
-
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_tiny_model_trains_the_same_with_fusion_on_and_off(runtime):
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
@@ -173,14 +156,6 @@ def test_tiny_model_trains_the_same_with_fusion_on_and_off(runtime):
 # ---------------------------------------------------------------------------------------------
 # the embedding's gradient straight into Megatron-Core's main grad
 # ---------------------------------------------------------------------------------------------
-
-
-def _as_ddp_parameter(weight: torch.Tensor, start: float) -> torch.Tensor:
-    """Give ``weight`` what Megatron-Core's DDP gives a parameter: an fp32 ``main_grad`` (here
-    pre-filled, as after earlier micro-batches) and ``grad_added_to_main_grad``."""
-    weight.main_grad = torch.full(weight.shape, start, dtype=torch.float32)
-    weight.grad_added_to_main_grad = False
-    return weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,7 +184,9 @@ def _tiny_model_embedding_grad():
 
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from tests.gdn_harness import packed_params
-    from tests.test_qwen3_5_model import CU, _batch, _build
+    from tests.model_harness import CU
+    from tests.model_harness import batch as _batch
+    from tests.model_harness import build as _build
 
     torch.set_num_threads(1)
     single = dist.new_group([0])
@@ -252,13 +229,10 @@ def _tiny_model_embedding_grad():
     }
 
 
-@pytest.mark.slow  # one spawned process builds the tiny model
-def test_tiny_model_embedding_gradient_lands_in_main_grad():
+def test_tiny_model_embedding_gradient_lands_in_main_grad(gloo):
     """Inside the real model (TP 1): the embedding's gradient is added to its main grad and equals
     the plain path's; every other gradient and the loss are bit-identical."""
-    from tests.distributed import run_distributed
-
-    (result,) = run_distributed(_tiny_model_embedding_grad, 1)
+    (result,) = gloo(_tiny_model_embedding_grad, 1)
     assert result["embedding_class"] == "_VocabEmbeddingIntoMainGrad"
     assert result["repeated_ids"] > 0  # the batch repeats ids: their rows must sum
     assert result["loss_equal"] and result["others_equal"] and result["handed_over"] and result["output_untouched"]

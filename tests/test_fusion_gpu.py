@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from relax_gdn.bench.timing import count_host_syncs
 from relax_gdn.model import fusion
-from tests.test_fusion import _plain_rms_norm, _rel
+from tests.helpers import plain_rms_norm as _plain_rms_norm
+from tests.helpers import relative_error as _rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -129,7 +130,7 @@ def test_wgrad_accumulation_fusion_cuda():
 def test_embedding_gradient_into_main_grad_cuda_bf16():
     """A bf16 embedding with Megatron-Core DDP's fp32 main grad: the micro-batch's rows are added
     (repeated ids summed in fp32); no host syncs."""
-    from tests.test_fusion import _as_ddp_parameter
+    from tests.helpers import as_ddp_parameter as _as_ddp_parameter
 
     torch.manual_seed(5)
     vocab, h, n = 50_000, 1024, 3000

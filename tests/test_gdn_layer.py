@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed, value_error_message
+from tests.distributed import value_error_message
 
 TOL = 1e-4  # fp32: outputs/input grads absolute, parameter grads relative to their max
 # every rank cut (T/W = 80 at W = 2; 40, 80, 120 at W = 4) on a document boundary, an empty slot
@@ -107,10 +107,9 @@ def _parity_cases(world_size: int):
     return results, cp_calls
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_mode_matches_single_rank(world_size):
-    per_rank = run_distributed(_parity_cases, world_size, world_size)
+def test_every_mode_matches_single_rank(gloo, world_size):
+    per_rank = gloo(_parity_cases, world_size, world_size)
     for rank, (results, cp_calls) in enumerate(per_rank):
         assert len(results) == 13
         bad = {k: v for k, v in results.items() if not v < TOL}
@@ -163,9 +162,8 @@ def _single_process_checks():
     return outcome
 
 
-@pytest.mark.slow
-def test_state_dict_cp1_and_errors():
-    (outcome,) = run_distributed(_single_process_checks, 1)
+def test_state_dict_cp1_and_errors(gloo):
+    (outcome,) = gloo(_single_process_checks, 1)
     assert outcome["same_state_dict"] and outcome["stock_keys"] and outcome["cp1_modes_agree"]
     from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 

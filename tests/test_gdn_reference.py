@@ -20,7 +20,6 @@ from relax_gdn.gdn.reference import (
     gated_delta_rule_recurrent,
     recomputed_prefix,
 )
-from tests.distributed import run_distributed
 
 F64 = torch.float64
 CHUNK = 8
@@ -404,10 +403,9 @@ def _cp_errors(cases):
     return errors
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_cp_matches_single_process(world_size):
-    per_rank = run_distributed(_cp_errors, world_size, CP_CASES, runtime=False)  # pure torch
+def test_cp_matches_single_process(gloo, world_size):
+    per_rank = gloo(_cp_errors, world_size, CP_CASES, runtime=False)  # pure torch
     assert len(per_rank[0]) == 10 * len(CP_CASES)
     bad = [
         f"rank {r} {key}: {err:.1e}"

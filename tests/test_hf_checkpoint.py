@@ -26,7 +26,7 @@ import torch
 
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
-from tests.distributed import run_distributed
+from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
 # A tiny Qwen3.5 keeping every structural feature: GQA (2 query heads per KV group), the output
 # gate, partial RoPE (4 of 16 dims), the 3:1 GDN/attention pattern, GVA (2 value heads per key
@@ -241,20 +241,6 @@ def test_config_overrides_from_hf(tmp_path):
 # ~20 s per process on 2 cores). Rank 0 makes the checkpoint with transformers; then rank 0 runs
 # the TP = 1 parity/export checks while rank 1 runs the VLM and error checks; then both run TP = 2.
 # ---------------------------------------------------------------------------------------------
-
-
-def _force_transformers_pure_torch():
-    """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
-    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``,
-    which ``use_torch_kernels_in_transformers`` binds instead."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
-
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
-
-    hfc.use_torch_kernels_in_transformers()
-    for name in KERNEL_HANDLES:
-        torch_fn = getattr(modeling, name)
-        assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -502,12 +488,11 @@ def _spawned_checks(workdir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawned(gloo, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("hf_checkpoint")
-    return run_distributed(_spawned_checks, 2, str(workdir))
+    return gloo(_spawned_checks, 2, str(workdir))
 
 
-@pytest.mark.slow
 def test_import_gives_transformers_logits(spawned):
     r = spawned[0]
     assert r["norms"] == hfc.NormConventions(hidden_one_plus=True, qk_one_plus=True, gdn_out_one_plus=False)
@@ -520,7 +505,6 @@ def test_import_gives_transformers_logits(spawned):
     )
 
 
-@pytest.mark.slow
 def test_export_round_trips_and_loads_in_transformers(spawned):
     r = spawned[0]
     assert r["export_equals_original"] and r["reimport_bitwise"]
@@ -530,12 +514,10 @@ def test_export_round_trips_and_loads_in_transformers(spawned):
     assert r["export_logit_err"] == 0.0
 
 
-@pytest.mark.slow
 def test_vlm_layout_imports_the_same_weights(spawned):
     assert spawned[1]["vlm_equal"]
 
 
-@pytest.mark.slow
 def test_broken_checkpoints_raise_errors_naming_the_tensor(spawned):
     r = spawned[1]
     assert (
@@ -551,7 +533,6 @@ def test_broken_checkpoints_raise_errors_naming_the_tensor(spawned):
     assert "FileNotFoundError" in r["error_no_files"] and "model.safetensors" in r["error_no_files"]
 
 
-@pytest.mark.slow
 def test_tp2_import_gathers_to_tp1_gives_the_logits_and_exports_the_same(spawned):
     for rank, r in enumerate(spawned):
         t = r["tp2"]

@@ -35,42 +35,11 @@ from relax_gdn.errors import ConfigError
 from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
 from relax_gdn.model.presets import PRESETS
-from tests.distributed import child_env, run_distributed
+from tests.distributed import child_env
+from tests.hf_sources import PROCESSOR_FILE, TINY_TEXT, make_vlm_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# qwen3_5_tiny's sizes in HF terms, with a vocabulary of the checkpoint's own (not the preset's 256
-# nor the embedded tokenizer's 264): the run must take it from the checkpoint
-TINY_TEXT = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-    tie_word_embeddings=False,
-)
-TINY_VISION = dict(
-    depth=1,
-    hidden_size=16,
-    intermediate_size=32,
-    num_heads=2,
-    patch_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=64,
-    num_position_embeddings=16,
-)
-PROCESSOR_FILE = "preprocessor_config.json"
 
 
 def _source(tensors: dict[str, tuple[int, ...]], files: int = 1) -> hfc.HFCheckpoint:
@@ -263,72 +232,6 @@ def test_safetensors_files_are_readable_as_the_umask_allows(tmp_path, umask, mod
 # ---------------------------------------------------------------------------------------------
 
 
-def _mtp_tensors(text: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Qwen3.5's multi-token-prediction layer (one gated-attention layer and its input fusion),
-    as the published checkpoints name it; transformers has no module for it, so it is added."""
-    h, f, d = text["hidden_size"], text["intermediate_size"], text["head_dim"]
-    q, kv = text["num_attention_heads"] * d, text["num_key_value_heads"] * d
-    layer = "mtp.layers.0."
-    shapes = {
-        "mtp.fc.weight": (h, 2 * h),
-        "mtp.pre_fc_norm_embedding.weight": (h,),
-        "mtp.pre_fc_norm_hidden.weight": (h,),
-        "mtp.norm.weight": (h,),
-        f"{layer}input_layernorm.weight": (h,),
-        f"{layer}post_attention_layernorm.weight": (h,),
-        f"{layer}self_attn.q_proj.weight": (2 * q, h),
-        f"{layer}self_attn.k_proj.weight": (kv, h),
-        f"{layer}self_attn.v_proj.weight": (kv, h),
-        f"{layer}self_attn.o_proj.weight": (h, q),
-        f"{layer}self_attn.q_norm.weight": (d,),
-        f"{layer}self_attn.k_norm.weight": (d,),
-        f"{layer}mlp.gate_proj.weight": (f, h),
-        f"{layer}mlp.up_proj.weight": (f, h),
-        f"{layer}mlp.down_proj.weight": (h, f),
-    }
-    gen = torch.Generator().manual_seed(5)
-    return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
-
-
-def make_vlm_source(out: Path, text: dict = TINY_TEXT) -> None:
-    """A random ``Qwen3_5ForConditionalGeneration`` of ``text``'s sizes (and a tiny vision tower)
-    saved by transformers in bf16 with fp32 ``A_log`` over two shards, plus MTP tensors, the
-    embedded tokenizer (so the run's tokenizer is the source's), a processor file and a generation
-    config."""
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    from relax_gdn.data.tokenizer import ByteChatTokenizer
-
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
-        image_token_id=300,
-        video_token_id=301,
-        vision_start_token_id=302,
-        vision_end_token_id=303,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
-    for name, param in model.named_parameters():
-        if name.endswith("A_log"):
-            param.data = param.data.float()  # as the published checkpoints keep it
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(out, max_shard_size=int(size * 0.6))
-    index_path = out / hfc.source.SAFETENSORS_INDEX
-    index = json.loads(index_path.read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) == 2, files
-    last = files[-1]
-    mtp = _mtp_tensors(text, torch.bfloat16)
-    save_file({**load_file(out / last), **mtp}, str(out / last), metadata={"format": "pt"})
-    index["weight_map"].update({name: last for name in mtp})
-    index_path.write_text(json.dumps(index, indent=2))
-    ByteChatTokenizer().save_pretrained(out)
-    (out / PROCESSOR_FILE).write_text(json.dumps({"processor_class": "Qwen3VLProcessor", "patch_size": 2}))
-
-
 def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
@@ -431,9 +334,12 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
 
 
 def _drop_in_cases(tmp: str) -> dict:
+    """On a bare rank (``runtime=False``): the run and the model builds below install a Runtime as
+    an entry point does, while ``python -m relax_gdn.export_hf`` (``_cli``) installs its own."""
     from relax_gdn.config import RunConfig
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
-    from tests.test_hf_checkpoint import _force_transformers_pure_torch
+    from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -456,7 +362,8 @@ def _drop_in_cases(tmp: str) -> dict:
             "checkpoint.export_hf_final": True,
         }
     )
-    run_training(cfg, tmp / "run")
+    with Runtime():
+        run_training(cfg, tmp / "run")
     r: dict = {"cli": _cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)
@@ -482,7 +389,8 @@ def _drop_in_cases(tmp: str) -> dict:
     saved, original = hfc.read_hf_state_dict(export), hfc.read_hf_state_dict(source_dir)
     copied = [n for n in original if n.startswith(("model.visual.", "mtp."))]
     r["copied"] = (len(copied), all(torch.equal(saved[n], original[n]) for n in copied))
-    run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+    with Runtime():
+        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
     r["trained"] = (
         sorted(run) == sorted(set(original) - set(copied)),
         [n for n in run if not torch.equal(saved[n], run[n])],
@@ -492,7 +400,8 @@ def _drop_in_cases(tmp: str) -> dict:
     theirs, ours = _files(source_dir), _files(export)
     r["other_files"] = {n: ours.get(n) == b for n, b in theirs.items() if not n.startswith("model")}
     r["in_run_export_equal"] = _files(tmp / "run" / "hf") == ours
-    r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
+    with Runtime():
+        r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
 
     _force_transformers_pure_torch()
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
@@ -506,11 +415,10 @@ def _drop_in_cases(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def drop_in(tmp_path_factory):
-    return run_distributed(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")))[0]
+def drop_in(gloo, tmp_path_factory):
+    return gloo(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")), runtime=False)[0]
 
 
-@pytest.mark.slow
 def test_drop_in_export_has_the_sources_tensors_files_and_layout(drop_in):
     rc, out, err = drop_in["cli"]
     assert rc == 0, err[-3000:]
@@ -531,7 +439,6 @@ def test_drop_in_export_has_the_sources_tensors_files_and_layout(drop_in):
     assert drop_in["in_run_export_equal"]
 
 
-@pytest.mark.slow
 def test_drop_in_export_holds_the_trained_weights_and_fp32_a_log(drop_in):
     complete, differ_from_run, unchanged = drop_in["trained"]
     assert complete and differ_from_run == []
@@ -545,7 +452,6 @@ def test_drop_in_export_holds_the_trained_weights_and_fp32_a_log(drop_in):
     ]
 
 
-@pytest.mark.slow
 def test_drop_in_export_loads_in_transformers_both_ways(drop_in):
     assert drop_in["transformers"] == {  # no missing, unexpected or mis-shaped tensor either way
         "AutoModelForCausalLM": ("Qwen3_5ForCausalLM", {}),
@@ -553,7 +459,6 @@ def test_drop_in_export_loads_in_transformers_both_ways(drop_in):
     }
 
 
-@pytest.mark.slow
 def test_a_source_tensor_the_export_cannot_place_is_refused(drop_in):
     rc, out, err = drop_in["refused"]
     assert rc == 2 and out == "" and err.count("\n") == 1, err
@@ -605,7 +510,6 @@ def _generate(export: Path) -> tuple[list[int], str]:
     return new, tokenizer.decode(new)
 
 
-@pytest.mark.slow
 def test_tiny_demo_export_trains_again_exports_again_and_generates(tmp_path):
     first = _train(tmp_path / "first")
     assert first.returncode == 0, first.stderr[-3000:]

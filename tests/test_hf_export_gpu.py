@@ -124,7 +124,7 @@ def test_export_on_the_gpu_host_loads_in_transformers_and_trains_again(tmp):
 
 
 def _make_reduced_vlm_source(out: Path) -> None:
-    from tests.test_hf_export import make_vlm_source
+    from tests.hf_sources import make_vlm_source
 
     make_vlm_source(out, text=REDUCED_TEXT)
 

@@ -20,7 +20,6 @@ from relax_gdn.layout import (
     thd_rank_indices,
 )
 from relax_gdn.layout import cache as cache_module
-from tests.distributed import run_distributed
 
 DIRECTIONS = [("zigzag", "contiguous"), ("contiguous", "zigzag")]
 
@@ -237,10 +236,9 @@ def _transport_cases(w: int):
     return results
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("w", [2, 4])
-def test_swap_layout_on_gloo(w):
-    per_rank = run_distributed(_swap_cases, w, w)
+def test_swap_layout_on_gloo(gloo, w):
+    per_rank = gloo(_swap_cases, w, w)
     for rank, results in enumerate(per_rank):
         failed = [case for case in results if not (case[3] and case[4])]
         assert not failed, f"rank {rank}: {failed}"

@@ -13,10 +13,9 @@ import pytest
 
 from relax_gdn.data import ByteChatTokenizer, load_sft_dataset, load_tokenizer
 from relax_gdn.errors import DataError, RecipeError
-from tests.distributed import run_distributed
+from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
+from tests.helpers import messages_config as messages_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
 BYTE = ByteChatTokenizer()
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following imports from:DeprecationWarning")
@@ -220,15 +219,6 @@ def test_the_example_chat_file_loads():
 # ---------------------------------------------------------------- CP 2 = CP 1 on messages data
 
 
-def messages_cfg(**dotted):
-    from tests.test_config import _cfg
-
-    base = dict(train__steps=2, train__global_batch_size=8, train__max_tokens_per_gpu=1024, optim__warmup_steps=1,
-                data__source="jsonl", data__path=str(EXAMPLE), data__format="messages",
-                logging__console=False, logging__jsonl=False)
-    return _cfg(**{**base, **dotted})
-
-
 def _two_process_messages_cases() -> dict:
     import torch
 
@@ -241,11 +231,10 @@ def _two_process_messages_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return run_distributed(_two_process_messages_cases, 2)
+def pair(gloo):
+    return gloo(_two_process_messages_cases, 2)
 
 
-@pytest.mark.slow
 def test_cp2_equals_cp1_on_messages_data_training_and_eval_loss(pair):
     for rank_records in pair:
         cp1, cp2 = rank_records["cp1"], rank_records["cp2"]  # CP 1 runs as DP 2 on the same samples

@@ -4,7 +4,8 @@ packed batch (per-token loss and every parameter gradient), packing leaks nothin
 documents, the 9B preset has the published shapes, RoPE by per-token positions equals
 Megatron-Core's THD RoPE, configuration errors, and the spec-provider choice.
 
-All process-group cases run in ONE spawn of 4 gloo processes (imports cost ~15 s per process here).
+Each case is one job of the session's gloo pools (tests/conftest.py); the single-rank reference
+is computed once per pool rank and shared by the cases.
 """
 
 from __future__ import annotations
@@ -14,56 +15,20 @@ import logging
 import pytest
 import torch
 
-from tests.distributed import run_distributed, value_error_message
+from tests.distributed import computed_once, value_error_message
+from tests.model_harness import CU, FULL_RECOMPUTE, LOSS_TOL
+from tests.model_harness import batch as _batch
+from tests.model_harness import build as _build
+from tests.model_harness import errors as _errors
+from tests.model_harness import finalize_grads as _finalize_grads
+from tests.model_harness import tolerance as _tolerance
 
-# fp32, absolute, per token: ~1e-5 relative to losses of ~5.5 (measured <= 1.1e-5 in chunkwise,
-# whose CP scan passes state between ranks; <= 6e-6 in the other modes)
-LOSS_TOL = 5e-5
-# fp32, relative to the tensor's max |g| (the GDN layer tests' bound). Measured: <= 3.1e-5 for every
-# gradient but the GDN decay parameters (A_log, dt_bias), which reach ~1e-4 in chunkwise mode:
-# their gradient is a sum of reverse cumulative sums over the sequence that largely cancel, so it
-# amplifies rounding the most (reordering the documents of the pack alone moves it by ~1e-6).
-GRAD_TOL, DECAY_GRAD_TOL = 1e-4, 3e-4
-
-
-def _tolerance(name: str) -> float:
-    if name == "loss":
-        return LOSS_TOL
-    return DECAY_GRAD_TOL if name.endswith(("A_log", "dt_bias")) else GRAD_TOL
-
-# 2*CP = 4 divides every document: short ones, an empty padding slot, and a long one that spans
-# every rank's zigzag chunks (and several ranks' contiguous slices in chunkwise mode)
-CU = [0, 12, 12, 16, 56, 64]
 MODES = ("headwise", "chunkwise", "all_gather")
-FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers run inside the worker processes
 # ---------------------------------------------------------------------------------------------
-
-
-def _batch(vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    total = CU[-1]
-    tokens = torch.randint(0, vocab, (1, total), generator=g)
-    labels = torch.randint(0, vocab, (1, total), generator=g)
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(CU, CU[1:])])[None]
-    return tokens, labels, positions
-
-
-def _build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, **options):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_preset_model
-    from relax_gdn.model.fusion import Fusion
-
-    pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
-    return build_qwen3_5_preset_model(
-        "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
-        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
-    )
 
 
 def _run(model, tokens, labels, positions, cu, ids=None, cp_group=None):
@@ -80,24 +45,6 @@ def _run(model, tokens, labels, positions, cu, ids=None, cp_group=None):
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
-
-
-def _finalize_grads(model, grads, config, tp_group, cp_group):
-    """What Megatron-Core's DDP + finalize_model_grads do: sum over CP (part of the data-parallel
-    reduction), and over TP for norms whose gradient is partial there (sequence-parallel inputs,
-    QK-norms over a TP share of the heads)."""
-    import torch.distributed as dist
-
-    for name, param in model.named_parameters():
-        g = grads[name]
-        if cp_group.size() > 1:
-            dist.all_reduce(g, group=cp_group)
-        partial_over_tp = (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
-            "q_layernorm" in name or "k_layernorm" in name
-        )
-        if tp_group.size() > 1 and partial_over_tp:
-            dist.all_reduce(g, group=tp_group)
-    return grads
 
 
 def _tp_sections(name: str, config) -> list[int] | None:
@@ -126,113 +73,107 @@ def _tp_shard(name, full, param, config, tp_size, tp_rank):
     return full.chunk(tp_size, dim)[tp_rank]
 
 
-def _errors(ref_loss, ref_grads, loss, grads, ids, shard=lambda n, g: g) -> dict[str, float]:
-    """Per-token loss: max absolute error. Gradients: max absolute error over this rank's share,
-    relative to the max |g| of the WHOLE tensor (a TP share may hold only heads whose gradient
-    nearly cancels, which would inflate a share-relative error)."""
-    errors = {"loss": (loss - ref_loss[:, ids]).abs().max().item()}
-    for n, g in ref_grads.items():
-        expect = shard(n, g)
-        assert grads[n].shape == expect.shape, (n, grads[n].shape, expect.shape)
-        errors[n] = (grads[n] - expect).abs().max().item() / max(g.abs().max().item(), 1e-12)
-    return errors
-
-
 # ---------------------------------------------------------------------------------------------
-# the one spawn: 4 ranks
+# the jobs the session's gloo pools run (one per test case)
 # ---------------------------------------------------------------------------------------------
 
 
-def _model_cases():
+def _tiny_reference():
+    """TP = CP = 1 on the whole batch: the weights (perturbed so every one matters), per-token
+    loss and gradients; made once per pool rank, the same on every rank."""
+
+    def make():
+        from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+        from tests.gdn_harness import self_group
+
+        single = self_group()
+        tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+        torch.manual_seed(0)
+        reference = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single)
+        with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
+            for p in reference.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        ref_loss, ref_grads = _run(reference, tokens, labels, positions, CU)
+        return reference.state_dict(), ref_loss, ref_grads
+
+    return computed_once("qwen3_5_tiny reference", make)
+
+
+def _cp2_errors(mode: str) -> dict[str, float]:
+    """CP = 2 (the pool of 2), TP = 1, one GDN mode: errors against the reference."""
     import torch.distributed as dist
 
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.gdn_harness import self_group
 
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    # every rank creates every group, in the same order
-    singles = [dist.new_group([r]) for r in range(4)]
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # CP = 2 replicas; later the TP groups
-    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # the CP groups under TP = 2
-    single, pair = singles[rank], pairs[rank // 2]
-    vocab = qwen3_5_preset("qwen3_5_tiny").vocab_size
-    tokens, labels, positions = _batch(vocab)
+    state, ref_loss, ref_grads = _tiny_reference()
+    single, pair = self_group(), dist.group.WORLD
+    tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    ids = thd_rank_indices(CU, 2, pair.rank(), "zigzag")
+    recompute = FULL_RECOMPUTE if mode == "all_gather" else {}
+    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **recompute)
+    model = _build(config, single, pair, single, mode)
+    model.load_state_dict(state)
+    loss, grads = _run(model, tokens, labels, positions, CU, ids)
+    grads = _finalize_grads(model, grads, config, single, pair)
+    return _errors(ref_loss, ref_grads, loss, grads, ids)
 
-    torch.manual_seed(0)
+
+def _dynamic_cp2_errors() -> dict[str, float]:
+    """Dynamic CP (the pool of 4): the model's static CP group is all 4 ranks, the micro-batch runs
+    on a pair (PackedSeqParams.cp_group / local_cp_size), as relax_gdn.parallel hands it out."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.gdn_harness import self_group
+
+    state, ref_loss, ref_grads = _tiny_reference()
+    single = self_group()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    pair = pairs[dist.get_rank() // 2]
+    tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    ids = thd_rank_indices(CU, 2, pair.rank(), "zigzag")
     base = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
-    reference = _build(base, single, single, single)
-    with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    state = reference.state_dict()
-    ref_loss, ref_grads = _run(reference, tokens, labels, positions, CU)
-    results = {}
-
-    # CP = 2 (pairs of ranks), TP = 1, every GDN mode
-    cp_rank = pair.rank()
-    ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
-    for mode in MODES:
-        recompute = FULL_RECOMPUTE if mode == "all_gather" else {}
-        config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **recompute)
-        model = _build(config, single, pair, single, mode)
-        model.load_state_dict(state)
-        loss, grads = _run(model, tokens, labels, positions, CU, ids)
-        grads = _finalize_grads(model, grads, config, single, pair)
-        results[("cp2", mode)] = _errors(ref_loss, ref_grads, loss, grads, ids)
-
-    # dynamic CP: the model's static CP group is all 4 ranks, the micro-batch runs on a pair
-    # (PackedSeqParams.cp_group / local_cp_size), as relax_gdn.parallel hands it out
     model = _build(base, single, dist.group.WORLD, single, "chunkwise", max_cp_size=4)
     model.load_state_dict(state)
     loss, grads = _run(model, tokens, labels, positions, CU, ids, cp_group=pair)
     grads = _finalize_grads(model, grads, base, single, pair)
-    results[("cp2", "chunkwise", "dynamic")] = _errors(ref_loss, ref_grads, loss, grads, ids)
+    return _errors(ref_loss, ref_grads, loss, grads, ids)
 
-    # TP = 2 x CP = 2: TP groups {0,1},{2,3}; CP groups {0,2},{1,3}
+
+def _tp2cp2_errors(mode: str, sp: bool) -> dict[str, float]:
+    """TP = 2 x CP = 2 (the pool of 4): TP groups {0,1},{2,3}; CP groups {0,2},{1,3}."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.gdn_harness import self_group
+
+    state, ref_loss, ref_grads = _tiny_reference()
+    rank = dist.get_rank()
+    single = self_group()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
     tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
+    tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
     ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
-    for mode, sp in (("chunkwise", False), ("chunkwise", True), ("headwise", True), ("all_gather", False)):
-        config = qwen3_5_config(
-            "qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2, sequence_parallel=sp,
-            **(FULL_RECOMPUTE if mode == "all_gather" else {}),
-        )
-        model = _build(config, tp_group, cp_group, single, mode)
-        params = dict(model.named_parameters())
+    config = qwen3_5_config(
+        "qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2, sequence_parallel=sp,
+        **(FULL_RECOMPUTE if mode == "all_gather" else {}),
+    )
+    model = _build(config, tp_group, cp_group, single, mode)
+    params = dict(model.named_parameters())
 
-        def shard(name, full, params=params, config=config):
-            return _tp_shard(name, full, params[name], config, 2, tp_rank)
+    def shard(name, full):
+        return _tp_shard(name, full, params[name], config, 2, tp_rank)
 
-        model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
-        loss, grads = _run(model, tokens, labels, positions, CU, ids)
-        grads = _finalize_grads(model, grads, config, tp_group, cp_group)
-        results[("tp2cp2", mode, f"sp={sp}")] = _errors(ref_loss, ref_grads, loss, grads, ids, shard)
-    results["tp2_renamed_qk_norms"] = _renamed_qk_norms_case(
-        state, (ref_loss, ref_grads), (tokens, labels, positions), tp_group, cp_group, single, ids)
-
-    if rank == 0:  # packing leaks nothing: each document alone gives the same per-token loss
-        from tests.gdn_harness import packed_params
-
-        whole = reference(tokens, positions, None, labels=labels, packed_seq_params=packed_params(CU, "cpu"))
-        leak = 0.0
-        for a, b in zip(CU, CU[1:]):
-            if a == b:
-                continue
-            alone = reference(
-                tokens[:, a:b], positions[:, a:b], None, labels=labels[:, a:b],
-                packed_seq_params=packed_params([0, b - a], "cpu"),
-            )
-            leak = max(leak, (alone - whole[:, a:b]).abs().max().item())
-        results["packed_vs_alone"] = {"loss": leak}
-    if rank == 1:  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
-        results["counts"] = _nine_b_counts(single)
-    if rank == 2:
-        results["errors"] = _configuration_errors(single)
-    if rank == 3:
-        results["spec_provider"] = _spec_provider_choice()
-        results["rope"] = _rope_against_megatron(config=base)
-    return results
+    model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
+    loss, grads = _run(model, tokens, labels, positions, CU, ids)
+    grads = _finalize_grads(model, grads, config, tp_group, cp_group)
+    return _errors(ref_loss, ref_grads, loss, grads, ids, shard)
 
 
 def _rename_qk_norms(model) -> dict[str, str]:
@@ -278,6 +219,68 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
     grads = {renamed.get(n, n): p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"errors": _errors(ref_loss, ref_grads, loss.detach(), grads, ids, shard), "renamed": sorted(renamed),
             "names": [n for n, _ in model.named_parameters()]}
+
+
+def _tp2_renamed_qk_norms() -> dict:
+    """The renamed-QK-norm case at TP = 2 x CP = 2 (the pool of 4)."""
+    import torch.distributed as dist
+
+    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.model import qwen3_5_preset
+    from tests.gdn_harness import self_group
+
+    state, ref_loss, ref_grads = _tiny_reference()
+    rank = dist.get_rank()
+    single = self_group()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
+    batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    ids = thd_rank_indices(CU, 2, cp_group.rank(), "zigzag")
+    return _renamed_qk_norms_case(state, (ref_loss, ref_grads), batch, tp_group, cp_group, single, ids)
+
+
+def _packed_vs_alone() -> dict[str, float]:
+    """Packing leaks nothing: each document alone gives the same per-token loss (the pool of 1)."""
+    import torch.distributed as dist
+
+    from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.gdn_harness import packed_params
+
+    state, _, _ = _tiny_reference()
+    single = dist.group.WORLD
+    tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
+    reference = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single)
+    reference.load_state_dict(state)
+    whole = reference(tokens, positions, None, labels=labels, packed_seq_params=packed_params(CU, "cpu"))
+    leak = 0.0
+    for a, b in zip(CU, CU[1:]):
+        if a == b:
+            continue
+        alone = reference(
+            tokens[:, a:b], positions[:, a:b], None, labels=labels[:, a:b],
+            packed_seq_params=packed_params([0, b - a], "cpu"),
+        )
+        leak = max(leak, (alone - whole[:, a:b]).abs().max().item())
+    return {"loss": leak}
+
+
+def _alone(check: str):
+    """A check that needs a group of one rank only (the pool of 1)."""
+    import torch.distributed as dist
+
+    from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import qwen3_5 as q
+
+    single = dist.group.WORLD
+    if check == "counts":  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
+        return _nine_b_counts(single)
+    if check == "errors":
+        return {**_configuration_errors(single), "te_imports": q.transformer_engine_import_error() is None}
+    if check == "spec_provider":
+        return _spec_provider_choice()
+    assert check == "rope", check
+    return _rope_against_megatron(config=qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True))
 
 
 def _nine_b_counts(single) -> dict[str, int]:
@@ -409,37 +412,28 @@ def _rope_against_megatron(config) -> dict[int, float]:
     return errors
 
 
-@pytest.fixture(scope="module")
-def model_results():
-    return run_distributed(_model_cases, 4)
+@pytest.mark.parametrize("mode", [*MODES, "chunkwise_dynamic"])
+def test_cp2_every_mode_and_dynamic_cp_match_single_rank(gloo, mode):
+    per_rank = gloo(_dynamic_cp2_errors, 4) if mode == "chunkwise_dynamic" else gloo(_cp2_errors, 2, mode)
+    for rank, errors in enumerate(per_rank):
+        assert len(errors) > 40  # loss + every parameter
+        bad = {k: v for k, v in errors.items() if not v < _tolerance(k)}
+        assert not bad, (rank, mode, bad)
 
 
-@pytest.mark.slow
-def test_cp2_every_mode_and_dynamic_cp_match_single_rank(model_results):
-    for rank, results in enumerate(model_results):
-        for mode in MODES + (("chunkwise", "dynamic"),):
-            errors = results[("cp2", mode) if isinstance(mode, str) else ("cp2", *mode)]
-            assert len(errors) > 40  # loss + every parameter
-            bad = {k: v for k, v in errors.items() if not v < _tolerance(k)}
-            assert not bad, (rank, mode, bad)
+@pytest.mark.parametrize("mode,sp", [("chunkwise", False), ("chunkwise", True), ("headwise", True),
+                                     ("all_gather", False)])
+def test_tp2_cp2_with_and_without_sp_matches_single_rank(gloo, mode, sp):
+    for rank, errors in enumerate(gloo(_tp2cp2_errors, 4, mode, sp)):
+        assert len(errors) > 40  # loss + every parameter
+        bad = {k: v for k, v in errors.items() if not v < _tolerance(k)}
+        assert not bad, (rank, mode, sp, bad)
 
 
-@pytest.mark.slow
-def test_tp2_cp2_with_and_without_sp_matches_single_rank(model_results):
-    for rank, results in enumerate(model_results):
-        cases = [k for k in results if isinstance(k, tuple) and k[0] == "tp2cp2"]
-        assert len(cases) == 4
-        for case in cases:
-            bad = {k: v for k, v in results[case].items() if not v < _tolerance(k)}
-            assert not bad, (rank, case, bad)
-
-
-@pytest.mark.slow
-def test_tp_partial_gradients_follow_the_parameter_not_its_name(model_results):
+def test_tp_partial_gradients_follow_the_parameter_not_its_name(gloo):
     """The QK-norms renamed: the CPU optimizer still sums their TP-partial gradients (an attribute
     set where the norm makes its weight), and every gradient matches the single-rank model."""
-    for rank, results in enumerate(model_results):
-        case = results["tp2_renamed_qk_norms"]
+    for rank, case in enumerate(gloo(_tp2_renamed_qk_norms, 4)):
         assert len(case["renamed"]) == 2, case["renamed"]  # q and k norm of the tiny model's attention layer
         assert not [n for n in case["names"] if "q_layernorm" in n or "k_layernorm" in n]
         assert len(case["errors"]) > 40  # loss + every parameter
@@ -447,14 +441,12 @@ def test_tp_partial_gradients_follow_the_parameter_not_its_name(model_results):
         assert not bad, (rank, bad)
 
 
-@pytest.mark.slow
-def test_packed_documents_do_not_leak(model_results):
-    assert model_results[0]["packed_vs_alone"]["loss"] < LOSS_TOL
+def test_packed_documents_do_not_leak(gloo):
+    assert gloo(_packed_vs_alone, 1)[0]["loss"] < LOSS_TOL
 
 
-@pytest.mark.slow
-def test_nine_b_preset_shapes(model_results):
-    counts = model_results[1]["counts"]
+def test_nine_b_preset_shapes(gloo):
+    counts = gloo(_alone, 1, "counts")[0]
     assert abs(counts["total"] - 8.954e9) < 0.5e6, counts  # docs/design/QWEN3_5.md: 8.954 B
     assert round(counts["gdn"] / 1e6, 2) == 67.40
     assert round(counts["attention"] / 1e6, 2) == 58.72
@@ -463,11 +455,10 @@ def test_nine_b_preset_shapes(model_results):
     assert counts["tied"] == 0
 
 
-@pytest.mark.slow
-def test_configuration_errors(model_results):
-    errors = model_results[2]["errors"]
+def test_configuration_errors(gloo):
+    errors = gloo(_alone, 1, "errors")[0]
     assert "pipeline_model_parallel_size=2" in errors["pp"] and "parallel.pp=1" in errors["pp"]
-    if not model_results[3]["spec_provider"]["te_imports"]:
+    if not errors["te_imports"]:
         assert "spec_provider='te' needs Transformer Engine" in errors["te_specs"]
     assert "attention_backend='te'" in errors["te_attention"]
     assert "tensor_model_parallel_size=2" in errors["tp_mismatch"] and "1 ranks" in errors["tp_mismatch"]
@@ -476,9 +467,8 @@ def test_configuration_errors(model_results):
     assert "position_ids" in errors["no_positions"]
 
 
-@pytest.mark.slow
-def test_spec_provider_auto_is_local_and_te_refuses_without_te(model_results):
-    outcome = model_results[3]["spec_provider"]
+def test_spec_provider_auto_is_local_and_te_refuses_without_te(gloo):
+    outcome = gloo(_alone, 1, "spec_provider")[0]
     assert outcome["choices"] == ["local", "local", "local"]  # auto is the verified path, TE or not
     assert len(outcome["logged"]) == 2  # once per choice
     if outcome["te_imports"]:
@@ -492,7 +482,6 @@ def test_spec_provider_auto_is_local_and_te_refuses_without_te(model_results):
     assert "['hidden_sise'] are not TransformerConfig fields" in outcome["field"]
 
 
-@pytest.mark.slow
-def test_token_rope_equals_megatron_thd_rope(model_results):
-    errors = model_results[3]["rope"]
+def test_token_rope_equals_megatron_thd_rope(gloo):
+    errors = gloo(_alone, 1, "rope")[0]
     assert set(errors) == {1, 2, 4} and max(errors.values()) < 1e-6, errors

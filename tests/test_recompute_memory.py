@@ -11,7 +11,7 @@ import torch
 from relax_gdn.model.recompute import SELECTIVE_MODULES, recompute_config_fields
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.memory import GIB, estimate_memory, parameter_count
-from tests.test_fusion import _train
+from tests.helpers import train_records_in_this_process as _train
 
 H200_GIB = 139.8  # what torch reports as the card's total memory
 

@@ -39,7 +39,6 @@ def sweep(tmp_path_factory):
     return sweep_dir, done
 
 
-@pytest.mark.slow  # starts processes
 def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job(sweep):
     sweep_dir, done = sweep
     log = done.stdout + done.stderr
@@ -76,7 +75,6 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert "sweep: 0 running, 2 ok, 1 failed (1 refused), 0 waiting (of 3)" in log.splitlines()[-2]
 
 
-@pytest.mark.slow  # starts processes
 def test_compare_reads_the_sweep(sweep, tmp_path):
     from relax_gdn.compare.__main__ import main
 
@@ -133,7 +131,6 @@ def _write_when_read(fifo: Path, text: str, timeout: float) -> None:
     assert not writer.is_alive(), f"nothing opened {fifo} for reading within {timeout} s"
 
 
-@pytest.mark.slow
 def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs(tmp_path):
     """Two jobs, one after the other. Both configs pass the launcher's validation (the files exist);
     loading them fails in the job. The second job's data file is a named pipe, so it runs until the
@@ -179,7 +176,6 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
         assert job["started"] < job["ended"]
 
 
-@pytest.mark.slow  # starts processes
 def test_multirun_under_torchrun_is_refused(tmp_path):
     env = {**child_env({"PYTHONPATH": str(ROOT)}), "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
     done = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "gdn.cp_mode=headwise,chunkwise"],
@@ -189,7 +185,6 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.slow  # starts processes
 def test_seed_table_dry_run_prints_the_array_and_every_task(tmp_path):
     env = {**child_env({"PYTHONPATH": str(ROOT)}), "DRY_RUN": "1", "SEEDS": "1 2", "OUT_DIR": str(tmp_path / "logs")}
     done = subprocess.run(["bash", str(ROOT / "slurm" / "seed_table.sh"), "data.path=/d"], cwd=tmp_path, env=env,

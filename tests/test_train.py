@@ -4,8 +4,8 @@ W&B failure does not stop training, step 1 with CP 2 (every GDN mode) equals CP 
 the same samples, a resumed run repeats the uninterrupted one, and bad input fails before step 1
 with nothing written.
 
-One spawn per world size (imports cost ~15 s per process on 2 cores); cases run inside it and
-return plain records that the tests assert on.
+Each case is one job of the session's gloo pools (tests/conftest.py), run when a test first reads
+it; the jobs return plain records that the tests assert on.
 """
 
 from __future__ import annotations
@@ -17,21 +17,11 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.config import ConfigError, RunConfig
-from tests.test_config import _cfg as config_with
-from tests.distributed import run_distributed
-
-MODES = ("headwise", "chunkwise", "all_gather")
-EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
-
-
-def _cfg(**dotted) -> RunConfig:
-    """A small demo config (short synthetic problems, small batches) with ``a__b=value`` overrides."""
-    base = dict(
-        train__steps=4, train__global_batch_size=8, train__max_tokens_per_gpu=1024,
-        data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
-        optim__warmup_steps=1, logging__console=False,
-    )
-    return config_with(**{**base, **dotted})
+from tests.distributed import JobResults
+from tests.helpers import EQ_TOL
+from tests.helpers import GDN_MODES as MODES
+from tests.helpers import small_config as _cfg
+from tests.helpers import step_fields as _step
 
 
 def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -> RunConfig:
@@ -39,28 +29,18 @@ def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -
                 recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False)
 
 
-def _step(record: dict) -> dict:
-    return {k: record[k] for k in ("loss", "grad_norm", "tokens", "loss_tokens")}
-
-
 # ---------------------------------------------------------------------------------------------
 # inside the spawned processes
 # ---------------------------------------------------------------------------------------------
 
 
-def _single_process_cases(tmp: str) -> dict:
+def _demo(tmp: str) -> dict:
+    """The demo: 20 steps, JSONL, W&B offline into a temporary directory (no network)."""
     import os
-    import warnings
-
-    import torch
 
     from relax_gdn.train.loop import run_training
 
-    torch.set_num_threads(1)
     tmp = Path(tmp)
-    out = {}
-
-    # 1. the demo: 20 steps, JSONL, W&B offline into a temporary directory (no network)
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
     os.environ["WANDB_SILENT"] = "true"
     (tmp / "wandb").mkdir()
@@ -68,12 +48,19 @@ def _single_process_cases(tmp: str) -> dict:
                 logging__wandb=dict(mode="offline", project="relax-gdn-test", entity=None, group=None,
                                     tags=["test"], name=None))
     result = run_training(demo, tmp / "demo")
-    out["demo"] = result.records
-    out["demo_files"] = sorted(p.name for p in (tmp / "demo").iterdir())
-    out["wandb_runs"] = sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))
+    return {"demo": result.records, "demo_files": sorted(p.name for p in (tmp / "demo").iterdir()),
+            "wandb_runs": sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))}
 
-    # 2. W&B init raises: training goes on, one warning
+
+def _wandb_broken(tmp: str) -> dict:
+    """W&B init raises: training goes on, one warning."""
+    import warnings
+
     import wandb
+
+    from relax_gdn.train.loop import run_training
+
+    out = {}
 
     def broken_init(*args, **kwargs):
         raise RuntimeError("no W&B today")
@@ -84,28 +71,41 @@ def _single_process_cases(tmp: str) -> dict:
             warnings.simplefilter("always")
             failing = _cfg(train__steps=2, logging__wandb=dict(mode="online", project="p", entity=None, group=None,
                                                                  tags=[], name=None))
-            out["wandb_broken"] = run_training(failing, tmp / "wandb_broken").records
+            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken").records
         out["wandb_warnings"] = [str(w.message) for w in caught if "W&B" in str(w.message)]
     finally:
         wandb.init = original
+    return out
 
-    # 3. the CP = 1 reference of the equality test
-    out["cp1"] = run_training(_equality_cfg(1), None).records
 
-    # 4. resume: 4 steps with a checkpoint at 2; then from step 2 to 4
+def _cp1_reference() -> dict:
+    """The CP = 1 reference of the equality test."""
+    from relax_gdn.train.loop import run_training
+
+    return {"cp1": run_training(_equality_cfg(1), None).records}
+
+
+def _resume(tmp: str) -> dict:
+    """4 steps with a checkpoint at 2; then from step 2 to 4."""
+    from relax_gdn.train.loop import run_training
+
+    tmp = Path(tmp)
     full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full")
-    out["full"] = full.records
-    out["checkpoints"] = [str(p) for p in full.checkpoints]
     resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed")
-    out["resumed"] = resumed.records
-    out["resumed_start"] = resumed.start_step
+    return {"full": full.records, "checkpoints": [str(p) for p in full.checkpoints], "resumed": resumed.records,
+            "resumed_start": resumed.start_step}
 
-    # 5. SIGUSR1 arrives while step 2 is logged: the run checkpoints after step 3 and stops; the
-    #    profiler traces steps 1-2 meanwhile
+
+def _preempted(tmp: str) -> dict:
+    """SIGUSR1 arrives while step 2 is logged: the run checkpoints after step 3 and stops; the
+    profiler traces steps 1-2 meanwhile."""
+    import os
     import signal
 
     from relax_gdn.train import loggers as loggers_module
+    from relax_gdn.train.loop import run_training
 
+    tmp = Path(tmp)
     original_log = loggers_module.RunLoggers.log
 
     def log_then_signal(self, record):
@@ -118,38 +118,55 @@ def _single_process_cases(tmp: str) -> dict:
         preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted")
     finally:
         loggers_module.RunLoggers.log = original_log
-    out["preempted"] = (preempted.preempted_at, [Path(p).name for p in preempted.checkpoints], len(preempted.records))
-    out["traces"] = sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())
-    return out
+    return {"preempted": (preempted.preempted_at, [Path(p).name for p in preempted.checkpoints],
+                          len(preempted.records)),
+            "traces": sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())}
 
 
-def _two_process_cases(tmp: str) -> dict:
-    import torch
+def _two_process_step(case: str) -> dict:
+    """Step 1 on 2 processes: CP 2 in each GDN mode (and chunkwise with prebuilt routes), CP 1 (DP
+    2), or dynamic CP <= 2 (samples up to 256 tokens on one rank, longer ones on both)."""
+    from relax_gdn.train.loop import run_training
+
+    if case in MODES:
+        cfg = _equality_cfg(2, case)
+    elif case == "chunkwise_prebuild":
+        cfg = _equality_cfg(2, "chunkwise", "prebuild")
+    elif case == "dp2":
+        cfg = _equality_cfg(1)
+    else:
+        assert case == "dynamic", case
+        cfg = _cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
+                   parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False)
+    return {case: run_training(cfg, None).records}
+
+
+def _cp2_demo(tmp: str) -> dict:
     import torch.distributed as dist
 
     from relax_gdn.train.loop import run_training
 
-    torch.set_num_threads(1)
-    out = {}
-    for mode in MODES:
-        out[mode] = run_training(_equality_cfg(2, mode), None).records
-    out["chunkwise_prebuild"] = run_training(_equality_cfg(2, "chunkwise", "prebuild"), None).records
-    out["dp2"] = run_training(_equality_cfg(1), None).records  # CP 1 on 2 processes: DP 2
-    # dynamic CP <= 2: samples up to 256 tokens run on one rank (CP 1), longer ones on both (CP 2)
-    out["dynamic"] = run_training(_cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
-                                       parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False),
-                                  None).records
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
-    out["cp2_demo"] = run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records
+    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records}
 
-    # the step's one all-reduce: losses summed (/ tp), a flag raised on rank 1 raised on both ranks
+
+def _step_totals() -> dict:
+    """The step's one all-reduce: losses summed (/ tp), a flag raised on rank 1 raised on both ranks."""
+    import torch
+    import torch.distributed as dist
+
     from relax_gdn.train.loop import StepFlag, all_reduce_step
 
     loss = torch.tensor(float(dist.get_rank() + 1))
     totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
               all_reduce_step(loss, set(), tp=2)]
-    out["step_totals"] = [(t.loss_sum, sorted(flag.name for flag in t.flags)) for t in totals]
-    return out
+    return {"step_totals": [(t.loss_sum, sorted(flag.name for flag in t.flags)) for t in totals]}
+
+
+SINGLE_PROCESS_JOBS = {_demo: ("demo", "demo_files", "wandb_runs"), _wandb_broken: ("wandb_broken", "wandb_warnings"),
+                       _resume: ("full", "checkpoints", "resumed", "resumed_start"),
+                       _preempted: ("preempted", "traces")}
+TWO_PROCESS_CASES = (*MODES, "chunkwise_prebuild", "dp2", "dynamic")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,18 +175,22 @@ def _two_process_cases(tmp: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(gloo_once, tmp_path_factory):
+    """(directory, the single-process cases by key): each job runs when a test first reads one of its keys."""
     tmp = tmp_path_factory.mktemp("single")
-    return tmp, run_distributed(_single_process_cases, 1, str(tmp))[0]
+    jobs = {key: (job, 1, str(tmp)) for job, keys in SINGLE_PROCESS_JOBS.items() for key in keys}
+    return tmp, JobResults(gloo_once, {**jobs, "cp1": (_cp1_reference, 1)})
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(gloo_once, tmp_path_factory):
+    """(directory, per rank: the two-process cases by key)."""
     tmp = tmp_path_factory.mktemp("pair")
-    return tmp, run_distributed(_two_process_cases, 2, str(tmp))
+    jobs = {case: (_two_process_step, 2, case) for case in TWO_PROCESS_CASES}
+    jobs.update(cp2_demo=(_cp2_demo, 2, str(tmp)), step_totals=(_step_totals, 2))
+    return tmp, [JobResults(gloo_once, jobs, rank) for rank in range(2)]
 
 
-@pytest.mark.slow
 def test_demo_loss_is_finite_and_falls(single):
     records = single[1]["demo"]
     assert [r["step"] for r in records] == list(range(1, 21))
@@ -182,7 +203,6 @@ def test_demo_loss_is_finite_and_falls(single):
     assert lrs[0] < lrs[1] and lrs[-1] == pytest.approx(3e-4) and max(lrs) == pytest.approx(3e-3)
 
 
-@pytest.mark.slow
 def test_jsonl_and_config_written_by_the_run(single):
     tmp, out = single
     assert out["demo_files"] == ["config.yaml", "metrics.jsonl"]
@@ -200,7 +220,6 @@ def test_jsonl_and_config_written_by_the_run(single):
     assert load_run_config(tmp / "demo" / "config.yaml").train.steps == 20
 
 
-@pytest.mark.slow
 def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
     from tests.wandb_records import offline_run_records
 
@@ -221,14 +240,12 @@ def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
     assert {"model", "gdn", "parallel", "train", "optim", "derived"} <= config_keys, config_keys
 
 
-@pytest.mark.slow
 def test_wandb_failure_does_not_stop_training(single):
     out = single[1]
     assert [r["step"] for r in out["wandb_broken"]] == [1, 2]
     assert len(out["wandb_warnings"]) == 1 and "no W&B today" in out["wandb_warnings"][0]
 
 
-@pytest.mark.slow
 def test_two_processes_cp2_demo_trains(pair):
     tmp, ranks = pair
     for out in ranks:
@@ -239,8 +256,7 @@ def test_two_processes_cp2_demo_trains(pair):
     assert len((tmp / "cp2_demo" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [*MODES, "chunkwise_prebuild", "dp2", "dynamic"])
+@pytest.mark.parametrize("case", TWO_PROCESS_CASES)
 def test_step1_cp2_equals_cp1(single, pair, case):
     reference = _step(single[1]["cp1"][0])
     for rank, out in enumerate(pair[1]):
@@ -250,30 +266,25 @@ def test_step1_cp2_equals_cp1(single, pair, case):
             assert got[key] == pytest.approx(reference[key], rel=EQ_TOL), (case, rank, key, got, reference)
 
 
-@pytest.mark.slow
 def test_step_all_reduce_sums_the_loss_and_gives_every_rank_a_flag_any_rank_raised(pair):
     for out in pair[1]:
         assert out["step_totals"] == [(3.0, ["STOP_REQUESTED"]), (1.5, [])]
 
 
-@pytest.mark.slow
 def test_dynamic_cp_uses_both_cp_sizes(pair):
     for out in pair[1]:
         sizes = out["dynamic"][0]["cp_sizes"]
         assert set(sizes) == {"1", "2"} and all(n > 0 for n in sizes.values()), sizes
 
 
-@pytest.mark.slow
 def test_sigusr1_checkpoints_and_stops_after_the_current_step(single):
     assert single[1]["preempted"] == (3, ["step_000003"], 3)
 
 
-@pytest.mark.slow
 def test_profile_window_writes_a_trace_per_rank(single):
     assert single[1]["traces"] == ["rank0_steps1-2.json"]
 
 
-@pytest.mark.slow
 def test_resume_repeats_the_uninterrupted_run(single):
     out = single[1]
     assert len(out["checkpoints"]) == 2 and out["checkpoints"][0].endswith("step_000002")

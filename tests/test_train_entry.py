@@ -14,34 +14,18 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import child_env
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _train(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
-           env: dict[str, str] | None = None, run_dir: bool = True) -> subprocess.CompletedProcess:
-    """``python train.py`` in ``tmp_path``; ``run_dir``: pin Hydra's run directory to tmp_path/run
-    (False: Hydra's default outputs/runs/<date>/<time>/ under tmp_path)."""
-    pinned = [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir else []
-    return subprocess.run(
-        [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
-        cwd=tmp_path, env=child_env(env), capture_output=True, text=True, timeout=300,
-    )
+from tests.helpers import ROOT
+from tests.helpers import train_py as _train
 
 
-@pytest.mark.slow  # trains (or starts torchrun)
-def test_short_run_writes_config_and_metrics_in_the_run_dir(tmp_path):
-    before = sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
-    done = _train(tmp_path, "train.steps=2", "optim.warmup_steps=1", "train.global_batch_size=4",
-                  "data.num_samples=64", "data.synthetic_max_steps=1", "run_name=entry-test")
+def test_short_run_writes_config_and_metrics_in_the_run_dir(short_train_py):
+    done, run, before, after = short_train_py("3 steps")
     assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "run"
     assert {"config.yaml", "metrics.jsonl", ".hydra"} <= {p.name for p in run.iterdir()}
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     assert "run_name: entry-test" in (run / "config.yaml").read_text()
-    assert "step 2/2" in done.stdout
-    after = sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
+    assert "step 3/3" in done.stdout
     assert before == after  # nothing written into the package
 
 
@@ -117,7 +101,6 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
     assert done.returncode != 0 and "Traceback" in done.stderr and "train.steps=0" in done.stderr
 
 
-@pytest.mark.slow  # trains (or starts torchrun)
 def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
     env = child_env()
     done = subprocess.run(
@@ -131,17 +114,15 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # trains (or starts torchrun)
 @pytest.mark.parametrize("steps", [1, 3])
-def test_any_step_count_trains_with_the_default_warmup(tmp_path, steps):
-    done = _train(tmp_path, f"train.steps={steps}")
+def test_any_step_count_trains_with_the_default_warmup(short_train_py, steps):
+    done, run, _, _ = short_train_py({1: "1 step, third-party notices", 3: "3 steps"}[steps])
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert records[0]["lr"] > 0  # no warm-up step at rate 0: 0.1 x 1 or 3 steps rounds to none
 
 
-@pytest.mark.slow  # trains (or starts torchrun)
 def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_path):
     records = [{"problem": f"What is {i} + {i}?", "generated_solution": f"{2 * i}"} for i in range(20)]
     records.append({"problem": "Repeat x.", "generated_solution": "x" * 3000})  # > 2048 byte tokens

@@ -1,0 +1,156 @@
+"""Builders shared by test modules (and by the functions their gloo ranks run): run configs,
+``python train.py`` as a child process, training in this process, small numeric helpers."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from relax_gdn.config import RunConfig
+from tests.distributed import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+GDN_MODES = ("headwise", "chunkwise", "all_gather")
+EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
+MESSAGES_EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
+# a child's whole run, start-up included, on a loaded 2-core machine
+TRAIN_PY_TIMEOUT_S = 300
+
+
+def config_with(**dotted) -> RunConfig:
+    """The default (demo) config with ``a__b__c=value`` overrides."""
+    return RunConfig().with_overrides({key.replace("__", "."): value for key, value in dotted.items()})
+
+
+def small_config(**dotted) -> RunConfig:
+    """A small demo config (short synthetic problems, small batches) with ``a__b=value`` overrides."""
+    base = dict(
+        train__steps=4, train__global_batch_size=8, train__max_tokens_per_gpu=1024,
+        data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
+        optim__warmup_steps=1, logging__console=False,
+    )
+    return config_with(**{**base, **dotted})
+
+
+def step_fields(record: dict) -> dict:
+    """What two runs of one step on the same samples must agree on."""
+    return {k: record[k] for k in ("loss", "grad_norm", "tokens", "loss_tokens")}
+
+
+def messages_config(**dotted) -> RunConfig:
+    """The small config on the example chat file (``messages`` format)."""
+    base = dict(train__steps=2, train__global_batch_size=8, train__max_tokens_per_gpu=1024, optim__warmup_steps=1,
+                data__source="jsonl", data__path=str(MESSAGES_EXAMPLE), data__format="messages",
+                logging__console=False, logging__jsonl=False)
+    return config_with(**{**base, **dotted})
+
+
+def train_py(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
+             env: dict[str, str] | None = None, run_dir: bool = True) -> subprocess.CompletedProcess:
+    """``python train.py`` in ``tmp_path``; ``run_dir``: pin Hydra's run directory to tmp_path/run
+    (False: Hydra's default outputs/runs/<date>/<time>/ under tmp_path)."""
+    pinned = [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir else []
+    return subprocess.run(
+        [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
+        cwd=tmp_path, env=child_env(env), capture_output=True, text=True, timeout=TRAIN_PY_TIMEOUT_S,
+    )
+
+
+def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:
+    """The lines a child writes to its stdout pipe, as they come, until it closes the pipe. Past
+    ``timeout_s`` the child and its descendants are killed and AssertionError shows the output so far."""
+    deadline = time.monotonic() + timeout_s
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = process.stdout.fileno()  # read below the file object: its readline would block past the limit
+    pending, seen = "", []
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            if not selector.select(max(0.0, deadline - time.monotonic())):
+                kill_process_tree(process)
+                raise AssertionError(f"child {process.args!r} still writing after {timeout_s:.0f} s; its output:\n"
+                                     + "".join(seen)[-3000:] + pending)
+            chunk = os.read(fd, 65536)
+            pending += decoder.decode(chunk, final=not chunk)
+            *complete, pending = pending.split("\n")
+            for line in complete:
+                seen.append(line + "\n")
+                yield line + "\n"
+            if not chunk:
+                if pending:
+                    yield pending
+                return
+
+
+def kill_process_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a child and every process below it (torchrun's workers), then reap the child."""
+    import psutil
+
+    try:
+        below = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    for proc in below:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.kill()
+    process.wait(timeout=60)  # SIGKILLed: only the reaping is left
+
+
+def train_records_in_this_process(**overrides) -> list[dict]:
+    """Two steps of the tiny model on 16 short samples (``run_training`` here, no process group
+    started): the records."""
+    from relax_gdn.train.loop import run_training
+
+    cfg = RunConfig().with_overrides({
+        "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
+        "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
+    })
+    return run_training(cfg, None).records
+
+
+def relative_error(a, b) -> float:
+    """``|a - b| / |b|`` in float64 (Frobenius norms)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def plain_rms_norm(x, w, eps, zero_centered):
+    """RMSNorm in fp32 the plain way (``zero_centered``: the weight is stored as ``w - 1``)."""
+    import torch
+
+    x32 = x.float()
+    scale = w.float() + 1.0 if zero_centered else w.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+def as_ddp_parameter(weight, start: float):
+    """Give ``weight`` what Megatron-Core's DDP gives a parameter: an fp32 ``main_grad`` (here
+    pre-filled, as after earlier micro-batches) and ``grad_added_to_main_grad``."""
+    import torch
+
+    weight.main_grad = torch.full(weight.shape, start, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
+    return weight
+
+
+def force_transformers_pure_torch() -> None:
+    """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
+    import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``,
+    which ``use_torch_kernels_in_transformers`` binds instead."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    from relax_gdn.model import hf_checkpoint as hfc
+    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
+
+    hfc.use_torch_kernels_in_transformers()
+    for name in KERNEL_HANDLES:
+        torch_fn = getattr(modeling, name)
+        assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name
