@@ -23,7 +23,13 @@ from omegaconf import DictConfig
 
 from relax_gdn.config import validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
-from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError, report_user_error
+from relax_gdn.errors import (
+    INTERRUPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    RecipeError,
+    record_exit_code,
+    report_user_error,
+)
 
 log = logging.getLogger("train")
 
@@ -117,7 +123,6 @@ def main(hydra_cfg: DictConfig) -> float | None:
 def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path]) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
-    from relax_gdn.train.lifecycle import PREEMPTED_EXIT_CODE
     from relax_gdn.train.loop import run_training
 
     try:
@@ -126,11 +131,9 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
         report_user_error(e)
-    if result.preempted_at is not None:  # checkpointed (see the loop's warning); a requeued job resumes
-        if rank == 0:
-            log.warning("preempted after step %d: exiting with %d for the job to be requeued",
-                        result.preempted_at, PREEMPTED_EXIT_CODE)
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+    if result.stop is not None:  # a stop signal or a divergence: the loop said which, once
+        record_exit_code(result.stop.exit_code)
+        raise SystemExit(result.stop.exit_code)
     if result.records and rank == 0:
         if hydra_cfg.logging.console:
             print_run_summary(result)
@@ -138,7 +141,18 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
     return None
 
 
+def interrupted_outside_training() -> None:
+    """Ctrl-C where the training loop does not handle it (Hydra's start, the imports): one line, exit 130."""
+    if RANK == 0:
+        sys.stderr.write("relax-gdn: Ctrl-C outside the training steps: stopped, nothing to save\n")
+    record_exit_code(INTERRUPTED_EXIT_CODE)
+    raise SystemExit(INTERRUPTED_EXIT_CODE)
+
+
 if __name__ == "__main__":
-    refuse_multirun_under_torchrun(sys.argv[1:])
-    check_command_line(sys.argv[1:])
-    main()
+    try:
+        refuse_multirun_under_torchrun(sys.argv[1:])
+        check_command_line(sys.argv[1:])
+        main()
+    except KeyboardInterrupt:
+        interrupted_outside_training()

@@ -34,6 +34,8 @@ LRSchedule = Literal["cosine", "linear", "constant"]
 # how the GPU distributed optimizer's state is checkpointed (relax_gdn.train.optimizer says what each costs)
 OptimizerCheckpointSharding = Literal["dp_reshardable", "fully_reshardable"]
 WandbMode = Literal["online", "offline", "disabled"]
+# a step whose loss or grad norm is not finite: stop the run (nothing saved) or skip its update
+NonfinitePolicy = Literal["stop", "skip"]
 
 CP_MODES: tuple[str, ...] = get_args(CPMode)
 ROUTE_STRATEGIES: tuple[str, ...] = get_args(RouteStrategy)
@@ -53,6 +55,7 @@ OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 OPTIMIZER_CHECKPOINT_SHARDINGS: tuple[str, ...] = get_args(OptimizerCheckpointSharding)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+NONFINITE_POLICIES: tuple[str, ...] = get_args(NonfinitePolicy)
 
 
 def choice_problem(key: str, value: object, allowed: tuple[str, ...]) -> str | None:

@@ -20,6 +20,8 @@ A :class:`Runtime` owns, in the order it installs them:
   summaries for the layers that ask for it (:mod:`relax_gdn.gdn.fla_cp_summaries`);
 * torch's CUDA sync debug mode, when one is asked for;
 * the signal handlers other components ask it for (:meth:`Runtime.handle_signal`);
+* the queue Megatron-Core's checkpoint writer reports through, one that dies with this process
+  (:meth:`Runtime.checkpoint_write_results`, :mod:`relax_gdn.compat.write_results`);
 * the process-wide changes a run can only make once it knows its device and configuration
   (Megatron-Core's fused wgrad GEMM, torch's deterministic algorithms): made by the run, handed
   over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`.
@@ -62,6 +64,7 @@ class Runtime:
         self.sync_debug_mode = sync_debug_mode
         self._undo: list[Callable[[], None]] = []
         self._signals: dict[int, object] = {}
+        self._write_results: tuple[bool, Callable[[], None]] | None = None  # (background, undo)
         self.installed = False
         self.cpu_shims = False  # resolved by install
         self.fla = False
@@ -130,6 +133,7 @@ class Runtime:
             self.restore_signal(signum)
         while self._undo:
             self._undo.pop()()
+        self._write_results = None
         if _current is self:
             _current = None
         self.installed = False
@@ -160,6 +164,27 @@ class Runtime:
                                      torch.is_deterministic_algorithms_warn_only_enabled())
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
         self.adopt(lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only_before))
+
+    # ------------------------------------------------------------------ checkpoint writer
+
+    def checkpoint_write_results(self, *, background: bool) -> None:
+        """Until :meth:`close`, Megatron-Core's checkpoint writer reports into a queue that dies
+        with this process (:mod:`relax_gdn.compat.write_results`): an in-process one for inline
+        saves, one served by a process that dies with this one for ``background`` (forked) saves.
+        Asked for by the checkpoint saver; asking again for the other kind replaces it."""
+        if not self.installed:
+            raise RuntimeError("Runtime.checkpoint_write_results needs an installed Runtime")
+        if self._write_results is not None:
+            if self._write_results[0] == background:
+                return
+            undo = self._write_results[1]
+            self._undo.remove(undo)
+            undo()
+        from relax_gdn.compat.write_results import use_write_results_queue
+
+        undo = use_write_results_queue(background)
+        self._write_results = (background, undo)
+        self._undo.append(undo)
 
     # ------------------------------------------------------------------ signals
 

@@ -307,7 +307,7 @@ def test_missing_data_file_fails_before_anything_is_written(tmp_path):
     assert not run_dir.exists()
 
 
-def test_unusable_data_file_fails_before_anything_is_written(tmp_path):
+def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
     from relax_gdn.train.loop import run_training
 
     bad = tmp_path / "bad.jsonl"

@@ -42,13 +42,14 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
+from relax_gdn.errors import PREEMPTED_EXIT_CODE
 from relax_gdn.sweep import SLOW_JOB_FACTOR
 
 log = logging.getLogger(__name__)
 
-# What train.py exits with after a stop request (SIGUSR1/SIGTERM) made it save a checkpoint:
-# sysexits' EX_TEMPFAIL, the training lifecycle's PREEMPTED_EXIT_CODE.
-PREEMPTED_EXIT_CODE = 75
+# PREEMPTED_EXIT_CODE (relax_gdn.errors): train.py's exit after a stop request (SIGUSR1/SIGTERM)
+# made it save a checkpoint. (A hang, relax_gdn.errors.HANG_EXIT_CODE, ends the process from the
+# step watchdog's thread: the job fails with 124 and is not requeued from here.)
 MAX_FAILED_EXIT_CODE = 125  # exit codes above are the shell's (126: not executable, 128+n: signal n)
 POLL_SECONDS = 1.0
 

@@ -4,7 +4,8 @@
   python -m relax_gdn.compare --wandb ENTITY/PROJECT --group G --out compare/
   python -m relax_gdn.compare --wandb-report ENTITY/PROJECT --group G     # saves a W&B report
 
-Exit codes: 0 done, 2 bad input (no runs, unknown baseline, missing file), with one message.
+Exit codes: 0 done, 2 bad input (no runs, unknown baseline, a missing or unreadable file), with one
+message; anything else is a bug and keeps its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from relax_gdn.errors import USER_ERROR_EXIT_CODE
+from relax_gdn.compare.runs import CompareInputError
+from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             from relax_gdn.compare.wandb_report import report_spec, save_report
 
             if not args.group:
-                raise ValueError("--wandb-report needs --group G (the W&B group of the runs)")
+                raise CompareInputError("--wandb-report needs --group G (the W&B group of the runs)")
             spec = report_spec(args.wandb_report, args.group, args.group_by)
             if args.print_spec:
                 print(json.dumps(spec, indent=2))
@@ -67,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = find_runs(args.paths)
         if args.wandb:
             if not args.group:
-                raise ValueError("--wandb needs --group G (the W&B group of the runs)")
+                raise CompareInputError("--wandb needs --group G (the W&B group of the runs)")
             runs += load_wandb_runs(args.wandb, args.group)
         if not runs:
-            raise ValueError("nothing to compare: give run/sweep directories, a benchmark .json or --wandb")
+            raise CompareInputError("nothing to compare: give run/sweep directories, a benchmark .json or --wandb")
         summary = compare_runs(runs, args.baseline)
         out = Path(args.out) if args.out else default_out_dir(args.paths, args.group)
         paths = write_reports(runs, summary, out)
-    except (ValueError, FileNotFoundError) as e:
+    except RecipeError as e:  # input the user fixes; any other exception is a bug, with its traceback
         print(f"relax_gdn.compare: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     print(markdown(summary))

@@ -60,7 +60,8 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     for v in summary["variants"]:
         ratio = v["ratio_to_baseline"]["tokens_per_s"]
         steady = sum(r["steady_steps"] for r in v["runs"])
-        label = v["label"] + (" (baseline)" if v["baseline"] else "")
+        label = v["label"] + (" (baseline)" if v["baseline"] else "") + (
+            f" (diverged: {v['nonfinite_steps']} non-finite steps)" if v.get("diverged") else "")
         rows.append([label, str(len(v["runs"])), str(steady)] + [_cell(v["stats"][m]) for m in TABLE_METRICS]
                     + ["-" if ratio is None else f"{ratio:.3f}x"])
     return header, rows
@@ -72,6 +73,12 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"A/A {noise['variant']} ({noise['runs']} runs): tok/s spread {_pct(noise['tokens_per_s_spread'], '')}"
                      f", loss max spread {_num(noise['loss_max_spread'])}, grad-norm max spread "
                      f"{_num(noise['grad_norm_max_spread'])}")
+    for v in summary["variants"]:
+        for run in v["runs"]:
+            if run.get("diverged"):
+                lines.append(f"{v['label']}: run {run['name']} **diverged**: {run['nonfinite_steps']} non-finite "
+                             f"step(s) from step {run['first_nonfinite_step']} (loss or grad norm not finite); "
+                             "left out of the A/A noise floor")
     if not summary["noise"]["available"]:
         lines.append("No variant has two or more runs (seeds): there is no A/A, so the differences below are "
                      "measured but not judged (no A/A).")
@@ -94,7 +101,7 @@ def _curve_text(name: str, k: dict[str, Any]) -> str:
     text = f"{name} **{k['verdict']}**"
     if not k.get("steps"):
         return text
-    against = ("" if k["verdict"] == "no A/A"
+    against = ("" if k["verdict"] in ("no A/A", "diverged")
                else f" = {k['noise_ratio']:.2f}x the A/A noise {_num(k['rms_noise'])}")
     return (text + f" (RMS diff {_num(k['rms_diff'])}{against} over {k['steps']} steps; max |diff| "
             f"{_num(k['max_abs_diff'])} at step {k['at_step']})")

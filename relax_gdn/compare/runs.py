@@ -11,6 +11,10 @@ Benchmark results (e.g. ``python -m relax_gdn.bench.train_e2e``) are read from o
     {"variants": [{"name": "chunkwise", "config": {"gdn": {"cp_mode": "chunkwise"}, ...},
                    "records": [{"step": 1, "loss": ..., "tokens_per_s": ...}, ...]}, ...]}
 
+A step whose loss or grad norm was not finite is kept (``"nonfinite": true``, the values as the
+strings ``"nan"`` / ``"inf"``; files written before that mark hold ``"loss": null``): its values are
+read back as float NaN / inf, which every statistic leaves out, and :func:`nonfinite_steps` counts it.
+
 Each entry is one run. ``config`` (nested or dotted) holds what the variant set: a key that some
 variants set and others leave alone takes, in those, the value every variant started from:
 ``meta.base_config`` (nested or dotted) where the file has it, else the recipe's default
@@ -28,10 +32,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.errors import RecipeError
+
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 BENCH_VARIANT_KEY = "bench.variant"
 WANDB_HISTORY_PREFIX = "train/"  # the training loop logs every record field under train/
+
+
+class CompareInputError(RecipeError, ValueError):
+    """Input the comparison cannot use (a path, a file, an argument); the message names it and the
+    command-line tool prints it (exit code 2)."""
+
+
+NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def is_nonfinite(record: dict[str, Any]) -> bool:
+    """Whether a step record (as :func:`clean_records` returns it) is a step whose loss or grad norm
+    was not finite."""
+    values = [record.get("loss"), record.get("grad_norm")]
+    return bool(record.get("nonfinite")) or any(isinstance(v, float) and not math.isfinite(v) for v in values)
+
+
+def nonfinite_steps(records: list[dict[str, Any]]) -> int:
+    return sum(is_nonfinite(r) for r in records)
 
 
 @dataclass
@@ -73,11 +98,17 @@ def clean_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Training step records in step order, one per step: a resumed run appends to its file and
     may repeat the steps between its last checkpoint and the stop; the later record wins. Eval
     records (no ``loss``) and steps run under the profiler (``"profiled": true``, benchmarks) are
-    left out."""
+    left out. A non-finite loss or grad norm (module docstring) reads back as a float."""
     by_step: dict[int, dict[str, Any]] = {}
     for record in records:
-        if "step" not in record or record.get("loss") is None or record.get("profiled"):
+        if "step" not in record or "loss" not in record or record.get("profiled"):
             continue
+        record = dict(record)
+        for key in ("loss", "grad_norm"):
+            if isinstance(record.get(key), str) and record[key] in NONFINITE_TEXT:
+                record[key] = NONFINITE_TEXT[record[key]]
+        if record["loss"] is None:  # written before non-finite steps were marked: a NaN loss
+            record["loss"], record["nonfinite"] = math.nan, True
         by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
 
@@ -90,10 +121,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             if n == len(lines):  # a run killed mid-write leaves a torn last line
                 break
-            raise ValueError(f"{path}:{n} is not JSON") from None
+            raise CompareInputError(f"{path}:{n} is not JSON ({e.msg})") from e
     return records
 
 
@@ -104,9 +135,13 @@ def load_run_dir(path: str | Path) -> Run:
     path = Path(path)
     metrics = path / METRICS_FILE
     if not metrics.exists():
-        raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
+        raise CompareInputError(f"{path} has no {METRICS_FILE}: not a run directory")
     config_path = path / CONFIG_FILE
-    config = flatten(yaml.safe_load(config_path.read_text()) or {}) if config_path.exists() else {}
+    try:
+        config = flatten(yaml.safe_load(config_path.read_text()) or {}) if config_path.exists() else {}
+    except yaml.YAMLError as e:
+        raise CompareInputError(f"{config_path} is not YAML ({e}); restore the run's config.yaml or leave "
+                                "that run out") from e
     return Run(name=path.name, source=str(path), config=config, records=clean_records(read_jsonl(metrics)))
 
 
@@ -122,9 +157,13 @@ def recipe_defaults() -> dict[str, Any]:
 def load_bench_json(path: str | Path) -> list[Run]:
     """The benchmark shape in the module docstring."""
     path = Path(path)
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CompareInputError(f"{path} is not JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
-        raise ValueError(f"{path}: expected {{\"variants\": [{{\"name\", \"config\", \"records\"}}, ...]}}")
+        raise CompareInputError(
+            f"{path}: expected {{\"variants\": [{{\"name\", \"config\", \"records\"}}, ...]}}")
     configs = [flatten(variant.get("config") or {}) for variant in data["variants"]]
     set_somewhere = {key for config in configs for key in config}
     start = {**recipe_defaults(), **flatten((data.get("meta") or {}).get("base_config") or {})}
@@ -153,13 +192,13 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
         elif path.is_dir():
             found = sorted(p.parent for p in path.rglob(METRICS_FILE))
             if not found:
-                raise FileNotFoundError(f"no {METRICS_FILE} under {path}")
+                raise CompareInputError(f"no {METRICS_FILE} under {path}")
             for run_dir in found:
                 run = load_run_dir(run_dir)
                 run.name = str(run_dir.relative_to(path)) if run_dir != path else run_dir.name
                 runs.append(run)
         else:
-            raise FileNotFoundError(f"{path} is neither a run/sweep directory nor a benchmark .json file")
+            raise CompareInputError(f"{path} is neither a run/sweep directory nor a benchmark .json file")
     seen: dict[str, int] = {}
     for run in runs:  # two sweeps both have a run "0"
         seen[run.name] = seen.get(run.name, 0) + 1
@@ -176,8 +215,9 @@ def records_from_wandb_history(rows: Iterable[dict[str, Any]]) -> list[dict[str,
     """W&B history rows (``_step`` + ``train/<field>``, as the training loop logs them) -> step records."""
     records = []
     for row in rows:
+        # a NaN loss is a non-finite step (kept); other NaNs are values the row does not hold
         fields = {k[len(WANDB_HISTORY_PREFIX):]: v for k, v in row.items()
-                  if k.startswith(WANDB_HISTORY_PREFIX) and not _is_nan(v)}
+                  if k.startswith(WANDB_HISTORY_PREFIX) and (k == f"{WANDB_HISTORY_PREFIX}loss" or not _is_nan(v))}
         if "loss" not in fields or row.get("_step") is None:
             continue
         records.append({"step": int(row["_step"]), **fields})
@@ -205,8 +245,8 @@ def load_wandb_runs(path: str, group: str, api: Any = None) -> list[Run]:
         runs: Iterator[Any] = iter(api.runs(path, filters={"group": group}))
         out = [run_from_wandb(r, path) for r in runs]
     except Exception as e:  # noqa: BLE001 - no server, no key, no such project: one message
-        raise ValueError(f"reading W&B {path} group {group!r} failed ({type(e).__name__}: {e}); it needs the W&B "
-                         "server and an API key (wandb login / WANDB_API_KEY)") from None
+        raise CompareInputError(f"reading W&B {path} group {group!r} failed ({type(e).__name__}: {e}); it needs "
+                                "the W&B server and an API key (wandb login / WANDB_API_KEY)") from e
     if not out:
-        raise ValueError(f"W&B project {path} has no runs in group {group!r}")
+        raise CompareInputError(f"W&B project {path} has no runs in group {group!r}")
     return [r for r in out if r.records]

@@ -25,6 +25,11 @@ Rules (docs/compare.md repeats them):
   floating-point reductions from counting when the A/A runs are bit-identical). One number over
   all steps: a per-step test would flag noise at the steps where two repeats happen to cross.
   Without a variant of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
+* **Diverged runs.** A run with a step whose loss or grad norm was not finite
+  (:func:`~relax_gdn.compare.runs.nonfinite_steps`) is *diverged*, and so is its variant. Its
+  non-finite values are left out of every statistic, the run is left out of the A/A noise floor
+  (its spread is the divergence, not run-to-run noise), and the curve verdicts against a diverged
+  variant or baseline are ``diverged``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_gdn.compare.runs import Run
+from relax_gdn.compare.runs import CompareInputError, Run, is_nonfinite, nonfinite_steps
 
 WARMUP_FRACTION = 0.1
 MIN_WARMUP_STEPS = 3
@@ -229,13 +234,13 @@ def find_baseline(variants: list[Variant], selectors: list[str]) -> Variant:
     wanted = []
     for selector in selectors:
         if "=" not in selector:
-            raise ValueError(f"--baseline {selector!r}: expected key=value, e.g. gdn.cp_mode=headwise")
+            raise CompareInputError(f"--baseline {selector!r}: expected key=value, e.g. gdn.cp_mode=headwise")
         wanted.append(tuple(selector.split("=", 1)))
     for variant in variants:
         run_config = variant.runs[0].config
         if all(_fmt_value(run_config.get(k)) == v for k, v in wanted):
             return variant
-    raise ValueError(f"--baseline {' '.join(selectors)} matches no variant; variants: "
+    raise CompareInputError(f"--baseline {' '.join(selectors)} matches no variant; variants: "
                      + "; ".join(v.label for v in variants))
 
 
@@ -268,9 +273,15 @@ def _mean_curve(variant: Variant, key: str) -> dict[int, float]:
     return {s: float(np.mean([c[s] for c in curves])) for s in sorted(steps)}
 
 
+def _healthy(variant: Variant) -> Variant:
+    """``variant`` with only its runs that did not diverge."""
+    return Variant(variant.label, variant.config, [run for run in variant.runs if not nonfinite_steps(run.records)])
+
+
 def noise_floor(variants: list[Variant]) -> dict[str, Any]:
-    """The A/A spreads and per-step curve variances (module docstring) from every variant with >= 2 runs."""
-    repeated = [v for v in variants if len(v.runs) >= 2]
+    """The A/A spreads and per-step curve variances (module docstring) from every variant with >= 2
+    runs that did not diverge (a diverged run's spread is its divergence, not noise)."""
+    repeated = [v for v in map(_healthy, variants) if len(v.runs) >= 2]
     throughput = None
     sums: dict[str, dict[int, list[float]]] = {key: {} for key in CURVES}  # step -> [sum of var x dof, dof]
     per_variant = []
@@ -331,17 +342,31 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
            "max_abs_diff": diffs[worst], "at_step": worst,
            "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
            "mean_abs_diff": float(np.mean(list(diffs.values())))}
-    if not noise["available"]:  # no repeats: no noise to weigh the difference against, none quoted
+    if _diverged(variant) or _diverged(baseline):  # a curve with non-finite steps is not compared
+        out |= {"verdict": "diverged", "rms_noise": None, "noise_ratio": None, "outside": None}
+    elif not noise["available"]:  # no repeats: no noise to weigh the difference against, none quoted
         out |= {"verdict": "no A/A", "rms_noise": None, "noise_ratio": None, "outside": None}
     else:
         out["verdict"] = "differs" if out["noise_ratio"] > CURVE_NOISE_RATIO else "within noise"
     return out
 
 
+def _diverged(variant: Variant) -> bool:
+    return any(nonfinite_steps(run.records) for run in variant.runs)
+
+
+def _run_entry(run: Run) -> dict[str, Any]:
+    """A run as ``summary.json`` lists it (``nonfinite_steps`` > 0: diverged)."""
+    bad = [r["step"] for r in run.records if is_nonfinite(r)]
+    return {"name": run.name, "source": run.source, "steps": len(run.records), "world_size": run.world_size,
+            "steady_steps": len(steady_records(run.records)), "nonfinite_steps": len(bad), "diverged": bool(bad),
+            "first_nonfinite_step": bad[0] if bad else None, "summary": run_summary(run.records, run.world_size)}
+
+
 def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str, Any]:
     """Everything the reports show, as one JSON-ready dict (``summary.json``)."""
     if not runs:
-        raise ValueError("no runs to compare (no metrics.jsonl with step records)")
+        raise CompareInputError("no runs to compare (no metrics.jsonl with step records)")
     varying, variants = group_variants(runs)
     base = find_baseline(variants, baseline or [])
     noise = noise_floor(variants)
@@ -354,10 +379,9 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
             ratios[metric] = s["median"] / b["median"] if s and b and b["median"] else None
         out_variants.append({
             "label": variant.label, "config": {k: v for k, v in variant.config.items() if v is not UNSET},
-            "baseline": variant is base,
-            "runs": [{"name": r.name, "source": r.source, "steps": len(r.records), "world_size": r.world_size,
-                      "steady_steps": len(steady_records(r.records)), "summary": run_summary(r.records, r.world_size)}
-                     for r in variant.runs],
+            "baseline": variant is base, "diverged": _diverged(variant),
+            "nonfinite_steps": sum(nonfinite_steps(r.records) for r in variant.runs),
+            "runs": [_run_entry(r) for r in variant.runs],
             "stats": stats[variant.label], "ratio_to_baseline": ratios,
         })
     comparisons = []
@@ -365,7 +389,7 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
         if variant is base:
             continue
         comparisons.append({
-            "variant": variant.label, "baseline": base.label,
+            "variant": variant.label, "baseline": base.label, "diverged": _diverged(variant) or _diverged(base),
             "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
             **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
         })
@@ -377,7 +401,9 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
                   "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
                            f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
                            f"({CURVE_RTOL:g} x baseline value)^2)",
-                  "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap"},
+                  "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
+                  "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
+                              "curves not compared"},
         "varying_keys": varying, "baseline": base.label, "variants": out_variants,
         "noise": noise_out, "comparisons": comparisons,
     }

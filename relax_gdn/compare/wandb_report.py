@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from relax_gdn.compare.runs import CompareInputError
+
 HISTORY = "train/"  # the training loop logs each record field as train/<field>
 LINE_PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"), ("mfu", "MFU"),
                ("step_time_s", "step time (s)"), ("peak_mem_gb", "peak memory (GB)"))
@@ -22,7 +24,7 @@ def report_spec(path: str, group: str, group_by: str = "gdn.cp_mode") -> dict[st
     """The report for W&B group ``group`` of ``ENTITY/PROJECT``: curves vs step and bars of the
     end-of-run summaries (``relax_gdn.compare.stats.run_summary``), runs grouped by ``group_by``."""
     if path.count("/") != 1 or not all(path.split("/")):
-        raise ValueError(f"--wandb-report {path!r}: expected ENTITY/PROJECT")
+        raise CompareInputError(f"--wandb-report {path!r}: expected ENTITY/PROJECT")
     entity, project = path.split("/")
     return {
         "entity": entity, "project": project,
@@ -60,6 +62,7 @@ def save_report(spec: dict[str, Any]) -> str:
     try:
         report.save()
     except Exception as e:  # noqa: BLE001 - no server, no key: one message
-        raise ValueError(f"saving the W&B report to {spec['entity']}/{spec['project']} failed ({type(e).__name__}: "
-                         f"{e}); it needs the W&B server and an API key (wandb login / WANDB_API_KEY)") from None
+        raise CompareInputError(f"saving the W&B report to {spec['entity']}/{spec['project']} failed "
+                                f"({type(e).__name__}: {e}); it needs the W&B server and an API key (wandb login / "
+                                "WANDB_API_KEY)") from e
     return report.url

@@ -22,7 +22,8 @@ SCHEMA_NAME = "relax_gdn_schema"  # conf/config.yaml's defaults list starts from
 def _omegaconf_type(hint):
     """The type OmegaConf 2.3 checks for ``hint``: it knows neither ``Literal`` nor unions of
     values, so a ``Literal`` of strings is checked as ``str`` (``validate`` checks the choice) and
-    ``int | float`` as ``float``; ``X | None`` stays optional."""
+    ``int | float`` as ``float``, a union with a ``Literal`` of strings (``float | Literal["auto"]``)
+    as ``str``; ``X | None`` stays optional."""
     if dataclasses.is_dataclass(hint):
         return omegaconf_schema(hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -30,7 +31,10 @@ def _omegaconf_type(hint):
         return type(args[0])
     if origin in (typing.Union, types.UnionType):
         kinds = [a for a in args if a is not type(None)]
-        base = _omegaconf_type(kinds[0]) if len(kinds) == 1 else float
+        if len(kinds) == 1:
+            base = _omegaconf_type(kinds[0])
+        else:  # a number or a word ("auto") travels as text; the typed config reads the number back
+            base = str if str in {_omegaconf_type(k) for k in kinds} else float
         return base | None if type(None) in args else base
     return hint
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from relax_gdn.choices import (
     RECOMPUTE_MODULES,
@@ -25,6 +25,7 @@ from relax_gdn.choices import (
     LRSchedule,
     ModelAttentionBackend,
     ModelPreset,
+    NonfinitePolicy,
     OptimizerCheckpointSharding,
     OptimizerName,
     Precision,
@@ -135,6 +136,22 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     device: Device = "auto"
     deterministic: bool = False  # Megatron deterministic mode (refused with chunkwise CP > 1)
+    # a step whose loss or grad norm is not finite never has its update applied nor a checkpoint
+    # saved after it; stop: the run ends there (exit 3), skip: it goes on, counting such steps
+    on_nonfinite: NonfinitePolicy = "stop"
+    max_nonfinite_steps: int = 3  # on_nonfinite=skip: this many non-finite steps in a row end the run
+    collective_timeout_s: float = 600.0  # a collective that takes longer fails (every process group)
+    # no step completed for this long: every rank writes its threads' stacks to <run dir>/hang/ and
+    # exits 124; auto: max(10 x the median step time, 300 s) from the 4th step on; null: no watchdog
+    hang_timeout_s: float | Literal["auto"] | None = "auto"
+
+    def __post_init__(self) -> None:
+        # the command line and config.yaml give hang_timeout_s as text (its type admits "auto")
+        if isinstance(self.hang_timeout_s, str) and self.hang_timeout_s != "auto":
+            try:
+                self.hang_timeout_s = float(self.hang_timeout_s)
+            except ValueError:
+                pass  # validate names the value
 
 
 @dataclass

@@ -30,6 +30,7 @@ from relax_gdn.choices import (
     LR_SCHEDULES,
     MODEL_ATTENTION_BACKENDS,
     MODEL_PRESETS,
+    NONFINITE_POLICIES,
     OPTIMIZER_CHECKPOINT_SHARDINGS,
     OPTIMIZERS,
     PRECISIONS,
@@ -98,6 +99,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
         problems += _model_and_gdn(cfg, dims)
     problems += _parallel(cfg, dims)
     problems += _batch(cfg, dims)
+    problems += _safety(cfg)
     problems += _data(cfg)
     problems += _optim(cfg)
     problems += _logging_and_checkpoint(cfg)
@@ -120,6 +122,7 @@ def _choices(cfg: RunConfig) -> list[str]:
         ("data.format", cfg.data.format, RECORD_FORMATS),
         ("train.precision", cfg.train.precision, PRECISIONS),
         ("train.device", cfg.train.device, DEVICES),
+        ("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES),
         ("optim.name", cfg.optim.name, OPTIMIZERS),
         ("optim.schedule", cfg.optim.schedule, LR_SCHEDULES),
         ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
@@ -229,6 +232,25 @@ def _batch(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
             "data.max_sample_tokens (or set it to null: skip what does not fit) or raise train.max_tokens_per_gpu")
     if data.max_sample_tokens is not None and (not _is_int(data.max_sample_tokens) or data.max_sample_tokens < 2):
         problems.append(f"data.max_sample_tokens={data.max_sample_tokens!r} must be an integer >= 2 or null")
+    return problems
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _safety(cfg: RunConfig) -> list[str]:
+    """What ends a run that goes wrong: non-finite steps, collective and step timeouts."""
+    train, problems = cfg.train, []
+    if not _is_int(train.max_nonfinite_steps) or train.max_nonfinite_steps < 1:
+        problems.append(f"train.max_nonfinite_steps={train.max_nonfinite_steps!r} must be an integer >= 1 (the "
+                        "non-finite steps in a row that end a run with train.on_nonfinite=skip)")
+    if not _is_number(train.collective_timeout_s) or train.collective_timeout_s <= 0:
+        problems.append(f"train.collective_timeout_s={train.collective_timeout_s!r} must be a number of seconds > 0")
+    hang = train.hang_timeout_s
+    if hang is not None and hang != "auto" and (not _is_number(hang) or hang <= 0):
+        problems.append(f"train.hang_timeout_s={hang!r} must be a number of seconds > 0, auto (from the run's "
+                        "median step time) or null (no watchdog)")
     return problems
 
 

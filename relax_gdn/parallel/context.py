@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -29,12 +30,15 @@ class ParallelContext:
     dynamic_groups: DynamicCPGroups | None  # dynamic CP: the CP group's sub-groups of every size
 
     @classmethod
-    def initialize(cls, *, tp: int, cp: int, dynamic_max_cp: int | None) -> ParallelContext:
+    def initialize(cls, *, tp: int, cp: int, dynamic_max_cp: int | None,
+                   timeout: timedelta | None = None) -> ParallelContext:
         """Create the TP / CP / DP groups in the default process group, and with ``dynamic_max_cp``
         (dynamic CP; it must equal ``cp``) the CP sub-groups of every size up to it. A collective
-        over every rank."""
+        over every rank. ``timeout``: every group's collective timeout (``train.collective_timeout_s``;
+        None: Megatron-Core's and torch's defaults)."""
+        minutes = {} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False,
+            tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False, **minutes,
         )
         cp_group = parallel_state.get_context_parallel_group()
         return cls(
@@ -44,7 +48,7 @@ class ParallelContext:
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             cp_group=cp_group,
             dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            dynamic_groups=DynamicCPGroups(cp_group, dynamic_max_cp) if dynamic_max_cp is not None else None,
+            dynamic_groups=DynamicCPGroups(cp_group, dynamic_max_cp, timeout) if dynamic_max_cp is not None else None,
         )
 
     @staticmethod

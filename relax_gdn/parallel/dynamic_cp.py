@@ -18,6 +18,8 @@ attention find them through :func:`relax_gdn.parallel.resolve_cp_group`.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -136,10 +138,11 @@ class DynamicCPGroups:
     ``max_cp``, created once. Every rank must construct this (it calls ``new_group`` for every
     sub-group of every CP group, in the same order on all ranks).
 
-    ``cp_group``: this rank's static CP group (size ``max_cp``).
+    ``cp_group``: this rank's static CP group (size ``max_cp``); ``timeout``: the sub-groups'
+    collective timeout (None: torch's default for the backend).
     """
 
-    def __init__(self, cp_group: dist.ProcessGroup, max_cp: int):
+    def __init__(self, cp_group: dist.ProcessGroup, max_cp: int, timeout: timedelta | None = None):
         sizes = cp_sizes(max_cp)
         if dist.get_world_size(cp_group) != max_cp:
             raise ValueError(
@@ -157,7 +160,7 @@ class DynamicCPGroups:
             for ranks in cp_groups:
                 for start in range(0, max_cp, d):
                     members = list(ranks[start : start + d])
-                    group = cp_group if d == max_cp else dist.new_group(members)
+                    group = cp_group if d == max_cp else dist.new_group(members, timeout=timeout)
                     if dist.get_rank() in members:
                         self._groups[d] = group
 

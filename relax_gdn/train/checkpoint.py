@@ -23,13 +23,25 @@ Atomicity: every rank writes into ``.step_N.partial``; when all are done, rank 0
 manifest, renames the directory to ``step_N`` (one rename: a checkpoint is either complete or
 invisible) and then rewrites ``latest`` (temporary file + rename). A ``kill -9`` at any point
 leaves the previous checkpoint complete and loadable.
+
+Resuming reads ``latest`` first: the checkpoint it names is the one to continue (a ``step_N`` newer
+than it is a save killed before ``latest`` named it; saving step N again replaces it). Only when
+``latest`` is missing or names a damaged checkpoint is the directory scanned for the newest
+complete one, and the log says so. Rank 0 decides, every rank loads what it decided
+(:func:`relax_gdn.train.agreement.decided_by_rank0`).
+
+A save that fails for the file system (full, over quota, read-only, not permitted) is one
+:class:`CheckpointError` naming the checkpoint, the cause and the free space, chained to what the
+writer raised; any other failure stays an exception with its traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 import random
 import shutil
 import time
@@ -42,7 +54,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from relax_gdn.compat.write_results import dies_with_parent
 from relax_gdn.errors import RecipeError
+from relax_gdn.runtime import require_runtime
+from relax_gdn.train.agreement import agree_on_errors
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -62,8 +77,12 @@ def disk_size(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
-# torch.distributed.checkpoint reports failed writes as CheckpointException, a BaseException
-_WRITE_FAILURES = (Exception, CheckpointException)
+# torch.distributed.checkpoint reports failed writes as CheckpointException (a BaseException);
+# this module's own file operations (the manifest, the rename, ``latest``) raise OSError
+_WRITE_FAILURES = (CheckpointException, OSError)
+# errors of the file system a checkpoint goes to, which the user fixes (space, quota, permissions)
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^'\n]*)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +145,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); "
-                              "the checkpoint is incomplete or corrupt: resume from another one") from None
+                              "the checkpoint is incomplete or corrupt: resume from another one") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "step" not in manifest:
         raise CheckpointError(f"checkpoint manifest {path} is not a relax-gdn {FORMAT} manifest "
                               f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
@@ -146,7 +165,7 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         backend = json.loads(megatron_meta.read_text()).get("sharded_backend")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint file {megatron_meta} cannot be read ({type(e).__name__}: {e}); the "
-                              "checkpoint is corrupt: resume from another one") from None
+                              "checkpoint is corrupt: resume from another one") from e
     if backend != "torch_dist":
         raise CheckpointError(f"checkpoint file {megatron_meta} names backend {backend!r}, expected 'torch_dist'")
     index = directory / ".metadata"
@@ -154,7 +173,7 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a pickle of anything: any failure means an unreadable index
         raise CheckpointError(f"checkpoint index {index} cannot be read ({type(e).__name__}: {e}); the checkpoint "
-                              "is corrupt: resume from another one") from None
+                              "is corrupt: resume from another one") from e
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -192,25 +211,57 @@ def optimizer_reshard_problem(directory: Path, manifest: dict[str, Any], optimiz
     return None
 
 
+def read_latest(root: Path) -> Path | None:
+    """The checkpoint directory ``root/latest`` names, or None when there is no such file or it does
+    not name a ``step_NNNNNN`` directory."""
+    try:
+        name = (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _step_of(Path(name)) is not None and "/" not in name else None
+
+
+def newest_usable_checkpoint(root: Path, notes: list[str]) -> Path | None:
+    """The checkpoint to continue in ``root``: the one ``latest`` names; when ``latest`` is missing
+    or names a damaged checkpoint (said in ``notes``), the newest complete one that passes
+    :func:`verify_checkpoint` (each damaged one skipped, said in ``notes``); None when there is none."""
+    named = read_latest(root)
+    if named is not None:
+        try:
+            verify_checkpoint(named)
+            return named
+        except CheckpointError as e:
+            notes.append(f"{root / LATEST} names {named.name}, which cannot be used: {e}; falling back to the "
+                         f"newest complete checkpoint in {root}")
+    candidates = [c for c in complete_checkpoints(root) if c != named]
+    if named is None and candidates:
+        how = "cannot be read" if (root / LATEST).exists() else "is missing"
+        notes.append(f"{root / LATEST} {how}: looking for the newest complete checkpoint in {root}")
+    for candidate in candidates:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as e:
+            notes.append(f"skipping {candidate}: {e}; falling back to the previous complete checkpoint")
+            continue
+        return candidate
+    return None
+
+
 def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[str]]:
     """The checkpoint directory to load for ``checkpoint.resume`` (``auto`` or a path), and notes
-    for the log. ``auto``: the newest complete checkpoint under ``checkpoint.dir`` that passes
-    :func:`verify_checkpoint` (a damaged newest one is skipped, saying so), or None (a fresh
-    start). A path: that checkpoint, or the newest under that directory; any damage is an error."""
+    for the log (rank 0 calls it and broadcasts the answer). ``auto``: the checkpoint
+    :func:`newest_usable_checkpoint` finds under ``checkpoint.dir``, or None (a fresh start). A
+    path: that checkpoint, or the one ``latest`` names in that directory (else its newest); any
+    damage is an error."""
     notes: list[str] = []
     if resume == "auto":
         if root is None:
             raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
         _refuse_per_rank_files(root)
-        for candidate in complete_checkpoints(root):
-            try:
-                verify_checkpoint(candidate)
-            except CheckpointError as e:
-                notes.append(f"skipping {candidate}: {e}; falling back to the previous complete checkpoint")
-                continue
-            return candidate, notes
-        notes.append(f"checkpoint.resume=auto: no complete checkpoint in {root}, starting fresh")
-        return None, notes
+        found = newest_usable_checkpoint(root, notes)
+        if found is None:
+            notes.append(f"checkpoint.resume=auto: no complete checkpoint in {root}, starting fresh")
+        return found, notes
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume={resume!r} does not exist; give a step_NNNNNN directory, the "
@@ -219,12 +270,12 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     if (path / MANIFEST).is_file() or path.name.endswith(_PARTIAL_SUFFIX) or _step_of(path) is not None:
         verify_checkpoint(path)
         return path, notes
-    candidates = complete_checkpoints(path)
-    if not candidates:
+    chosen = read_latest(path) or next(iter(complete_checkpoints(path)), None)
+    if chosen is None:
         raise CheckpointError(f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
                               f"directory with {MANIFEST}); point it at one or at the directory that contains them")
-    verify_checkpoint(candidates[0])
-    return candidates[0], notes
+    verify_checkpoint(chosen)
+    return chosen, notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +315,9 @@ class Saver:
 
     ``async_save`` (CUDA only): Megatron-Core writes the shards in a background process
     (``AsyncCallsQueue``); the rename and ``latest`` happen when every rank's write is done,
-    checked without blocking after each step (:meth:`poll`) and at the end (:meth:`finish`)."""
+    checked without blocking after each step (:meth:`poll`) and at the end (:meth:`finish`).
+    The writer's helper processes die with their rank (:mod:`relax_gdn.compat.write_results`,
+    through the Runtime)."""
 
     root: Path
     keep_last: int
@@ -276,6 +329,7 @@ class Saver:
     def __post_init__(self) -> None:
         self._queue = None
         self._in_flight: Path | None = None  # the checkpoint an async save is writing
+        require_runtime("saving checkpoints").checkpoint_write_results(background=self.async_save)
         if self.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -287,14 +341,10 @@ class Saver:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
         started = time.perf_counter()
-        rank = dist.get_rank()
         final = step_dir(self.root, step)
         partial = _partial_dir(final)
         self._finalize(blocking=True)  # one save in flight at a time
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
+        agree_on_errors(lambda: self._make_partial(partial, final))
         model_sd = model.sharded_state_dict()
         state = {
             "model": model_sd,
@@ -309,34 +359,34 @@ class Saver:
         strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), self.dp_cp_group)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
                     "optimizer": optimizer.checkpoint_form, **manifest}
-
-        blocked = 0.0
-
-        def publish() -> None:
-            dist.barrier()
-            if rank == 0:
-                self._publish(partial, final, manifest)
-            dist.barrier()
-            total = time.perf_counter() - started
-            self.timings.append((step, blocked or total, total))
-            if rank == 0:
-                logger.info("checkpoint %s saved (%.1f s%s)", final, total,
-                            f", training blocked {blocked:.1f} s" if blocked else "")
-
         if self._queue is None:
             try:
                 dist_checkpointing.save(state, str(partial), strategy, async_strategy="mcore")
             except _WRITE_FAILURES as e:
-                raise self._save_failed(final, e) from e
-            publish()
+                self._raise_if_disk_problem(final, e)
+                raise
+            self._publish(partial, final, manifest, started, blocked=0.0)
         else:
             request = dist_checkpointing.save(state, str(partial), strategy, async_sharded_save=True,
                                               async_strategy="mcore")
-            request.add_finalize_fn(publish)
+            request = request._replace(async_fn=dies_with_parent(request.async_fn))  # the forked writer
+            blocked = {}  # until the write is handed to the writer process (its time is set below)
+            request.add_finalize_fn(lambda: self._publish(partial, final, manifest, started, blocked["s"]))
             self._queue.schedule_async_request(request)
             self._in_flight = final
-            blocked = time.perf_counter() - started
+            blocked["s"] = time.perf_counter() - started
         return final
+
+    def _make_partial(self, partial: Path, final: Path) -> None:
+        """Rank 0 makes the empty ``.step_N.partial`` every rank writes into (a failure to: agreed)."""
+        if dist.get_rank() != 0:
+            return
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as e:
+            self._raise_if_disk_problem(final, e, agreed=False)
+            raise
 
     def poll(self) -> None:
         """Publish finished background saves (a collective; call it on every rank every step)."""
@@ -355,36 +405,65 @@ class Saver:
         try:
             done = self._queue.maybe_finalize_async_calls(blocking=blocking)
         except _WRITE_FAILURES as e:
-            raise self._save_failed(self._in_flight, e) from e
+            self._raise_if_disk_problem(self._in_flight, e)
+            raise
         if done:
             self._in_flight = None
 
-    def _save_failed(self, final: Path, error: BaseException) -> CheckpointError:
-        """Megatron-Core reports a failed write as a bare worker failure (a full disk reads
-        "unexpected pos 704 vs 598"): name the checkpoint, the free space and the way back."""
+    def _raise_if_disk_problem(self, final: Path, error: BaseException, agreed: bool = True) -> None:
+        """Raise the :class:`CheckpointError` for a save of ``final`` that failed for the file system
+        (:func:`disk_cause`), chained to ``error``; return when it did not (the caller re-raises
+        ``error``: a bug keeps its traceback). ``agreed``: every rank is here (a collective: a
+        disk problem found on any rank stops every rank with one message)."""
+        def check() -> None:
+            cause = disk_cause(error, final.parent)
+            if cause is not None:
+                raise self._save_failed(final, cause) from error
+
+        if agreed:
+            agree_on_errors(check)
+        else:
+            check()
+
+    def _save_failed(self, final: Path, cause: OSError) -> CheckpointError:
+        """The message for a save the file system refused: the checkpoint, the cause, the free space
+        and the way back."""
         try:
             free = f"{disk_size(shutil.disk_usage(self.root).free)} free there"
         except OSError:
             free = "its free space unknown"
-        if isinstance(error, CheckpointException):  # its str() is every failed rank's traceback
-            cause = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
-        else:
-            cause = f"{type(error).__name__}: {error}"
         return CheckpointError(
-            f"saving checkpoint {final} failed ({cause}); {free}. The checkpoints "
-            f"saved before it are complete (see {self.root / LATEST}): free space or fix {self.root}, then "
-            "rerun with checkpoint.resume=auto")
+            f"saving checkpoint {final} failed ({cause}); {free}. The checkpoints saved before it are complete "
+            f"(see {self.root / LATEST}): free space or fix {self.root}, then rerun with checkpoint.resume=auto")
 
-    def _publish(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
-        write_text_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
-        if final.exists():  # the same step saved again (a rerun): the new one replaces it
-            stale = final.parent / f".{final.name}.replaced"
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
-        write_text_atomically(final.parent / LATEST, final.name + "\n")
+    def _publish(self, partial: Path, final: Path, manifest: dict[str, Any], started: float, blocked: float) -> None:
+        """When every rank's shards are written (a collective): rank 0 writes the manifest, renames
+        ``partial`` to ``final``, rewrites ``latest`` and prunes; a file-system failure there is
+        one agreed message."""
+        dist.barrier()
+        agree_on_errors(lambda: self._publish_on_rank0(partial, final, manifest))
+        total = time.perf_counter() - started
+        self.timings.append((int(manifest["step"]), blocked or total, total))
+        if dist.get_rank() == 0:
+            logger.info("checkpoint %s saved (%.1f s%s)", final, total,
+                        f", training blocked {blocked:.1f} s" if blocked else "")
+
+    def _publish_on_rank0(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
+        if dist.get_rank() != 0:
+            return
+        try:
+            write_text_atomically(partial / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
+            if final.exists():  # the same step saved again (a rerun): the new one replaces it
+                stale = final.parent / f".{final.name}.replaced"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(final, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(partial, final)
+            _fsync_dir(final.parent)
+            write_text_atomically(final.parent / LATEST, final.name + "\n")
+        except OSError as e:
+            self._raise_if_disk_problem(final, e, agreed=False)
+            raise
         self._prune()
 
     def _prune(self) -> None:
@@ -394,6 +473,57 @@ class Saver:
         if self.keep_last > 0:
             for old in complete_checkpoints(self.root)[self.keep_last:]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _exception_chain(error: BaseException):
+    """``error``, its causes and contexts, and (torch DCP) every rank's failure with theirs."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [failure for failure, _ in e.failures.values()]
+
+
+def disk_cause(error: BaseException, directory: Path) -> OSError | None:
+    """Why a save into ``directory`` failed when the file system refused it (``DISK_ERRNOS``: full,
+    over quota, read-only, not permitted), else None.
+
+    Megatron-Core's writer keeps only the text of the OSError it caught (``[Errno 28] No space
+    left on device``) or not even that (a full disk ends a tensor write as ``RuntimeError:
+    unexpected pos``). So: an OSError in ``error``'s chain, else an errno in its text, else, for
+    a failed write (CheckpointException), what a small write into ``directory`` raises now."""
+    texts = []
+    for e in _exception_chain(error):
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return e
+        texts.append(str(e))
+    for number, text in _ERRNO_TEXT.findall("\n".join(texts)):
+        if int(number) in DISK_ERRNOS:
+            return OSError(int(number), text.strip())
+    if isinstance(error, CheckpointException):
+        return _probe_write(directory)
+    return None
+
+
+def _probe_write(directory: Path) -> OSError | None:
+    """The file-system error a 1 MiB write + fsync into ``directory`` meets now, or None."""
+    probe = directory / f".write_probe.rank{dist.get_rank() if dist.is_initialized() else 0}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 2**20)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e if e.errno in DISK_ERRNOS else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -432,11 +562,13 @@ def _load_sharded(request: dict[str, Any], directory: Path, hint: str = "") -> d
     not fitting this model (``hint``: what to check, appended)."""
     from megatron.core import dist_checkpointing
 
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
     try:
         return dist_checkpointing.load(request, str(directory))
-    except Exception as e:  # noqa: BLE001 - torch DCP / pickle / shape errors: the checkpoint does not fit
+    except (CheckpointingException, CheckpointException) as e:  # keys, shapes or shardings that do not fit
         raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
-                              f"{str(e)[:500]}){hint}") from None
+                              f"{str(e)[:500]}){hint}") from e
 
 
 def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimizer,

@@ -145,7 +145,13 @@ def run_summary(result) -> list[tuple[str, str]]:
     histogram = cp_size_histogram(records)
     if histogram:
         rows.append(("micro-batches per CP size", format_cp_sizes(histogram)))
-    if result.preempted_at is not None:
+    nonfinite = getattr(result, "nonfinite_steps", 0)
+    if nonfinite:
+        rows.append(("non-finite steps", f"{nonfinite} (loss or grad norm not finite; updates not applied)"))
+    stop = getattr(result, "stop", None)
+    if stop is not None:
+        rows.append(("stopped", f"after step {stop.step} ({stop.why}; exit code {stop.exit_code})"))
+    elif result.preempted_at is not None:
         rows.append(("stopped", f"after step {result.preempted_at} (SIGTERM/SIGUSR1)"))
     run_dir = result.run_dir
     rows.append(("run directory", str(run_dir) if run_dir is not None else "- (none written)"))

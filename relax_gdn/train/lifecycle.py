@@ -1,10 +1,10 @@
 """The life of a run around its steps: where checkpoints go, resuming (``checkpoint.resume``,
 ``auto`` included), periodic / final / preemption saves, and the Hugging Face export at the end.
 
-The loop calls four things: :meth:`RunLifecycle.start` (before step 1: checks ``checkpoint.dir``,
-loads the checkpoint, decides the run directory), :meth:`~RunLifecycle.after_step` (saves when
-due), :meth:`~RunLifecycle.finish` (waits for a background save, exports) and
-:data:`PREEMPTED_EXIT_CODE` for ``train.py``.
+The loop calls three things: :meth:`RunLifecycle.start` (before step 1: checks ``checkpoint.dir``,
+loads the checkpoint rank 0 chose, decides the run directory), :meth:`~RunLifecycle.after_step`
+(saves when due, never after a non-finite step) and :meth:`~RunLifecycle.finish` (waits for a
+background save, exports).
 
 A resumed run continues the run it resumes: the run directory recorded in the checkpoint (its
 ``metrics.jsonl`` is cut back to the checkpoint's step and appended to, ``config.yaml`` is
@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_gdn.errors import RecipeError
+from relax_gdn.errors import PREEMPTED_EXIT_CODE, RecipeError  # noqa: F401 - PREEMPTED_EXIT_CODE: one definition, in errors
+from relax_gdn.train.agreement import agree_on_errors, decided_by_rank0
 from relax_gdn.train.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
@@ -32,6 +33,7 @@ from relax_gdn.train.checkpoint import (
     disk_size,
     load_checkpoint,
     optimizer_reshard_problem,
+    read_latest,
     read_manifest,
     resolve_resume,
     write_text_atomically,
@@ -39,10 +41,6 @@ from relax_gdn.train.checkpoint import (
 from relax_gdn.train.hf_export import export_spec, write_hf_export
 
 logger = logging.getLogger("relax_gdn.train")
-
-# SIGTERM / SIGUSR1 stopped the run after a checkpoint: "temporary failure, try again" (BSD
-# sysexits EX_TEMPFAIL), what a requeueing job script checks for. Every rank exits with it.
-PREEMPTED_EXIT_CODE = 75
 
 # the scheduler fields that decide the learning rate and weight decay of every step
 _SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd")
@@ -93,10 +91,15 @@ def checkpoints_held_at_once(checkpoint_cfg, steps: int) -> int:
     return saves if checkpoint_cfg.keep_last == 0 else min(checkpoint_cfg.keep_last + 1, saves)
 
 
-def check_checkpoint_dir(root: Path, needed_bytes: int, held: int, device: torch.device) -> None:
+def check_checkpoint_dir(root: Path, needed_bytes: int, held: int) -> None:
     """Before step 1, on every rank (all of them write shards): ``root`` can be created and written
-    and has room for a checkpoint (else every rank raises: a collective); room for fewer than the
-    ``held`` checkpoints the run keeps at once is a warning (older runs' files may yet be pruned)."""
+    and has room for a checkpoint (else every rank raises the problem the first rank met: a
+    collective); room for fewer than the ``held`` checkpoints the run keeps at once is a warning
+    (older runs' files may yet be pruned)."""
+    agree_on_errors(lambda: _check_checkpoint_dir_here(root, needed_bytes, held))
+
+
+def _check_checkpoint_dir_here(root: Path, needed_bytes: int, held: int) -> None:
     problem = None
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -115,10 +118,8 @@ def check_checkpoint_dir(root: Path, needed_bytes: int, held: int, device: torch
     except OSError as e:
         problem = (f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
                    f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere")
-    failed = torch.tensor([int(problem is not None)], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise CheckpointError(problem or f"checkpoint.dir={str(root)!r} cannot be used on another rank (see its log)")
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def trim_metrics(path: Path, last_step: int) -> None:
@@ -156,6 +157,43 @@ def apply_schedule(scheduler, saved: dict[str, Any], cfg, directory: Path) -> st
     return f"schedule changed at resume ({detail}): continuing on the new schedule from step {saved['num_steps']}"
 
 
+@dataclass(frozen=True)
+class ResumePlan:
+    """The checkpoint rank 0 chose and checked, as every rank loads it."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    same_layout: bool  # written at this run's world size / TP / CP: per-rank CUDA RNG states apply
+    layout: dict[str, Any]  # this run's
+
+
+def plan_resume(cfg, root: Path | None, layout: Layout, data_key: DataKey, vocab_size: int,
+                optimizer_form: dict[str, Any]) -> ResumePlan | None:
+    """Rank 0's choice for ``checkpoint.resume`` (None: a fresh start), its notes logged, after
+    checking that the checkpoint fits this run (data position, model, optimizer form)."""
+    directory, notes = resolve_resume(cfg.checkpoint.resume, root)
+    for note in notes:
+        logger.warning("%s", note)
+    if directory is None:
+        return None
+    manifest = read_manifest(directory)
+    saved_data = manifest.get("data", {})
+    mismatched = {k: (saved_data.get(k), v) for k, v in data_key.as_dict().items() if saved_data.get(k) != v}
+    if mismatched:
+        detail = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in mismatched.items())
+        raise RecipeError(f"cannot resume from {directory}: the data position would mean other batches ({detail}); "
+                          "resume with the same train.seed, train.global_batch_size and data")
+    saved_model = manifest.get("model", {})
+    if (saved_model.get("preset"), saved_model.get("vocab_size")) != (cfg.model.preset, vocab_size):
+        raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
+                          f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
+                          f"{cfg.model.preset!r} with {vocab_size}")
+    problem = optimizer_reshard_problem(directory, manifest, optimizer_form, layout.as_dict())
+    if problem:
+        raise RecipeError(problem)
+    return ResumePlan(directory, manifest, manifest.get("layout") == layout.as_dict(), layout.as_dict())
+
+
 @dataclass
 class RunLifecycle:
     cfg: Any
@@ -182,7 +220,7 @@ class RunLifecycle:
                               "run directory nor checkpoint.dir")
         if root is not None and wants_saves:
             check_checkpoint_dir(root, estimated_checkpoint_bytes(model, layout.tp, device.type == "cuda"),
-                                 checkpoints_held_at_once(cfg.checkpoint, cfg.train.steps), device)
+                                 checkpoints_held_at_once(cfg.checkpoint, cfg.train.steps))
         async_save = cfg.checkpoint.async_save and device.type == "cuda"
         if cfg.checkpoint.async_save and not async_save and is_rank0:
             logger.warning("checkpoint.async_save=true needs CUDA (Megatron-Core's async writer); this CPU run "
@@ -196,37 +234,18 @@ class RunLifecycle:
                          "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
                    tokenizer_vocab_size=tokenizer_vocab_size, optimizer=optimizer)
-        if cfg.checkpoint.resume:
-            directory, notes = resolve_resume(cfg.checkpoint.resume, root)
-            if is_rank0:
-                for note in notes:
-                    logger.warning("%s", note)
-            if directory is not None:
-                life._resume(directory, layout, data_key, model=model, optimizer=optimizer, scheduler=scheduler,
-                             vocab_size=vocab_size)
+        if cfg.checkpoint.resume:  # rank 0 chooses and checks the checkpoint; every rank loads that one
+            plan = decided_by_rank0(lambda: plan_resume(cfg, root, layout, data_key, vocab_size,
+                                                        optimizer.checkpoint_form))
+            if plan is not None:
+                life._resume(plan, model=model, optimizer=optimizer, scheduler=scheduler)
         if is_rank0 and life.resumed is not None and life.run_dir is not None:
             trim_metrics(life.run_dir / "metrics.jsonl", life.start_step)
         return life
 
-    def _resume(self, directory: Path, layout: Layout, data_key: DataKey, *, model, optimizer, scheduler,
-                vocab_size: int) -> None:
-        manifest = read_manifest(directory)
-        saved_data = manifest.get("data", {})
-        mismatched = {k: (saved_data.get(k), v) for k, v in data_key.as_dict().items() if saved_data.get(k) != v}
-        if mismatched:
-            detail = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in mismatched.items())
-            raise RecipeError(f"cannot resume from {directory}: the data position would mean other batches ({detail}); "
-                              "resume with the same train.seed, train.global_batch_size and data")
-        saved_model = manifest.get("model", {})
-        if (saved_model.get("preset"), saved_model.get("vocab_size")) != (self.cfg.model.preset, vocab_size):
-            raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
-                              f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
-                              f"{self.cfg.model.preset!r} with {vocab_size}")
-        problem = optimizer_reshard_problem(directory, manifest, optimizer.checkpoint_form, layout.as_dict())
-        if problem:
-            raise RecipeError(problem)
-        same_layout = manifest.get("layout") == layout.as_dict()
-        loaded = load_checkpoint(directory, manifest, model=model, optimizer=optimizer, same_layout=same_layout)
+    def _resume(self, plan: ResumePlan, *, model, optimizer, scheduler) -> None:
+        directory, manifest = plan.directory, plan.manifest
+        loaded = load_checkpoint(directory, manifest, model=model, optimizer=optimizer, same_layout=plan.same_layout)
         if loaded.step >= self.cfg.train.steps:
             raise RecipeError(f"checkpoint {directory} is at step {loaded.step}, not below train.steps="
                               f"{self.cfg.train.steps}: raise train.steps to train further")
@@ -238,20 +257,29 @@ class RunLifecycle:
             self.run_dir = Path(saved_run_dir)
         if dist.get_rank() == 0:
             logger.info("resumed from step %d (%s)%s", loaded.step, directory,
-                        "" if same_layout else f"; resharded from {manifest.get('layout')} to {layout.as_dict()}")
+                        "" if plan.same_layout else f"; resharded from {manifest.get('layout')} to {plan.layout}")
             if self.run_dir is not None:
                 logger.info("continuing run directory %s", self.run_dir)
             if note:
                 logger.warning("%s", note)
 
+    def last_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of ``checkpoint.dir`` (what ``latest`` names), or None."""
+        return read_latest(self.root) if self.root is not None else None
+
     # -------------------------------------------------------------------------------- per step
 
-    def after_step(self, step: int, *, stop_requested: bool, model, optimizer, scheduler) -> Path | None:
+    def after_step(self, step: int, *, stop_requested: bool, nonfinite: bool, model, optimizer,
+                   scheduler) -> Path | None:
         """Save when due: every ``checkpoint.every_steps``, at the end whenever periodic saves are
-        on (or ``save_final`` asks) and when preempted. A collective."""
+        on (or ``save_final`` asks) and when a stop was requested; never after a step whose loss or
+        grad norm was not finite (``nonfinite``: that state is not one to continue from). A
+        collective."""
         if self.saver is None:
             return None
         self.saver.poll()
+        if nonfinite:
+            return None
         every, last = self.cfg.checkpoint.every_steps, step == self.cfg.train.steps
         if not ((every and step % every == 0) or stop_requested or (last and (every or self.cfg.checkpoint.save_final))):
             return None

@@ -46,16 +46,27 @@ def default_run_name(cfg) -> str:
     return name + f"-rc{cfg.recompute.granularity}-mt{cfg.train.max_tokens_per_gpu}"
 
 
+def json_value(value: Any) -> Any:
+    """A record value as ``metrics.jsonl`` holds it: a float that is not finite as the string
+    ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers; a null would read as "not
+    measured"), everything else as it is."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
 class JsonlLogger:
-    """``metrics.jsonl`` in the run directory: one JSON object per step, flushed each line."""
+    """``metrics.jsonl`` in the run directory: one JSON object per step, flushed each line. A step
+    whose loss or grad norm is not finite carries ``"nonfinite": true`` and those values as strings
+    (:func:`json_value`)."""
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean, sort_keys=False) + "\n")
+        clean = {k: json_value(v) for k, v in record.items()}
+        self._file.write(json.dumps(clean, sort_keys=False, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

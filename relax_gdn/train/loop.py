@@ -16,10 +16,21 @@ tokenizes the data (a bad source fails here, before any process group, model or 
    step, the step's ONE all-reduce (loss + the :class:`StepFlag` s of every rank), the metrics
    record and the step's :class:`StepOutcome` (decided in one place, alike on every rank);
 3. :meth:`Trainer.run`: the steps, each followed by its evaluation when due, logging, the profiler
-   window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1); then the
-   background save is awaited and the Hugging Face export written;
-4. :meth:`Trainer.close`: signal handlers, loggers and process groups released (also after an
-   error).
+   window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1, Ctrl-C:
+   :mod:`relax_gdn.train.stop`) or a non-finite loss or grad norm decided (``train.on_nonfinite``),
+   under the step watchdog (:mod:`relax_gdn.train.watchdog`); then the background save is
+   awaited and the Hugging Face export written;
+4. :meth:`Trainer.close`: signal handlers, the watchdog, loggers and process groups released (also
+   after an error).
+
+What every rank must decide alike is decided once (:mod:`relax_gdn.train.agreement`): the data
+and checkpoint problems found on any rank stop every rank at the same place, the checkpoint to
+resume is rank 0's choice, and a step's outcome comes from the step's all-reduce alone.
+
+Non-finite steps: the grad norm is on the host before the update (the optimizer reads it to
+clip), and an update whose grad norm is not finite is not applied (a non-finite loss comes with
+non-finite gradients). The loss is all-reduced as a sum, so a NaN or inf on any rank is one on
+every rank, read with the step's existing host read: no flag or sync is added for it.
 
 Loss normalisation: every loss token of the global batch counts once across CP and DP. The
 count is known on every rank without a collective: the global batch and its split are computed
@@ -30,11 +41,12 @@ global batch. Gradients are then SUMMED over DP × CP (Megatron's ``calculate_pe
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
-import signal
-import threading
+import dataclasses
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum, auto
 from pathlib import Path
 from typing import Any
@@ -56,13 +68,21 @@ from relax_gdn.data import (
     padded_length,
     synthetic_math_dataset,
 )
-from relax_gdn.errors import ConfigError, DataError, MemoryFitError
+from relax_gdn.errors import (
+    DIVERGED_EXIT_CODE,
+    INTERRUPTED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    ConfigError,
+    DataError,
+    MemoryFitError,
+)
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
 from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
 from relax_gdn.runtime import require_runtime
+from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
@@ -72,8 +92,20 @@ from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, set
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
 from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
+from relax_gdn.train.stop import StopRequest
+from relax_gdn.train.watchdog import StepWatchdog
 
 logger = logging.getLogger("relax_gdn.train")
+
+
+@dataclass(frozen=True)
+class RunStop:
+    """Why a run ended before ``train.steps``, alike on every rank."""
+
+    step: int  # the last step run
+    why: str  # what a person reads: "SIGTERM", "Ctrl-C", "a non-finite loss or grad norm", ...
+    exit_code: int  # relax_gdn.errors: 75 preempted, 130 interrupted, 3 diverged
+    checkpoint: Path | None  # rank 0: where the run continues from (saved at the stop, or the last good one)
 
 
 @dataclass
@@ -83,7 +115,9 @@ class TrainResult:
     checkpoints: list[Path] = field(default_factory=list)
     start_step: int = 0  # steps already done when this run started (resume)
     wandb_dir: str | None = None  # rank 0: the W&B run's files directory, when W&B ran
-    preempted_at: int | None = None  # the step after which SIGTERM/SIGUSR1 stopped the run
+    preempted_at: int | None = None  # the step after which a stop signal (SIGTERM/SIGUSR1/SIGINT) stopped the run
+    stop: RunStop | None = None  # set when the run ended early (a stop signal, a divergence)
+    nonfinite_steps: int = 0  # steps whose loss or grad norm was not finite (their updates not applied)
     # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
     save_timings: list[tuple[int, float, float]] = field(default_factory=list)
 
@@ -170,29 +204,6 @@ def check_samples_fit(samples, cfg: RunConfig) -> None:
         )
 
 
-class PreemptionRequest:
-    """SIGTERM / SIGUSR1 (SLURM preemption, ``scancel --signal``) ask for a checkpoint and a clean
-    exit after the current step; the handlers only set a flag, the loop acts on it."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be installed from the main thread
-        for name in self.SIGNALS:
-            sig = getattr(signal, name)
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 class ProfileWindow:
     """``logging.profile_steps=[first, last]``: a torch profiler trace per rank over those steps,
     written to ``<trace_dir>/rank<r>_steps<first>-<last>.json`` (layout swaps show up as
@@ -220,18 +231,20 @@ class ProfileWindow:
         return path
 
 
-def init_distributed(device: torch.device) -> bool:
-    """Join torchrun's group (env://), or make a one-process group; True when created here."""
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
+    """Join torchrun's group (env://), or make a one-process group; True when created here.
+    ``timeout_s``: the group's collective timeout (``train.collective_timeout_s``; None: torch's)."""
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", **timeout)
     else:
         # An in-process store: one rank has nobody to meet, so no port to pick (and race for).
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     return True
 
 
@@ -332,22 +345,27 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     dims = validate(cfg, env_world_size())
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
-    if data is None:
-        run_data = load_data(cfg)
-    else:
-        run_data = RunData(*data, eval_set=None)
-        check_samples_fit(run_data.dataset.samples, cfg)
     # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
     cpu = device.type == "cpu"
     require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
-                      data=run_data)
+                      data=data)
     try:
         trainer.setup()
         return trainer.run()
     finally:
         trainer.close()
+
+
+def load_run_data(cfg: RunConfig, data=None) -> RunData:
+    """What ``cfg.data`` names (:func:`load_data`), or the prepared ``(tokenizer, SFTDataset)`` pair
+    ``data`` after checking that its samples fit."""
+    if data is None:
+        return load_data(cfg)
+    run_data = RunData(*data, eval_set=None)
+    check_samples_fit(run_data.dataset.samples, cfg)
+    return run_data
 
 
 def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
@@ -409,7 +427,8 @@ class StepFlag(Enum):
     any rank, it is raised on every rank in that same step, so all ranks decide alike. Each member
     is one slot of the reduced vector, after the loss, in the order defined here."""
 
-    STOP_REQUESTED = auto()  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step
+    STOP_REQUESTED = auto()  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step (exit 75)
+    INTERRUPTED = auto()  # Ctrl-C (SIGINT) reached this rank: save and stop after this step (exit 130)
 
 
 @dataclass(frozen=True)
@@ -437,7 +456,21 @@ class StepOutcome:
 
     record: dict[str, Any]  # the step's metrics (run() adds the evaluation when due)
     updated: bool  # the optimizer applied the update (optim.name=none measures gradients only)
-    stop: bool  # a rank was asked to stop: save and end the run after this step
+    stop_code: int | None = None  # a rank was asked to stop: save, end the run after this step with this code
+    nonfinite: bool = False  # the loss or grad norm was not finite: the update was not applied
+    diverged: bool = False  # train.on_nonfinite ends the run here, saving nothing
+
+    @property
+    def stop(self) -> bool:
+        return self.stop_code is not None
+
+
+def stop_exit_code(flags: frozenset[StepFlag]) -> int | None:
+    """The exit code a stop request raised on any rank ends the run with: 75 for SIGTERM / SIGUSR1
+    (a job script requeues it) over 130 for Ctrl-C; None without one."""
+    if StepFlag.STOP_REQUESTED in flags:
+        return PREEMPTED_EXIT_CODE
+    return INTERRUPTED_EXIT_CODE if StepFlag.INTERRUPTED in flags else None
 
 
 class Trainer:
@@ -461,33 +494,44 @@ class Trainer:
     metrics: MetricsProcessor
     profile_window: ProfileWindow
     host_syncs: HostSyncCounter
+    data: RunData  # the tokenizer, training set and eval set, loaded and checked (every rank agreeing)
 
     def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
-                 data: RunData):
+                 data=None):
         """Args:
             cfg: the validated run configuration.
             run_dir: rank 0's run directory (rank 0's name is broadcast in setup); None: none.
             dims: the parallel sizes ``validate`` derived (world, dp, cp, tp).
             device: where this rank trains (``select_device``).
             bf16: bf16 parameters and compute (``select_bf16``); else fp32.
-            data: the tokenizer, training set and eval set, loaded and checked.
+            data: a prepared ``(tokenizer, SFTDataset)`` pair instead of what ``cfg.data`` names
+                (:func:`load_run_data`, called in setup).
         """
-        self.cfg, self.run_dir, self.dims, self.device, self.bf16, self.data = cfg, run_dir, dims, device, bf16, data
+        self.cfg, self.run_dir, self.dims, self.device, self.bf16 = cfg, run_dir, dims, device, bf16
+        self._given_data = data
+        self.nonfinite_in_a_row = 0  # decided in _outcome, alike on every rank
+        self.nonfinite_steps = 0
         # what close() releases, set as setup() gets to it
         self.created_group = False
         self.loggers: RunLoggers | None = None
-        self.preemption: PreemptionRequest | None = None
+        self.stop: StopRequest | None = None
+        self.watchdog: StepWatchdog | None = None
 
     # ----------------------------------------------------------------------------- setup
 
     def setup(self) -> None:
-        """Everything before step 1, in this order (a collective)."""
+        """Everything before step 1, in this order (a collective): stop signals handled, process
+        groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoint
+        and run directory, loggers, planner, evaluator, metrics, the step watchdog."""
+        cfg, device = self.cfg, self.device
+        saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
+        self.stop = StopRequest(require_runtime("stop signals"), rank=int(os.environ.get("RANK", "0")), saves=saves)
         self._init_process_groups()
+        self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data))
         self._build_model_and_optimizer()
         self._start_lifecycle()
         self._start_loggers()
         self._log_run()
-        cfg, device = self.cfg, self.device
         self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
                                          pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route)
         # the eval set packed exactly like a training global batch
@@ -495,7 +539,8 @@ class Trainer:
                                    device=device, micro_batches=self.planner.micro_batches)
         self.metrics = MetricsProcessor(ModelShape.from_transformer_config(self.tconfig, self.vocab_size),
                                         self.dims.world_size, device)
-        self.preemption = PreemptionRequest()
+        self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank,
+                                     dump_dir=self.run_dir / "hang" if self.run_dir is not None else None)
         trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
         self.profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, self.rank, device)
         # in forward + backward only (logging.count_host_syncs)
@@ -505,7 +550,7 @@ class Trainer:
         cfg, device = self.cfg, self.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.created_group = init_distributed(device)
+        self.created_group = init_distributed(device, timeout_s=cfg.train.collective_timeout_s)
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.run_dir = _broadcast_run_dir(self.run_dir)
@@ -514,17 +559,16 @@ class Trainer:
         seed_everything(cfg.train.seed)
         dynamic = cfg.parallel.dynamic_cp
         self.parallel = ParallelContext.initialize(tp=self.dims.tp, cp=self.dims.cp,
-                                                   dynamic_max_cp=dynamic.max_cp if dynamic.enabled else None)
+                                                   dynamic_max_cp=dynamic.max_cp if dynamic.enabled else None,
+                                                   timeout=timedelta(seconds=cfg.train.collective_timeout_s))
         if device.type == "cuda":
             model_parallel_cuda_manual_seed(cfg.train.seed)
 
     def _build_model_and_optimizer(self) -> None:
-        cfg, dims, device, bf16 = self.cfg, self.dims, self.device, self.bf16
-        self.vocab_size = _vocab_size(cfg, self.data.tokenizer, dims.tp)
-        # mixed recompute without a layer count: the memory model's choice, kept in the run's config
-        self.cfg = cfg = resolve_full_layers(cfg, dims, device, bf16, self.vocab_size)
-        check_memory_fits(cfg, dims, device, bf16, self.vocab_size, log=self.is_rank0)
-        self.tconfig, model = _build_model(cfg, dims, device, bf16, self.vocab_size)
+        device, bf16 = self.device, self.bf16
+        # a problem on any rank (a checkpoint file one node lacks) stops every rank here, before DDP
+        self.tconfig, model = agree_on_errors(self._checked_model)
+        cfg = self.cfg
         self.core_model = model
         if device.type == "cuda":
             if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
@@ -536,6 +580,16 @@ class Trainer:
                                                   tp_group=self.parallel.tp_group, sequence_parallel=cfg.parallel.sp)
         self.model = model
         self.scheduler = build_scheduler(self.optimizer, cfg, log=self.is_rank0)
+
+    def _checked_model(self):
+        """The vocabulary size, the resolved recompute layers, the memory check, then the model
+        (Megatron-Core's TransformerConfig and module): nothing here is a collective."""
+        cfg, dims, device, bf16 = self.cfg, self.dims, self.device, self.bf16
+        self.vocab_size = _vocab_size(cfg, self.data.tokenizer, dims.tp)
+        # mixed recompute without a layer count: the memory model's choice, kept in the run's config
+        self.cfg = cfg = resolve_full_layers(cfg, dims, device, bf16, self.vocab_size)
+        check_memory_fits(cfg, dims, device, bf16, self.vocab_size, log=self.is_rank0)
+        return _build_model(cfg, dims, device, bf16, self.vocab_size)
 
     def _start_lifecycle(self) -> None:
         """checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run."""
@@ -607,7 +661,7 @@ class Trainer:
         if plan.cp_size_counts is not None:
             record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
         self._log_host_syncs(step)
-        return self._outcome(record, totals, updated=updated)
+        return self._outcome(record, totals, updated=updated, grad_norm=grad_norm)
 
     def _forward_backward(self, plan: StepPlan, loss_tokens: int) -> torch.Tensor:
         """Gradients of the global batch's loss accumulated over this rank's micro-batches; returns
@@ -625,12 +679,23 @@ class Trainer:
 
     def _raised_flags(self) -> set[StepFlag]:
         """This rank's :class:`StepFlag` s for the step's all-reduce."""
-        return {StepFlag.STOP_REQUESTED} if self.preemption.requested else set()
+        flags = {StepFlag.STOP_REQUESTED} if self.stop.preempted_by is not None else set()
+        return flags | ({StepFlag.INTERRUPTED} if self.stop.interrupted else set())
 
-    def _outcome(self, record: dict[str, Any], totals: StepTotals, *, updated: bool) -> StepOutcome:
-        """The one place a step's outcome is decided. From all-reduced values only, so every rank
-        takes the same decision in the same step."""
-        return StepOutcome(record=record, updated=updated, stop=StepFlag.STOP_REQUESTED in totals.flags)
+    def _outcome(self, record: dict[str, Any], totals: StepTotals, *, updated: bool,
+                 grad_norm: float | None) -> StepOutcome:
+        """The one place a step's outcome is decided. From all-reduced values only (the loss sum,
+        the flags, the grad norm the optimizer reduced), so every rank takes the same decision in
+        the same step: a stop request, and a loss or grad norm that is not finite (its update was
+        not applied; ``train.on_nonfinite`` says whether the run ends here)."""
+        nonfinite = not math.isfinite(totals.loss_sum) or (grad_norm is not None and not math.isfinite(grad_norm))
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+        self.nonfinite_steps += nonfinite
+        record["nonfinite"], record["nonfinite_steps"] = nonfinite, self.nonfinite_steps
+        train = self.cfg.train
+        diverged = nonfinite and (train.on_nonfinite == "stop" or self.nonfinite_in_a_row >= train.max_nonfinite_steps)
+        return StepOutcome(record=record, updated=updated and not nonfinite, stop_code=stop_exit_code(totals.flags),
+                           nonfinite=nonfinite, diverged=diverged)
 
     def _log_host_syncs(self, step: int) -> None:
         if self.host_syncs.count and self.is_rank0 and step <= self.start_step + 2:  # where (first steps only)
@@ -641,54 +706,117 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Steps ``start_step + 1 .. train.steps``, each followed by its evaluation when due, its log
-        record, the profiler window and its checkpoint when due; ends early (saved) after a step in
-        which a rank was asked to stop. Then waits for a background save and exports when asked."""
+        record, the profiler window and its checkpoint when due (none after a non-finite step);
+        ends early after a step in which a rank was asked to stop (saved), or one that
+        ``train.on_nonfinite`` ends the run at (nothing saved). Then waits for a background save and
+        exports when the run completed."""
         cfg = self.cfg
         result = TrainResult(records=[], run_dir=self.run_dir, checkpoints=self.lifecycle.saved,
                              start_step=self.start_step,
                              save_timings=self.lifecycle.saver.timings if self.lifecycle.saver else [])
         self.model.train()
+        self.watchdog.start()
+        ended: tuple[int, StepOutcome, Path | None] | None = None
         for step in range(self.start_step + 1, cfg.train.steps + 1):
-            self.profile_window.before_step(step)
-            outcome = self.train_step(step)
-            record = self._logged_record(step, outcome)
-            result.records.append(record)
-            self.loggers.log(record)
-            trace = self.profile_window.after_step(step)
-            if trace is not None and self.is_rank0:
-                logger.info("profiler traces of steps %s written to %s", cfg.logging.profile_steps, trace.parent)
-            saved = self.lifecycle.after_step(step, stop_requested=outcome.stop, model=self.core_model,
-                                              optimizer=self.optimizer, scheduler=self.scheduler)
-            if outcome.stop and step != cfg.train.steps:
-                result.preempted_at = step
-                self._report_stop(step, saved)
+            self.stop.step = step
+            outcome, saved = self._step_and_save(step, result)
+            if outcome.diverged or (outcome.stop and step != cfg.train.steps):
+                ended = (step, outcome, saved)
                 break
-        self.lifecycle.finish(completed=result.preempted_at is None, model=self.core_model)
+        self.watchdog.close()
+        result.nonfinite_steps = self.nonfinite_steps
+        self.lifecycle.finish(completed=ended is None, model=self.core_model)
+        if ended is not None:
+            result.stop = self._report_end(*ended)
+            result.preempted_at = None if ended[1].diverged else ended[0]
         wandb = self.loggers.wandb()
         result.wandb_dir = wandb.run_dir if wandb is not None else None
         return result
+
+    def _step_and_save(self, step: int, result: TrainResult) -> tuple[StepOutcome, Path | None]:
+        """One step, its record logged, the profiler window, the checkpoint when due; a stop asked
+        for while the checkpoint was written stops the run after it (the returned outcome says so)."""
+        self.profile_window.before_step(step)
+        outcome = self.train_step(step)
+        self.watchdog.progress(step, outcome.record["step_time_s"])
+        record = self._logged_record(step, outcome)
+        result.records.append(record)
+        self.loggers.log(record)
+        trace = self.profile_window.after_step(step)
+        if trace is not None and self.is_rank0:
+            logger.info("profiler traces of steps %s written to %s", self.cfg.logging.profile_steps, trace.parent)
+        if outcome.diverged:
+            return outcome, None
+        saved = self.lifecycle.after_step(step, stop_requested=outcome.stop, nonfinite=outcome.nonfinite,
+                                          model=self.core_model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.watchdog.progress()
+        if saved is not None and not outcome.stop:  # a signal that came during the save: agreed, stop now
+            flags = all_reduce_step(torch.zeros((), device=self.device), self._raised_flags(), self.dims.tp).flags
+            outcome = dataclasses.replace(outcome, stop_code=stop_exit_code(flags))
+        return outcome, saved
 
     def _logged_record(self, step: int, outcome: StepOutcome) -> dict[str, Any]:
         """The step's record as logged: the evaluation when due (after the step's timing: evaluation
         is not in tok/s) and whether the update was skipped."""
         record = dict(outcome.record)
-        if self.evaluator.due(step):
+        if self.evaluator.due(step) and not outcome.nonfinite:
             record.update(self.evaluator.run(self.model))
         if not outcome.updated:
             record["skipped_update"] = True
         return record
 
-    def _report_stop(self, step: int, saved: Path | None) -> None:
+    def _report_end(self, step: int, outcome: StepOutcome, saved: Path | None) -> RunStop:
+        """The one line rank 0 says about a run that ended before ``train.steps``, and what it ended
+        with (after the background save, so the checkpoint named is complete)."""
+        if outcome.diverged:
+            return self._report_divergence(step, outcome.record)
+        code = outcome.stop_code
+        why = ("Ctrl-C" if code == INTERRUPTED_EXIT_CODE else
+               self.stop.preempted_by or "SIGTERM/SIGUSR1 on another rank")
+        checkpoint = saved if saved is not None else self.lifecycle.last_checkpoint()
         if self.is_rank0:
-            logger.warning("stop requested (SIGTERM/SIGUSR1): stopped after step %d%s", step,
-                           f", checkpoint {saved}" if saved is not None else
-                           " without a checkpoint (no run directory or checkpoint.dir)")
+            what = "preempted" if code == PREEMPTED_EXIT_CODE else "stopped"
+            if saved is not None:
+                where = f"checkpoint {saved}"
+            elif outcome.nonfinite:
+                where = (f"not saved: the step was not finite; the last good checkpoint is {checkpoint}"
+                         if checkpoint else "not saved: the step was not finite, and there is no earlier checkpoint")
+            else:
+                where = "without a checkpoint (no run directory or checkpoint.dir)"
+            logger.warning("%s after step %d (%s), %s; %s; exiting with %d", what, step, why, where,
+                           self._how_to_continue(checkpoint), code)
+        return RunStop(step=step, why=why, exit_code=code, checkpoint=checkpoint)
+
+    def _how_to_continue(self, checkpoint: Path | None) -> str:
+        if checkpoint is None:
+            return "nothing to continue from"
+        if self.cfg.checkpoint.resume == "auto":
+            return "the same command continues from it"
+        return f"continue with checkpoint.resume={checkpoint}"
+
+    def _report_divergence(self, step: int, record: dict[str, Any]) -> RunStop:
+        """``train.on_nonfinite`` ended the run at ``step``: nothing saved from this state."""
+        train, checkpoint = self.cfg.train, self.lifecycle.last_checkpoint()
+        if self.is_rank0:
+            rule = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop" else
+                    f"{self.nonfinite_in_a_row} in a row, train.max_nonfinite_steps={train.max_nonfinite_steps}")
+            last = (f"the last good checkpoint is {checkpoint}" if checkpoint is not None
+                    else "no checkpoint was saved before it")
+            logger.error("step %d: loss %s, grad norm %s: not finite (%s); its update was not applied and nothing "
+                         "was saved; %s; %s (lower optim.lr, or train.on_nonfinite=skip to step over such "
+                         "batches); exiting with %d", step, record["loss"], record["grad_norm"], rule, last,
+                         self._how_to_continue(checkpoint), DIVERGED_EXIT_CODE)
+        return RunStop(step=step, why="a non-finite loss or grad norm", exit_code=DIVERGED_EXIT_CODE,
+                       checkpoint=checkpoint)
 
     def close(self) -> None:
         """Release what setup() made, also after a setup or a step that failed part way: signal
-        handlers, loggers, the model-parallel groups, and the default group when made here."""
-        if self.preemption is not None:
-            self.preemption.restore()
+        handlers, the watchdog, loggers, the model-parallel groups, and the default group when
+        made here."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.stop is not None:
+            self.stop.restore()
         if self.loggers is not None:
             self.loggers.close()
         ParallelContext.destroy()

@@ -8,7 +8,6 @@ counted as a GEMM). MFU is null where the accelerator's peak is unknown (CPU).
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import Counter
@@ -29,7 +28,7 @@ class StepRecord:
 
     step: int
     loss: float
-    grad_norm: float | None
+    grad_norm: float | None  # None: not measured (optim.name=none); NaN / inf: a non-finite step
     lr: float
     tokens: int  # real tokens of the global batch
     tokens_per_s: float
@@ -172,7 +171,7 @@ class MetricsProcessor:
         mfu = tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
         mfu_relax = tflops_relax / self.peak_tflops if self.peak_tflops else None
         return StepRecord(
-            step=step, loss=loss, grad_norm=None if grad_norm is None or math.isnan(grad_norm) else grad_norm,
+            step=step, loss=loss, grad_norm=grad_norm,  # a non-finite norm stays: the step is marked by it
             lr=lr, tokens=tokens, tokens_per_s=tokens / seconds, mfu=mfu, mfu_relax=mfu_relax,
             tflops_per_gpu=tflops_per_gpu, step_time_s=step_time_s, loss_tokens=loss_tokens,
             padded_tokens=padded_tokens, num_micro_batches=num_micro_batches, num_samples=len(seq_lengths),

@@ -120,7 +120,9 @@ class CPUGradSyncOptimizer:
         return math.sqrt(local.item())
 
     def step(self) -> tuple[bool, float]:
-        """Sync gradients, clip, update; returns (updated, grad norm before clipping)."""
+        """Sync gradients, clip, update; returns (updated, grad norm before clipping). A grad norm
+        that is not finite (the same on every rank: it is reduced) leaves the weights and the
+        optimizer state as they were."""
         self._finish_grad_sync()
         norm = self._grad_norm()
         if not math.isfinite(norm):
@@ -184,11 +186,11 @@ class GradientsOnly:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
 
-    def step(self) -> tuple[bool, float]:
+    def step(self) -> tuple[bool, float | None]:
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
-        return False, float("nan")
+        return False, None  # no grad norm measured
 
     checkpoint_form = {"kind": "none"}
 
@@ -200,13 +202,48 @@ class GradientsOnly:
         pass
 
 
+class SkipNonfiniteUpdate:
+    """Megatron-Core's optimizer step without the update when the grad norm is not finite.
+
+    With bf16 (no loss scaler) Megatron-Core 0.19.2 applies whatever the gradients hold: a NaN
+    norm makes the clipping factor NaN, ``NaN < 1`` is false, nothing is clipped, and Adam writes
+    NaN into the weights and moments (the chained optimizer's ``grad_norm_skip_threshold`` test is
+    false for NaN too). Its step computes the norm (``get_grad_norm`` in ``ChainedOptimizer.step``,
+    ``clip_grad_norm`` in ``MixedPrecisionOptimizer.step``: the step's host read, the same value on
+    every rank) before ``step_with_ready_grads`` applies the update; this object, installed on the
+    optimizer get_megatron_optimizer returned, notes that norm and turns the update into a no-op
+    when it is not finite. (DDP's ``check_for_nan_in_grad`` would instead raise on the rank whose
+    local gradients hold the NaN, before the reduction the other ranks wait in.)"""
+
+    def __init__(self, optimizer):
+        self.norm: float | None = None
+        for name in ("get_grad_norm", "clip_grad_norm"):
+            if hasattr(optimizer, name):
+                setattr(optimizer, name, self._noting(getattr(optimizer, name)))
+        apply = optimizer.step_with_ready_grads
+        optimizer.step_with_ready_grads = lambda: False if self.skips else apply()
+
+    @property
+    def skips(self) -> bool:
+        return self.norm is not None and not math.isfinite(self.norm)
+
+    def _noting(self, compute):
+        def noted(*args, **kwargs):
+            self.norm = compute(*args, **kwargs)
+            return self.norm
+
+        return noted
+
+
 class MegatronOptimizerAdapter:
-    """Megatron-Core DDP + distributed optimizer (CUDA)."""
+    """Megatron-Core DDP + distributed optimizer (CUDA); an update whose grad norm is not finite is
+    skipped (:class:`SkipNonfiniteUpdate`)."""
 
     def __init__(self, ddp_model, optimizer, checkpoint_sharding: str):
         self.model = ddp_model
         self.optimizer = optimizer
         self.checkpoint_sharding = checkpoint_sharding
+        self._guard = SkipNonfiniteUpdate(optimizer)
 
     @property
     def param_groups(self):
@@ -216,12 +253,17 @@ class MegatronOptimizerAdapter:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> tuple[bool, float]:
+    def step(self) -> tuple[bool, float | None]:
+        """Reduce the gradients, clip, update; returns (updated, grad norm). A non-finite norm
+        applies nothing (:class:`SkipNonfiniteUpdate`)."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
+        self._guard.norm = None
         updated, grad_norm, _ = self.optimizer.step()
-        return bool(updated), float("nan") if grad_norm is None else float(grad_norm)
+        if grad_norm is None:  # Megatron-Core found inf/NaN itself (a loss scaler) and skipped the update
+            grad_norm = self._guard.norm if self._guard.norm is not None else float("nan")
+        return bool(updated), float(grad_norm)
 
     @property
     def checkpoint_form(self) -> dict[str, Any]:
@@ -313,7 +355,9 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
-        check_for_nan_in_grad=True, average_in_collective=False,
+        # off: it raises on the rank whose local gradients hold a NaN, before the reduction the other
+        # ranks wait in, and costs a host read per bucket; the step's reduced grad norm decides instead
+        check_for_nan_in_grad=False, average_in_collective=False,
     )
     ddp = DistributedDataParallel(transformer_config, ddp_config, model)
     o = cfg.optim

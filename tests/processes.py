@@ -1,0 +1,80 @@
+"""Reading and ending the processes a test starts (train.py, torchrun and their workers), each wait
+with a time limit: a child's output line by line, every process below a child, a poll for a
+condition with a deadline."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import selectors
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+
+
+def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:
+    """The lines a child writes to its stdout pipe, as they come, until it closes the pipe. Past
+    ``timeout_s`` the child and everything below it are killed and AssertionError shows the output
+    so far."""
+    deadline = time.monotonic() + timeout_s
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = process.stdout.fileno()  # below the file object: its readline would block past the limit
+    pending, seen = "", []
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            if not selector.select(max(0.0, deadline - time.monotonic())):
+                kill_tree(process.pid)
+                process.wait(timeout=60)
+                raise AssertionError(f"child {process.args!r} still writing after {timeout_s:.0f} s; its output:\n"
+                                     + "".join(seen)[-4000:] + pending)
+            chunk = os.read(fd, 65536)
+            pending += decoder.decode(chunk, final=not chunk)
+            *complete, pending = pending.split("\n")
+            for line in complete:
+                seen.append(line + "\n")
+                yield line + "\n"
+            if not chunk:
+                if pending:
+                    yield pending
+                return
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process below ``pid`` (none when it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (a zombie has ended: only its parent's wait is missing)."""
+    running = []
+    for proc in processes:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it."""
+    for proc in [*descendants(pid), *([psutil.Process(pid)] if psutil.pid_exists(pid) else [])]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+    """Poll ``condition`` until it holds; AssertionError naming ``what`` past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(poll_s)  # polling an outside condition, not timing anything
