@@ -8,10 +8,15 @@ traceback (``HYDRA_FULL_ERROR=1`` shows it), and nothing written: the command li
 and validated before Hydra creates the run directory and before torch or Megatron-Core are
 imported (about a second), and a problem found later in setup (a data file that cannot be used)
 removes the run directory Hydra made for the attempt.
+
+``python train.py --check [--world-size N] [overrides]`` does only that check, for a run of N
+processes, and exits (0, or 2 with the message): what a launcher runs once before it starts
+workers (``make run``, ``slurm/train.sbatch``).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -23,7 +28,7 @@ from omegaconf import DictConfig
 
 from relax_gdn.config import validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
-from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError, report_user_error
+from relax_gdn.errors import RecipeError, report_user_error
 
 log = logging.getLogger("train")
 
@@ -39,17 +44,41 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
 register_schema()
 
 
-def check_command_line(overrides: list[str]) -> None:
-    """Compose and validate what Hydra is about to run; a problem exits here with status 2.
+def check_command_line(overrides: list[str], world_size: int | None = None) -> None:
+    """Compose and validate what Hydra is about to run (for ``world_size`` processes; None: torchrun's
+    ``WORLD_SIZE``, else 1); a problem exits here with status 2.
 
     Flags (``--multirun``, ``--cfg``, ``--help``, ...) are left to Hydra: each job then validates
     in :func:`main` and removes its run directory when it fails."""
     if any(arg.startswith("-") for arg in overrides):
         return
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate(compose_run_config(CONF_DIR, overrides), int(os.environ.get("WORLD_SIZE", "1")))
+        validate(compose_run_config(CONF_DIR, overrides), world_size)
     except RecipeError as e:
         report_user_error(e)
+
+
+def check_only(argv: list[str]) -> None:
+    """``python train.py --check [--world-size N] [overrides]``: :func:`check_command_line` for a run
+    of N processes, then exit 0 (or 2 with the message). Runs nothing, writes nothing, imports no
+    torch: launchers call it once before they start workers."""
+    parser = argparse.ArgumentParser(
+        prog="python train.py --check",
+        description="Compose and validate a run's overrides, as train.py would, without running anything.")
+    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to train.py")
+    args = parser.parse_args(argv)
+    check_command_line(args.overrides, world_size=args.world_size)
+    raise SystemExit(0)
+
+
+class MultirunUnderTorchrun(RecipeError):
+    """``train.py -m`` started by torchrun: every rank would run every job."""
+
+    same_on_every_rank = True  # every rank sees the same command line: rank 0 alone says so
 
 
 def refuse_multirun_under_torchrun(argv: list[str]) -> None:
@@ -57,13 +86,12 @@ def refuse_multirun_under_torchrun(argv: list[str]) -> None:
     group the other ranks are not in. Sweeps start their own process groups: exit 2 here."""
     multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=MULTIRUN") for a in argv)
     if multirun and ("TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ):
-        sys.stderr.write(
-            "error: train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
+        report_user_error(MultirunUnderTorchrun(
+            "train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
             "sweep with python; each job gets its own process group:\n"
             "  python train.py -m hydra/launcher=local hydra.launcher.tasks_per_node=N <overrides>   # this machine\n"
             "  python train.py -m hydra/launcher=slurm <overrides>                                   # SLURM\n"
-            "(docs/sweeps.md)\n")
-        raise SystemExit(USER_ERROR_EXIT_CODE)
+            "(docs/sweeps.md)"))
 
 
 def _hydra_files_only(run_dir: Path | None) -> list[Path]:
@@ -139,6 +167,8 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check"]:
+        check_only(sys.argv[2:])
     refuse_multirun_under_torchrun(sys.argv[1:])
     check_command_line(sys.argv[1:])
     main()

@@ -9,7 +9,9 @@ what to change. A leaf module: it imports nothing of the project, so every layer
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from typing import NoReturn
 
@@ -79,10 +81,17 @@ def report_user_error(error: RecipeError) -> NoReturn:
         raise error
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0 and error.same_on_every_rank:
-        # Rank 0 reports it, and torchrun stops this rank once rank 0 exits. Exiting first would
-        # make torchrun stop rank 0 before it printed; a rank 0 that did not fail alike (a file
-        # visible on some nodes only) leaves this rank to report after the wait.
+        # Rank 0 reports it, and torchrun stops this rank (SIGTERM) once rank 0 exits: this rank
+        # then exits with the same code, quietly. Exiting first would make torchrun stop rank 0
+        # before it printed; a rank 0 that did not fail alike (a file visible on some nodes only)
+        # leaves this rank to report after the wait.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_quietly)
         time.sleep(QUIET_RANK_WAIT_S)
     prefix = f"[rank {rank}] " if rank else ""
     print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(USER_ERROR_EXIT_CODE)
+
+
+def _exit_quietly(signum, frame) -> NoReturn:
     raise SystemExit(USER_ERROR_EXIT_CODE)
