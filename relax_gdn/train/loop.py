@@ -550,7 +550,11 @@ class Trainer:
         self.start_step, self.run_dir = self.lifecycle.start_step, self.lifecycle.run_dir
 
     def _start_loggers(self) -> None:
-        """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends)."""
+        """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends).
+        A finished run (resumed at train.steps) leaves its directory and W&B run as they are."""
+        if self.lifecycle.complete:
+            self.loggers = RunLoggers([])
+            return
         cfg, dims, dataset = self.cfg, self.dims, self.data.dataset
         derived = {"world_size": dims.world_size, "dp": dims.dp, "device": str(self.device), "bf16": self.bf16,
                    "vocab_size": self.vocab_size, "run_name": default_run_name(cfg), "tags": run_tags(cfg),
@@ -565,7 +569,7 @@ class Trainer:
         self.lifecycle.wandb_run_id = self.loggers.wandb_run_id()  # saved in checkpoints: a resume continues it
 
     def _log_run(self) -> None:
-        if not self.is_rank0:
+        if not self.is_rank0 or self.lifecycle.complete:
             return
         cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
         n_params = sum(p.numel() for p in self.core_model.parameters())
