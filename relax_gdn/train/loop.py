@@ -485,8 +485,8 @@ class Trainer:
         self._init_process_groups()
         self._build_model_and_optimizer()
         self._start_lifecycle()
-        self._start_loggers()
         self._log_run()
+        self._start_loggers()
         cfg, device = self.cfg, self.device
         self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
                                          pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route)
