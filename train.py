@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -124,6 +125,29 @@ def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
         parent.rmdir()
 
 
+def continue_job_log(hydra_run_dir: Path, run_dir: Path) -> None:
+    """A resumed run logs on in the run directory it continues: Hydra's job log (the root logger's
+    file handler writing into ``hydra_run_dir``, ``train.log``) is appended to the file of the same
+    name in ``run_dir``, removed, and continued there, so the new directory keeps only ``.hydra/``."""
+    root = logging.getLogger()
+    here = hydra_run_dir.resolve()
+    for handler in list(root.handlers):
+        if not isinstance(handler, logging.FileHandler) or Path(handler.baseFilename).parent != here:
+            continue
+        job_log = Path(handler.baseFilename)
+        handler.close()  # flushed: what it holds goes first
+        root.removeHandler(handler)
+        continued = run_dir / job_log.name
+        if job_log.is_file():
+            with open(continued, "ab") as out:
+                out.write(job_log.read_bytes())
+            job_log.unlink()
+        moved = logging.FileHandler(continued, mode="a", encoding=handler.encoding)
+        moved.setLevel(handler.level)
+        moved.setFormatter(handler.formatter)
+        root.addHandler(moved)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -148,8 +172,9 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
     from relax_gdn.train.lifecycle import PREEMPTED_EXIT_CODE
     from relax_gdn.train.loop import run_training
 
+    on_continue = partial(continue_job_log, run_dir) if run_dir is not None else None
     try:
-        result = run_training(run_config_from_hydra(hydra_cfg), run_dir)
+        result = run_training(run_config_from_hydra(hydra_cfg), run_dir, on_continue=on_continue)
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from pathlib import Path
@@ -319,7 +320,8 @@ def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> TrainResult:
+def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
+                 on_continue: Callable[[Path], None] | None = None) -> TrainResult:
     """Train ``cfg`` (already validated or not: validated again here, before anything is built).
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
@@ -327,7 +329,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     Uses the initialized default process group, else makes a one-process one. It needs an installed
     :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
-    what ``cfg.data`` names.
+    what ``cfg.data`` names. ``on_continue``: called on rank 0 with the run directory a resumed run
+    continues when it is not ``run_dir`` (``train.py`` moves Hydra's job log there).
     """
     dims = validate(cfg, env_world_size())
     device = select_device(cfg)
@@ -342,7 +345,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
-                      data=run_data)
+                      data=run_data, on_continue=on_continue)
     try:
         trainer.setup()
         return trainer.run()
@@ -463,7 +466,7 @@ class Trainer:
     host_syncs: HostSyncCounter
 
     def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
-                 data: RunData):
+                 data: RunData, on_continue: Callable[[Path], None] | None = None):
         """Args:
             cfg: the validated run configuration.
             run_dir: rank 0's run directory (rank 0's name is broadcast in setup); None: none.
@@ -471,8 +474,11 @@ class Trainer:
             device: where this rank trains (``select_device``).
             bf16: bf16 parameters and compute (``select_bf16``); else fp32.
             data: the tokenizer, training set and eval set, loaded and checked.
+            on_continue: rank 0 calls it with the run directory a resumed run continues, when that
+                is not ``run_dir``.
         """
         self.cfg, self.run_dir, self.dims, self.device, self.bf16, self.data = cfg, run_dir, dims, device, bf16, data
+        self.on_continue = on_continue
         # what close() releases, set as setup() gets to it
         self.created_group = False
         self.loggers: RunLoggers | None = None
@@ -547,7 +553,10 @@ class Trainer:
             data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(self.data.dataset)),
             tokenizer_vocab_size=self.data.tokenizer.vocab_size, device=self.device,
             dp_cp_group=self.parallel.dp_cp_group)
-        self.start_step, self.run_dir = self.lifecycle.start_step, self.lifecycle.run_dir
+        continued = self.lifecycle.run_dir
+        if self.is_rank0 and self.on_continue is not None and continued not in (None, self.run_dir):
+            self.on_continue(continued)
+        self.start_step, self.run_dir = self.lifecycle.start_step, continued
 
     def _start_loggers(self) -> None:
         """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends).
