@@ -282,3 +282,11 @@ def test_every_documented_command_passes_the_check():
 
 
 _NOT_HERE = re.compile(r"does not exist|is neither 'embedded' nor an existing|is not a directory")
+
+
+@pytest.mark.parametrize("codes,agreed", [([2, 2], 2), ([2, -15], 2), ([75, -15, 75], 75), ([2, 1], None),
+                                          ([1, -15], None), ([-9], None), ([-15], None), ([2, 75], None)])
+def test_the_launcher_passes_on_the_code_the_failed_workers_agree_on(codes, agreed):
+    from relax_gdn.launch import agreed_exit_code
+
+    assert agreed_exit_code(codes) == agreed
