@@ -169,7 +169,7 @@ class RunLifecycle:
     saved: list[Path] = field(default_factory=list)
     tokenizer_vocab_size: int | None = None  # the export trims the padded vocabulary to it
     optimizer: Any = None  # its fp32 main parameters go into the export's float32 tensors
-    complete: bool = False  # the checkpoint resumed is at train.steps: no step to run, no log to write
+    complete: bool = False  # the checkpoint resumed is at train.steps: no step to run, nothing rewritten
 
     @property
     def export_dir(self) -> Path | None:
@@ -271,7 +271,8 @@ class RunLifecycle:
         if step < steps:
             return False
         self.complete, self.start_step = True, step
-        export_missing = self.cfg.checkpoint.export_hf_final and not self._export_written()
+        export_missing = (self.cfg.checkpoint.export_hf_final and self.export_dir is not None
+                          and not self._export_written())
         if dist.get_rank() == 0:
             logger.info("complete at step %d (%s); %s", step, directory,
                         f"nothing to train, writing its Hugging Face export to {self.export_dir}" if export_missing
