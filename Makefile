@@ -22,10 +22,14 @@ setup: $(VENV)/.installed
 
 # The embedded demo: the tiny Qwen3.5 on the synthetic SFT set, 2 processes with CP 2 chunkwise
 # (gloo on CPU, NCCL on GPUs); the run directory under outputs/runs/ gets the resolved config,
-# metrics.jsonl, a checkpoint and an offline W&B run.
+# metrics.jsonl, a checkpoint and an offline W&B run. The command line is checked once before any
+# worker starts, and relax_gdn.launch (torchrun) ends with the workers' exit code: a problem in
+# ARGS or the data is one message and exit code 2.
+RUN_NPROC := 2
+RUN_ARGS := parallel.cp=2 gdn.cp_mode=chunkwise checkpoint.save_final=true logging.wandb.mode=offline
 run: setup
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 train.py parallel.cp=2 gdn.cp_mode=chunkwise \
-		checkpoint.save_final=true logging.wandb.mode=offline $(ARGS)
+	@$(PY) train.py --check --world-size $(RUN_NPROC) $(RUN_ARGS) $(ARGS)
+	$(PY) -m relax_gdn.launch --standalone --nproc-per-node $(RUN_NPROC) train.py $(RUN_ARGS) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -8,14 +8,20 @@ traceback (``HYDRA_FULL_ERROR=1`` shows it), and nothing written: the command li
 and validated before Hydra creates the run directory and before torch or Megatron-Core are
 imported (about a second), and a problem found later in setup (a data file that cannot be used)
 removes the run directory Hydra made for the attempt.
+
+``python train.py --check [--world-size N] [overrides]`` does only that check, for a run of N
+processes, and exits (0, or 2 with the message): what a launcher runs once before it starts
+workers (``make run``, ``slurm/train.sbatch``).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -45,17 +51,41 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
 register_schema()
 
 
-def check_command_line(overrides: list[str]) -> None:
-    """Compose and validate what Hydra is about to run; a problem exits here with status 2.
+def check_command_line(overrides: list[str], world_size: int | None = None) -> None:
+    """Compose and validate what Hydra is about to run (for ``world_size`` processes; None: torchrun's
+    ``WORLD_SIZE``, else 1); a problem exits here with status 2.
 
     Flags (``--multirun``, ``--cfg``, ``--help``, ...) are left to Hydra: each job then validates
     in :func:`main` and removes its run directory when it fails."""
     if any(arg.startswith("-") for arg in overrides):
         return
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate(compose_run_config(CONF_DIR, overrides), int(os.environ.get("WORLD_SIZE", "1")))
+        validate(compose_run_config(CONF_DIR, overrides), world_size)
     except RecipeError as e:
         report_user_error(e)
+
+
+def check_only(argv: list[str]) -> None:
+    """``python train.py --check [--world-size N] [overrides]``: :func:`check_command_line` for a run
+    of N processes, then exit 0 (or 2 with the message). Runs nothing, writes nothing, imports no
+    torch: launchers call it once before they start workers."""
+    parser = argparse.ArgumentParser(
+        prog="python train.py --check",
+        description="Compose and validate a run's overrides, as train.py would, without running anything.")
+    parser.add_argument("--world-size", type=int, default=1, metavar="N",
+                        help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to train.py")
+    args = parser.parse_args(argv)
+    check_command_line(args.overrides, world_size=args.world_size)
+    raise SystemExit(0)
+
+
+class MultirunUnderTorchrun(RecipeError):
+    """``train.py -m`` started by torchrun: every rank would run every job."""
+
+    same_on_every_rank = True  # every rank sees the same command line: rank 0 alone says so
 
 
 def refuse_multirun_under_torchrun(argv: list[str]) -> None:
@@ -63,13 +93,12 @@ def refuse_multirun_under_torchrun(argv: list[str]) -> None:
     group the other ranks are not in. Sweeps start their own process groups: exit 2 here."""
     multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=MULTIRUN") for a in argv)
     if multirun and ("TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ):
-        sys.stderr.write(
-            "error: train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
+        report_user_error(MultirunUnderTorchrun(
+            "train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
             "sweep with python; each job gets its own process group:\n"
             "  python train.py -m hydra/launcher=local hydra.launcher.tasks_per_node=N <overrides>   # this machine\n"
             "  python train.py -m hydra/launcher=slurm <overrides>                                   # SLURM\n"
-            "(docs/sweeps.md)\n")
-        raise SystemExit(USER_ERROR_EXIT_CODE)
+            "(docs/sweeps.md)"))
 
 
 def _hydra_files_only(run_dir: Path | None) -> list[Path]:
@@ -102,6 +131,29 @@ def _remove_attempt(run_dir: Path, hydra_files: list[Path]) -> None:
         parent.rmdir()
 
 
+def continue_job_log(hydra_run_dir: Path, run_dir: Path) -> None:
+    """A resumed run logs on in the run directory it continues: Hydra's job log (the root logger's
+    file handler writing into ``hydra_run_dir``, ``train.log``) is appended to the file of the same
+    name in ``run_dir``, removed, and continued there, so the new directory keeps only ``.hydra/``."""
+    root = logging.getLogger()
+    here = hydra_run_dir.resolve()
+    for handler in list(root.handlers):
+        if not isinstance(handler, logging.FileHandler) or Path(handler.baseFilename).parent != here:
+            continue
+        job_log = Path(handler.baseFilename)
+        handler.close()  # flushed: what it holds goes first
+        root.removeHandler(handler)
+        continued = run_dir / job_log.name
+        if job_log.is_file():
+            with open(continued, "ab") as out:
+                out.write(job_log.read_bytes())
+            job_log.unlink()
+        moved = logging.FileHandler(continued, mode="a", encoding=handler.encoding)
+        moved.setLevel(handler.level)
+        moved.setFormatter(handler.formatter)
+        root.addHandler(moved)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -125,8 +177,9 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
     from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.loop import run_training
 
+    on_continue = partial(continue_job_log, run_dir) if run_dir is not None else None
     try:
-        result = run_training(run_config_from_hydra(hydra_cfg), run_dir)
+        result = run_training(run_config_from_hydra(hydra_cfg), run_dir, on_continue=on_continue)
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
@@ -151,6 +204,8 @@ def interrupted_outside_training() -> None:
 
 if __name__ == "__main__":
     try:
+        if sys.argv[1:2] == ["--check"]:
+            check_only(sys.argv[2:])
         refuse_multirun_under_torchrun(sys.argv[1:])
         check_command_line(sys.argv[1:])
         main()

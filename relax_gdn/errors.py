@@ -25,7 +25,9 @@ Exit codes (docs/checkpoints.md has the table users read; each code is defined h
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 USER_ERROR_EXIT_CODE = 2  # the exit code of every RecipeError (argparse uses 2 for usage errors too)
@@ -127,8 +129,12 @@ def report_user_error(error: RecipeError) -> NoReturn:
     rank = int(os.environ.get("RANK", "0"))
     shared = error.same_on_every_rank or error.agreed
     record_exit_code(USER_ERROR_EXIT_CODE)
-    if rank != 0 and shared and _wait_for_rank0_report():
-        raise SystemExit(USER_ERROR_EXIT_CODE)
+    if rank != 0 and shared:
+        # torchrun stops this rank (SIGTERM) once rank 0 exits: it then exits with the same code, quietly
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_quietly)
+        if _wait_for_rank0_report():
+            raise SystemExit(USER_ERROR_EXIT_CODE)
     origin = error.found_on_rank if error.agreed else rank
     prefix = f"[rank {origin}] " if origin else ""
     print(f"{prefix}error: {error}", file=sys.stderr, flush=True)
@@ -175,3 +181,7 @@ def _wait_for_rank0_report() -> bool:
     except RuntimeError:  # torch's store timeout (DistStoreError is a RuntimeError)
         return False
     return True
+
+
+def _exit_quietly(signum, frame) -> NoReturn:
+    raise SystemExit(USER_ERROR_EXIT_CODE)

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import JobResults, child_env
+from tests.distributed import JobResults, child_env, run_distributed
 from tests.helpers import output_lines
 from tests.helpers import small_config as _cfg
 
@@ -461,11 +462,12 @@ def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
     assert 2 <= stopped_after < 40 and f"step {stopped_after + 1}/40" not in text
 
 
-def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path):
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "relax_gdn.launch"])
+def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path, launcher):
     import psutil
 
-    env = child_env()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    env = child_env({"PYTHONPATH": str(ROOT)})
+    command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2",
                str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel.cp=2", "train.steps=40",
                "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
                f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
@@ -477,11 +479,193 @@ def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path):
         if "step 2/40" in line:  # as SLURM does: the signal goes to the workers, not to torchrun
             for worker in psutil.Process(torchrun.pid).children():
                 worker.send_signal(signal.SIGUSR1)
-    torchrun.wait(timeout=300)
+    rc = torchrun.wait(timeout=300)
     text = "".join(lines)
+    assert "preempted after step" in text and (tmp_path / "ckpt" / "latest").is_file()
+    if launcher == "relax_gdn.launch":  # the workers' code, without torchrun's report
+        assert rc == 75 and "Traceback" not in text and "exitcode" not in text, text[-3000:]
+        return
     # torchrun's report names the first worker to exit (75); it sends SIGTERM to a worker still
     # tearing down, after the checkpoint (a collective) is complete
     assert "exitcode  : 75" in text, text[-3000:]
-    assert "preempted after step" in text and (tmp_path / "ckpt" / "latest").is_file()
     # the one traceback is torchrun's own report of the non-zero exits, none from a worker
     assert text.count("Traceback") == 1 and "ChildFailedError" in text, text[-3000:]
+
+
+# ------------------------------------------------------------ stopped, resumed, finished, run again
+
+FINISHED_STEPS = 8
+_LOG_LINE_START = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[")
+
+
+def _run_command(tmp: Path, run: str) -> list[str]:
+    """The README's command for a run that saves and continues (``checkpoint.resume=auto``), small,
+    its run directory named; the same every time it is started again."""
+    return [f"hydra.run.dir={tmp / run}", f"train.steps={FINISHED_STEPS}", "train.global_batch_size=4",
+            "data.num_samples=64", "data.synthetic_max_steps=1", "optim.warmup_steps=1", "checkpoint.every_steps=1",
+            f"checkpoint.dir={tmp / 'checkpoints' / 'job'}", "checkpoint.resume=auto", "checkpoint.export_hf_final=true"]
+
+
+def _in_a_terminal(command: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run ``command`` with a pseudo-terminal as its stdout and stderr (so rank 0 draws its
+    progress bar); its exit code and everything it wrote, each read bounded by ``timeout``."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], timeout)
+            assert ready, f"no output within {timeout} s:\n" + b"".join(chunks).decode(errors="replace")[-3000:]
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return process.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(leader)
+        if process.poll() is None:
+            process.kill()
+
+
+def _fake_slurm(tmp: Path) -> Path:
+    """``srun`` and ``scontrol`` for running slurm/train.sbatch on this machine (no SLURM here):
+    srun runs its command once, here, and notes that it ran; scontrol names this host."""
+    bin_dir = tmp / "fake_slurm"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text('#!/bin/bash\ntouch "$(dirname "$0")/srun_ran"\n'
+                                  'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ $1 == show ]] && echo localhost\nexit 0\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+def _sbatch(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``slurm/train.sbatch`` as SLURM would start it on one node with 2 GPUs (2 CPU processes here)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake = _fake_slurm(tmp)
+    env = child_env({"PATH": f"{fake}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable,
+                     "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job",
+                     "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost", "GPUS_PER_NODE": "2",
+                     "CHECKPOINT_ROOT": str(tmp / "checkpoints"), "RDZV_PORT": str(port)})
+    return subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), *overrides], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run stopped by SIGTERM after step 2; the same command again (in a terminal) finishes it;
+    again: nothing to do; then, its export removed, as a requeued SLURM job on 2 processes."""
+    tmp = tmp_path_factory.mktemp("finished")
+    out = {}
+    train = [sys.executable, str(ROOT / "train.py")]
+    first = subprocess.Popen([*train, *_run_command(tmp, "run1")], cwd=tmp, env=child_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = OutputLines(first.stdout)
+    try:
+        lines.wait_for(rf"step 2/{FINISHED_STEPS}", timeout=300)
+        first.send_signal(signal.SIGTERM)
+        out["stopped_rc"] = first.wait(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    lines.all(timeout=60)
+    out["stopped_log"] = (tmp / "run1" / "train.log").read_text()
+    out["resumed_rc"], out["terminal"] = _in_a_terminal([*train, *_run_command(tmp, "run2")], tmp, timeout=300)
+    out["resumed_dir"] = sorted(p.name for p in (tmp / "run2").iterdir())
+    out["metrics"] = (tmp / "run1" / "metrics.jsonl").read_text()
+    out["log"] = (tmp / "run1" / "train.log").read_text()
+    out["again"] = subprocess.run([*train, *_run_command(tmp, "run3")], cwd=tmp, env=child_env(),
+                                  capture_output=True, text=True, timeout=300)
+    out["again_dir"] = sorted(p.name for p in (tmp / "run3").iterdir())
+    out["again_metrics"] = (tmp / "run1" / "metrics.jsonl").read_text()
+    out["again_log"] = (tmp / "run1" / "train.log").read_text()
+    shutil.rmtree(tmp / "run1" / "hf")
+    out["requeued"] = _sbatch(tmp, *_run_command(tmp, "run4"), "parallel.cp=2")
+    out["requeued_export"] = sorted(p.name for p in (tmp / "run1" / "hf").iterdir())
+    out["run1"] = sorted(p.name for p in (tmp / "run1").iterdir())
+    return tmp, out
+
+
+def test_a_stopped_run_resumed_keeps_one_log_in_its_run_directory(finished_run):
+    tmp, out = finished_run
+    assert out["stopped_rc"] == 75
+    stopped_at = int(re.search(r"stopped after step (\d+)", out["stopped_log"]).group(1))
+    assert 2 <= stopped_at < FINISHED_STEPS
+    assert out["resumed_rc"] == 0, out["terminal"][-3000:]
+    assert [json.loads(line)["step"] for line in out["metrics"].splitlines()] == list(range(1, FINISHED_STEPS + 1))
+    # the original train.log: the first part as it was, then the resumed part, in order
+    log = out["log"]
+    assert log.startswith(out["stopped_log"])
+    resumed = log[len(out["stopped_log"]):]
+    marks = [f"resumed from step {stopped_at} ({tmp / 'checkpoints' / 'job' / f'step_{stopped_at:06d}'})",
+             f"continuing run directory {tmp / 'run1'}", f"step_{FINISHED_STEPS:06d} saved", "Hugging Face export:"]
+    assert all(mark in resumed for mark in marks), resumed
+    assert [resumed.index(mark) for mark in marks] == sorted(resumed.index(mark) for mark in marks)
+    assert out["resumed_dir"] == [".hydra"]  # the new invocation's directory: Hydra's files only
+
+
+def test_log_lines_start_on_their_own_line_below_a_progress_bar(finished_run):
+    """In a terminal the resumed run draws its progress bar and logs its checkpoints while it is
+    drawn: each log line starts a line (after a newline or rich's erase-line), never continuing
+    the bar's text."""
+    text = finished_run[1]["terminal"]
+    starts = [m.start() for m in _LOG_LINE_START.finditer(text)]
+    assert sum("checkpoint" in text[s:s + 120] and "saved" in text[s:s + 200] for s in starts) >= 3
+    assert "\x1b[2K" in text and f"{FINISHED_STEPS}/{FINISHED_STEPS}" in text  # the bar was drawn
+    continuing = [text[max(0, s - 40):s + 60] for s in starts
+                  if s > 0 and not (text[:s].endswith("\n") or text[:s].endswith("\x1b[2K"))]
+    assert continuing == []
+
+
+def test_a_finished_run_started_again_is_complete_with_nothing_to_do(finished_run):
+    tmp, out = finished_run
+    again = out["again"]
+    assert again.returncode == 0, again.stderr[-3000:]
+    complete = (f"complete at step {FINISHED_STEPS} "
+                f"({tmp / 'checkpoints' / 'job' / f'step_{FINISHED_STEPS:06d}'}); nothing to do")
+    assert (again.stdout + again.stderr).count(complete) == 1, again.stdout[-3000:]
+    assert "Traceback" not in again.stderr and not re.search(r"^error", again.stderr, flags=re.M)
+    # nothing written: metrics, W&B and config untouched; the log line in the run's own train.log
+    assert out["again_metrics"] == out["metrics"] and out["again_dir"] == [".hydra"]
+    assert out["again_log"].startswith(out["log"]) and out["again_log"][len(out["log"]):].count(complete) == 1
+
+
+def test_a_requeued_slurm_job_of_a_finished_run_writes_the_missing_export_and_exits_0(finished_run):
+    """slurm/train.sbatch (srun and scontrol stood in for: no SLURM here) on 2 processes, the run's
+    export removed: the check, relax_gdn.launch, rank 0's one message, the export written, exit 0."""
+    tmp, out = finished_run
+    requeued = out["requeued"]
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    assert (tmp / "fake_slurm" / "srun_ran").exists()
+    text = requeued.stdout + requeued.stderr
+    assert text.count(f"complete at step {FINISHED_STEPS} (") == 1
+    assert f"nothing to train, writing its Hugging Face export to {tmp / 'run1' / 'hf'}" in text
+    assert "model.safetensors" in out["requeued_export"] and "config.json" in out["requeued_export"]
+    assert ".hf.partial" not in out["run1"]
+
+
+def test_sbatch_checks_the_command_line_before_starting_any_worker(tmp_path):
+    done = _sbatch(tmp_path, "train.stepz=3")
+    assert done.returncode == 2
+    assert re.findall(r"^error: .*", done.stderr, flags=re.M) == [
+        "error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; its keys are "
+        "steps, global_batch_size, max_tokens_per_gpu, seed, precision, device, deterministic "
+        "(relax_gdn/config/schema.py)"]
+    assert not (tmp_path / "fake_slurm" / "srun_ran").exists() and "Traceback" not in done.stderr

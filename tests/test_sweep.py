@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 
 from relax_gdn.sweep import (SweepManifest, SweepProgress, gpu_slots, variant_label, varying_keys, visible_gpu_ids,
                              wandb_run_id)
-from tests.distributed import child_env
+from tests.distributed import OutputLines, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
@@ -94,36 +93,6 @@ def test_compare_reads_the_sweep(sweep, tmp_path):
     assert "gdn.cp_mode=chunkwise" in (out / "summary.md").read_text()
 
 
-class _Lines:
-    """A child's output lines as they come (a reader thread), each wait bounded."""
-
-    def __init__(self, stream):
-        self.seen: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True)
-        self._reader.start()
-
-    def all(self, timeout: float) -> str:
-        """Every line, once the child has closed its output."""
-        self._reader.join(timeout)
-        assert not self._reader.is_alive(), f"the output did not end within {timeout} s"
-        while not self._queue.empty():
-            self.seen.append(self._queue.get())
-        return "".join(self.seen)
-
-    def wait_for(self, pattern: str, timeout: float) -> str:
-        """The first line from here on that matches ``pattern``."""
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output so far:\n"
-                                     + "".join(self.seen[-60:])) from None
-            self.seen.append(line)
-            if re.search(pattern, line):
-                return line
-
-
 def _write_when_read(fifo: Path, text: str, timeout: float) -> None:
     writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
     writer.start()
@@ -147,7 +116,7 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
          "hydra.launcher.timeout_min=15", *TINY],
         cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
-    lines = _Lines(proc.stdout)
+    lines = OutputLines(proc.stdout)
     try:
         lines.wait_for(r"job #0 failed \(exit 2, \d+:\d\d:\d\d\): .*no usable record", timeout=600)
         lines.wait_for(r"job #1 started", timeout=300)

@@ -101,17 +101,94 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
     assert done.returncode != 0 and "Traceback" in done.stderr and "train.steps=0" in done.stderr
 
 
-def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path):
-    env = child_env()
+CONFIG_PROBLEMS = {  # override: the one message
+    "train.steps=0": "error: configuration problem: train.steps=0 must be an integer >= 1",
+    "train.stepz=3": "error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; "
+                     "its keys are steps, global_batch_size, max_tokens_per_gpu, seed, precision, device, "
+                     "deterministic (relax_gdn/config/schema.py)",
+}
+
+
+@pytest.mark.parametrize("override", list(CONFIG_PROBLEMS))
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "relax_gdn.launch"])
+def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path, launcher, override):
+    """Every rank finds the problem; rank 0 prints it, the others exit 2 when torchrun stops them.
+    torchrun itself then exits 1 below its own report (its exit code is not the workers');
+    relax_gdn.launch (what make run and slurm/train.sbatch start) exits 2 without it."""
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "train.py"),
-         f"hydra.run.dir={tmp_path / 'run'}", "train.steps=0"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", launcher, "--nproc-per-node", "2", str(ROOT / "train.py"),
+         f"hydra.run.dir={tmp_path / 'run'}", override],
+        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=300,
     )
     assert done.returncode != 0
-    assert re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M) == [
-        "error: configuration problem: train.steps=0 must be an integer >= 1"]
+    assert re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M) == [CONFIG_PROBLEMS[override]]
     assert not (tmp_path / "run").exists()
+    if launcher == "torch.distributed.run":
+        assert done.returncode == 1 and "ChildFailedError" in done.stderr
+        # rank 0 exited 2; rank 1 too, or was stopped by torchrun before it got to its own report
+        root_cause = done.stderr.split("Root Cause", 1)[1]
+        assert re.findall(r"exitcode  : (-?\d+)", root_cause) == ["2"], done.stderr
+        assert set(re.findall(r"exitcode  : (-?\d+)", done.stderr)) <= {"2", "-15"}, done.stderr
+    else:
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and "exitcode" not in done.stderr, done.stderr
+        assert done.stderr.strip() == CONFIG_PROBLEMS[override]  # the one line, nothing of torchrun's
+
+
+def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "relax_gdn.launch", "--nproc-per-node", "2", str(ROOT / "train.py"), "-m",
+         "gdn.cp_mode=headwise,chunkwise"],
+        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("cannot run under torchrun") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
+    def check(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "train.py"), "--check", *args], cwd=tmp_path,
+                              env=child_env(), capture_output=True, text=True, timeout=120)
+
+    assert check("--world-size", "2", "parallel.cp=2").returncode == 0
+    refused = check("parallel.cp=2")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: configuration problem: world size 1 is")
+    typo = check("--world-size", "2", "parallel.cp=2", "train.stepz=3")
+    assert typo.returncode == 2 and typo.stderr.strip() == CONFIG_PROBLEMS["train.stepz=3"]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def _make_run(tmp_path: Path, args: str) -> subprocess.CompletedProcess:
+    """``make run ARGS=...`` from the repository with this interpreter (a stand-in venv directory
+    marked installed: nothing is installed)."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()  # newer than pyproject.toml and requirements.lock
+    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "run", f"VENV={venv}",
+                           f"PY={sys.executable}", f"ARGS={args}"],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("case", ["typo", "data"])
+def test_make_run_reports_a_problem_once_with_exit_code_2(tmp_path, case):
+    """A typo is refused by the check before any worker starts; a data problem is found by the
+    workers (relax_gdn.launch ends with their code). Either way one message, no traceback."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    args = {"typo": "train.stepz=3",
+            "data": f"data=jsonl data.path={empty} hydra.run.dir={tmp_path / 'run'}"}[case]
+    done = _make_run(tmp_path, args)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    messages = re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M)
+    assert len(messages) == 1, done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    if case == "typo":
+        assert messages == [CONFIG_PROBLEMS["train.stepz=3"]]
+        assert "relax_gdn.launch" not in done.stdout  # make stopped before starting the workers
+    else:
+        assert str(empty) in messages[0] and "relax_gdn.launch" in done.stdout
+        assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -130,3 +207,64 @@ def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_pat
     done = _train(tmp_path, "data=jsonl", f"data.path={path}", "train.steps=1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "20/21 records kept; skipped: too_long=1" in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ the commands the docs show
+
+DOCUMENTS = ["README.md", "conf/README.md", "conf/config.yaml", *sorted(p.relative_to(ROOT).as_posix()
+                                                                         for p in (ROOT / "docs").rglob("*.md"))]
+_COMMAND = re.compile(r"^(?:#\s*)?(python train\.py|torchrun --nproc-per-node (\d+) train\.py)(?P<args>.*)$")
+
+
+def documented_runs() -> list[tuple[str, int, list[str]]]:
+    """(where, world size, overrides) of every ``python train.py ...`` / ``torchrun --nproc-per-node N
+    train.py ...`` line the docs show as a command (continuation lines joined; sweeps, Hydra flags,
+    transcripts of errors and placeholders left out)."""
+    runs = []
+    for name in DOCUMENTS:
+        lines = (ROOT / name).read_text().splitlines()
+        for number, line in enumerate(lines):
+            match = _COMMAND.match(line.strip())
+            if match is None:
+                continue
+            text, follow = match.group("args"), number
+            while text.rstrip().endswith("\\"):
+                follow += 1
+                text = text.rstrip()[:-1] + " " + lines[follow].strip().removeprefix("#").strip()
+            args = text.split("#", 1)[0].split()
+            if any(a.startswith("-") or "..." in a or "<" in a for a in args):
+                continue
+            runs.append((f"{name}:{number + 1}", int(match.group(2) or 1), args))
+    return runs
+
+
+def test_every_documented_command_passes_the_check():
+    """What the docs show as a command runs as written: composed and validated at its world size
+    (one process for ``python train.py``)."""
+    from relax_gdn.config import validate
+    from relax_gdn.config.hydra_io import compose_run_config
+    from relax_gdn.errors import RecipeError
+
+    runs = documented_runs()
+    assert len(runs) >= 20 and any(world > 1 for _, world, _ in runs)
+    refused = {}
+    for where, world, overrides in runs:
+        try:
+            validate(compose_run_config(ROOT / "conf", overrides), world)
+        except RecipeError as e:
+            # the reader's own files (data, tokenizer, checkpoint) are not here; everything else must hold
+            problems = [p for p in getattr(e, "problems", [str(e)]) if not _NOT_HERE.search(p)]
+            if problems:
+                refused[where] = problems
+    assert refused == {}
+
+
+_NOT_HERE = re.compile(r"does not exist|is neither 'embedded' nor an existing|is not a directory")
+
+
+@pytest.mark.parametrize("codes,agreed", [([2, 2], 2), ([2, -15], 2), ([75, -15, 75], 75), ([2, 1], None),
+                                          ([1, -15], None), ([-9], None), ([-15], None), ([2, 75], None)])
+def test_the_launcher_passes_on_the_code_the_failed_workers_agree_on(codes, agreed):
+    from relax_gdn.launch import agreed_exit_code
+
+    assert agreed_exit_code(codes) == agreed

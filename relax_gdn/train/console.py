@@ -1,6 +1,7 @@
 """What rank 0 prints: a progress bar while training, one summary at the end.
 
-* On a terminal: a ``rich`` progress bar (elapsed, ETA, step, loss, tok/s, MFU) redrawn in place.
+* On a terminal: a ``rich`` progress bar (elapsed, ETA, step, loss, tok/s, MFU) redrawn in place;
+  while it is drawn, log lines bound for the terminal print above it, each on its own line.
 * Anywhere else (SLURM logs, pipes, files): one plain line every ``logging.log_every`` steps and
   at the last step, never a carriage return or an escape code, so logs stay greppable.
 * :func:`print_run_summary`: one table (rich on a terminal, aligned ``key: value`` lines
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import sys
@@ -81,6 +83,7 @@ class ConsoleProgress:
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self._progress.start()
+            self._log_streams = _log_through(console)
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -101,8 +104,24 @@ class ConsoleProgress:
 
     def close(self) -> None:
         if self._progress is not None:
+            for handler, stream in self._log_streams:
+                handler.setStream(stream)  # flushes what the proxy holds, above the bar
             self._progress.stop()
             self._progress = None
+
+
+def _log_through(console) -> list[tuple[logging.StreamHandler, Any]]:
+    """Point the root logger's handlers that write to a terminal at ``console`` (rich's proxy prints
+    each line above the live progress bar; written to the terminal directly, a line would continue
+    the bar's line). Returns (handler, stream) pairs to put back."""
+    from rich.file_proxy import FileProxy
+
+    moved = []
+    for handler in logging.getLogger().handlers:
+        if (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+                and _is_terminal(handler.stream)):
+            moved.append((handler, handler.setStream(FileProxy(console, handler.stream))))
+    return moved
 
 
 def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

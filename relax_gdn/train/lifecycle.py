@@ -177,6 +177,10 @@ def plan_resume(cfg, root: Path | None, layout: Layout, data_key: DataKey, vocab
     if directory is None:
         return None
     manifest = read_manifest(directory)
+    step, steps = int(manifest["step"]), cfg.train.steps
+    if step > steps:
+        raise RecipeError(f"checkpoint {directory} is at step {step}, past train.steps={steps}: raise "
+                          "train.steps to train further, or resume an earlier checkpoint (checkpoint.resume=PATH)")
     saved_data = manifest.get("data", {})
     mismatched = {k: (saved_data.get(k), v) for k, v in data_key.as_dict().items() if saved_data.get(k) != v}
     if mismatched:
@@ -207,6 +211,16 @@ class RunLifecycle:
     saved: list[Path] = field(default_factory=list)
     tokenizer_vocab_size: int | None = None  # the export trims the padded vocabulary to it
     optimizer: Any = None  # its fp32 main parameters go into the export's float32 tensors
+    complete: bool = False  # the checkpoint resumed is at train.steps: no step to run, nothing rewritten
+
+    @property
+    def export_dir(self) -> Path | None:
+        """Where ``checkpoint.export_hf_final`` writes: ``<run dir>/hf``."""
+        return self.run_dir / "hf" if self.run_dir is not None else None
+
+    def _export_written(self) -> bool:
+        # written under another name and renamed when complete (finish): a directory here is whole
+        return self.export_dir is not None and self.export_dir.is_dir()
 
     @classmethod
     def start(cls, cfg, *, run_dir: Path | None, layout: Layout, data_key: DataKey, model, optimizer, scheduler,
@@ -245,16 +259,18 @@ class RunLifecycle:
 
     def _resume(self, plan: ResumePlan, *, model, optimizer, scheduler) -> None:
         directory, manifest = plan.directory, plan.manifest
-        loaded = load_checkpoint(directory, manifest, model=model, optimizer=optimizer, same_layout=plan.same_layout)
-        if loaded.step >= self.cfg.train.steps:
-            raise RecipeError(f"checkpoint {directory} is at step {loaded.step}, not below train.steps="
-                              f"{self.cfg.train.steps}: raise train.steps to train further")
-        note = apply_schedule(scheduler, loaded.scheduler_state, self.cfg, directory)
-        self.resumed, self.start_step = loaded, loaded.step
-        self.wandb_run_id = manifest.get("wandb_run_id")
         saved_run_dir = manifest.get("run_dir")
         if saved_run_dir and Path(saved_run_dir).is_dir():
             self.run_dir = Path(saved_run_dir)
+        if self._finished(directory, int(manifest["step"])):
+            return
+        loaded = load_checkpoint(directory, manifest, model=model, optimizer=optimizer, same_layout=plan.same_layout)
+        self.start_step = loaded.step
+        if self.complete:  # loaded for the export only: the schedule and the loggers stay as they are
+            return
+        note = apply_schedule(scheduler, loaded.scheduler_state, self.cfg, directory)
+        self.resumed = loaded
+        self.wandb_run_id = manifest.get("wandb_run_id")
         if dist.get_rank() == 0:
             logger.info("resumed from step %d (%s)%s", loaded.step, directory,
                         "" if plan.same_layout else f"; resharded from {manifest.get('layout')} to {plan.layout}")
@@ -262,6 +278,22 @@ class RunLifecycle:
                 logger.info("continuing run directory %s", self.run_dir)
             if note:
                 logger.warning("%s", note)
+
+    def _finished(self, directory: Path, step: int) -> bool:
+        """A checkpoint at ``train.steps`` is a finished run: nothing to train (re-submitted or
+        requeued after its last save). True when nothing needs loading either; a missing Hugging
+        Face export (``checkpoint.export_hf_final``) is written from the loaded checkpoint."""
+        if step < self.cfg.train.steps:  # plan_resume refused a step past it
+            return False
+        self.complete, self.start_step = True, step
+        # rank 0 looks: whether to load is a collective decision (the load is one)
+        export_missing = (self.cfg.checkpoint.export_hf_final and self.export_dir is not None
+                          and decided_by_rank0(lambda: not self._export_written()))
+        if dist.get_rank() == 0:
+            logger.info("complete at step %d (%s); %s", step, directory,
+                        f"nothing to train, writing its Hugging Face export to {self.export_dir}" if export_missing
+                        else "nothing to do")
+        return not export_missing
 
     def last_checkpoint(self) -> Path | None:
         """The newest complete checkpoint of ``checkpoint.dir`` (what ``latest`` names), or None."""
@@ -290,19 +322,29 @@ class RunLifecycle:
         return path
 
     def finish(self, *, completed: bool, model) -> Path | None:
-        """Wait for a background save; after the last step, the HF export when asked."""
+        """Wait for a background save; after the last step, the HF export when asked (a finished
+        run resumed again keeps the export it has)."""
         if self.saver is not None:
             self.saver.finish()
         if not (completed and self.cfg.checkpoint.export_hf_final):
             return None
-        if self.run_dir is None:
+        out = self.export_dir
+        if out is None:
             if dist.get_rank() == 0:
                 logger.warning("checkpoint.export_hf_final=true but the run has no run directory: not exported")
             return None
-        out = self.run_dir / "hf"
+        if self.complete and self._export_written():
+            return out
+        # written beside and renamed when whole, so that a directory named hf is a complete export
+        partial = out.with_name(f".{out.name}.partial")
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
         fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
-        report = write_hf_export(model, out, export_spec(self.manifest_base), main_params=fp32_main)
-        if report is not None:
+        report = write_hf_export(model, partial, export_spec(self.manifest_base), main_params=fp32_main)
+        if report is not None:  # the writing rank
+            shutil.rmtree(out, ignore_errors=True)
+            partial.rename(out)
+            report.out = out
             for line in ["Hugging Face export:", *report.lines()]:
                 logger.info("%s", line)
         return out

@@ -40,11 +40,12 @@ global batch. Gradients are then SUMMED over DP × CP (Megatron's ``calculate_pe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import random
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum, auto
@@ -332,7 +333,8 @@ def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> TrainResult:
+def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
+                 on_continue: Callable[[Path], None] | None = None) -> TrainResult:
     """Train ``cfg`` (already validated or not: validated again here, before anything is built).
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
@@ -340,7 +342,8 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     Uses the initialized default process group, else makes a one-process one. It needs an installed
     :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
-    what ``cfg.data`` names.
+    what ``cfg.data`` names. ``on_continue``: called on rank 0 with the run directory a resumed run
+    continues when it is not ``run_dir`` (``train.py`` moves Hydra's job log there).
     """
     dims = validate(cfg, env_world_size())
     device = select_device(cfg)
@@ -350,7 +353,7 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
-                      data=data)
+                      data=data, on_continue=on_continue)
     try:
         trainer.setup()
         return trainer.run()
@@ -497,7 +500,7 @@ class Trainer:
     data: RunData  # the tokenizer, training set and eval set, loaded and checked (every rank agreeing)
 
     def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
-                 data=None):
+                 data=None, on_continue: Callable[[Path], None] | None = None):
         """Args:
             cfg: the validated run configuration.
             run_dir: rank 0's run directory (rank 0's name is broadcast in setup); None: none.
@@ -506,9 +509,12 @@ class Trainer:
             bf16: bf16 parameters and compute (``select_bf16``); else fp32.
             data: a prepared ``(tokenizer, SFTDataset)`` pair instead of what ``cfg.data`` names
                 (:func:`load_run_data`, called in setup).
+            on_continue: rank 0 calls it with the run directory a resumed run continues, when that
+                is not ``run_dir``.
         """
         self.cfg, self.run_dir, self.dims, self.device, self.bf16 = cfg, run_dir, dims, device, bf16
         self._given_data = data
+        self.on_continue = on_continue
         self.nonfinite_in_a_row = 0  # decided in _outcome, alike on every rank
         self.nonfinite_steps = 0
         # what close() releases, set as setup() gets to it
@@ -530,8 +536,8 @@ class Trainer:
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data))
         self._build_model_and_optimizer()
         self._start_lifecycle()
-        self._start_loggers()
         self._log_run()
+        self._start_loggers()
         self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
                                          pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route)
         # the eval set packed exactly like a training global batch
@@ -601,10 +607,17 @@ class Trainer:
             data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(self.data.dataset)),
             tokenizer_vocab_size=self.data.tokenizer.vocab_size, device=self.device,
             dp_cp_group=self.parallel.dp_cp_group)
-        self.start_step, self.run_dir = self.lifecycle.start_step, self.lifecycle.run_dir
+        continued = self.lifecycle.run_dir
+        if self.is_rank0 and self.on_continue is not None and continued not in (None, self.run_dir):
+            self.on_continue(continued)
+        self.start_step, self.run_dir = self.lifecycle.start_step, continued
 
     def _start_loggers(self) -> None:
-        """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends)."""
+        """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends).
+        A finished run (resumed at train.steps) leaves its directory and W&B run as they are."""
+        if self.lifecycle.complete:
+            self.loggers = RunLoggers([])
+            return
         cfg, dims, dataset = self.cfg, self.dims, self.data.dataset
         derived = {"world_size": dims.world_size, "dp": dims.dp, "device": str(self.device), "bf16": self.bf16,
                    "vocab_size": self.vocab_size, "run_name": default_run_name(cfg), "tags": run_tags(cfg),
@@ -619,7 +632,7 @@ class Trainer:
         self.lifecycle.wandb_run_id = self.loggers.wandb_run_id()  # saved in checkpoints: a resume continues it
 
     def _log_run(self) -> None:
-        if not self.is_rank0:
+        if not self.is_rank0 or self.lifecycle.complete:
             return
         cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
         n_params = sum(p.numel() for p in self.core_model.parameters())
