@@ -14,6 +14,14 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
   recomputed layer's backward (the inputs of the recomputed layers plus one layer's full
   activations, the selective layers' already freed).
 
+A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
+layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
+layer's at the recompute setting it runs under, :func:`relax_gdn.model.recompute.mtp_recompute`:
+kept whole under ``full``, as with ``recompute.skip_unused``, selective under ``selective`` and
+``mixed``; plus its input fusion, :data:`MTP_FUSION_BYTES_PER_TOKEN`) and its pass through the
+output layer (the fused loss holds one more output-layer gradient from forward to backward; the
+plain one a second set of logits).
+
 :func:`fewest_full_layers` is the memory-aware choice of ``recompute.full_layers``;
 :func:`settings_that_fit` lists the recompute settings (and the smaller micro-batch, the
 optimizer off, more CP ranks) that fit a given GPU, for the refusal message.
@@ -43,6 +51,10 @@ ACTIVATION_BYTES_PER_TOKEN = {
     ("selective", False): (150_000, 130_000),
     ("full", False): (8_192, 8_192),
 }
+# the MTP layer's input fusion per local token at hidden 4096, bf16: the embedding, the two norms'
+# outputs and eh_proj's [embedding, hidden] input kept for backward (counted, not yet fitted to a
+# measured peak)
+MTP_FUSION_BYTES_PER_TOKEN = 40_000
 WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, autotune buffers
 # recompute.full_layers=null (mixed) picks the fewest whole-layer recomputes whose estimate fits this
 # fraction of the GPU: near the top the allocator's fragmentation grows with the micro-batch
@@ -89,8 +101,9 @@ def parameter_count(shape: ModelShape) -> int:
            + shape.linear_value_head_dim + v * h)
     attention = h * (q + gate + 2 * kv) + q * h + 2 * shape.kv_channels
     per_layer = mlp + norms
+    mtp = per_layer + attention + 2 * h * h + 3 * h  # an attention layer, eh_proj, its three norms
     return (2 * shape.vocab_size * h + h + shape.num_gdn_layers * (per_layer + gdn)
-            + shape.num_attention_layers * (per_layer + attention))
+            + shape.num_attention_layers * (per_layer + attention) + shape.mtp_num_layers * mtp)
 
 
 def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int) -> float:
@@ -108,7 +121,10 @@ def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: 
     peak = inputs + kept(recompute if recompute != "mixed" else "selective", range(full_layers, layers))
     if full_layers:  # the one layer being recomputed holds its full activations meanwhile
         peak = max(peak, inputs + ACTIVATION_BYTES_PER_TOKEN[("none", fused_norms)][0])
-    return peak * shape.hidden_size / 4096
+    # the MTP layers live from their forward to their backward, beside everything above
+    mtp_granularity = "selective" if recompute in ("selective", "mixed") else "none"
+    mtp = ACTIVATION_BYTES_PER_TOKEN[(mtp_granularity, fused_norms)][1] + MTP_FUSION_BYTES_PER_TOKEN
+    return (peak + shape.mtp_num_layers * mtp) * shape.hidden_size / 4096
 
 
 def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
@@ -127,10 +143,12 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
     if fused_cross_entropy and tp == 1:
         from relax_gdn.model.fusion import cross_entropy_chunk_tokens
 
-        # one chunk's logits (bf16 + fp32 + softmax temporaries) and the output layer's gradient
+        # one chunk's logits (bf16 + fp32 + softmax temporaries) and the output layer's gradient; each
+        # MTP layer's loss holds one more output-layer gradient from its forward to its backward
         logits = min(tokens_per_gpu, cross_entropy_chunk_tokens(shape.vocab_size)) * vocab * 10
-    else:  # bf16 logits and the fp32 softmax kept for backward
-        logits = tokens_per_gpu * vocab * 6
+        logits += shape.mtp_num_layers * vocab * shape.hidden_size * (2 if bf16 else 4)
+    else:  # bf16 logits and the fp32 softmax kept for backward, the MTP layers' too
+        logits = tokens_per_gpu * vocab * 6 * (1 + shape.mtp_num_layers)
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer_bytes, activations=activations,
                           logits=logits, workspace=WORKSPACE_BYTES)
 
@@ -202,5 +220,5 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
     return found
 
 
-__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "Alternative", "MemoryEstimate", "estimate_memory",
-           "fewest_full_layers", "parameter_count", "settings_that_fit"]
+__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "MTP_FUSION_BYTES_PER_TOKEN", "Alternative",
+           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "parameter_count", "settings_that_fit"]
