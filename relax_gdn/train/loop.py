@@ -1,6 +1,7 @@
 """The training loop: :func:`run_training` (the entry point) runs a :class:`Trainer`.
 
-:func:`run_training` validates the config (nothing built yet), picks the device and loads +
+:func:`run_training` validates the config (nothing built yet; ``model.mtp.num_layers=null`` is
+resolved from the checkpoint's tensors, :func:`resolve_mtp_layers`), picks the device and loads +
 tokenizes the data (a bad source fails here, before any process group, model or file exists), then:
 
 1. :meth:`Trainer.setup`: process groups (:class:`relax_gdn.parallel.ParallelContext`: TP x CP
@@ -14,7 +15,9 @@ tokenizes the data (a bad source fails here, before any process group, model or 
    the CP group's sub-groups of size d), gradient accumulation with the loss
    ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``, the optimizer
    step, the step's ONE all-reduce (loss + the :class:`StepFlag` s of every rank), the metrics
-   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank);
+   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank). With a
+   multi-token-prediction layer the objective adds ``model.mtp.loss_weight × mtp_loss``
+   (:mod:`relax_gdn.train.loss`) and the record ``mtp_loss``; ``loss`` stays the LM's;
 3. :meth:`Trainer.run`: the steps, each followed by its evaluation when due, logging, the profiler
    window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1); then the
    background save is awaited and the Hugging Face export written;
