@@ -431,7 +431,10 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
 
 
 def _drop_in_cases(tmp: str) -> dict:
+    """Run in a process without a Runtime (``run_distributed(..., runtime=False)``): the CLI installs
+    its own, as an entry point does, and the library calls around it run inside one each."""
     from relax_gdn.config import RunConfig
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
     from tests.test_hf_checkpoint import _force_transformers_pure_torch
 
@@ -457,7 +460,8 @@ def _drop_in_cases(tmp: str) -> dict:
             "checkpoint.export_hf_final": True,
         }
     )
-    run_training(cfg, tmp / "run")
+    with Runtime():
+        run_training(cfg, tmp / "run")
     r: dict = {"cli": _cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)
@@ -483,7 +487,9 @@ def _drop_in_cases(tmp: str) -> dict:
     saved, original = hfc.read_hf_state_dict(export), hfc.read_hf_state_dict(source_dir)
     copied = [n for n in original if n.startswith(("model.visual.", "mtp."))]
     r["copied"] = (len(copied), all(torch.equal(saved[n], original[n]) for n in copied))
-    run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+    with Runtime():
+        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+        r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
     r["trained"] = (
         sorted(run) == sorted(set(original) - set(copied)),
         [n for n in run if not torch.equal(saved[n], run[n])],
@@ -493,7 +499,6 @@ def _drop_in_cases(tmp: str) -> dict:
     theirs, ours = _files(source_dir), _files(export)
     r["other_files"] = {n: ours.get(n) == b for n, b in theirs.items() if not n.startswith("model")}
     r["in_run_export_equal"] = _files(tmp / "run" / "hf") == ours
-    r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
 
     _force_transformers_pure_torch()
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
@@ -508,7 +513,7 @@ def _drop_in_cases(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def drop_in(tmp_path_factory):
-    return run_distributed(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")))[0]
+    return run_distributed(_drop_in_cases, 1, str(tmp_path_factory.mktemp("drop_in")), runtime=False)[0]
 
 
 @pytest.mark.slow

@@ -568,7 +568,10 @@ def _our_mtp_logits(export: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _export_cases(tmp: str) -> dict:
+    """Run in a process without a Runtime: the export CLI installs its own, as an entry point does,
+    and the library calls around it run inside one each."""
     from relax_gdn.config.hydra_io import load_run_config
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
     from tests.test_hf_checkpoint import _force_transformers_pure_torch
     from tests.test_hf_export import _cli, _run_weights_in_hf_names, make_vlm_source
@@ -583,21 +586,23 @@ def _export_cases(tmp: str) -> dict:
         "data.synthetic_max_steps": 1, "data.num_samples": 32, "optim.warmup_steps": 1, "logging.console": False,
         "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.save_final": True,
     })  # model.mtp.num_layers left null: the source's MTP layer is trained
-    result = run_training(cfg, tmp / "run")
+    with Runtime():
+        result = run_training(cfg, tmp / "run")
     out = {"records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
            "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers}
     out["cli"] = _cli(str(tmp / "ckpt"), str(export))
     source, exported = hfc.HFCheckpoint.read(source_dir), hfc.HFCheckpoint.read(export)
     out["layout"] = (source.tensors == exported.tensors, source.files == exported.files)
     saved, original = hfc.read_hf_state_dict(export), hfc.read_hf_state_dict(source_dir)
-    run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+    with Runtime():
+        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+        out["imported"] = _imported_mtp_equals_source(source_dir, original)
     mtp = sorted(n for n in original if n.startswith("mtp."))
     out["mtp"] = {"count": len(mtp), "in_run": all(n in run for n in mtp),
                   "equal_to_run": all(torch.equal(saved[n], run[n]) for n in mtp if n in run),
                   "unchanged_from_source": [n for n in mtp if torch.equal(saved[n], original[n])]}
     out["visual_copied"] = all(torch.equal(saved[n], original[n]) for n in original if n.startswith("model.visual."))
     out["config_equal"] = (export / "config.json").read_bytes() == (source_dir / "config.json").read_bytes()
-    out["imported"] = _imported_mtp_equals_source(source_dir, original)
 
     _force_transformers_pure_torch()
     from transformers import Qwen3_5ForConditionalGeneration
@@ -605,7 +610,9 @@ def _export_cases(tmp: str) -> dict:
     _, info = Qwen3_5ForConditionalGeneration.from_pretrained(export, output_loading_info=True)
     out["loading_info"] = {k: list(v) for k, v in info.items() if v}
     ids = torch.randint(0, 264, (1, 24), generator=torch.Generator().manual_seed(4))
-    theirs, ours = _transformers_mtp_logits(export, ids), _our_mtp_logits(export, ids)
+    theirs = _transformers_mtp_logits(export, ids)
+    with Runtime():
+        ours = _our_mtp_logits(export, ids)
     out["mtp_logits"] = ((theirs - ours).abs().max() / theirs.abs().max()).item()
     return out
 
@@ -635,7 +642,7 @@ def _imported_mtp_equals_source(source_dir: Path, original: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    return run_distributed(_export_cases, 1, str(tmp_path_factory.mktemp("mtp_export")))[0]
+    return run_distributed(_export_cases, 1, str(tmp_path_factory.mktemp("mtp_export")), runtime=False)[0]
 
 
 @pytest.mark.slow

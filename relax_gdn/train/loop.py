@@ -354,9 +354,11 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None) -> Train
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names.
     """
-    validate(cfg, env_world_size())
-    cfg = resolve_mtp_layers(cfg)
-    dims = validate(cfg, env_world_size())  # again: the MTP layer a checkpoint brings has rules of its own
+    dims = validate(cfg, env_world_size())
+    resolved = resolve_mtp_layers(cfg)
+    if resolved is not cfg:  # again: the MTP layer a checkpoint brings has rules of its own
+        dims = validate(resolved, env_world_size())
+    cfg = resolved
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
     if data is None:
