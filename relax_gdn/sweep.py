@@ -101,10 +101,20 @@ class SweepManifest:
         atomic_write_json(self._job_path(job_num), entry)
         return entry
 
+    def record_submission(self, job_num: int, submitit_job_id: str) -> None:
+        """The scheduler's id of a submitted job, in a file of the launcher's own: the job may
+        already be writing its file (a local job starts before ``submit`` returns), and two
+        writers of one file would lose one's update."""
+        atomic_write_json(self.jobs_dir / f"{job_num}.submission", {"submitit_job_id": submitit_job_id})
+
     def jobs(self) -> list[dict[str, Any]]:
         if not self.jobs_dir.is_dir():
             return []
         entries = [json.loads(p.read_text()) for p in self.jobs_dir.glob("*.json")]
+        for entry in entries:  # what the job wrote itself wins
+            submission = self.jobs_dir / f"{entry['num']}.submission"
+            if submission.exists():
+                entry.setdefault("submitit_job_id", json.loads(submission.read_text())["submitit_job_id"])
         return sorted(entries, key=lambda e: e["num"])
 
     def merge(self, **sweep_fields: Any) -> dict[str, Any]:

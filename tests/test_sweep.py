@@ -272,6 +272,18 @@ def test_manifest_merges_job_files_atomically(tmp_path):
     assert wandb_run_id(tmp_path, 3) == wandb_run_id(tmp_path, 3) != wandb_run_id(tmp_path, 4)
 
 
+def test_a_submission_recorded_after_the_job_started_keeps_the_jobs_status(tmp_path):
+    """A local job starts (and writes "running") before ``submit`` returns its id to the launcher."""
+    manifest = SweepManifest(tmp_path)
+    manifest.update_job(0, status="submitted", variant="a=1")
+    manifest.update_job(0, status="running", started=1.0)  # the job, already running
+    manifest.record_submission(0, "4242")  # the launcher, after submit returned
+    (job,) = manifest.merge()["jobs"]
+    assert (job["status"], job["started"], job["submitit_job_id"]) == ("running", 1.0, "4242")
+    manifest.update_job(0, submitit_job_id="4242_0")  # the job's own id wins
+    assert manifest.merge()["jobs"][0]["submitit_job_id"] == "4242_0"
+
+
 def test_slurm_launcher_writes_the_sbatch_script_it_promises(tmp_path, monkeypatch):
     """hydra/launcher=slurm composed from conf/ as a user would set it; submitit's sbatch text
     carries the shape, the signal, requeue and the container flags. No cluster here: submitit only

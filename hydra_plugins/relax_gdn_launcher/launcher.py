@@ -328,7 +328,7 @@ class _SweepLauncher(BaseSubmititLauncher):
                              for num, ov in batch]
             for (num, _), job in zip(batch, submitted):
                 running[num] = (job, slot)
-                manifest.update_job(num, submitit_job_id=job.job_id)
+                manifest.record_submission(num, job.job_id)
             manifest.merge()
             self._report(manifest)
 
