@@ -23,6 +23,12 @@ Layout facts (checked against transformers 5.23 ``modeling_qwen3_5`` and Megatro
 * MLP: ``linear_fc1 = [gate_proj; up_proj]`` (SwiGLU's first half is activated), cut per half.
 * Embedding rows / ``output_layer`` rows are cut by vocabulary; a model vocabulary padded beyond
   the checkpoint's (Megatron pads to a TP multiple) is zero-filled on import and trimmed on export.
+* MTP (``Qwen3_5Dims.mtp_num_layers``; vLLM's ``Qwen3_5MultiTokenPredictor`` reads the same names):
+  Megatron-Core's ``eh_proj`` is ``mtp.fc`` (``[h, 2h]``, its input ``[embedding, hidden]`` on both
+  sides; column-parallel), ``enorm`` / ``hnorm`` / ``final_layernorm`` are ``mtp.pre_fc_norm_embedding``
+  / ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` (zero-centred, as the decoder's), and the
+  gated-attention layer inside (``mtp_model_layer``) is ``mtp.layers.<i>``, mapped like a decoder
+  attention layer.
 """
 
 from __future__ import annotations
