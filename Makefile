@@ -67,13 +67,14 @@ gpu-check:
 
 # The model and the training loop on 2 GPUs: reduced 9B CP 2 vs CP 1 in every mode, dynamic vs
 # static CP 2 in bf16, resume, async checkpoint save at CP 2 resumed at CP 1 (save times printed),
-# the Hugging Face export on the GPU host (drop-in, fp32 main parameters), and training throughput
-# of the CP variants side by side.
+# the Hugging Face export on the GPU host (drop-in, fp32 main parameters), the MTP layer in bf16 on one
+# GPU, and training throughput of the CP variants side by side.
 gpu-check-train:
 	mkdir -p $(OUT)
 	-$(call GPU_STEP,200,$(PY) -m pytest -q -s -m gpu tests/test_qwen3_5_model_gpu.py,test_qwen3_5_model_gpu)
 	-$(call GPU_STEP,220,$(PY) -m pytest -q -s -m gpu tests/test_train_gpu.py,test_train_gpu)
 	-$(call GPU_STEP,300,$(PY) -m pytest -q -s -m gpu tests/test_checkpoint_gpu.py,test_checkpoint_gpu)
 	-$(call GPU_STEP,900,$(PY) -m pytest -q -s -m gpu tests/test_hf_export_gpu.py,test_hf_export_gpu)
+	-$(call GPU_STEP,300,$(PY) -m pytest -q -s -m gpu tests/test_mtp_gpu.py,test_mtp_gpu)
 	-$(call GPU_STEP,300,$(PY) -m torch.distributed.run --nproc-per-node 2 -m relax_gdn.bench.train_e2e --variants "static:chunkwise;dynamic:chunkwise;static:headwise" --out $(OUT)/bench_train_e2e.json $(BENCH_TRAIN_ARGS),bench_train_e2e)
 	cat $(OUT)/summary.txt

@@ -6,11 +6,12 @@ stored in the checkpoint at TP 1, CP 1 in this one process (on the GPU where CUD
 in training; on the CPU otherwise) and its weights are loaded through Megatron-Core's distributed
 checkpointing. OUT receives, when the run started from ``model.hf_checkpoint=DIR`` (recorded in
 the checkpoint; ``--like`` overrides), a drop-in replacement of DIR: its layout, architecture,
-tensor names, dtypes and shard files, its vision tower and MTP layer copied, its config and other
-files; otherwise the text layout ``Qwen3_5ForCausalLM``. Either way with a tokenizer
-``transformers`` loads (docs/checkpoints.md, "What an export holds"). It prints what it wrote,
-copied and changed. Exit code 2 with one message for a missing or damaged checkpoint, or a source
-tensor the export could not place.
+tensor names, dtypes and shard files, its vision tower copied and its MTP layer copied or, when the
+run trained one (``model.mtp.num_layers``), written from the run, its config and other files;
+otherwise the text layout ``Qwen3_5ForCausalLM``. Either way with a tokenizer ``transformers`` loads
+(docs/checkpoints.md, "What an export holds"). It prints what it wrote, copied and changed. Exit
+code 2 with one message for a missing or damaged checkpoint, or a source tensor the export could
+not place.
 
 The other direction needs no command: ``model.hf_checkpoint=DIR`` starts a run from an HF
 directory (docs/checkpoints.md).
@@ -69,7 +70,8 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
         raise RecipeError(f"{where} is {like}, which cannot be read ({e}); the export keeps its layout "
                           "and copies its vision tower and MTP tensors: pass --like <a copy of it>, or "
                           "--like none for the text layout without them") from e
-    drop_in_origins(source, preset_dims(manifest["model"]["preset"], vocab))
+    model = manifest["model"]
+    drop_in_origins(source, preset_dims(model["preset"], vocab, model.get("mtp_num_layers", 0)))
 
 
 def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
@@ -118,6 +120,7 @@ def _prepare_device() -> torch.device:
 def _build_model(cfg, manifest: dict, device: torch.device):
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.model.mtp import MTPOptions
 
     # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
     dtype = getattr(torch, manifest["model"].get("dtype", "float32"))
@@ -127,7 +130,7 @@ def _build_model(cfg, manifest: dict, device: torch.device):
     model = build_qwen3_5_preset_model(
         cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
         gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
-        attention_backend=cfg.model.attention_backend,
+        attention_backend=cfg.model.attention_backend, mtp=MTPOptions(manifest["model"].get("mtp_num_layers", 0)),
     )
     return model.to(device)
 

@@ -40,7 +40,6 @@ ALLOWED: dict[str, set[str]] = {
     "relax_gdn/model/attention.py::CPDotProductAttention.__init__": {"positional"},
     "relax_gdn/model/attention.py::CPDotProductAttention.forward": {"positional"},
     "relax_gdn/model/fusion.py::_WeightedLinearCrossEntropySum.forward": {"positional"},
-    "relax_gdn/model/hf_checkpoint/plan.py::conversion_plan": {"lines"},
 }
 
 

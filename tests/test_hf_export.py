@@ -348,6 +348,7 @@ def _drop_in_cases(tmp: str) -> dict:
     cfg = RunConfig().with_overrides(
         {
             "model.hf_checkpoint": str(source_dir),
+            "model.mtp.num_layers": 0,  # the source's MTP layer copied (tests/test_mtp.py trains it)
             "data.tokenizer": str(source_dir),
             "train.steps": 3,
             "train.global_batch_size": 4,

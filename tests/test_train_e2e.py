@@ -18,6 +18,8 @@ def test_variant_overrides():
         "parallel.dynamic_cp.max_cp": 2, "recompute.granularity": "selective", "model.fused_norms": False,
         "model.fused_cross_entropy": False, "model.fused_swiglu": False, "model.fused_grad_accumulation": False,
         "train.max_tokens_per_gpu": 4096, "gdn.route": "prebuild"}
+    assert train_e2e.variant_overrides("mtp=1,recompute=full", 1) == {
+        "model.mtp.num_layers": 1, "recompute.granularity": "full"}
     assert train_e2e.variant_overrides("baseline,recompute=full", 1) == {
         **train_e2e.variant_overrides("fused=off", 1), "recompute.skip_unused": False, "recompute.granularity": "full"}
     for bad in ("static:ring", "recompute", "speed=11"):

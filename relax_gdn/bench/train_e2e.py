@@ -22,6 +22,7 @@ or any dotted config key:
 ``baseline``                             Megatron-Core's own forms: ``fused=off`` and
                                          ``recompute.skip_unused=false`` (what the targets compare to)
 ``mt=<tokens>``                          ``train.max_tokens_per_gpu``
+``mtp=<layers>``                         ``model.mtp.num_layers`` (1: Qwen3.5's multi-token-prediction layer)
 ``profile``                              this variant's profiled step (``--profile`` for one variant)
 ``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
 
@@ -138,7 +139,7 @@ def variant_overrides(variant: str, world: int) -> dict:
         key, eq, value = setting.partition("=")
         if not eq:
             raise ValueError(f"variant setting {setting!r}: want baseline, static|dynamic:<mode>, recompute=, fused=, "
-                             "mt= or <group.key>=<value>")
+                             "mt=, mtp= or <group.key>=<value>")
         key = key.strip()
         if key == "recompute":
             overrides["recompute.granularity"] = value.strip()
@@ -148,6 +149,8 @@ def variant_overrides(variant: str, world: int) -> dict:
                           "model.fused_grad_accumulation": on}
         elif key == "mt":
             overrides["train.max_tokens_per_gpu"] = int(value)
+        elif key == "mtp":
+            overrides["model.mtp.num_layers"] = int(value)
         elif "." in key:
             overrides[key] = _parse_value(value)
         else:
@@ -393,7 +396,8 @@ def summarize(records: list[dict], skip: int, world: int) -> dict:
         "optimizer_time_s": _median(timed, "optimizer_time_s"),
         "peak_mem_gib": max((r["peak_mem_gb"] or 0.0 for r in timed), default=None),
         "host_syncs_max": max((r["host_syncs"] or 0 for r in timed), default=None),
-        "loss_last": timed[-1]["loss"], "tokens_per_step": _median(timed, "tokens"),
+        "loss_last": timed[-1]["loss"], "mtp_loss_last": timed[-1].get("mtp_loss"),
+        "tokens_per_step": _median(timed, "tokens"),
     }
 
 

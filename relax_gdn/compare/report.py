@@ -20,10 +20,12 @@ from relax_gdn.compare.runs import Run
 from relax_gdn.compare.stats import METRIC_LABELS, group_variants, variant_curves
 
 TABLE_METRICS = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gb", "host_syncs",
-                 "final_loss", "mean_loss")
+                 "final_loss", "mean_loss", "final_mtp_loss")
+OPTIONAL_COLUMNS = ("final_mtp_loss",)  # shown only when a variant has values (runs that train an MTP layer)
 LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-PLOTTED_CURVES = (("loss", "loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"), ("mfu", "MFU"))
+PLOTTED_CURVES = (("loss", "loss"), ("mtp_loss", "MTP loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"),
+                  ("mfu", "MFU"))
 AXES_INCHES = (6.4, 3.2)  # width, height of every curve plot's axes
 BAR_INCHES = 0.42  # throughput plot: axes height per variant with a one-line label
 BAR_LINE_INCHES = 0.14  # and per further line of its wrapped label
@@ -55,14 +57,16 @@ def _pct(x: float | None, sign: str = "+") -> str:
 
 
 def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    header = ["variant", "runs", "steady steps"] + [METRIC_LABELS[m] for m in TABLE_METRICS] + ["tok/s vs baseline"]
+    metrics = [m for m in TABLE_METRICS
+               if m not in OPTIONAL_COLUMNS or any(v["stats"].get(m) for v in summary["variants"])]
+    header = ["variant", "runs", "steady steps"] + [METRIC_LABELS[m] for m in metrics] + ["tok/s vs baseline"]
     rows = []
     for v in summary["variants"]:
         ratio = v["ratio_to_baseline"]["tokens_per_s"]
         steady = sum(r["steady_steps"] for r in v["runs"])
         label = v["label"] + (" (baseline)" if v["baseline"] else "") + (
             f" (diverged: {v['nonfinite_steps']} non-finite steps)" if v.get("diverged") else "")
-        rows.append([label, str(len(v["runs"])), str(steady)] + [_cell(v["stats"][m]) for m in TABLE_METRICS]
+        rows.append([label, str(len(v["runs"])), str(steady)] + [_cell(v["stats"][m]) for m in metrics]
                     + ["-" if ratio is None else f"{ratio:.3f}x"])
     return header, rows
 
@@ -70,9 +74,10 @@ def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def verdict_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     for noise in summary["noise"]["variants"]:
+        mtp = noise.get("mtp_loss_max_spread")
         lines.append(f"A/A {noise['variant']} ({noise['runs']} runs): tok/s spread {_pct(noise['tokens_per_s_spread'], '')}"
                      f", loss max spread {_num(noise['loss_max_spread'])}, grad-norm max spread "
-                     f"{_num(noise['grad_norm_max_spread'])}")
+                     f"{_num(noise['grad_norm_max_spread'])}" + ("" if mtp is None else f", MTP-loss max spread {_num(mtp)}"))
     for v in summary["variants"]:
         for run in v["runs"]:
             if run.get("diverged"):
@@ -83,7 +88,8 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
         lines.append("No variant has two or more runs (seeds): there is no A/A, so the differences below are "
                      "measured but not judged (no A/A).")
     for c in summary["comparisons"]:
-        curves = [_curve_text(name, c[key]) for key, name in (("loss", "loss curve"), ("grad_norm", "grad-norm curve"))]
+        named = (("loss", "loss curve"), ("grad_norm", "grad-norm curve"), ("mtp_loss", "MTP-loss curve"))
+        curves = [_curve_text(name, c[key]) for key, name in named if key != "mtp_loss" or c[key].get("steps")]
         lines.append(f"{c['variant']} vs {c['baseline']}: " + "; ".join([_throughput_text(c["throughput"]), *curves]))
     return lines
 

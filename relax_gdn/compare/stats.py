@@ -4,7 +4,7 @@ Rules (docs/compare.md repeats them):
 
 * **Steady state.** The first 10 % of a run's steps, at least 3, are warm-up (compilation,
   autotuning, allocator growth, cold caches) and left out of every throughput statistic; a run
-  too short to keep 2 steps keeps its second half. Loss and grad-norm curves use every step.
+  too short to keep 2 steps keeps its second half. Loss, grad-norm and MTP-loss curves use every step.
 * **Intervals.** Medians with a 95 % percentile-bootstrap interval (2000 resamples, fixed seed):
   per-step metrics pool the steady-state steps of every run of a variant; per-run values
   (peak memory, final and mean loss) resample the runs.
@@ -66,9 +66,11 @@ RUN_METRICS = (
     ("peak_mem_gb", "peak mem (GB)"),
     ("final_loss", "final loss"),
     ("mean_loss", "mean loss"),
+    ("final_mtp_loss", "final MTP loss"),  # runs that train a multi-token-prediction layer
 )
 METRIC_LABELS = dict(STEP_METRICS + RUN_METRICS)
-CURVES = ("loss", "grad_norm")
+# per-step curves judged against the A/A noise; mtp_loss where runs train an MTP layer (model.mtp.*)
+CURVES = ("loss", "grad_norm", "mtp_loss")
 
 
 def warmup_steps(n: int) -> int:
@@ -95,12 +97,12 @@ def step_values(records: list[dict[str, Any]], metric: str, world_size: int) -> 
 
 
 def run_value(records: list[dict[str, Any]], metric: str) -> float | None:
-    """A per-run metric: peak memory over the run, the last loss, the steady-state mean loss."""
+    """A per-run metric: peak memory over the run, the last loss (and MTP loss), the steady-state mean loss."""
     if metric == "peak_mem_gb":
         values = _finite(r.get("peak_mem_gb") for r in records)
         return max(values) if values else None
-    if metric == "final_loss":
-        values = _finite(r.get("loss") for r in records[-1:])
+    if metric in ("final_loss", "final_mtp_loss"):
+        values = _finite(r.get(metric.removeprefix("final_")) for r in records[-1:])
         return values[0] if values else None
     if metric == "mean_loss":
         values = _finite(r.get("loss") for r in steady_records(records))

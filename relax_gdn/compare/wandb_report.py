@@ -12,8 +12,8 @@ from typing import Any
 from relax_gdn.compare.runs import CompareInputError
 
 HISTORY = "train/"  # the training loop logs each record field as train/<field>
-LINE_PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"), ("mfu", "MFU"),
-               ("step_time_s", "step time (s)"), ("peak_mem_gb", "peak memory (GB)"))
+LINE_PANELS = (("loss", "loss"), ("mtp_loss", "MTP loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"),
+               ("mfu", "MFU"), ("step_time_s", "step time (s)"), ("peak_mem_gb", "peak memory (GB)"))
 BAR_PANELS = (("steady/tokens_per_s", "steady-state tok/s (median)"),
               ("steady/tokens_per_s_per_gpu", "steady-state tok/s/GPU (median)"),
               ("steady/mfu", "steady-state MFU (median)"), ("steady/step_time_s", "steady-state step time (s)"),

@@ -43,6 +43,16 @@ from relax_gdn.model.recompute import recomputes
 
 
 @dataclass
+class MTPConfig:
+    # multi-token-prediction layers trained beside the LM head (relax_gdn.model.mtp): 0 off; 1 Qwen3.5's
+    # one layer (mtp.* in HF names); null: as model.hf_checkpoint has (1 when it holds mtp.* tensors,
+    # so its export serves MTP speculative decoding with a layer trained on the new model; else 0)
+    num_layers: int | None = None
+    # the objective is loss + loss_weight x mtp_loss (metrics: loss is the LM's alone, mtp_loss apart)
+    loss_weight: float = 0.1
+
+
+@dataclass
 class ModelConfig:
     preset: ModelPreset = "qwen3_5_tiny"  # relax_gdn.model.presets (qwen3_5_tiny: 4 layers, hidden 64, CPU)
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
@@ -59,6 +69,7 @@ class ModelConfig:
     # relax_gdn.compat.wgrad), instead of a bf16 grad plus an add per parameter; at TP 1 the
     # embedding adds its rows there directly too (relax_gdn.model.fusion)
     fused_grad_accumulation: bool = True
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
 
 @dataclass
@@ -308,6 +319,7 @@ def _build(cls, values: Any, where: str):
 
 _NESTED = {
     (RunConfig, "model"): ModelConfig,
+    (ModelConfig, "mtp"): MTPConfig,
     (RunConfig, "gdn"): GDNConfig,
     (RunConfig, "parallel"): ParallelConfig,
     (RunConfig, "recompute"): RecomputeConfig,

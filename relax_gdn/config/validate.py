@@ -133,9 +133,30 @@ def _choices(cfg: RunConfig) -> list[str]:
     if unknown_modules:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
     problems += _full_layers(cfg)
+    problems += _mtp(cfg)
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
+
+
+def _mtp(cfg: RunConfig) -> list[str]:
+    """``model.mtp.*``: 0, 1 (Qwen3.5's one MTP layer) or null (as ``model.hf_checkpoint`` has, resolved
+    before the model is built: ``relax_gdn.train.loop.resolve_mtp_layers``, which validates again),
+    a positive loss weight, and the local specs."""
+    mtp, problems = cfg.model.mtp, []
+    layers = mtp.num_layers
+    if layers is not None and (not _is_int(layers) or layers not in (0, 1)):
+        problems.append(f"model.mtp.num_layers={layers!r} must be 0 (off), 1 (Qwen3.5's one MTP layer: mtp.fc, "
+                        "mtp.layers.0, mtp.norm) or null (as model.hf_checkpoint has)")
+    weight = mtp.loss_weight
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < float("inf"):
+        problems.append(f"model.mtp.loss_weight={weight!r} must be a number > 0 (the MTP loss's weight in the "
+                        "objective, e.g. 0.1); model.mtp.num_layers=0 turns the MTP layer off")
+    if layers == 1 and cfg.model.spec_provider == "te":
+        problems.append("model.mtp.num_layers=1 (or null with a model.hf_checkpoint that holds an MTP layer) builds "
+                        "the MTP layer from the local specs, not Transformer Engine's: "
+                        "use model.spec_provider=auto (or local), or model.mtp.num_layers=0")
+    return problems
 
 
 def _full_layers(cfg: RunConfig) -> list[str]:

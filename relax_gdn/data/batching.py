@@ -42,7 +42,9 @@ class MicroBatch:
     """This rank's zigzag shard of one packed micro-batch."""
 
     tokens: torch.Tensor  # [1, t_local] int64
-    labels: torch.Tensor  # [1, t_local] int64: next token of the same document; pad_id where none
+    # [1, t_local] int64: next token of the same document; pad_id where none (also the input of the
+    # multi-token-prediction layer: each position's next token)
+    labels: torch.Tensor
     loss_mask: torch.Tensor  # [1, t_local] float32: 1 where the label counts; 0 on padding/prompt/doc ends
     position_ids: torch.Tensor  # [1, t_local] int64: GLOBAL position within its (padded) document
     packed_seq_params: PackedSeqParams  # thd; cu_seqlens(_padded) = global padded boundaries (one tensor)
@@ -51,6 +53,10 @@ class MicroBatch:
     num_samples: int
     cp_size: int
     seq_lengths: list[int]  # unpadded document lengths (FLOPs: sum L^2 / sum L)
+    # multi-token prediction (make_micro_batch(mtp=True), else None): [1, t_local] the label of the
+    # next position of the same document (the token two ahead), pad_id where none; and its loss mask
+    mtp_labels: torch.Tensor | None = None
+    mtp_loss_mask: torch.Tensor | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -197,6 +203,7 @@ def _assign_to_ranks(bins: list[list[int]], loads: list[int], dp_size: int, *, n
 def make_micro_batch(
     samples: list[Sample], *, cp_size: int, cp_rank: int, device: torch.device | str, pad_id: int,
     route_strategy: str = "lazy_cache", cp_group: dist.ProcessGroup | None = None, carries_cp_group: bool = False,
+    mtp: bool = False,
 ) -> MicroBatch:
     """Pack ``samples`` (in order) into this CP rank's zigzag shard.
 
@@ -210,6 +217,8 @@ def make_micro_batch(
     (dynamic CP, where each micro-batch runs on its own sub-group): the ``PackedSeqParams`` carry
     ``cp_group`` and ``local_cp_size``, where every layer finds them (``resolve_cp_group``); static
     CP leaves them unset, the layers use the model's CP group.
+    ``mtp``: the multi-token-prediction targets too (:func:`pack_mtp_host_arrays`), shifted on the
+    whole packed sequence and sharded like the rest, so no CP rank needs another's tokens.
     An empty ``samples`` gives a padding-only micro-batch of ``2·cp_size`` tokens, no loss.
     """
     _check_micro_batch_args(samples, cp_size=cp_size, cp_rank=cp_rank, pad_id=pad_id, route_strategy=route_strategy,
@@ -235,11 +244,14 @@ def make_micro_batch(
         params.cp_group, params.local_cp_size = cp_group, cp_size
     if route_strategy == "prebuild" and cp_size > 1:
         prebuild_routes(params, cp_group, cp_size=cp_size, cp_rank=cp_rank)
+    mtp_labels, mtp_loss_mask = pack_mtp_host_arrays(samples, padded, pad_id) if mtp else (None, None)
     return MicroBatch(
         tokens=shard(tokens), labels=shard(labels), loss_mask=shard(loss_mask, torch.float32),
         position_ids=shard(position_ids),
         packed_seq_params=params, num_loss_tokens=int(loss_mask.sum()), num_real_tokens=sum(lengths),
         num_samples=len(samples), cp_size=cp_size, seq_lengths=lengths,
+        mtp_labels=None if mtp_labels is None else shard(mtp_labels),
+        mtp_loss_mask=None if mtp_loss_mask is None else shard(mtp_loss_mask, torch.float32),
     )
 
 
@@ -295,6 +307,25 @@ def pack_host_arrays(samples: list[Sample], padded: list[int], pad_id: int
     if samples and tokens.min() < 0:
         raise ValueError("negative token id in a sample: token ids must be in [0, vocab_size)")
     return tokens, labels, loss_mask
+
+
+def pack_mtp_host_arrays(samples: list[Sample], padded: list[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The multi-token-prediction targets of the whole micro-batch (host arrays, laid out like
+    :func:`pack_host_arrays`'): at each position the label of the NEXT position of the same
+    document (the token two ahead), ``pad_id`` where that is not in the document; and its loss mask,
+    the next position's (0 on a document's last two tokens and on padding). A document's targets
+    never come from the next one."""
+    total = sum(padded)
+    labels = np.full(total, pad_id, dtype=np.int64)
+    loss_mask = np.zeros(total, dtype=np.float32)
+    start = 0
+    for sample, p in zip(samples, padded):
+        n = len(sample)
+        if n > 2:
+            labels[start:start + n - 2] = np.asarray(sample.input_ids[2:], dtype=np.int64)
+            loss_mask[start:start + n - 2] = _mask_values(sample.loss_mask)[1: n - 1]
+        start += p
+    return labels, loss_mask
 
 
 def _packed_seq_params(cu_host: np.ndarray, max_seqlen: int, device: torch.device | str) -> PackedSeqParams:

@@ -34,6 +34,12 @@ class Sample:
         # The last position has no next token inside the document, so it never counts.
         return sum(self.loss_mask[: len(self.input_ids) - 1])
 
+    @property
+    def num_mtp_loss_tokens(self) -> int:
+        """Positions whose token two ahead is a target of the multi-token-prediction loss: position
+        i predicts token i + 2, counted where the prediction of token i + 2 counts (mask[i + 1])."""
+        return sum(self.loss_mask[1: len(self.input_ids) - 1])
+
 
 def check_sample(sample: Sample) -> None:
     """Shape rules a packer relies on; a violation is a bug upstream, so it names the sample."""

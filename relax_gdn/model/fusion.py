@@ -73,8 +73,8 @@ class Fusion:
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """``x / rms(x) · (1 + w)`` (or ``· w``) as one ``F.rms_norm`` call. Its fused CUDA kernel needs
     the scale in the input's dtype (a mixed-dtype call falls back to the composite), so ``1 + w``
-    is formed in fp32 and rounded once to ``x.dtype``."""
-    scale = weight.float() + 1.0 if zero_centered else weight
+    is formed in fp32 (fp64 for an fp64 weight) and rounded once to ``x.dtype``."""
+    scale = weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1.0 if zero_centered else weight
     return F.rms_norm(x, (x.shape[-1],), scale.to(x.dtype), eps)
 
 

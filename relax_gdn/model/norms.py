@@ -8,7 +8,8 @@ parallelism, and Qwen3.5 needs both kinds of RMSNorm (docs/design/QWEN3_5.md):
 * plain ``x̂ · w``, ``w`` initialised to 1: the gated output norm inside GDN (HF's
   ``Qwen3_5RMSNormGated``), whatever the config flag says.
 
-The plain path normalises in fp32 and casts back to the input dtype, as the HF reference does;
+The plain path normalises in fp32 (fp64 inputs in fp64) and casts back to the input dtype, as the HF
+reference does;
 with ``model.fused_norms`` (:mod:`relax_gdn.model.fusion`, the default; given at build time as
 ``fusion``) the same formula is one fused ``rms_norm`` kernel, and the GDN layer's gated norm one
 FLA kernel on CUDA (:meth:`RMSNorm.forward_gated`).
@@ -95,9 +96,10 @@ class RMSNorm(torch.nn.Module):
             weight = _sum_grad_over(weight, self.grad_sum_group)
         if self.fusion.norms:
             return fused_rms_norm(x, weight, self.eps, self.zero_centered_gamma)
-        x32 = x.float()
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16 / fp32 inputs, fp64 stays
+        x32 = x.to(wide)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = weight.float() + 1.0 if self.zero_centered_gamma else weight.float()
+        scale = weight.to(wide) + 1.0 if self.zero_centered_gamma else weight.to(wide)
         return (normed * scale).to(x.dtype)
 
     def forward_gated(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:

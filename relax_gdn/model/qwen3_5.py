@@ -59,6 +59,7 @@ from relax_gdn.model.fusion import (
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.mlp import Qwen3_5MLP
+from relax_gdn.model.mtp import MTPInputs, MTPOptions, build_mtp_block, mtp_postprocess
 from relax_gdn.model.norms import RMSNorm
 from relax_gdn.model.presets import Qwen3_5Preset, qwen3_5_preset
 
@@ -122,6 +123,8 @@ class Qwen3_5Options:
             local provider; the GDN layers' own recompute is ``GDNOptions.recompute_core``).
         recompute_skips_unread_gemm: under full recompute the MLPs skip linear_fc2's GEMM when their
             layer is recomputed (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
+        mtp: the multi-token-prediction layer (:class:`~relax_gdn.model.mtp.MTPOptions`,
+            ``model.mtp.*``); none by default.
     """
 
     vocab_size: int
@@ -136,6 +139,7 @@ class Qwen3_5Options:
     fusion: Fusion = Fusion()
     recompute_mlp_activation: bool = False
     recompute_skips_unread_gemm: bool = False
+    mtp: MTPOptions = MTPOptions()
 
     @classmethod
     def for_preset(cls, preset: str | Qwen3_5Preset, **fields) -> Qwen3_5Options:
@@ -428,6 +432,8 @@ class Qwen3_5Model(GPTModel):
     goes straight into its DDP main grad (``embedding_grad_into_main_grad``), fixed here.
     """
 
+    _mtp_inputs: MTPInputs | None = None  # during a forward given MTP inputs
+
     def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
                  rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection,
                  fusion: Fusion = Fusion(), **kwargs):
@@ -470,7 +476,27 @@ class Qwen3_5Model(GPTModel):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         return (out[0], self.rotary_pos_emb.for_positions(position_ids), *out[2:])
 
+    def forward(self, input_ids, position_ids, attention_mask, *args, mtp_input_ids=None, mtp_labels=None,
+                mtp_loss_mask=None, **kwargs):
+        """``GPTModel.forward``; with ``mtp_input_ids`` (a model built with MTP) the MTP layer runs
+        too and the output gains a first dimension: ``[LM, MTP]`` logits, per-token losses or
+        masked loss sums (:func:`relax_gdn.model.mtp.mtp_postprocess`). ``mtp_input_ids``: each
+        position's next token in its document; ``mtp_labels`` / ``mtp_loss_mask``: the MTP targets,
+        given with ``labels`` / ``loss_mask``."""
+        if mtp_input_ids is not None and getattr(self, "mtp", None) is None:
+            raise ValueError("mtp_input_ids given to a model built without an MTP layer (Qwen3_5Options.mtp)")
+        self._mtp_inputs = None if mtp_input_ids is None else MTPInputs(mtp_input_ids, mtp_labels, mtp_loss_mask)
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            self._mtp_inputs = None
+
     def _postprocess(self, hidden_states, *args, **kwargs):
+        if self._mtp_inputs is not None:
+            return mtp_postprocess(self, hidden_states, self._mtp_inputs, self._lm_output, kwargs)
+        return self._lm_output(hidden_states, *args, **kwargs)
+
+    def _lm_output(self, hidden_states, *args, **kwargs):
         # With labels and loss_mask the model returns Σ per-token loss × loss_mask (fp32 scalar).
         # model.fused_cross_entropy: the output layer + loss in token chunks (no full-vocabulary
         # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
@@ -525,6 +551,9 @@ def build_qwen3_5_model(
     if config.sequence_parallel:
         _ensure_global_memory_buffer()
     provider = resolve_spec_provider(options.spec_provider)
+    if options.mtp.num_layers and provider == "te":
+        raise ValueError("the MTP layer is built from the local specs; use spec_provider='local' (or 'auto') "
+                         "with Qwen3_5Options.mtp (model.mtp.num_layers > 0)")
     impl = "transformer_engine" if provider == "te" else "local"
     aligned = {"transformer_impl": impl}
     if provider == "te":
@@ -535,11 +564,25 @@ def build_qwen3_5_model(
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
     spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
-    return Qwen3_5Model(
+    model = Qwen3_5Model(
         config, spec, options.vocab_size, options.max_sequence_length,
         rotary_percent=options.rotary_percent, rotary_base=options.rotary_base, pg_collection=pgs,
         parallel_output=options.parallel_output, fusion=options.fusion,
     )
+    if options.mtp.num_layers:  # built after the decoder: the decoder's initial weights do not depend on it
+        model.mtp = build_mtp_block(config, options.mtp, _mtp_attention_layer_spec(config, options, pgs.tp),
+                                    pg_collection=pgs, fusion=options.fusion)
+    return model
+
+
+def _mtp_attention_layer_spec(config: TransformerConfig, options: Qwen3_5Options, tp_group) -> ModuleSpec:
+    """The decoder's gated-attention layer spec, for the MTP layer (local specs). Its MLP never skips
+    linear_fc2 under recompute: the MTP layer's checkpoint ends with a norm that reads the layer's output."""
+    plain = dataclasses.replace(options, recompute_skips_unread_gemm=False)
+    for layer in qwen3_5_block_spec(config, plain, tp_group=tp_group).layer_specs:
+        if layer.submodules.self_attention.module is Qwen3_5SelfAttention:
+            return layer
+    raise ValueError("the MTP layer is a gated-attention layer, and this layer pattern has none to copy")
 
 
 def _check_parallel_sizes(config: TransformerConfig, pgs: ProcessGroupCollection) -> int:

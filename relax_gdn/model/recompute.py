@@ -88,6 +88,17 @@ def recomputes(granularity: str, modules, module: str) -> bool:
     return granularity in ("selective", "mixed") and module in modules
 
 
+def mtp_recompute(granularity: str, modules, *, skip_unused: bool) -> dict[str, bool]:
+    """How the multi-token-prediction layer (after the last decoder layer) is recomputed, as
+    :class:`relax_gdn.model.mtp.MTPOptions` fields: like the decoder's last layer under ``full``
+    (kept whole with ``recompute.skip_unused``: its backward follows its forward; else recomputed
+    whole), like the selective layers under ``selective`` and ``mixed`` (``core_attn``; ``mlp_act`` is
+    the MLP's own, told by the model builder), not at all under ``none``."""
+    whole = granularity == "full" and not skip_unused
+    core_attention = granularity in ("selective", "mixed") and "core_attn" in modules
+    return {"recompute_whole_layer": whole, "recompute_core_attention": core_attention}
+
+
 def apply_mixed_recompute(model, full_layers: int, modules) -> int:
     """``mixed`` with ``full_layers`` > 0: Megatron-Core's core-attention recompute (``core_attn``)
     on the attention layers that are not recomputed whole (it decides it from the config, whose
@@ -106,4 +117,4 @@ def apply_mixed_recompute(model, full_layers: int, modules) -> int:
 
 
 __all__ = ["MEGATRON_MODULES", "SELECTIVE_MODULES", "apply_mixed_recompute", "check_recompute_modules",
-           "recompute_config_fields", "recomputes"]
+           "mtp_recompute", "recompute_config_fields", "recomputes"]

@@ -6,7 +6,7 @@
   at the last step, never a carriage return or an escape code, so logs stay greppable.
 * :func:`print_run_summary`: one table (rich on a terminal, aligned ``key: value`` lines
   otherwise) with steps, tokens, median tok/s and MFU over the steady state, peak memory,
-  loss first -> last, the eval loss, and where the outputs are.
+  loss first -> last (and the MTP layer's), the eval loss, and where the outputs are.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _is_terminal(stream) -> bool:
 def step_line(record: dict[str, Any], total: int) -> str:
     """The plain one-line account of a step (non-terminal output)."""
     per = "gpu" if record.get("peak_mem_gb") is not None else "process"  # GPU runs alone measure memory
-    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} "
+    mtp = f"mtp_loss {_fmt(record['mtp_loss'])} " if record.get("mtp_loss") is not None else ""
+    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} {mtp}"
             f"grad_norm {_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} "
             f"{record['tokens_per_s']:.0f} tok/s "
             f"{record['tflops_per_gpu']:.3g} TFLOP/s/{per} mfu {_fmt(record.get('mfu'), 3)} "
@@ -157,6 +158,8 @@ def run_summary(result) -> list[tuple[str, str]]:
     peak = [r.get("peak_mem_gb") for r in records if r.get("peak_mem_gb") is not None]
     rows.append(("peak memory", f"{max(peak):.1f} GiB (rank 0)" if peak else "- (not measured off GPU)"))
     rows.append(("loss", f"{_fmt(first['loss'])} -> {_fmt(last['loss'])}"))
+    if last.get("mtp_loss") is not None:  # the MTP layer's, apart from the LM's (relax_gdn.train.loss)
+        rows.append(("MTP loss", f"{_fmt(first.get('mtp_loss'))} -> {_fmt(last['mtp_loss'])}"))
     evals = [r for r in records if r.get(EVAL_LOSS) is not None]
     if evals:
         rows.append(("eval loss", f"{_fmt(evals[-1][EVAL_LOSS])} (step {evals[-1]['step']}, "

@@ -10,6 +10,13 @@ documents,
   GDN in_proj / conv / delta-rule state update / out_proj, logits (h · vocab);
 * the L² part: causal core attention, ``q_proj_size / 2 · 2`` per attention layer.
 
+With a multi-token-prediction layer (``model.mtp.num_layers``) each one adds what it is: a
+gated-attention layer with its MLP (the formula of one attention layer, its L² part included), the
+input fusion (``eh_proj``: 2h x h per token, plus 3h for its norms, Megatron-Core's MTP term) and its
+own pass through the output layer (h x vocab per token). Megatron-Core's counter places the MTP layer
+in the ``linear_attention_freq`` pattern after the decoder's (a GDN layer for the 9B's 33rd); here it
+counts as the attention layer it is.
+
 The Relax/verl counter behind the seed's MFU also counts the input embedding as a GEMM
 (``h · vocab`` more per token, ≈ +6.1 GFLOP for 9B): :func:`relax_flops` adds exactly that.
 Per token with ``s_eff = Σ L² / Σ L``: F/N = linear + s_eff · square — 49.53 GFLOP at s_eff 8192 and
@@ -46,9 +53,10 @@ class ModelShape:
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
     swiglu: bool = True
+    mtp_num_layers: int = 0  # multi-token-prediction layers (each a gated-attention layer)
 
     @classmethod
-    def from_transformer_config(cls, config, vocab_size: int) -> "ModelShape":
+    def from_transformer_config(cls, config, vocab_size: int, mtp_num_layers: int = 0) -> "ModelShape":
         return cls(
             num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
             vocab_size=vocab_size, num_attention_heads=config.num_attention_heads,
@@ -57,7 +65,7 @@ class ModelShape:
             linear_attention_freq=config.linear_attention_freq, linear_num_key_heads=config.linear_num_key_heads,
             linear_num_value_heads=config.linear_num_value_heads, linear_key_head_dim=config.linear_key_head_dim,
             linear_value_head_dim=config.linear_value_head_dim, linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-            swiglu=bool(config.gated_linear_unit),
+            swiglu=bool(config.gated_linear_unit), mtp_num_layers=mtp_num_layers,
         )
 
     @property
@@ -80,11 +88,12 @@ class FlopsBreakdown:
     attention_projections: float
     attention_core: float
     logits: float
+    mtp: float = 0.0  # the MTP layers: input fusion, attention layer (L² part included), MLP, their logits
 
     @property
     def total(self) -> float:
         return (self.mlp + self.gdn_projections + self.gdn_conv + self.gdn_core + self.attention_projections
-                + self.attention_core + self.logits)
+                + self.attention_core + self.logits + self.mtp)
 
 
 def megatron_flops_breakdown(shape: ModelShape, num_tokens: float, seqlen_squared_sum: float) -> FlopsBreakdown:
@@ -98,16 +107,20 @@ def megatron_flops_breakdown(shape: ModelShape, num_tokens: float, seqlen_square
     qk_dim = shape.linear_key_head_dim * shape.linear_num_key_heads
     v_dim = shape.linear_value_head_dim * shape.linear_num_value_heads
     n_attn, n_gdn = shape.num_attention_layers, shape.num_gdn_layers
+    mlp_per_token = h * shape.ffn_hidden_size * ffn_factor
+    attention_per_token = h * (q + kv + kv + gate) + q * h
+    mtp_per_token = mlp_per_token + attention_per_token + 2 * h * h + 3 * h + h * shape.vocab_size
     return FlopsBreakdown(
-        mlp=k * num_tokens * h * shape.ffn_hidden_size * ffn_factor * shape.num_layers,
+        mlp=k * num_tokens * mlp_per_token * shape.num_layers,
         gdn_projections=k * num_tokens * n_gdn * (h * (2 * qk_dim + 2 * v_dim + 2 * shape.linear_num_value_heads)
                                                   + h * v_dim),
         gdn_conv=k * num_tokens * n_gdn * shape.linear_conv_kernel_dim * (2 * qk_dim + v_dim),
         gdn_core=k * num_tokens * n_gdn * shape.linear_num_value_heads * shape.linear_value_head_dim**2 * 4,
-        attention_projections=k * num_tokens * n_attn * (h * (q + kv + kv + gate) + q * h),
+        attention_projections=k * num_tokens * n_attn * attention_per_token,
         # causal: half the score matrix (/2), QK^T and PV (x2)
         attention_core=k * seqlen_squared_sum * n_attn * q / 2 * 2,
         logits=k * num_tokens * h * shape.vocab_size,
+        mtp=shape.mtp_num_layers * (k * num_tokens * mtp_per_token + k * seqlen_squared_sum * q / 2 * 2),
     )
 
 

@@ -192,6 +192,10 @@ def plan_resume(cfg, root: Path | None, layout: Layout, data_key: DataKey, vocab
         raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
                           f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
                           f"{cfg.model.preset!r} with {vocab_size}")
+    saved_mtp, mtp = saved_model.get("mtp_num_layers", 0), cfg.model.mtp.num_layers or 0
+    if saved_mtp != mtp:
+        raise RecipeError(f"cannot resume from {directory}: it holds model.mtp.num_layers={saved_mtp}, this run "
+                          f"builds {mtp}; resume with model.mtp.num_layers={saved_mtp}")
     problem = optimizer_reshard_problem(directory, manifest, optimizer_form, layout.as_dict())
     if problem:
         raise RecipeError(problem)
@@ -244,7 +248,8 @@ class RunLifecycle:
         source = str(Path(cfg.model.hf_checkpoint).absolute()) if cfg.model.hf_checkpoint else None
         manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
                          "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype,
-                                   "hf_checkpoint": source},  # the export keeps its layout
+                                   "hf_checkpoint": source,  # the export keeps its layout
+                                   "mtp_num_layers": cfg.model.mtp.num_layers or 0},
                          "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
                    tokenizer_vocab_size=tokenizer_vocab_size, optimizer=optimizer)

@@ -1,6 +1,7 @@
 """The training loop: :func:`run_training` (the entry point) runs a :class:`Trainer`.
 
-:func:`run_training` validates the config (nothing built yet), picks the device and loads +
+:func:`run_training` validates the config (nothing built yet; ``model.mtp.num_layers=null`` is
+resolved from the checkpoint's tensors, :func:`resolve_mtp_layers`), picks the device and loads +
 tokenizes the data (a bad source fails here, before any process group, model or file exists), then:
 
 1. :meth:`Trainer.setup`: process groups (:class:`relax_gdn.parallel.ParallelContext`: TP x CP
@@ -14,7 +15,9 @@ tokenizes the data (a bad source fails here, before any process group, model or 
    the CP group's sub-groups of size d), gradient accumulation with the loss
    ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``, the optimizer
    step, the step's ONE all-reduce (loss + the :class:`StepFlag` s of every rank), the metrics
-   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank);
+   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank). With a
+   multi-token-prediction layer the objective adds ``model.mtp.loss_weight × mtp_loss``
+   (:mod:`relax_gdn.train.loss`) and the record ``mtp_loss``; ``loss`` stays the LM's;
 3. :meth:`Trainer.run`: the steps, each followed by its evaluation when due, logging, the profiler
    window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1, Ctrl-C:
    :mod:`relax_gdn.train.stop`) or a non-finite loss or grad norm decided (``train.on_nonfinite``),
@@ -79,8 +82,9 @@ from relax_gdn.errors import (
 )
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
-from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
-from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
+from relax_gdn.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint, run_vocab_size
+from relax_gdn.model.mtp import MTPOptions
+from relax_gdn.model.recompute import apply_mixed_recompute, mtp_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
 from relax_gdn.runtime import require_runtime
 from relax_gdn.train.agreement import agree_on_errors
@@ -88,7 +92,7 @@ from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
-from relax_gdn.train.loss import summed_token_loss
+from relax_gdn.train.loss import summed_token_losses, training_objective
 from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, settings_that_fit
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
@@ -269,7 +273,8 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
     """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size,
+                                               mtp_num_layers=cfg.model.mtp.num_layers or 0)
     settings = dict(
         tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
         sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
@@ -321,6 +326,26 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
             estimate_gib=estimate.as_gib(), capacity_gib=round(capacity / GIB, 2), fits=fits)
 
 
+def resolve_mtp_layers(cfg: RunConfig) -> RunConfig:
+    """``model.mtp.num_layers=null``: the MTP layers ``model.hf_checkpoint`` holds (its ``mtp.*``
+    tensors; 0 without a checkpoint), so a run from a checkpoint with an MTP layer trains it and its
+    export serves MTP speculative decoding with a layer that matches the fine-tuned model. ``cfg``
+    as it is otherwise. Logged on rank 0."""
+    if cfg.model.mtp.num_layers is not None:
+        return cfg
+    layers = 0
+    if cfg.model.hf_checkpoint:
+        try:
+            layers = HFCheckpoint.read(cfg.model.hf_checkpoint).mtp_layers()
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r}: {e}") from e
+    if layers and int(os.environ.get("RANK", "0")) == 0:
+        logger.info("model.mtp.num_layers=null: model.hf_checkpoint holds %d MTP layer(s), trained with weight "
+                    "model.mtp.loss_weight=%g (model.mtp.num_layers=0 copies them into the export unchanged)",
+                    layers, cfg.model.mtp.loss_weight)
+    return cfg.with_overrides({"model.mtp.num_layers": layers})
+
+
 def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
     # Hydra names the run directory from the clock on every rank; rank 0's name wins.
     box = [str(run_dir) if run_dir is not None else None]
@@ -346,6 +371,10 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
     continues when it is not ``run_dir`` (``train.py`` moves Hydra's job log there).
     """
     dims = validate(cfg, env_world_size())
+    resolved = resolve_mtp_layers(cfg)
+    if resolved is not cfg:  # again: the MTP layer a checkpoint brings has rules of its own
+        dims = validate(resolved, env_world_size())
+    cfg = resolved
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
     # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
@@ -403,6 +432,8 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
                       embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
+        mtp=MTPOptions(cfg.model.mtp.num_layers or 0, **mtp_recompute(cfg.recompute.granularity, cfg.recompute.modules,
+                                                                     skip_unused=cfg.recompute.skip_unused)),
     )
     model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
@@ -410,7 +441,10 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
     if device.type == "cuda":
         model.cuda(device)
     if cfg.model.hf_checkpoint:
-        load_hf_checkpoint(model, cfg.model.hf_checkpoint)
+        loaded = load_hf_checkpoint(model, cfg.model.hf_checkpoint)
+        if options.mtp.num_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
+            logger.warning("model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
+                           "starts from random weights (its loss starts near log(vocabulary))", options.mtp.num_layers)
     return tconfig, model
 
 
@@ -440,17 +474,21 @@ class StepTotals:
 
     loss_sum: float  # Σ per-token loss × loss mask over the global batch
     flags: frozenset[StepFlag]  # raised on at least one rank
+    mtp_loss_sum: float | None = None  # the MTP layer's Σ per-token loss × its loss mask; None without MTP
 
 
-def all_reduce_step(loss_sum: torch.Tensor, raised: set[StepFlag], tp: int) -> StepTotals:
-    """The step's one collective and one host read: the loss summed over DP × CP (TP ranks hold the
-    same value, hence / tp) and every rank's :class:`StepFlag` s. The read waits for the device, so
-    it ends the timed step."""
-    flags = torch.tensor([float(flag in raised) for flag in StepFlag], device=loss_sum.device)
-    stats = torch.cat(((loss_sum / tp).reshape(1), flags))
+def all_reduce_step(loss_sums: torch.Tensor, raised: set[StepFlag], tp: int) -> StepTotals:
+    """The step's one collective and one host read: the losses summed over DP × CP (``loss_sums``:
+    the LM's, then the MTP layer's when it trains; TP ranks hold the same values, hence / tp) and
+    every rank's :class:`StepFlag` s. The read waits for the device, so it ends the timed step."""
+    losses = loss_sums.reshape(-1)
+    flags = torch.tensor([float(flag in raised) for flag in StepFlag], device=losses.device)
+    stats = torch.cat((losses / tp, flags))
     dist.all_reduce(stats)
-    loss_total, *flag_totals = stats.tolist()
-    return StepTotals(loss_total, frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total))
+    values = stats.tolist()
+    loss_totals, flag_totals = values[:losses.numel()], values[losses.numel():]
+    return StepTotals(loss_totals[0], frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total),
+                      mtp_loss_sum=loss_totals[1] if len(loss_totals) > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -539,12 +577,14 @@ class Trainer:
         self._log_run()
         self._start_loggers()
         self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
-                                         pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route)
+                                         pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route,
+                                         mtp=bool(cfg.model.mtp.num_layers))
         # the eval set packed exactly like a training global batch
         self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
                                    device=device, micro_batches=self.planner.micro_batches)
-        self.metrics = MetricsProcessor(ModelShape.from_transformer_config(self.tconfig, self.vocab_size),
-                                        self.dims.world_size, device)
+        shape = ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
+                                                   mtp_num_layers=cfg.model.mtp.num_layers or 0)
+        self.metrics = MetricsProcessor(shape, self.dims.world_size, device)
         self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank,
                                      dump_dir=self.run_dir / "hang" if self.run_dir is not None else None)
         trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
@@ -655,14 +695,15 @@ class Trainer:
                                             step - 1)
         plan = self.planner.plan(batch)
         loss_tokens = sum(s.num_loss_tokens for s in batch)
+        mtp_loss_tokens = sum(s.num_mtp_loss_tokens for s in batch) if self.planner.mtp else 0
         self.optimizer.zero_grad()
         self.scheduler.step(1)  # the rate of THIS step (see build_scheduler)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        loss_sum = self._forward_backward(plan, loss_tokens)
+        loss_sums = self._forward_backward(plan, loss_tokens, mtp_loss_tokens)
         optimizer_timer = OptimizerTimer(self.device)
         updated, grad_norm = self.optimizer.step()
         optimizer_timer.stop()
-        totals = all_reduce_step(loss_sum, self._raised_flags(), self.dims.tp)
+        totals = all_reduce_step(loss_sums, self._raised_flags(), self.dims.tp)
         step_time = timer.elapsed()
         record = self.metrics.record(
             step=step, loss=totals.loss_sum / max(loss_tokens, 1), grad_norm=grad_norm, lr=lr,
@@ -671,24 +712,28 @@ class Trainer:
             host_syncs=self.host_syncs.count if self.host_syncs.enabled else None,
         ).as_dict()
         record["optimizer_time_s"] = optimizer_timer.seconds()  # the step's host read has waited
+        if totals.mtp_loss_sum is not None:  # the MTP layer's loss, apart from the LM's (train/loss.py)
+            record["mtp_loss"] = totals.mtp_loss_sum / max(mtp_loss_tokens, 1)
         if plan.cp_size_counts is not None:
             record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
         self._log_host_syncs(step)
         return self._outcome(record, totals, updated=updated, grad_norm=grad_norm)
 
-    def _forward_backward(self, plan: StepPlan, loss_tokens: int) -> torch.Tensor:
-        """Gradients of the global batch's loss accumulated over this rank's micro-batches; returns
-        this rank's summed per-token loss (a device scalar, not yet reduced over ranks)."""
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _forward_backward(self, plan: StepPlan, loss_tokens: int, mtp_loss_tokens: int) -> torch.Tensor:
+        """Gradients of the global batch's objective (train/loss.py) accumulated over this rank's
+        micro-batches; returns this rank's summed per-token losses, ``[LM]`` or ``[LM, MTP]`` (on
+        the device, not yet reduced over ranks)."""
+        loss_sums = torch.zeros(1 + bool(self.planner.mtp), dtype=torch.float32, device=self.device)
+        weight = self.cfg.model.mtp.loss_weight
         self.host_syncs.reset()
         # every micro-batch built (and its upload queued) before the first forward: the host's
         # packing never stands between one micro-batch's backward and the next forward
         for mb in [self.planner.build(planned) for planned in plan.micro_batches]:
             with self.host_syncs:
-                mb_loss = summed_token_loss(self.model, mb)
-                (mb_loss / max(loss_tokens, 1)).backward()
-            loss_sum += mb_loss.detach()
-        return loss_sum
+                sums = summed_token_losses(self.model, mb)
+                training_objective(sums, loss_tokens, mtp_loss_tokens, weight).backward()
+            loss_sums += sums.detach()
+        return loss_sums
 
     def _raised_flags(self) -> set[StepFlag]:
         """This rank's :class:`StepFlag` s for the step's all-reduce."""

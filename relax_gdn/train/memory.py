@@ -19,6 +19,14 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
   held until backward) and per token the final norm's input and output and the gradient of the
   loss's input (also formed in forward); without it, the full logits.
 
+A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
+layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
+layer's at the recompute setting it runs under, :func:`relax_gdn.model.recompute.mtp_recompute`:
+kept whole under ``full``, as with ``recompute.skip_unused``, selective under ``selective`` and
+``mixed``; plus its input fusion, :data:`MTP_FUSION_BYTES_PER_TOKEN`) and its pass through the
+output layer (the fused loss holds one more output-layer gradient from forward to backward; the
+plain one a second set of logits).
+
 :func:`fewest_full_layers` is the memory-aware choice of ``recompute.full_layers``;
 :func:`settings_that_fit` lists the recompute settings (and the smaller micro-batch, the
 optimizer off, more CP ranks) that fit a given GPU, for the refusal message.
@@ -52,6 +60,10 @@ ACTIVATION_BYTES_PER_TOKEN = {
     ("selective", False): (150_000, 130_000),
     ("full", False): (8_192, 8_192),
 }
+# the MTP layer's input fusion per local token at hidden 4096, bf16: the embedding, the two norms'
+# outputs and eh_proj's [embedding, hidden] input kept for backward (counted, not yet fitted to a
+# measured peak)
+MTP_FUSION_BYTES_PER_TOKEN = 40_000
 WORKSPACE_BYTES = 3 * GIB  # allocator fragmentation, cuBLAS / NCCL workspaces, autotune buffers
 # recompute.full_layers=null (mixed) picks the fewest whole-layer recomputes whose estimate fits this
 # fraction of the GPU: the estimate counts what torch allocates, and the process also holds the
@@ -101,8 +113,9 @@ def parameter_count(shape: ModelShape) -> int:
            + shape.linear_value_head_dim + v * h)
     attention = h * (q + gate + 2 * kv) + q * h + 2 * shape.kv_channels
     per_layer = mlp + norms
+    mtp = per_layer + attention + 2 * h * h + 3 * h  # an attention layer, eh_proj, its three norms
     return (2 * shape.vocab_size * h + h + shape.num_gdn_layers * (per_layer + gdn)
-            + shape.num_attention_layers * (per_layer + attention))
+            + shape.num_attention_layers * (per_layer + attention) + shape.mtp_num_layers * mtp)
 
 
 def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int) -> float:
@@ -120,7 +133,10 @@ def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: 
     peak = inputs + kept(recompute if recompute != "mixed" else "selective", range(full_layers, layers))
     if full_layers:  # the one layer being recomputed holds its full activations meanwhile
         peak = max(peak, inputs + ACTIVATION_BYTES_PER_TOKEN[("none", fused_norms)][0])
-    return peak * shape.hidden_size / 4096
+    # the MTP layers live from their forward to their backward, beside everything above
+    mtp_granularity = "selective" if recompute in ("selective", "mixed") else "none"
+    mtp = ACTIVATION_BYTES_PER_TOKEN[(mtp_granularity, fused_norms)][1] + MTP_FUSION_BYTES_PER_TOKEN
+    return (peak + shape.mtp_num_layers * mtp) * shape.hidden_size / 4096
 
 
 def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
@@ -149,9 +165,12 @@ def _loss_bytes(shape: ModelShape, tokens_per_gpu: int, tp: int, act_tokens: flo
         from relax_gdn.model.fusion import cross_entropy_chunk_tokens
 
         chunk = min(tokens_per_gpu, cross_entropy_chunk_tokens(shape.vocab_size)) * vocab * (2 + 2)
-        # the chunked loss forms both gradients in forward: the output layer's and its input's
-        return chunk + vocab * hidden * dtype_bytes + final_norm + tokens_per_gpu * hidden * dtype_bytes
-    return tokens_per_gpu * vocab * 6 + final_norm  # bf16 logits and the fp32 softmax kept for backward
+        # the chunked loss forms both gradients in forward: the output layer's and its input's; each
+        # MTP layer's loss holds one more of each from its forward to its backward
+        held = vocab * hidden * dtype_bytes + tokens_per_gpu * hidden * dtype_bytes
+        return chunk + held * (1 + shape.mtp_num_layers) + final_norm
+    # bf16 logits and the fp32 softmax kept for backward, the MTP layers' too
+    return tokens_per_gpu * vocab * 6 * (1 + shape.mtp_num_layers) + final_norm
 
 
 def fewest_full_layers(shape: ModelShape, capacity_bytes: float, **settings) -> int | None:
@@ -221,5 +240,5 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
     return found
 
 
-__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "Alternative", "MemoryEstimate", "estimate_memory",
-           "fewest_full_layers", "parameter_count", "settings_that_fit"]
+__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "MTP_FUSION_BYTES_PER_TOKEN", "Alternative",
+           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "parameter_count", "settings_that_fit"]

@@ -43,19 +43,21 @@ class MicroBatchPlanner:
     """Plans and builds this rank's micro-batches under the run's parallel layout."""
 
     def __init__(self, parallel: ParallelContext, *, max_tokens_per_gpu: int, device: torch.device, pad_id: int,
-                 route_strategy: str):
+                 route_strategy: str, mtp: bool = False):
         """Args:
             parallel: the run's process groups (DP / CP ranks, dynamic-CP sub-groups).
             max_tokens_per_gpu: packed tokens per micro-batch per rank (``train.max_tokens_per_gpu``).
             device: where the micro-batch tensors go.
             pad_id: the tokenizer's padding id.
             route_strategy: when zigzag<->contiguous routes are built (``gdn.route``).
+            mtp: the micro-batches carry the multi-token-prediction targets (``model.mtp.num_layers``).
         """
         self.parallel = parallel
         self.max_tokens_per_gpu = max_tokens_per_gpu
         self.device = device
         self.pad_id = pad_id
         self.route_strategy = route_strategy
+        self.mtp = mtp
 
     def plan(self, batch: list[Sample]) -> StepPlan:
         """This rank's micro-batches of the global batch ``batch``."""
@@ -72,7 +74,8 @@ class MicroBatchPlanner:
         """The micro-batch's tensors on the device (this rank's zigzag shard)."""
         return make_micro_batch(planned.samples, cp_size=planned.cp_size, cp_rank=planned.cp_rank,
                                 device=self.device, pad_id=self.pad_id, route_strategy=self.route_strategy,
-                                cp_group=planned.cp_group, carries_cp_group=self.parallel.dynamic_groups is not None)
+                                cp_group=planned.cp_group, carries_cp_group=self.parallel.dynamic_groups is not None,
+                                mtp=self.mtp)
 
     def micro_batches(self, samples: list[Sample]) -> Iterator[MicroBatch]:
         """This rank's built micro-batches of ``samples``, packed as a training global batch."""

@@ -13,7 +13,8 @@ Three steps, each usable alone:
    safetensors lazily one rule at a time, cut this rank's TP shard and copy it into the
    parameter; or gather the shards over TP and write HF text-layout safetensors + ``config.json``.
    :func:`save_drop_in_checkpoint` (:mod:`.drop_in`) writes the layout of the checkpoint a run
-   started from instead (vision tower and MTP copied, :func:`tensor_origins` deciding).
+   started from instead (vision tower copied; MTP written when the run trained it, else copied;
+   :func:`tensor_origins` deciding).
 
 :mod:`.source` reads a checkpoint directory's layout from its headers (:class:`HFCheckpoint`) and
 decides the vocabulary of a run started from one (:func:`run_vocab_size`); :mod:`.transformers_kernels`

@@ -16,9 +16,19 @@ from relax_gdn.model.hf_checkpoint.plan import TensorRule, conversion_plan
 
 VLM_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
-# Weights of the VLM checkpoint that text SFT does not use (vision tower, multi-token prediction):
-# the import skips them, a drop-in export copies them from the source (``drop_in.tensor_origins``).
-IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+VISION_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+# Weights of the VLM checkpoint that text SFT without MTP does not use (vision tower, multi-token
+# prediction): the import skips them, a drop-in export copies them from the source
+# (``drop_in.tensor_origins``). A model with an MTP layer has a place for ``mtp.*``
+# (:func:`ignored_prefixes`; the conversion plan maps them).
+IGNORED_PREFIXES = VISION_PREFIXES + MTP_PREFIXES
+
+
+def ignored_prefixes(dims: Qwen3_5Dims) -> tuple[str, ...]:
+    """The checkpoint prefixes a model of ``dims`` has no place for: the vision tower, and the MTP
+    layer unless the model has one."""
+    return VISION_PREFIXES if dims.mtp_num_layers else IGNORED_PREFIXES
 
 
 class CheckpointMismatchError(RecipeError, ValueError):
@@ -34,10 +44,10 @@ def text_layout_name(name: str) -> str:
     return name
 
 
-def hf_text_name(name: str) -> str | None:
+def hf_text_name(name: str, ignored: tuple[str, ...] = IGNORED_PREFIXES) -> str | None:
     """The text-layout name of a checkpoint key (VLM ``model.language_model.x`` -> ``model.x``),
-    or None for weights text SFT ignores (vision tower, MTP)."""
-    if name.startswith(IGNORED_PREFIXES):
+    or None for weights the model ignores (``ignored``: by default the vision tower and MTP)."""
+    if name.startswith(ignored):
         return None
     return text_layout_name(name)
 
@@ -47,10 +57,10 @@ def hf_to_mcore_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full Megatron-Core state dict from an HF Qwen3.5 state dict (text or VLM layout).
 
-    Vision/MTP weights are ignored; a missing, mis-shaped or unknown text tensor raises
-    :class:`CheckpointMismatchError` naming it.
+    Vision weights are ignored, and MTP weights unless ``dims`` has MTP layers; a missing,
+    mis-shaped or unknown text tensor raises :class:`CheckpointMismatchError` naming it.
     """
-    text = TextKeys(hf_state.keys())
+    text = TextKeys(hf_state.keys(), ignored_prefixes(dims))
     out = {rule.mcore: merge_rule(rule, lambda n: hf_state[text.lookup(n)]) for rule in conversion_plan(dims)}
     text.check_all_used()
     return out
@@ -74,12 +84,13 @@ def mcore_to_hf_state_dict(
 
 
 class TextKeys:
-    """Checkpoint keys seen through :func:`hf_text_name`; remembers which were used."""
+    """Checkpoint keys seen through :func:`hf_text_name` (``ignored``: the prefixes left out);
+    remembers which were used."""
 
-    def __init__(self, keys):
+    def __init__(self, keys, ignored: tuple[str, ...] = IGNORED_PREFIXES):
         self.by_text: dict[str, str] = {}
         for key in keys:
-            text = hf_text_name(key)
+            text = hf_text_name(key, ignored)
             if text is None:
                 continue
             if text in self.by_text:

@@ -14,6 +14,9 @@ import torch
 
 
 LINEAR_ATTENTION = "linear_attention"
+# how many MTP layers a Qwen3.5 config.json says the checkpoint holds (vLLM reads it; transformers keeps
+# it as an unknown field)
+MTP_CONFIG_KEY = "mtp_num_hidden_layers"
 FULL_ATTENTION = "full_attention"
 _LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
@@ -56,6 +59,8 @@ class Qwen3_5Dims:
     lm_head_from_embedding: bool = False
     padded_vocab_size: int | None = None  # the model's vocabulary when padded (None: same)
     norms: NormConventions = field(default_factory=NormConventions)
+    # multi-token-prediction layers (``mtp.*``; HF config ``mtp_num_hidden_layers``): 0 or Qwen3.5's 1
+    mtp_num_layers: int = 0
     # config.json facts only (no tensor depends on them)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e7
@@ -126,6 +131,7 @@ def dims_from_hf_config(hf_config: Mapping | str | os.PathLike) -> Qwen3_5Dims:
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        mtp_num_layers=int(cfg.get(MTP_CONFIG_KEY) or 0),
     )
 
 
@@ -203,6 +209,9 @@ def hf_text_config(dims: Qwen3_5Dims, base: Mapping | None = None) -> dict:
         hidden_act="silu",
         attention_bias=False,
     )
+    cfg.pop(MTP_CONFIG_KEY, None)  # the base's count says nothing of this model's
+    if dims.mtp_num_layers:
+        cfg.update({MTP_CONFIG_KEY: dims.mtp_num_layers, "mtp_use_dedicated_embeddings": False})
     return cfg
 
 
@@ -267,6 +276,7 @@ def dims_from_model(model: torch.nn.Module, vocab_size: int | None = None) -> Qw
         rope_theta=float(getattr(model, "rotary_base", 1e7)),
         partial_rotary_factor=float(getattr(model, "rotary_percent", 0.25)),
         max_position_embeddings=int(getattr(model, "max_sequence_length", 32768)),
+        mtp_num_layers=len(model.mtp.layers) if getattr(model, "mtp", None) is not None else 0,
     )
 
 

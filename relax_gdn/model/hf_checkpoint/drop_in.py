@@ -23,8 +23,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax_gdn.model.hf_checkpoint.convert import IGNORED_PREFIXES, CheckpointMismatchError, text_layout_name
-from relax_gdn.model.hf_checkpoint.dims import Qwen3_5Dims, dims_from_hf_config, dims_from_model, unwrap_model
+from relax_gdn.model.hf_checkpoint.convert import (
+    IGNORED_PREFIXES,
+    MTP_PREFIXES,
+    CheckpointMismatchError,
+    text_layout_name,
+)
+from relax_gdn.model.hf_checkpoint.dims import (
+    MTP_CONFIG_KEY,
+    Qwen3_5Dims,
+    dims_from_hf_config,
+    dims_from_model,
+    unwrap_model,
+)
 from relax_gdn.model.hf_checkpoint.files import (
     ExportReport,
     MainParams,
@@ -47,10 +58,13 @@ class Origin(StrEnum):
 
 
 # Source tensors the run does not train, copied bit for bit: the vision tower and the
-# multi-token-prediction layer. A name the run's plan writes is TRAINED whatever its prefix.
+# multi-token-prediction layer. A name the run's plan writes is TRAINED whatever its prefix (the
+# MTP layer of a run that trains one: its conversion plan writes ``mtp.*``).
 COPIED_PREFIXES = IGNORED_PREFIXES
-# a tied source (no lm_head) gets the run's untied output layer
+# a tied source (no lm_head) gets the run's untied output layer; a source without an MTP layer the
+# run's trained one
 ADDABLE = ("lm_head.weight",)
+ADDABLE_PREFIXES = MTP_PREFIXES
 # the files of a tokenizer (left out of the copy when the run trained with another one)
 TOKENIZER_FILES = frozenset(
     {
@@ -73,9 +87,10 @@ def tensor_origins(
     source: HFCheckpoint, trained: dict[str, tuple[int, ...]]
 ) -> tuple[dict[str, Origin], list[str]]:
     """For each tensor of ``source``: :attr:`Origin.TRAINED` when the run writes its text-layout name
-    (``trained``: HF text-layout name -> shape, every tensor the export plan writes), else
-    :attr:`Origin.COPIED` for the vision tower and MTP prefixes. Returns ``(origins by source name,
-    trained names the source lacks and may gain)``. Raises :class:`CheckpointMismatchError` naming
+    (``trained``: HF text-layout name -> shape, every tensor the export plan writes, ``mtp.*`` too
+    when the run trains an MTP layer), else :attr:`Origin.COPIED` for the vision tower and MTP
+    prefixes. Returns ``(origins by source name, trained names the source lacks and may gain: an
+    untied output layer, an MTP layer)``. Raises :class:`CheckpointMismatchError` naming
     the source tensors it cannot place (they would be lost), a trained tensor whose shape differs
     from the source's, and trained tensors the source has no place for."""
     origins: dict[str, Origin] = {}
@@ -92,7 +107,7 @@ def tensor_origins(
             lost.append(name)
     covered = {text_layout_name(n) for n in source.tensors}
     missing = [n for n in trained if n not in covered]
-    unplaced = [n for n in missing if n not in ADDABLE]
+    unplaced = [n for n in missing if n not in ADDABLE and not n.startswith(ADDABLE_PREFIXES)]
     where = f"the source checkpoint {source.directory}"
     problems = []
     if lost:
@@ -265,17 +280,22 @@ class _ShardWriter:
 
 def _write_config(source: HFCheckpoint, out: Path, added: Iterable[str]) -> dict[str, tuple]:
     """The source's config.json, changed only where training changed the model: an output layer
-    added to a tied source unties it. Returns the changes (key: (source, export))."""
+    added to a tied source unties it; an MTP layer added to a source without one is counted where
+    the language model's sizes are (``text_config`` of a VLM). Returns the changes (key: (source,
+    export))."""
     config = json.loads(json.dumps(source.config))
     changes: dict[str, tuple] = {}
+    scopes = [("", config)] + ([("text_config.", config["text_config"])] if "text_config" in config else [])
     if "lm_head.weight" in added:  # HF's default is tied: say untied wherever the flag is read
-        scopes = [("", config)] + (
-            [("text_config.", config["text_config"])] if "text_config" in config else []
-        )
         for scope, part in scopes:
             if part.get("tie_word_embeddings") is not False:
                 changes[f"{scope}tie_word_embeddings"] = (part.get("tie_word_embeddings"), False)
                 part["tie_word_embeddings"] = False
+    mtp_layers = len({n.split(".")[2] for n in added if n.startswith("mtp.layers.")})
+    scope, part = scopes[-1]
+    if mtp_layers and part.get(MTP_CONFIG_KEY) != mtp_layers:
+        changes[f"{scope}{MTP_CONFIG_KEY}"] = (part.get(MTP_CONFIG_KEY), mtp_layers)
+        part[MTP_CONFIG_KEY] = mtp_layers
     if changes:
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     else:

@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.model.hf_checkpoint.convert import (
+    IGNORED_PREFIXES,
+    MTP_PREFIXES,
+    VISION_PREFIXES,
     CheckpointMismatchError,
     TextKeys,
     check_shape,
@@ -59,6 +62,10 @@ def load_hf_checkpoint(
     """Copy an HF Qwen3.5 checkpoint (text or VLM layout) into ``model``'s parameters, this TP rank's
     shard of each. Every rank of the model reads the files; TP defaults to ``model.pg_collection.tp``.
 
+    A model with an MTP layer takes the checkpoint's ``mtp.*`` tensors; from a checkpoint without
+    any, its MTP layer keeps its initial weights (the returned dimensions then say
+    ``mtp_num_layers=0``: what was loaded).
+
     Returns the dimensions used (with the checkpoint's vocabulary). Raises
     :class:`CheckpointMismatchError` naming the tensor when one is missing, mis-shaped, or unknown.
     """
@@ -67,9 +74,11 @@ def load_hf_checkpoint(
     tp_size, tp_rank = _group_size(tp_group), _group_rank(tp_group)
     reader = _SafetensorsReader(checkpoint_dir)
     try:
-        text = TextKeys(reader.keys())
+        has_mtp = getattr(model, "mtp", None) is not None and any(k.startswith(MTP_PREFIXES) for k in reader.keys())
+        text = TextKeys(reader.keys(), VISION_PREFIXES if has_mtp else IGNORED_PREFIXES)
         dims = _dims_for_checkpoint(model, reader, text, Path(checkpoint_dir))
-        tensors = model_tensors(model)
+        dims = dims if has_mtp else replace(dims, mtp_num_layers=0)
+        tensors = {k: v for k, v in model_tensors(model).items() if has_mtp or not k.startswith("mtp.")}
         plan = conversion_plan(dims)
         names = resolve_model_names(plan, tensors)
         with torch.no_grad():
@@ -257,7 +266,7 @@ class ExportReport:
             copied = _by_prefix(self.copied)
             out.append(f"  copied bit for bit from the source: {len(self.copied)} tensors ({copied})")
         if self.added:
-            out.append(f"  added (the source has none): {', '.join(self.added)}")
+            out.append(f"  added (the source has none): {_by_prefix(self.added)}")
         if self.fp32_from_main:
             out.append(
                 f"  float32 from the fp32 main parameters: {len(self.fp32_from_main)} tensors "

@@ -23,6 +23,12 @@ Layout facts (checked against transformers 5.23 ``modeling_qwen3_5`` and Megatro
 * MLP: ``linear_fc1 = [gate_proj; up_proj]`` (SwiGLU's first half is activated), cut per half.
 * Embedding rows / ``output_layer`` rows are cut by vocabulary; a model vocabulary padded beyond
   the checkpoint's (Megatron pads to a TP multiple) is zero-filled on import and trimmed on export.
+* MTP (``Qwen3_5Dims.mtp_num_layers``; vLLM's ``Qwen3_5MultiTokenPredictor`` reads the same names):
+  Megatron-Core's ``eh_proj`` is ``mtp.fc`` (``[h, 2h]``, its input ``[embedding, hidden]`` on both
+  sides; column-parallel), ``enorm`` / ``hnorm`` / ``final_layernorm`` are ``mtp.pre_fc_norm_embedding``
+  / ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` (zero-centred, as the decoder's), and the
+  gated-attention layer inside (``mtp_model_layer``) is ``mtp.layers.<i>``, mapped like a decoder
+  attention layer.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relax_gdn.model.hf_checkpoint.dims import HF_NORM_CONVENTIONS, LINEAR_ATTENTION, Qwen3_5Dims
+from relax_gdn.model.hf_checkpoint.dims import FULL_ATTENTION, HF_NORM_CONVENTIONS, LINEAR_ATTENTION, Qwen3_5Dims
 
 
 @dataclass(frozen=True)
@@ -64,103 +70,95 @@ class TensorRule:
 
 
 def conversion_plan(dims: Qwen3_5Dims) -> list[TensorRule]:
-    """Every tensor of the Megatron-Core model (local module names, unfused norms), in order."""
+    """Every tensor of the Megatron-Core model (local module names, unfused norms), in order: the
+    embedding, the decoder layers, the final norm, the output layer, the MTP layers."""
     d, hidden = dims, dims.hidden_size
-    norms = d.norms
     plan = [_vocab_rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", d)]
+    for i, kind in enumerate(d.layer_types):
+        plan += _layer_rules(kind, f"model.layers.{i}.", f"decoder.layers.{i}.", d)
+    plan.append(
+        _norm_rule("decoder.final_layernorm.weight", "model.norm.weight", hidden, True, d.norms.hidden_one_plus)
+    )
+    if not d.tie_word_embeddings:
+        source = "model.embed_tokens.weight" if d.lm_head_from_embedding else "lm_head.weight"
+        plan.append(_vocab_rule("output_layer.weight", source, d))
+    for i in range(d.mtp_num_layers):
+        plan += _mtp_rules(i, d)
+    return plan
+
+
+def _layer_rules(kind: str, hf: str, mc: str, d: Qwen3_5Dims) -> list[TensorRule]:
+    """One decoder layer (``kind``: GDN or full attention) under the prefixes ``hf`` / ``mc``."""
+    hidden, norms = d.hidden_size, d.norms
+    rules = [
+        _norm_rule(f"{mc}input_layernorm.weight", f"{hf}input_layernorm.weight", hidden,
+                   HF_NORM_CONVENTIONS.hidden_one_plus, norms.hidden_one_plus)
+    ]
+    rules += _gdn_rules(f"{hf}linear_attn.", f"{mc}self_attention.", d) if kind == LINEAR_ATTENTION else \
+        _attention_rules(f"{hf}self_attn.", f"{mc}self_attention.", d)
+    return rules + [
+        _norm_rule(f"{mc}pre_mlp_layernorm.weight", f"{hf}post_attention_layernorm.weight", hidden,
+                   HF_NORM_CONVENTIONS.hidden_one_plus, norms.hidden_one_plus),
+        _stack_rule(f"{mc}mlp.linear_fc1.weight", (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
+                    (d.ffn_hidden_size, d.ffn_hidden_size), hidden),
+        _copy_rule(f"{mc}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight", (hidden, d.ffn_hidden_size), ROW),
+    ]
+
+
+def _gdn_rules(a: str, m: str, d: Qwen3_5Dims) -> list[TensorRule]:
+    hidden = d.hidden_size
     qk, v, hv = (
         d.linear_num_key_heads * d.linear_key_head_dim,
         d.linear_num_value_heads * d.linear_value_head_dim,
         d.linear_num_value_heads,
     )
-    for i, kind in enumerate(d.layer_types):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        plan.append(
-            _norm_rule(
-                f"{mc}input_layernorm.weight",
-                f"{hf}input_layernorm.weight",
-                hidden,
-                HF_NORM_CONVENTIONS.hidden_one_plus,
-                norms.hidden_one_plus,
-            )
-        )
-        if kind == LINEAR_ATTENTION:
-            a, m = f"{hf}linear_attn.", f"{mc}self_attention."
-            plan += [
-                _stack_rule(
-                    f"{m}in_proj.weight",
-                    tuple(f"{a}{n}.weight" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
-                    (2 * qk + v, v, hv, hv),
-                    hidden,
-                    tp_sections=(qk, qk, v, v, hv, hv),
-                ),
-                _copy_rule(
-                    f"{m}conv1d.weight",
-                    f"{a}conv1d.weight",
-                    (2 * qk + v, 1, d.linear_conv_kernel_dim),
-                    TPSplit(0, (qk, qk, v)),
-                ),
-                _copy_rule(f"{m}dt_bias", f"{a}dt_bias", (hv,), COLUMN),
-                _copy_rule(f"{m}A_log", f"{a}A_log", (hv,), COLUMN),
-                _norm_rule(
-                    f"{m}out_norm.weight",
-                    f"{a}norm.weight",
-                    d.linear_value_head_dim,
-                    HF_NORM_CONVENTIONS.gdn_out_one_plus,
-                    norms.gdn_out_one_plus,
-                ),
-                _copy_rule(f"{m}out_proj.weight", f"{a}out_proj.weight", (hidden, v), ROW),
-            ]
-        else:
-            a, m = f"{hf}self_attn.", f"{mc}self_attention."
-            plan += [
-                _gated_qkv_rule(f"{m}linear_qkv.weight", a, d),
-                _norm_rule(
-                    f"{m}q_layernorm.weight",
-                    f"{a}q_norm.weight",
-                    d.head_dim,
-                    HF_NORM_CONVENTIONS.qk_one_plus,
-                    norms.qk_one_plus,
-                ),
-                _norm_rule(
-                    f"{m}k_layernorm.weight",
-                    f"{a}k_norm.weight",
-                    d.head_dim,
-                    HF_NORM_CONVENTIONS.qk_one_plus,
-                    norms.qk_one_plus,
-                ),
-                _copy_rule(
-                    f"{m}linear_proj.weight",
-                    f"{a}o_proj.weight",
-                    (hidden, d.num_attention_heads * d.head_dim),
-                    ROW,
-                ),
-            ]
-        plan += [
-            _norm_rule(
-                f"{mc}pre_mlp_layernorm.weight",
-                f"{hf}post_attention_layernorm.weight",
-                hidden,
-                HF_NORM_CONVENTIONS.hidden_one_plus,
-                norms.hidden_one_plus,
-            ),
-            _stack_rule(
-                f"{mc}mlp.linear_fc1.weight",
-                (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
-                (d.ffn_hidden_size, d.ffn_hidden_size),
-                hidden,
-            ),
-            _copy_rule(
-                f"{mc}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight", (hidden, d.ffn_hidden_size), ROW
-            ),
-        ]
-    plan.append(
-        _norm_rule("decoder.final_layernorm.weight", "model.norm.weight", hidden, True, norms.hidden_one_plus)
-    )
-    if not d.tie_word_embeddings:
-        source = "model.embed_tokens.weight" if d.lm_head_from_embedding else "lm_head.weight"
-        plan.append(_vocab_rule("output_layer.weight", source, d))
-    return plan
+    return [
+        _stack_rule(
+            f"{m}in_proj.weight",
+            tuple(f"{a}{n}.weight" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+            (2 * qk + v, v, hv, hv),
+            hidden,
+            tp_sections=(qk, qk, v, v, hv, hv),
+        ),
+        _copy_rule(
+            f"{m}conv1d.weight", f"{a}conv1d.weight", (2 * qk + v, 1, d.linear_conv_kernel_dim), TPSplit(0, (qk, qk, v))
+        ),
+        _copy_rule(f"{m}dt_bias", f"{a}dt_bias", (hv,), COLUMN),
+        _copy_rule(f"{m}A_log", f"{a}A_log", (hv,), COLUMN),
+        _norm_rule(f"{m}out_norm.weight", f"{a}norm.weight", d.linear_value_head_dim,
+                   HF_NORM_CONVENTIONS.gdn_out_one_plus, d.norms.gdn_out_one_plus),
+        _copy_rule(f"{m}out_proj.weight", f"{a}out_proj.weight", (hidden, v), ROW),
+    ]
+
+
+def _attention_rules(a: str, m: str, d: Qwen3_5Dims) -> list[TensorRule]:
+    qk_norm = (HF_NORM_CONVENTIONS.qk_one_plus, d.norms.qk_one_plus)
+    return [
+        _gated_qkv_rule(f"{m}linear_qkv.weight", a, d),
+        _norm_rule(f"{m}q_layernorm.weight", f"{a}q_norm.weight", d.head_dim, *qk_norm),
+        _norm_rule(f"{m}k_layernorm.weight", f"{a}k_norm.weight", d.head_dim, *qk_norm),
+        _copy_rule(f"{m}linear_proj.weight", f"{a}o_proj.weight", (d.hidden_size, d.num_attention_heads * d.head_dim),
+                   ROW),
+    ]
+
+
+# Megatron-Core's MTP layer -> Qwen3.5's ``mtp.*`` (vLLM ``Qwen3_5MultiTokenPredictor``): the input
+# fusion ``eh_proj`` is ``mtp.fc`` (input [embedding, hidden] on both sides), its norms the
+# ``pre_fc_norm_*`` ones, the gated-attention layer inside ``mtp.layers.<i>``, the norm before the
+# shared output layer ``mtp.norm``.
+_MTP_NORMS = (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("final_layernorm", "norm"))
+
+
+def _mtp_rules(i: int, d: Qwen3_5Dims) -> list[TensorRule]:
+    """MTP layer ``i`` (Qwen3.5 has one; its HF names hold one ``fc`` and ``norm`` per layer)."""
+    hidden, mc = d.hidden_size, f"mtp.layers.{i}."
+    rules = [_copy_rule(f"{mc}eh_proj.weight", "mtp.fc.weight", (hidden, 2 * hidden), COLUMN)]
+    rules += [
+        _norm_rule(f"{mc}{ours}.weight", f"mtp.{theirs}.weight", hidden, HF_NORM_CONVENTIONS.hidden_one_plus,
+                   d.norms.hidden_one_plus)
+        for ours, theirs in _MTP_NORMS
+    ]
+    return rules + _layer_rules(FULL_ATTENTION, f"mtp.layers.{i}.", f"{mc}mtp_model_layer.", d)
 
 
 def _copy_rule(mcore: str, hf: str, shape: tuple[int, ...], tp: TPSplit) -> TensorRule:

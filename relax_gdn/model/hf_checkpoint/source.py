@@ -118,6 +118,11 @@ class HFCheckpoint:
         name = self.by_text_name().get(EMBEDDING)
         return None if name is None else self.tensors[name].shape[0]
 
+    def mtp_layers(self) -> int:
+        """How many multi-token-prediction layers the checkpoint holds (``mtp.layers.<i>.*``), by
+        its tensors (what a run can load), whatever its config says."""
+        return len({name.split(".")[2] for name in self.tensors if name.startswith("mtp.layers.")})
+
 
 # ---------------------------------------------------------------------------------------------
 # a run started from a checkpoint (model.hf_checkpoint)
@@ -151,8 +156,9 @@ def preset_layer_types(preset: Qwen3_5Preset) -> tuple[str, ...]:
     return tuple(LINEAR_ATTENTION if x else FULL_ATTENTION for x in linear)
 
 
-def preset_dims(preset: str | Qwen3_5Preset, vocab_size: int) -> Qwen3_5Dims:
-    """:class:`Qwen3_5Dims` of the model ``preset`` builds, with ``vocab_size``."""
+def preset_dims(preset: str | Qwen3_5Preset, vocab_size: int, mtp_num_layers: int = 0) -> Qwen3_5Dims:
+    """:class:`Qwen3_5Dims` of the model ``preset`` builds, with ``vocab_size`` and ``mtp_num_layers``
+    MTP layers."""
     p = qwen3_5_preset(preset)
     c = p.config
     return Qwen3_5Dims(
@@ -172,6 +178,7 @@ def preset_dims(preset: str | Qwen3_5Preset, vocab_size: int) -> Qwen3_5Dims:
         rope_theta=p.rotary_base,
         partial_rotary_factor=p.rotary_percent,
         max_position_embeddings=p.max_sequence_length,
+        mtp_num_layers=mtp_num_layers,
     )
 
 
