@@ -44,7 +44,7 @@ from relax_gdn.errors import (
 )
 from tests.distributed import child_env, run_distributed
 from tests.processes import alive, descendants, kill_tree, output_lines, wait_until
-from tests.test_train import _cfg
+from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1", "optim.warmup_steps=1",
