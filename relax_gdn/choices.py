@@ -34,6 +34,14 @@ LRSchedule = Literal["cosine", "linear", "constant"]
 # how the GPU distributed optimizer's state is checkpointed (relax_gdn.train.optimizer says what each costs)
 OptimizerCheckpointSharding = Literal["dp_reshardable", "fully_reshardable"]
 WandbMode = Literal["online", "offline", "disabled"]
+# model.lora.targets: Hugging Face module names (what PEFT's target_modules say) and named groups of
+# them (relax_gdn.model.lora_options.LORA_GROUPS says what each group holds)
+LoRATarget = Literal[
+    "all_linear", "gdn", "attention", "mlp",
+    "gdn_in_proj", "gdn_out_proj", "attention_qkv", "attention_o", "mlp_fc1", "mlp_fc2", "embedding", "output",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head",
+]
 
 CP_MODES: tuple[str, ...] = get_args(CPMode)
 ROUTE_STRATEGIES: tuple[str, ...] = get_args(RouteStrategy)
@@ -53,6 +61,7 @@ OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
 LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 OPTIMIZER_CHECKPOINT_SHARDINGS: tuple[str, ...] = get_args(OptimizerCheckpointSharding)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 
 
 def choice_problem(key: str, value: object, allowed: tuple[str, ...]) -> str | None:

@@ -43,6 +43,7 @@ from relax_gdn.choices import (
 from relax_gdn.config.schema import RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
+from relax_gdn.model.lora_options import lora_problems
 from relax_gdn.model.presets import PRESETS
 
 
@@ -130,6 +131,9 @@ def _choices(cfg: RunConfig) -> list[str]:
     if unknown_modules:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
     problems += _full_layers(cfg)
+    lora = cfg.model.lora
+    problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
+                              fused_cross_entropy=m.fused_cross_entropy)
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)

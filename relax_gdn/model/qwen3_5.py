@@ -58,6 +58,7 @@ from relax_gdn.model.fusion import (
 )
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
+from relax_gdn.model.lora_options import LoRAOptions, lora_problems
 from relax_gdn.model.mlp import Qwen3_5MLP
 from relax_gdn.model.norms import RMSNorm
 from relax_gdn.model.presets import Qwen3_5Preset, qwen3_5_preset
@@ -122,6 +123,8 @@ class Qwen3_5Options:
             local provider; the GDN layers' own recompute is ``GDNOptions.recompute_core``).
         recompute_skips_unread_gemm: under full recompute the MLPs skip linear_fc2's GEMM when their
             layer is recomputed (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
+        lora: LoRA adapters on the projections, every other weight frozen (``model.lora``;
+            :mod:`relax_gdn.model.lora`); None: the whole model trains.
     """
 
     vocab_size: int
@@ -136,6 +139,7 @@ class Qwen3_5Options:
     fusion: Fusion = Fusion()
     recompute_mlp_activation: bool = False
     recompute_skips_unread_gemm: bool = False
+    lora: LoRAOptions | None = None
 
     @classmethod
     def for_preset(cls, preset: str | Qwen3_5Preset, **fields) -> Qwen3_5Options:
@@ -534,12 +538,22 @@ def build_qwen3_5_model(
         aligned["context_parallel_size"] = pgs.cp.size()
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
+    lora = options.lora if options.lora is not None and options.lora.enabled else None
+    if lora is not None and (problems := lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.modules),
+                                                       spec_provider=provider,
+                                                       fused_cross_entropy=options.fusion.cross_entropy)):
+        raise ValueError("; ".join(problems))
     spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
-    return Qwen3_5Model(
+    model = Qwen3_5Model(
         config, spec, options.vocab_size, options.max_sequence_length,
         rotary_percent=options.rotary_percent, rotary_base=options.rotary_base, pg_collection=pgs,
         parallel_output=options.parallel_output, fusion=options.fusion,
     )
+    if lora is not None:
+        from relax_gdn.model.lora import add_lora_adapters
+
+        add_lora_adapters(model, lora)
+    return model
 
 
 def _check_parallel_sizes(config: TransformerConfig, pgs: ProcessGroupCollection) -> int:
