@@ -466,6 +466,94 @@ def lora_adapter_tensors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the base of a run without a Hugging Face checkpoint
+# ---------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_SEED_ROWS = 16_384  # rows drawn at once (bounds the int64 temporaries)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2^32`` for ``x < 2^32`` in int64 without overflow (16-bit halves)."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of ``x < 2^32``, elementwise in int64."""
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform_at(index: torch.Tensor, key: int) -> torch.Tensor:
+    """A uniform draw in (0, 1) (float64) for each element index of a tensor, keyed by ``key``:
+    a pure function of the index, so any shard of a tensor is drawn without the rest and every TP
+    size, and the CPU and a GPU, draw the same value."""
+    h = _hash32(_hash32(index ^ (key & _MASK32)) ^ ((key >> 32) & _MASK32))
+    return (h.double() + 0.5) / 2.0**32
+
+
+def _seeded_values(rule: TensorRule, target: torch.Tensor, tp_group, key: int, low_high) -> torch.Tensor:
+    """This rank's share of ``rule``'s whole tensor, each element ``low_high(u)`` of its own draw."""
+    full = rule.mcore_shape
+    width = math.prod(full[1:])
+    if full[0] * width >= 2**32:
+        raise ValueError(f"{rule.mcore}: {full} has too many elements to seed")
+    group_size, group_rank = (1, 0) if tp_group is None else (tp_group.size(), tp_group.rank())
+    split = rule.tp if rule.tp.dim is not None else TPSplit(None)
+    rows = torch.arange(full[0])[:, None]
+    cols = torch.arange(width)[None, :]
+    if split.dim == 0:
+        rows = shard_for_tp(rows, split, group_size, group_rank)
+    elif split.dim == 1:
+        cols = shard_for_tp(cols, split, group_size, group_rank)
+    rows, cols = rows.to(target.device), cols.to(target.device)
+    out = torch.empty(rows.shape[0], cols.shape[1], dtype=target.dtype, device=target.device)
+    for start in range(0, rows.shape[0], _SEED_ROWS):
+        index = rows[start:start + _SEED_ROWS] * width + cols
+        out[start:start + _SEED_ROWS] = low_high(_uniform_at(index, key)).to(target.dtype)
+    return out.reshape(target.shape)
+
+
+@torch.no_grad()
+def seed_base_weights(model: torch.nn.Module, seed: int) -> list[str]:
+    """Give ``model``'s weights the seeded base of a LoRA run without a Hugging Face checkpoint:
+    every weight matrix, the GDN convolutions and decay rates drawn from ``seed`` as a pure
+    function of each element's place in the whole tensor (so a run resumed at another TP, and
+    its export at TP 1, rebuild the same base), with Megatron-Core's scales: uniform of standard
+    deviation ``init_method_std`` (its ``/ √(2 · layers)`` for the row-parallel outputs), the
+    convolutions PyTorch's uniform bound, ``A_log = log U(1, 16)``. Constant-initialised tensors
+    (norms, ``dt_bias``) keep Megatron-Core's constants. Returns the names drawn."""
+    from relax_gdn.model.hf_checkpoint.convert import model_tensors, resolve_model_names
+    from relax_gdn.model.hf_checkpoint.dims import dims_from_model, unwrap_model
+    from relax_gdn.model.hf_checkpoint.plan import conversion_plan
+
+    model = unwrap_model(model)
+    config = model.config
+    plan = conversion_plan(dims_from_model(model, probe_norms=False))
+    tensors = model_tensors(model)
+    names = resolve_model_names(plan, tensors)
+    std = config.init_method_std
+    drawn = []
+    for rule in plan:
+        target, name = tensors[names[rule.mcore]], names[rule.mcore]
+        if name.endswith("A_log"):
+            low_high = lambda u: torch.log(1.0 + 15.0 * u)  # noqa: E731
+        elif name.endswith("conv1d.weight"):
+            bound = 1.0 / math.sqrt(rule.mcore_shape[-1])
+            low_high = lambda u, b=bound: (2 * u - 1) * b  # noqa: E731
+        elif len(rule.mcore_shape) == 2 and rule.mcore_shape[1] > 1:
+            scale = std / math.sqrt(2 * config.num_layers) if rule.tp == ROW else std
+            low_high = lambda u, b=scale * math.sqrt(3): (2 * u - 1) * b  # noqa: E731
+        else:
+            continue
+        key = seed * 1_000_003 + zlib.crc32(rule.mcore.encode())
+        target.copy_(_seeded_values(rule, target, model.pg_collection.tp, key, low_high))
+        drawn.append(name)
+    return drawn
+
+
 def lora_scaling(model: torch.nn.Module) -> float | None:
     """The adapters' ``alpha / rank`` (None without adapters)."""
     layers = lora_layers(model)
@@ -483,4 +571,5 @@ __all__ = [
     "lora_layers",
     "lora_scaling",
     "merge_lora_adapters",
+    "seed_base_weights",
 ]

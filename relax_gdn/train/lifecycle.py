@@ -36,7 +36,12 @@ from relax_gdn.train.checkpoint import (
     resolve_resume,
     write_text_atomically,
 )
-from relax_gdn.train.hf_export import export_spec, write_hf_export
+from relax_gdn.train.hf_export import (
+    export_spec,
+    write_adapter_export,
+    write_hf_export,
+    write_merged_lora_export,
+)
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -79,10 +84,42 @@ def checkpoint_root(cfg, run_dir: Path | None) -> Path | None:
 
 
 def estimated_checkpoint_bytes(model: torch.nn.Module, tp: int, on_gpu: bool) -> int:
-    """An upper bound of one checkpoint's size: the full model (this rank's TP shard x TP) plus the
-    optimizer (fp32 Adam moments; on GPU also the fp32 main params)."""
+    """An upper bound of one checkpoint's size: the parameters that train (this rank's TP shard x
+    TP: the whole model, or LoRA's adapters) plus their optimizer state (fp32 Adam moments; on GPU
+    also the fp32 main params)."""
     per_element = 12 if on_gpu else 8
-    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters()) * tp
+    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters() if p.requires_grad) * tp
+
+
+def lora_manifest(cfg) -> dict[str, Any] | None:
+    """What a LoRA checkpoint says about its adapters and the base they belong to (None without
+    LoRA): the Hugging Face directory the run started from, or the preset and the seed of its
+    seeded base (``relax_gdn.model.lora.seed_base_weights``)."""
+    lora = cfg.lora_options
+    if lora is None:
+        return None
+    base = ({"hf_checkpoint": str(Path(cfg.model.hf_checkpoint).absolute())} if cfg.model.hf_checkpoint
+            else {"preset": cfg.model.preset, "seed": cfg.train.seed, "init": "relax_gdn.model.lora.seed_base_weights"})
+    return {"adapters": lora.as_dict(), "base": base}
+
+
+def lora_resume_problem(directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+    """Why a checkpoint's model (``saved``: its manifest's ``model.lora``) cannot continue in this
+    run (``current``: :func:`lora_manifest` of it), or None: a LoRA checkpoint holds only adapters,
+    which belong to their base and their shapes."""
+    if saved == current:
+        return None
+    if current is None:
+        return (f"cannot resume from {directory}: it holds only LoRA adapters ({saved['adapters']}) on the base "
+                f"{saved['base']}, this run trains the whole model: resume with the checkpoint's model.lora.* "
+                "(see its config in relax_gdn.json), or start from its merged export (python -m relax_gdn.export_hf)")
+    if saved is None:
+        return (f"cannot resume from {directory}: it is a full fine-tuning checkpoint, this run trains LoRA adapters "
+                "(model.lora.rank > 0): resume with model.lora.rank=0, or start LoRA from its export "
+                "(python -m relax_gdn.export_hf, then model.hf_checkpoint=<that directory>)")
+    what = "base" if saved["base"] != current["base"] else "adapters"
+    return (f"cannot resume from {directory}: its LoRA {what} {saved[what]} differ from this run's {current[what]}; "
+            "resume with the model.lora.*, model.hf_checkpoint and train.seed the checkpoint was written with")
 
 
 def checkpoints_held_at_once(checkpoint_cfg, steps: int) -> int:
@@ -192,7 +229,8 @@ class RunLifecycle:
         source = str(Path(cfg.model.hf_checkpoint).absolute()) if cfg.model.hf_checkpoint else None
         manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
                          "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype,
-                                   "hf_checkpoint": source},  # the export keeps its layout
+                                   "hf_checkpoint": source,  # the export keeps its layout
+                                   "lora": lora_manifest(cfg)},
                          "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
                    tokenizer_vocab_size=tokenizer_vocab_size, optimizer=optimizer)
@@ -222,7 +260,8 @@ class RunLifecycle:
             raise RecipeError(f"cannot resume from {directory}: it holds model.preset={saved_model.get('preset')!r} "
                               f"with vocabulary {saved_model.get('vocab_size')}, this run builds "
                               f"{self.cfg.model.preset!r} with {vocab_size}")
-        problem = optimizer_reshard_problem(directory, manifest, optimizer.checkpoint_form, layout.as_dict())
+        problem = (lora_resume_problem(directory, saved_model.get("lora"), lora_manifest(self.cfg))
+                   or optimizer_reshard_problem(directory, manifest, optimizer.checkpoint_form, layout.as_dict()))
         if problem:
             raise RecipeError(problem)
         same_layout = manifest.get("layout") == layout.as_dict()
@@ -271,10 +310,19 @@ class RunLifecycle:
             if dist.get_rank() == 0:
                 logger.warning("checkpoint.export_hf_final=true but the run has no run directory: not exported")
             return None
-        out = self.run_dir / "hf"
-        fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
-        report = write_hf_export(model, out, export_spec(self.manifest_base), main_params=fp32_main)
+        out, spec = self.run_dir / "hf", export_spec(self.manifest_base)
+        if self.cfg.lora_options is None:
+            fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
+            self._log_export(write_hf_export(model, out, spec, main_params=fp32_main))
+            return out
+        if spec.like is not None:  # the adapters for the HF base, then (which takes them out) merged
+            self._log_export(write_adapter_export(model, self.run_dir / "hf_adapter", spec,
+                                                  dropout=self.cfg.lora_options.dropout))
+        self._log_export(write_merged_lora_export(model, out, spec))
+        return out
+
+    @staticmethod
+    def _log_export(report) -> None:
         if report is not None:
             for line in ["Hugging Face export:", *report.lines()]:
                 logger.info("%s", line)
-        return out

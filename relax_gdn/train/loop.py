@@ -60,6 +60,7 @@ from relax_gdn.errors import ConfigError, DataError, MemoryFitError
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import load_hf_checkpoint, run_vocab_size
+from relax_gdn.model.lora import seed_base_weights
 from relax_gdn.model.recompute import apply_mixed_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
 from relax_gdn.runtime import require_runtime
@@ -382,15 +383,25 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
                       embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
         recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
+        lora=cfg.lora_options,
     )
     model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
         apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
         model.cuda(device)
+    load_base_weights(model, cfg)
+    return tconfig, model
+
+
+def load_base_weights(model, cfg: RunConfig) -> None:
+    """The weights ``model`` starts from besides its initialisation: ``model.hf_checkpoint``'s, or
+    with ``model.lora`` and no checkpoint the seeded base (the same at every TP size: a LoRA
+    checkpoint holds only the adapters, and the base is rebuilt from what its manifest names)."""
     if cfg.model.hf_checkpoint:
         load_hf_checkpoint(model, cfg.model.hf_checkpoint)
-    return tconfig, model
+    elif cfg.lora_options is not None:
+        seed_base_weights(model, cfg.train.seed)
 
 
 def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
