@@ -523,8 +523,8 @@ def seed_base_weights(model: torch.nn.Module, seed: int) -> list[str]:
     function of each element's place in the whole tensor (so a run resumed at another TP, and
     its export at TP 1, rebuild the same base), with Megatron-Core's scales: uniform of standard
     deviation ``init_method_std`` (its ``/ √(2 · layers)`` for the row-parallel outputs), the
-    convolutions PyTorch's uniform bound, ``A_log = log U(1, 16)``. Constant-initialised tensors
-    (norms, ``dt_bias``) keep Megatron-Core's constants. Returns the names drawn."""
+    convolutions PyTorch's uniform bound, ``A_log = log U(1, 16)``, ``dt_bias`` Megatron-Core's
+    ones; the norms keep the constants they are built with. Returns the names drawn."""
     from relax_gdn.model.hf_checkpoint.convert import model_tensors, resolve_model_names
     from relax_gdn.model.hf_checkpoint.dims import dims_from_model, unwrap_model
     from relax_gdn.model.hf_checkpoint.plan import conversion_plan
@@ -538,6 +538,9 @@ def seed_base_weights(model: torch.nn.Module, seed: int) -> list[str]:
     drawn = []
     for rule in plan:
         target, name = tensors[names[rule.mcore]], names[rule.mcore]
+        if name.endswith("dt_bias"):  # Megatron-Core's constant, set here too: a model built without
+            target.fill_(1.0)  # initialisation (an export's) has none
+            continue
         if name.endswith("A_log"):
             low_high = lambda u: torch.log(1.0 + 15.0 * u)  # noqa: E731
         elif name.endswith("conv1d.weight"):

@@ -256,7 +256,7 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
     """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size)
+    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size, cfg.lora_options)
     settings = dict(
         tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
         sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
@@ -504,7 +504,8 @@ class Trainer:
         # the eval set packed exactly like a training global batch
         self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
                                    device=device, micro_batches=self.planner.micro_batches)
-        self.metrics = MetricsProcessor(ModelShape.from_transformer_config(self.tconfig, self.vocab_size),
+        self.metrics = MetricsProcessor(ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
+                                                                           cfg.lora_options),
                                         self.dims.world_size, device)
         self.preemption = PreemptionRequest()
         trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
@@ -580,9 +581,11 @@ class Trainer:
             return
         cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
         n_params = sum(p.numel() for p in self.core_model.parameters())
-        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
+        n_trained = sum(p.numel() for p in self.core_model.parameters() if p.requires_grad)
+        params = f"{n_params:,} params/rank" + (f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else "")
+        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
                     default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, self.device,
-                    "bf16" if self.bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
+                    "bf16" if self.bf16 else "fp32", params, len(dataset), dataset.counts.summary())
         if eval_set is not None and cfg.eval.every_steps:
             logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
                         len(eval_set.samples), eval_set.source)
