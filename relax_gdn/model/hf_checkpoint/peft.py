@@ -82,15 +82,17 @@ def peft_adapter_config(*, rank: int, alpha: float, dropout: float, target_modul
 
 
 def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, source_dir: str | os.PathLike, *,
-                      dropout: float = 0.0) -> AdapterReport | None:
+                      dropout: float = 0.0, writer: bool | None = None) -> AdapterReport | None:
     """Write ``model``'s LoRA adapters as a PEFT adapter directory for the HF base ``source_dir``.
-    A collective over the model's TP groups; global rank 0 writes and gets the report (None
-    elsewhere)."""
+    A collective over the model's TP groups; ``writer`` (default: global rank 0) writes and gets
+    the report (None elsewhere)."""
     from relax_gdn.model.hf_checkpoint.dims import dims_from_hf_config
     from relax_gdn.model.lora import lora_adapter_tensors, lora_layers
 
     adapters = lora_adapter_tensors(model)  # every rank: the gathers are collectives
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if writer is None:
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+    if not writer:
         return None
     source = HFCheckpoint.read(source_dir)
     state = peft_adapter_state(adapters, source, dims_from_hf_config(source.config).vocab_size)
