@@ -14,12 +14,21 @@ checkpoints and its exports in spawned gloo groups (slow).
   exactly; recompute (full, selective, skip_unused) and the fused ops change nothing; the frozen
   base gets no gradient; dropout under full recompute draws the same masks.
 * Two gloo processes (slow): from a transformers-made HF base, 3 steps of LoRA at CP 1 and at CP 2
-  in every mode; the merged export's logits in transformers and transformers + peft with the
-  adapter export equal the model's (rel 1e-5, fp32).
+  in every mode; the merged export's logits in transformers equal the model's (rel 1e-5, fp32);
+  transformers + peft with the adapter export equal them too (rel 1e-5), and PEFT's
+  ``merge_and_unload`` of the adapter export is the merged export bit for bit.
+* Two gloo processes (slow): LoRA checkpoints hold the adapters and their optimizer state only,
+  resume at another TP / CP (and with ``checkpoint.resume=auto``) as if uninterrupted, and refuse
+  to continue as full fine-tuning.
+* One process (slow): a LoRA run from a VLM-layout checkpoint writes the merged drop-in export and
+  the PEFT adapter at its end, ``python -m relax_gdn.export_hf`` writes the same from its
+  checkpoint, and transformers + peft (``AutoModelForCausalLM`` and the VLM class) gives the merged
+  export's logits.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -608,7 +617,7 @@ def _our_logits(model, ids, cp_group) -> torch.Tensor:
     rows = thd_rank_indices(cu, cp, cp_group.rank(), "zigzag")
     with torch.no_grad():
         out = model.eval()(ids[:, rows], torch.arange(ids.shape[1])[None, rows], None,
-                           packed_seq_params=packed_params(cu, "cpu"))[:, 0]
+                           packed_seq_params=packed_params(cu, "cpu"))[0]  # logits [batch, tokens, vocab]
     model.train()
     if cp == 1:
         return out
@@ -618,6 +627,19 @@ def _our_logits(model, ids, cp_group) -> torch.Tensor:
     for r, part in enumerate(parts):
         logits[thd_rank_indices(cu, cp, r, "zigzag")] = part
     return logits
+
+
+def _peft_merges_to_the_export(work: Path, adapter: Path, merged: Path) -> bool:
+    """PEFT's own ``merge_and_unload`` of the adapter export onto the base gives the merged export's
+    tensors bit for bit."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(work / "text", dtype=torch.float32)
+    state = PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    written = load_file(merged / "model.safetensors")
+    return written.keys() <= state.keys() and all(torch.equal(state[k], v) for k, v in written.items())
 
 
 def _transformers_logits(work: Path, ids: torch.Tensor, *, merged: Path | None = None, adapter: Path | None = None):
@@ -638,19 +660,39 @@ def _transformers_logits(work: Path, ids: torch.Tensor, *, merged: Path | None =
         return model.eval()(input_ids=ids).logits[0]
 
 
+def _make_base(work: Path) -> None:
+    """A random Qwen3_5ForCausalLM saved by transformers into ``work/text`` (the sizes of
+    tests/test_hf_checkpoint.py), its norms and decay parameters moved off their constants. Weights
+    of std 0.05: this tiny model turns fp32 rounding into its logits ~140 times over at std 0.1
+    (1e-7 relative noise on every weight moves them by 1.4e-5), ~40 times here: well under the 1e-5
+    checked, with logits still of order 1."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tests.test_hf_checkpoint import HF_TEXT_CONFIG, _force_transformers_pure_torch
+
+    _force_transformers_pure_torch()
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**{**HF_TEXT_CONFIG, "initializer_range": 0.05}, attn_implementation="eager")
+    hf = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(work / "text")
+
+
 def _export_cases(workdir: str) -> dict:
     import torch.distributed as dist
 
     from relax_gdn.model import hf_checkpoint as hfc
     from relax_gdn.train.hf_export import HFExportSpec, write_adapter_export, write_merged_lora_export
     from tests.gdn_harness import self_group
-    from tests.test_hf_checkpoint import _make_checkpoint
 
     torch.set_num_threads(1)
     work, rank = Path(workdir), dist.get_rank()
     single, pair = self_group(), dist.new_group([0, 1])
     if rank == 0:
-        _make_checkpoint(work)  # work/text: a random Qwen3_5ForCausalLM saved by transformers
+        _make_base(work)
     dist.barrier()
     ids = torch.randint(0, 250, (1, EVAL_TOKENS), generator=torch.Generator().manual_seed(7))
     spec = HFExportSpec(vocab_size=256, tokenizer_vocab_size=None, tokenizer=None, like=work / "text")
@@ -664,16 +706,20 @@ def _export_cases(workdir: str) -> dict:
         # each rank writes its own copies: rank 0 checks the merged model, rank 1 the adapter
         adapter = write_adapter_export(model, out / "adapter", spec, writer=True)
         merged = write_merged_lora_export(model, out / "merged", spec, writer=True)
-        if rank == 0:
-            theirs = _transformers_logits(work, ids, merged=out / "merged")
-            source, written = hfc.read_hf_state_dict(work / "text"), hfc.read_hf_state_dict(out / "merged")
-            changed = sorted(k for k in source if not torch.equal(source[k], written[k]))
-        else:
-            theirs = _transformers_logits(work, ids, adapter=out / "adapter")
-            changed = adapter.target_modules
+        merged_logits = _transformers_logits(work, ids, merged=out / "merged")
         scale = ours.abs().max().item()
-        results[(cp, mode)] = {"losses": losses, "err": (ours - theirs).abs().max().item() / scale, "scale": scale,
-                               "changed": changed, "copied": merged.copied if merged is not None else None}
+        result = {"losses": losses, "err": (ours - merged_logits).abs().max().item() / scale, "scale": scale}
+        if rank == 0:
+            source, written = hfc.read_hf_state_dict(work / "text"), hfc.read_hf_state_dict(out / "merged")
+            result |= {"changed": sorted(k for k in source if not torch.equal(source[k], written[k])),
+                       "copied": merged.copied}
+        else:
+            with_adapter = _transformers_logits(work, ids, adapter=out / "adapter")
+            result |= {"peft_vs_merged": (with_adapter - merged_logits).abs().max().item() / scale,
+                       "peft_vs_ours": (with_adapter - ours).abs().max().item() / scale,
+                       "peft_merge": _peft_merges_to_the_export(work, out / "adapter", out / "merged"),
+                       "changed": adapter.target_modules}
+        results[(cp, mode)] = result
     return results
 
 
@@ -691,10 +737,185 @@ def test_merged_and_peft_exports_give_the_models_logits_in_transformers(exports,
     merged, peft = exports[0][case], exports[1][case]
     assert merged["losses"][-1] < merged["losses"][0]  # it trained
     assert merged["scale"] > 1.0  # logits not dominated by tiny weights
-    assert merged["err"] < 1e-5, merged  # transformers on the merged export
-    assert peft["err"] < 1e-5, peft  # transformers + peft with the adapter export
+    for rank_result in (merged, peft):  # each rank's own export: transformers on the merged model
+        assert rank_result["err"] < 1e-5, rank_result
+    # PEFT merging the adapter export onto the base writes the merged export, bit for bit
+    assert peft["peft_merge"]
+    # transformers + peft, unmerged (W·x + s·B·(A·x), rounded otherwise than (W + s·B·A)·x)
+    assert peft["peft_vs_merged"] < 1e-5 and peft["peft_vs_ours"] < 1e-5, peft
     # the merged export changed exactly the adapted tensors; the rest are the base's, copied
     assert all(name.endswith(".weight") and any(m in name for m in LORA_MODULES) for name in merged["changed"])
     assert len(merged["changed"]) == 33
     assert "model.layers.0.linear_attn.A_log" in merged["copied"] and "model.norm.weight" in merged["copied"]
     assert peft["changed"] == sorted(LORA_MODULES)
+
+
+# ---------------------------------------------------------------------------------------------
+# runs: checkpoints hold the adapters, resume at another TP / CP, the end-of-run exports
+# ---------------------------------------------------------------------------------------------
+
+RESUME_PAIRS = (("cp2", "tp2"), ("tp2", "cp2"), ("cp2", "cp1"), ("cp2", "dynamic"))
+
+
+def _lora_run_cfg(layout: str, steps: int, **dotted):
+    from tests.test_checkpoint_reshard import _run_cfg
+
+    return _run_cfg(layout, "chunkwise", steps, model__lora__rank=4, **dotted)
+
+
+def _lora_resume_cases(tmp: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from relax_gdn.train.loop import run_training
+    from tests.test_checkpoint_reshard import _key
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    out = {"reference": {}, "resumed": {}}
+    saved = {}
+    for layout in ("cp2", "tp2"):  # 4 steps, the checkpoint of step 2 kept
+        run = run_training(_lora_run_cfg(layout, 4, checkpoint__dir=str(tmp / layout), checkpoint__every_steps=2),
+                           None)
+        out["reference"][layout] = [_key(r) for r in run.records]
+        saved[layout] = run.checkpoints[0]
+    for source, target in RESUME_PAIRS:
+        resumed = run_training(_lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None)
+        out["resumed"][(source, target)] = (resumed.start_step, [_key(r) for r in resumed.records])
+    # checkpoint.resume=auto: a run stopped after step 2 continues where it stopped
+    auto = _lora_run_cfg("cp2", 4, checkpoint__dir=str(tmp / "auto"), checkpoint__resume="auto")
+    run_training(_lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True), None)
+    resumed = run_training(auto, None)
+    out["auto"] = (resumed.start_step, [_key(r) for r in resumed.records])
+    meta = FileSystemReader(str(saved["cp2"])).read_metadata()
+    out["keys"] = sorted(meta.state_dict_metadata)
+    out["bytes"] = sum(p.stat().st_size for p in Path(saved["cp2"]).glob("*.distcp"))
+    # a full fine-tuning run may not continue a LoRA checkpoint
+    try:
+        run_training(_run_cfg_full(checkpoint__resume=str(saved["cp2"])), None)
+        out["full_from_lora"] = None
+    except Exception as e:  # noqa: BLE001 - the RecipeError's message is asserted in the parent
+        out["full_from_lora"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return out
+
+
+def _run_cfg_full(**dotted):
+    from tests.test_checkpoint_reshard import _run_cfg
+
+    return _run_cfg("cp2", "chunkwise", 4, **dotted)
+
+
+@pytest.fixture(scope="module")
+def lora_resume(tmp_path_factory):
+    from tests.distributed import run_distributed
+
+    return run_distributed(_lora_resume_cases, 2, str(tmp_path_factory.mktemp("lora_resume")), timeout_s=1800)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", RESUME_PAIRS, ids=lambda p: f"{p[0]}_to_{p[1]}")
+def test_lora_checkpoints_resume_at_another_tp_and_cp(lora_resume, pair):
+    from tests.test_checkpoint_reshard import TOL
+
+    for rank_out in lora_resume:
+        start, resumed = rank_out["resumed"][pair]
+        reference = rank_out["reference"][pair[0]]
+        assert start == 2 and [r["step"] for r in resumed] == [3, 4]
+        for got, want in zip(resumed, reference[2:]):
+            for key in ("loss", "grad_norm", "lr"):
+                assert got[key] == pytest.approx(want[key], rel=TOL), (pair, key, got, want)
+
+
+@pytest.mark.slow
+def test_lora_checkpoints_hold_only_the_adapters_and_resume_auto(lora_resume):
+    from tests.test_checkpoint_reshard import TOL
+
+    r = lora_resume[0]
+    start, records = r["auto"]
+    assert start == 2 and [x["step"] for x in records] == [3, 4]
+    for got, want in zip(records, r["reference"]["cp2"][2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=TOL)
+    tensors = [k for k in r["keys"] if k.startswith(("model.", "optimizer.state."))]
+    assert tensors and all(".lora." in k for k in tensors), [k for k in tensors if ".lora." not in k][:5]
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in tensors)
+    # adapters of rank 4 on every projection of the tiny model (60 + their moments, fp32): under half a MiB;
+    # the whole model with its moments would be ~4 MiB
+    assert r["bytes"] < 2**19, r["bytes"]
+    assert "it holds only LoRA adapters" in r["full_from_lora"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a LoRA run from a VLM-layout checkpoint: its end-of-run exports, the CLI, transformers + peft
+# ---------------------------------------------------------------------------------------------
+
+
+def _vlm_run_cases(tmp: str) -> dict:
+    from relax_gdn.export_hf import main as export_main
+    from relax_gdn.model import hf_checkpoint as hfc
+    from relax_gdn.train.loop import run_training
+    from tests.test_hf_checkpoint import _force_transformers_pure_torch
+    from tests.test_hf_export import _files, make_vlm_source
+
+    torch.set_num_threads(1)
+    tmp = Path(tmp)
+    source_dir, ckpt, run_dir = tmp / "source", tmp / "ckpt", tmp / "run"
+    make_vlm_source(source_dir)  # bf16, fp32 A_log, two shards, vision tower, MTP, the byte tokenizer
+    cfg = _cfg(model__hf_checkpoint=str(source_dir), data__tokenizer=str(source_dir), model__lora__rank=4,
+               model__lora__targets=EVERY_TARGET, model__fused_cross_entropy=False, train__steps=3,
+               train__global_batch_size=4, train__max_tokens_per_gpu=1024, data__max_sample_tokens=512,
+               data__synthetic_max_steps=1, data__num_samples=32, optim__warmup_steps=1, logging__console=False,
+               checkpoint__dir=str(ckpt), checkpoint__save_final=True, checkpoint__export_hf_final=True)
+    run_training(cfg, run_dir)
+    r = {"cli_merged": export_main([str(ckpt), str(tmp / "merged")]),
+         "cli_adapter": export_main([str(ckpt), str(tmp / "adapter"), "--adapter"])}
+    r["cli_equal"] = (_files(tmp / "merged") == _files(run_dir / "hf"),
+                      _files(tmp / "adapter") == _files(run_dir / "hf_adapter"))
+    source, merged = hfc.read_hf_state_dict(source_dir), hfc.read_hf_state_dict(run_dir / "hf")
+    r["same_names"] = sorted(source) == sorted(merged)
+    r["changed"] = sorted(n for n in source if not torch.equal(source[n], merged[n]))
+    r["a_log"] = {str(merged[n].dtype) for n in merged if n.endswith("A_log")}
+
+    _force_transformers_pure_torch()
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    ids = torch.randint(0, 264, (1, 29), generator=torch.Generator().manual_seed(2))
+
+    def logits(cls, path, adapter=None):
+        model = cls.from_pretrained(path, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter)
+        with torch.no_grad():
+            return model.eval()(input_ids=ids).logits[0]
+
+    for cls in (AutoModelForCausalLM, Qwen3_5ForConditionalGeneration):
+        want = logits(cls, run_dir / "hf")
+        scale = want.abs().max().item()
+        r[cls.__name__] = {"peft": (logits(cls, source_dir, run_dir / "hf_adapter") - want).abs().max().item() / scale,
+                           "base": (logits(cls, source_dir) - want).abs().max().item() / scale}
+    r["adapter_config"] = json.loads((run_dir / "hf_adapter" / "adapter_config.json").read_text())
+    return r
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory):
+    from tests.distributed import run_distributed
+
+    return run_distributed(_vlm_run_cases, 1, str(tmp_path_factory.mktemp("lora_vlm")))[0]
+
+
+@pytest.mark.slow
+def test_a_lora_run_from_a_vlm_checkpoint_exports_both_ways(vlm_run):
+    r = vlm_run
+    assert (r["cli_merged"], r["cli_adapter"]) == (0, 0)
+    assert r["cli_equal"] == (True, True)  # the CLI writes what the run's own export wrote
+    assert r["same_names"]  # the drop-in layout: vision tower and MTP kept
+    assert len(r["changed"]) == 33 and all(n.startswith(("model.language_model.", "lm_head.")) for n in r["changed"])
+    assert r["a_log"] == {"torch.float32"}  # copied from the source, never rounded through bf16
+    config = r["adapter_config"]
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    assert sorted(config["target_modules"]) == sorted(LORA_MODULES)
+    for cls in ("AutoModelForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        assert r[cls]["peft"] < 1e-5, (cls, r[cls])  # base + the PEFT adapter == the merged export
+        assert r[cls]["base"] > 1e-3, (cls, r[cls])  # and the adapters changed the model
