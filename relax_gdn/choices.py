@@ -36,6 +36,14 @@ OptimizerCheckpointSharding = Literal["dp_reshardable", "fully_reshardable"]
 WandbMode = Literal["online", "offline", "disabled"]
 # a step whose loss or grad norm is not finite: stop the run (nothing saved) or skip its update
 NonfinitePolicy = Literal["stop", "skip"]
+# model.lora.targets: Hugging Face module names (what PEFT's target_modules say) and named groups of
+# them (relax_gdn.model.lora_options.LORA_GROUPS says what each group holds)
+LoRATarget = Literal[
+    "all_linear", "gdn", "attention", "mlp",
+    "gdn_in_proj", "gdn_out_proj", "attention_qkv", "attention_o", "mlp_fc1", "mlp_fc2", "embedding", "output",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head",
+]
 
 CP_MODES: tuple[str, ...] = get_args(CPMode)
 ROUTE_STRATEGIES: tuple[str, ...] = get_args(RouteStrategy)
@@ -56,6 +64,7 @@ LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 OPTIMIZER_CHECKPOINT_SHARDINGS: tuple[str, ...] = get_args(OptimizerCheckpointSharding)
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonfinitePolicy)
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 
 
 def choice_problem(key: str, value: object, allowed: tuple[str, ...]) -> str | None:

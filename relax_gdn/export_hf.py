@@ -13,6 +13,12 @@ otherwise the text layout ``Qwen3_5ForCausalLM``. Either way with a tokenizer ``
 code 2 with one message for a missing or damaged checkpoint, or a source tensor the export could
 not place.
 
+A LoRA checkpoint (``model.lora``) holds only the adapters: the model is rebuilt on the base its
+manifest names (the Hugging Face directory the run started from, or the preset's seeded base) and
+OUT receives the merged model (``W + scaling · B·A``; the tensors no adapter changed copied from
+the source in a drop-in export), or with ``--adapter`` the adapters alone as a PEFT adapter
+directory for that base (docs/lora.md).
+
 The other direction needs no command: ``model.hf_checkpoint=DIR`` starts a run from an HF
 directory (docs/checkpoints.md).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,12 +40,14 @@ RECORDED = "recorded"  # --like's default: the checkpoint the run started from, 
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
-                      like: str | Path | None = RECORDED):
+                      like: str | Path | None = RECORDED, adapter: bool = False):
     """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
     :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
     keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
-    layout only): "float32" or "bfloat16" instead of the dtype the run trained in. Without CUDA it
-    needs an installed :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
+    layout only): "float32" or "bfloat16" instead of the dtype the run trained in; ``adapter``: a
+    LoRA checkpoint's adapters as a PEFT adapter directory (an
+    :class:`~relax_gdn.model.hf_checkpoint.peft.AdapterReport`). Without CUDA it needs an installed
+    :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.train.checkpoint import read_manifest, resolve_resume
     from relax_gdn.train.hf_export import export_spec
@@ -47,13 +56,21 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     manifest = read_manifest(directory)
     spec = export_spec(manifest, like=like if like == RECORDED or like is None else Path(like),
                        dtype=DTYPES[dtype] if dtype else None)
+    lora = manifest["model"].get("lora")
+    if adapter and not lora:
+        raise RecipeError(f"--adapter exports LoRA adapters, and checkpoint {directory} is a full fine-tuning one "
+                          "(no model.lora): export it without --adapter")
+    if adapter and "hf_checkpoint" not in lora["base"]:
+        raise RecipeError(f"checkpoint {directory} trained LoRA adapters on the preset's seeded base "
+                          f"({lora['base']}), which no Hugging Face model holds, so a PEFT adapter has nothing to "
+                          "load onto: export the merged model instead (without --adapter)")
     if spec.like is not None:
         _check_source(spec.like, manifest, recorded=like == RECORDED)
         if dtype:
             raise RecipeError(f"--dtype {dtype} applies to the text layout; an export in the layout of "
                               f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
                               "layout)")
-    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec)
+    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, adapter)
 
 
 def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
@@ -74,8 +91,9 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
     drop_in_origins(source, preset_dims(model["preset"], vocab, model.get("mtp_num_layers", 0)))
 
 
-def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
-    """Build the run's model at TP 1, CP 1, load the checkpoint's weights, write the export."""
+def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool = False):
+    """Build the run's model at TP 1, CP 1, load the checkpoint's weights (a LoRA run's: its base,
+    then its adapters), write the export."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -92,6 +110,8 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
 
             model_parallel_cuda_manual_seed(cfg.train.seed)  # the RNG tracker Megatron-Core's layers fork
         model = _build_model(cfg, manifest, device)
+        if cfg.lora_options is not None:
+            return _export_lora(directory, manifest, cfg, model, out, spec, adapter=adapter)
         load_model_weights(directory, model)
         main_params = checkpoint_fp32_main_params(directory, manifest, model)
         return write_hf_export(model, out, spec, main_params=main_params)
@@ -100,6 +120,26 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec):
             parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *, adapter: bool):
+    """A LoRA checkpoint: the base its manifest names (the HF directory, or ``--like`` where it
+    moved), its adapters, then the merged model or (``adapter``) the PEFT adapter directory."""
+    from relax_gdn.train.checkpoint import load_model_weights
+    from relax_gdn.train.hf_export import write_adapter_export, write_merged_lora_export
+    from relax_gdn.train.loop import load_base_weights
+
+    base = manifest["model"]["lora"]["base"].get("hf_checkpoint")
+    if base is not None:
+        base = str(spec.like) if spec.like is not None else base
+        if not Path(base).is_dir():
+            raise RecipeError(f"the LoRA checkpoint's base {base} (the model.hf_checkpoint it trained on) is not a "
+                              "directory here: pass --like <a copy of it>")
+    load_base_weights(model, replace(cfg, model=replace(cfg.model, hf_checkpoint=base)))
+    load_model_weights(directory, model)
+    if adapter:  # (an adapter needs an HF base: export_checkpoint refused one without)
+        return write_adapter_export(model, out, replace(spec, like=Path(base)), dropout=cfg.lora_options.dropout)
+    return write_merged_lora_export(model, out, spec)
 
 
 def _prepare_device() -> torch.device:
@@ -120,6 +160,7 @@ def _prepare_device() -> torch.device:
 def _build_model(cfg, manifest: dict, device: torch.device):
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
+    from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.mtp import MTPOptions
 
     # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
@@ -131,6 +172,7 @@ def _build_model(cfg, manifest: dict, device: torch.device):
         cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
         gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
         attention_backend=cfg.model.attention_backend, mtp=MTPOptions(manifest["model"].get("mtp_num_layers", 0)),
+        lora=cfg.lora_options, fusion=Fusion(cross_entropy=cfg.model.fused_cross_entropy),
     )
     return model.to(device)
 
@@ -146,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                              "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="text layout: the weights' dtype (default: the dtype the run trained in)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA checkpoint: write its adapters as a PEFT adapter directory for the base model "
+                             "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     like = None if args.like == "none" else args.like
@@ -153,13 +198,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with Runtime():
-            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like)
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     print("\n".join(report.lines()))
-    print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r}) "
-          "(docs/checkpoints.md, 'Using an export')")
+    if args.adapter:
+        print(f"load it with peft.PeftModel.from_pretrained(<the base model>, {str(report.out)!r}) (docs/lora.md)")
+    else:
+        print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r}) "
+              "(docs/checkpoints.md, 'Using an export')")
     return 0
 
 

@@ -38,6 +38,7 @@ from relax_gdn.choices import (
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.options import GDNOptions
+from relax_gdn.model.lora_options import LoRAOptions, resolve_targets
 from relax_gdn.model.presets import qwen3_5_preset
 from relax_gdn.model.recompute import recomputes
 
@@ -50,6 +51,17 @@ class MTPConfig:
     num_layers: int | None = None
     # the objective is loss + loss_weight x mtp_loss (metrics: loss is the LM's alone, mtp_loss apart)
     loss_weight: float = 0.1
+
+
+@dataclass
+class LoRAConfig:
+    # adapters of this rank on the targets, every other weight frozen (docs/lora.md); 0: no LoRA
+    rank: int = 0
+    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; null: 2 x rank
+    dropout: float = 0.0  # on each adapter's input while training
+    # Hugging Face module names and groups of them (relax_gdn.model.lora_options.LORA_GROUPS):
+    # all_linear is every projection of the GDN and attention layers and the MLPs
+    targets: list[str] = field(default_factory=lambda: ["all_linear"])  # of relax_gdn.choices.LoRATarget
 
 
 @dataclass
@@ -70,6 +82,7 @@ class ModelConfig:
     # embedding adds its rows there directly too (relax_gdn.model.fusion)
     fused_grad_accumulation: bool = True
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -276,10 +289,24 @@ class RunConfig:
                           recompute_core=recomputes(self.recompute.granularity, self.recompute.modules, "gdn_core"))
 
     @property
+    def lora_options(self) -> LoRAOptions | None:
+        """The adapters of this run (``model.lora``; None without: the whole model trains), built
+        once and passed to the model builder."""
+        lora = self.model.lora
+        if not lora.rank:
+            return None
+        alpha = lora.alpha if lora.alpha is not None else 2 * lora.rank
+        return LoRAOptions(rank=lora.rank, alpha=float(alpha), dropout=float(lora.dropout),
+                           modules=resolve_targets(lora.targets), init_seed=self.train.seed)
+
+    @property
     def learning_rates(self) -> tuple[float, float]:
         """(peak, floor) of the schedule: ``optim.lr`` or, when null, the model preset's rate
-        (``Qwen3_5Preset.sft_lr``); ``optim.min_lr`` or, when null, a tenth of the peak."""
-        lr = self.optim.lr if self.optim.lr is not None else qwen3_5_preset(self.model.preset).sft_lr
+        (``Qwen3_5Preset.sft_lr``, or ``lora_lr`` with ``model.lora``); ``optim.min_lr`` or, when
+        null, a tenth of the peak."""
+        preset = qwen3_5_preset(self.model.preset)
+        default = preset.lora_lr if self.model.lora.rank else preset.sft_lr
+        lr = self.optim.lr if self.optim.lr is not None else default
         return lr, self.optim.min_lr if self.optim.min_lr is not None else lr / 10
 
     def resolved(self) -> "RunConfig":
@@ -320,6 +347,7 @@ def _build(cls, values: Any, where: str):
 _NESTED = {
     (RunConfig, "model"): ModelConfig,
     (ModelConfig, "mtp"): MTPConfig,
+    (ModelConfig, "lora"): LoRAConfig,
     (RunConfig, "gdn"): GDNConfig,
     (RunConfig, "parallel"): ParallelConfig,
     (RunConfig, "recompute"): RecomputeConfig,

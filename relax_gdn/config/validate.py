@@ -44,6 +44,7 @@ from relax_gdn.choices import (
 from relax_gdn.config.schema import RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
+from relax_gdn.model.lora_options import lora_problems
 from relax_gdn.model.presets import PRESETS
 
 
@@ -134,6 +135,9 @@ def _choices(cfg: RunConfig) -> list[str]:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
     problems += _full_layers(cfg)
     problems += _mtp(cfg)
+    lora = cfg.model.lora
+    problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
+                              fused_cross_entropy=m.fused_cross_entropy)
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
@@ -156,6 +160,11 @@ def _mtp(cfg: RunConfig) -> list[str]:
         problems.append("model.mtp.num_layers=1 (or null with a model.hf_checkpoint that holds an MTP layer) builds "
                         "the MTP layer from the local specs, not Transformer Engine's: "
                         "use model.spec_provider=auto (or local), or model.mtp.num_layers=0")
+    if layers == 1 and cfg.model.lora.rank:
+        # LoRA trains adapters on a frozen base; an MTP layer trained whole beside them is another recipe
+        problems.append(f"model.mtp.num_layers=1 with model.lora.rank={cfg.model.lora.rank}: a LoRA run trains "
+                        "adapters only and does not train an MTP layer; use model.mtp.num_layers=0 (a checkpoint's "
+                        "MTP layer is copied into the export unchanged) or model.lora.rank=0")
     return problems
 
 

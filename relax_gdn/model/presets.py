@@ -27,6 +27,9 @@ class Qwen3_5Preset:
     # the peak learning rate a run of this preset uses when optim.lr is null: fine-tuning rates for
     # the 9B shapes (a pre-trained model diverges at a from-scratch rate), a fast one for the demo
     sft_lr: float = 1e-5
+    # the same when only LoRA adapters train (model.lora): the adapters start at zero and move the
+    # output by scaling x B x A, so they take a rate about ten times the full fine-tuning one
+    lora_lr: float = 1e-4
 
 
 def _qwen3_5_shapes(**shapes) -> dict:
@@ -70,7 +73,8 @@ PRESETS: dict[str, Qwen3_5Preset] = {
     # one 3:1 block at full width: what fits a 2-GPU benchmark
     # (randomly initialised in benchmarks and comparisons, so it trains at a from-scratch rate)
     "qwen3_5_9b_reduced": Qwen3_5Preset(
-        "qwen3_5_9b_reduced", _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS), sft_lr=2e-4
+        "qwen3_5_9b_reduced", _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS), sft_lr=2e-4,
+        lora_lr=1e-3,
     ),
     # trains on CPU in seconds; keeps GQA (4 Q / 2 KV heads), the gate, partial RoPE (4 of 16
     # dims), the 3:1 pattern and GVA (8 value heads = 2 x 4 key heads; headwise works up to
@@ -92,6 +96,7 @@ PRESETS: dict[str, Qwen3_5Preset] = {
         vocab_size=256,
         max_sequence_length=4096,
         sft_lr=3e-3,
+        lora_lr=1e-2,
     ),
 }
 

@@ -58,6 +58,7 @@ from relax_gdn.model.fusion import (
 )
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
+from relax_gdn.model.lora_options import LoRAOptions, lora_problems
 from relax_gdn.model.mlp import Qwen3_5MLP
 from relax_gdn.model.mtp import MTPInputs, MTPOptions, build_mtp_block, mtp_postprocess
 from relax_gdn.model.norms import RMSNorm
@@ -125,6 +126,8 @@ class Qwen3_5Options:
             layer is recomputed (``recompute.skip_unused``; :class:`~relax_gdn.model.mlp.Qwen3_5MLP`).
         mtp: the multi-token-prediction layer (:class:`~relax_gdn.model.mtp.MTPOptions`,
             ``model.mtp.*``); none by default.
+        lora: LoRA adapters on the projections, every other weight frozen (``model.lora``;
+            :mod:`relax_gdn.model.lora`); None: the whole model trains.
     """
 
     vocab_size: int
@@ -140,6 +143,7 @@ class Qwen3_5Options:
     recompute_mlp_activation: bool = False
     recompute_skips_unread_gemm: bool = False
     mtp: MTPOptions = MTPOptions()
+    lora: LoRAOptions | None = None
 
     @classmethod
     def for_preset(cls, preset: str | Qwen3_5Preset, **fields) -> Qwen3_5Options:
@@ -563,6 +567,11 @@ def build_qwen3_5_model(
         aligned["context_parallel_size"] = pgs.cp.size()
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
+    lora = options.lora if options.lora is not None and options.lora.enabled else None
+    if lora is not None and (problems := lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.modules),
+                                                       spec_provider=provider,
+                                                       fused_cross_entropy=options.fusion.cross_entropy)):
+        raise ValueError("; ".join(problems))
     spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
     model = Qwen3_5Model(
         config, spec, options.vocab_size, options.max_sequence_length,
@@ -572,6 +581,10 @@ def build_qwen3_5_model(
     if options.mtp.num_layers:  # built after the decoder: the decoder's initial weights do not depend on it
         model.mtp = build_mtp_block(config, options.mtp, _mtp_attention_layer_spec(config, options, pgs.tp),
                                     pg_collection=pgs, fusion=options.fusion)
+    if lora is not None:  # after the MTP layer: its projections get adapters too
+        from relax_gdn.model.lora import add_lora_adapters
+
+        add_lora_adapters(model, lora)
     return model
 
 

@@ -305,6 +305,36 @@ def _cuda_rng_sharded(is_loading: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# what a checkpoint holds of the model
+# ---------------------------------------------------------------------------------------------
+
+
+def model_sharded_state_dict(model) -> dict[str, Any]:
+    """The model's sharded tensors a checkpoint holds: all of them, or where part of the model is
+    frozen (LoRA's base) only those that train; the frozen ones are rebuilt from the base the
+    manifest names (``model.hf_checkpoint``, or the preset and seed)."""
+    sharded = model.sharded_state_dict()
+    if all(p.requires_grad for p in model.parameters()):
+        return sharded
+    return {k: v for k, v in sharded.items()
+            if isinstance(getattr(v, "data", None), torch.Tensor) and v.data.requires_grad}
+
+
+def load_model_state(model, state: dict[str, Any]) -> None:
+    """``model.load_state_dict`` of what :func:`model_sharded_state_dict` loaded: every tensor, or
+    every tensor that trains (the frozen base stays as the model has it)."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if not frozen:
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict(state, strict=False)
+    left = [k for k in result.missing_keys if k not in frozen and not k.endswith("_extra_state")]
+    if left or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint state does not fit the model: missing {left[:5]}, "
+                           f"unexpected {result.unexpected_keys[:5]}")
+
+
+# ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
 
@@ -345,7 +375,7 @@ class Saver:
         partial = _partial_dir(final)
         self._finalize(blocking=True)  # one save in flight at a time
         agree_on_errors(lambda: self._make_partial(partial, final))
-        model_sd = model.sharded_state_dict()
+        model_sd = model_sharded_state_dict(model)
         state = {
             "model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd),
@@ -578,14 +608,14 @@ def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimiz
     changed schedule is its decision). ``same_layout``: the checkpoint was written at this run's
     world size / TP / CP, so per-rank CUDA RNG states apply. Call :func:`verify_checkpoint` first
     (it names damaged files)."""
-    model_sd = model.sharded_state_dict()
+    model_sd = model_sharded_state_dict(model)
     saved_sharding = (manifest.get("optimizer") or {}).get("sharding")
     request = {"model": model_sd,
                "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, sharding=saved_sharding)}
     if same_layout and torch.cuda.is_available():
         request["rng_cuda"] = _cuda_rng_sharded(is_loading=True)
     state = _load_sharded(request, directory, "; check that model.* matches the run that wrote it")
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"])
     optimizer.load_sharded_state_dict(state["optimizer"])
     set_cpu_rng_state(state["rng"])
     if "rng_cuda" in state:
@@ -612,7 +642,7 @@ def checkpoint_fp32_main_params(directory: Path, manifest: dict[str, Any], model
 
     def load(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         request = {}
-        for name, sharded in model.sharded_state_dict().items():
+        for name, sharded in model_sharded_state_dict(model).items():
             key = f"optimizer.state.param.{getattr(sharded, 'key', '')}"
             if name in params and isinstance(sharded, ShardedTensor) and key in stored:
                 fp32 = torch.empty_like(sharded.data, dtype=torch.float32)
@@ -627,8 +657,9 @@ def checkpoint_fp32_main_params(directory: Path, manifest: dict[str, Any], model
 
 
 def load_model_weights(directory: Path, model) -> dict[str, Any]:
-    """Only the model's tensors of ``directory`` (any TP / CP of the checkpoint), e.g. for export."""
+    """Only the model's tensors of ``directory`` (any TP / CP of the checkpoint), e.g. for export
+    (of a LoRA run: the adapters, onto the base already in ``model``)."""
     manifest = verify_checkpoint(directory)
-    state = _load_sharded({"model": model.sharded_state_dict()}, directory)
-    model.load_state_dict(state["model"])
+    state = _load_sharded({"model": model_sharded_state_dict(model)}, directory)
+    load_model_state(model, state["model"])
     return manifest

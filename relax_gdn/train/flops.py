@@ -21,6 +21,11 @@ The Relax/verl counter behind the seed's MFU also counts the input embedding as 
 (``h · vocab`` more per token, ≈ +6.1 GFLOP for 9B): :func:`relax_flops` adds exactly that.
 Per token with ``s_eff = Σ L² / Σ L``: F/N = linear + s_eff · square — 49.53 GFLOP at s_eff 8192 and
 52.75 at 24,576 for Qwen3.5-9B. Padding tokens count for nothing (real lengths only).
+
+LoRA (``ModelShape.lora_rank > 0``): only the work done counts. A frozen weight needs no weight
+gradient, so its GEMMs count twice (forward, input gradient) instead of three times; the
+weightless cores (attention, the GDN scan) keep their count; each adapter adds
+``3 · 2 · r · (in + out)`` per token (the embedding's ``A`` is a lookup: ``r · hidden`` only).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 H200_PEAK_BF16_TFLOPS = 989.0  # dense BF16 (never the 1979 sparse figure)
 
 _FWD_BWD = 3  # forward, backward dgrad, backward wgrad
+_FROZEN_PASSES = 2  # a frozen weight: forward and dgrad, no wgrad
 _FMA = 2
 
 
@@ -54,9 +60,15 @@ class ModelShape:
     linear_conv_kernel_dim: int
     swiglu: bool = True
     mtp_num_layers: int = 0  # multi-token-prediction layers (each a gated-attention layer)
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_modules, every other weight frozen; 0: none
+    lora_modules: tuple[str, ...] = ()  # HF module names (relax_gdn.model.lora_options.LORA_MODULES)
 
     @classmethod
-    def from_transformer_config(cls, config, vocab_size: int, mtp_num_layers: int = 0) -> "ModelShape":
+    def from_transformer_config(cls, config, vocab_size: int, *, mtp_num_layers: int = 0, lora=None) -> "ModelShape":
+        """The shape of a model of Megatron-Core ``config`` with ``vocab_size`` words, ``mtp_num_layers``
+        MTP layers and the adapters of ``lora`` (:class:`~relax_gdn.model.lora_options.LoRAOptions`,
+        None: none)."""
+        adapters = dict(lora_rank=lora.rank, lora_modules=tuple(lora.modules)) if lora is not None else {}
         return cls(
             num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
             vocab_size=vocab_size, num_attention_heads=config.num_attention_heads,
@@ -65,7 +77,7 @@ class ModelShape:
             linear_attention_freq=config.linear_attention_freq, linear_num_key_heads=config.linear_num_key_heads,
             linear_num_value_heads=config.linear_num_value_heads, linear_key_head_dim=config.linear_key_head_dim,
             linear_value_head_dim=config.linear_value_head_dim, linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-            swiglu=bool(config.gated_linear_unit), mtp_num_layers=mtp_num_layers,
+            swiglu=bool(config.gated_linear_unit), mtp_num_layers=mtp_num_layers, **adapters,
         )
 
     @property
@@ -75,6 +87,26 @@ class ModelShape:
     @property
     def num_gdn_layers(self) -> int:
         return self.num_layers - self.num_attention_layers
+
+    def lora_adapter_shapes(self) -> dict[str, tuple[int, int, int, bool]]:
+        """HF module -> ``(in, out, how many in the model, column-parallel)`` for each adapted module
+        (the embedding's ``in`` is the vocabulary)."""
+        h, ffn, vocab = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        q = self.kv_channels * self.num_attention_heads
+        kv = self.kv_channels * self.num_query_groups
+        qk = self.linear_key_head_dim * self.linear_num_key_heads
+        v = self.linear_value_head_dim * self.linear_num_value_heads
+        hv = self.linear_num_value_heads
+        gdn, attn, layers = self.num_gdn_layers, self.num_attention_layers, self.num_layers
+        table = {
+            "in_proj_qkv": (h, 2 * qk + v, gdn, True), "in_proj_z": (h, v, gdn, True),
+            "in_proj_b": (h, hv, gdn, True), "in_proj_a": (h, hv, gdn, True), "out_proj": (v, h, gdn, False),
+            "q_proj": (h, 2 * q if self.attention_output_gate else q, attn, True), "k_proj": (h, kv, attn, True),
+            "v_proj": (h, kv, attn, True), "o_proj": (q, h, attn, False),
+            "gate_proj": (h, ffn, layers, True), "up_proj": (h, ffn, layers, True), "down_proj": (ffn, h, layers, False),
+            "embed_tokens": (vocab, h, 1, False), "lm_head": (h, vocab, 1, True),
+        }
+        return {m: table[m] for m in self.lora_modules} if self.lora_rank else {}
 
 
 @dataclass(frozen=True)
@@ -89,15 +121,33 @@ class FlopsBreakdown:
     attention_core: float
     logits: float
     mtp: float = 0.0  # the MTP layers: input fusion, attention layer (L² part included), MLP, their logits
+    lora_adapters: float = 0.0  # the adapters' GEMMs (LoRA; the frozen base's parts above count no wgrad)
 
     @property
     def total(self) -> float:
         return (self.mlp + self.gdn_projections + self.gdn_conv + self.gdn_core + self.attention_projections
-                + self.attention_core + self.logits + self.mtp)
+                + self.attention_core + self.logits + self.mtp + self.lora_adapters)
 
 
 def megatron_flops_breakdown(shape: ModelShape, num_tokens: float, seqlen_squared_sum: float) -> FlopsBreakdown:
-    """Megatron-Core's accounting of one step, by part (``num_tokens``: real tokens Σ L_i)."""
+    """Megatron-Core's accounting of one step, by part (``num_tokens``: real tokens Σ L_i); with
+    LoRA, the work done (module docstring)."""
+    full = _full_breakdown(shape, num_tokens, seqlen_squared_sum)
+    if not shape.lora_rank:
+        return full
+    frozen = _FROZEN_PASSES / _FWD_BWD
+    adapters = sum(count * shape.lora_rank * ((0 if name == "embed_tokens" else inp) + out)
+                   for name, (inp, out, count, _) in shape.lora_adapter_shapes().items())
+    return FlopsBreakdown(
+        mlp=full.mlp * frozen, gdn_projections=full.gdn_projections * frozen, gdn_conv=full.gdn_conv * frozen,
+        gdn_core=full.gdn_core, attention_projections=full.attention_projections * frozen,
+        attention_core=full.attention_core, logits=full.logits * frozen,
+        lora_adapters=_FWD_BWD * _FMA * num_tokens * adapters,
+    )
+
+
+def _full_breakdown(shape: ModelShape, num_tokens: float, seqlen_squared_sum: float) -> FlopsBreakdown:
+    """Megatron-Core's accounting with every weight trained."""
     k = _FWD_BWD * _FMA
     h = shape.hidden_size
     ffn_factor = 3 if shape.swiglu else 2
@@ -130,8 +180,10 @@ def megatron_flops(shape: ModelShape, num_tokens: float, seqlen_squared_sum: flo
 
 
 def relax_flops(shape: ModelShape, num_tokens: float, seqlen_squared_sum: float) -> float:
-    """The Relax/verl accounting: Megatron's plus the input embedding counted as an h x vocab GEMM."""
-    embedding = _FWD_BWD * _FMA * num_tokens * shape.hidden_size * shape.vocab_size
+    """The Relax/verl accounting: Megatron's plus the input embedding counted as an h x vocab GEMM
+    (without its weight gradient when LoRA freezes it)."""
+    passes = _FROZEN_PASSES if shape.lora_rank else _FWD_BWD
+    embedding = passes * _FMA * num_tokens * shape.hidden_size * shape.vocab_size
     return megatron_flops(shape, num_tokens, seqlen_squared_sum) + embedding
 
 

@@ -11,19 +11,24 @@ Two layouts (docs/checkpoints.md, "What an export holds"):
 Either way OUT holds a tokenizer that ``transformers.AutoTokenizer`` loads: the source's, a local
 ``data.tokenizer`` directory's, or the embedded byte tokenizer written as a Hugging Face one; and a
 ``generation_config.json`` whose end-of-turn token stops ``generate()``.
+
+A LoRA run (``model.lora``) exports either way people use it (docs/lora.md): the merged model
+(:func:`write_merged_lora_export`, the export above with ``W + scaling · B·A``) or the adapters
+alone as a PEFT adapter directory for the base (:func:`write_adapter_export`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from relax_gdn.data.tokenizer import BYTE_TOKENIZER_NAMES, ByteChatTokenizer
+from relax_gdn.errors import RecipeError
 from relax_gdn.model.hf_checkpoint import (
     ExportReport,
     MainParams,
@@ -68,21 +73,23 @@ def local_tokenizer_dir(tokenizer_key: str | None) -> str | None:
     return None
 
 
-def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainParams | None = None
-                    ) -> ExportReport | None:
-    """Write the export (module docstring): a collective over the model's TP group, global rank 0
-    writes and gets the report (None elsewhere). ``main_params``: the fp32 main parameters of a bf16
-    run, for the tensors written in float32."""
+def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainParams | None = None,
+                    unchanged: Collection[str] = (), writer: bool | None = None) -> ExportReport | None:
+    """Write the export (module docstring): a collective over the model's TP group, ``writer``
+    (default: global rank 0) writes and gets the report (None elsewhere). ``main_params``: the fp32
+    main parameters of a bf16 run, for the tensors written in float32; ``unchanged``: the HF tensors
+    (text-layout names) the run kept as its source has them, which a drop-in export copies."""
     tokenizer_dir = local_tokenizer_dir(spec.tokenizer)
     if spec.like is not None:
         same_tokenizer = tokenizer_dir is not None and Path(tokenizer_dir).resolve() == spec.like.resolve()
-        report = save_drop_in_checkpoint(model, out, spec.like, main_params=main_params,
-                                         keep_source_tokenizer=same_tokenizer)
+        report = save_drop_in_checkpoint(model, out, spec.like, main_params=main_params, writer=writer,
+                                         keep_source_tokenizer=same_tokenizer, unchanged=unchanged)
     else:
         same_tokenizer = False
         vocab = min(spec.tokenizer_vocab_size or spec.vocab_size, spec.vocab_size)
-        report = save_hf_checkpoint(model, out, vocab_size=vocab, dtype=spec.dtype, main_params=main_params)
-    if report is None or (dist.is_initialized() and dist.get_rank() != 0):
+        report = save_hf_checkpoint(model, out, vocab_size=vocab, dtype=spec.dtype, main_params=main_params,
+                                    writer=writer)
+    if report is None:  # not the writer
         return None
     if not same_tokenizer:
         written, note = _write_tokenizer(out, spec.tokenizer)
@@ -92,6 +99,33 @@ def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainPa
     if not (out / GENERATION_CONFIG).is_file():
         report.notes.append(_write_generation_config(out, tokenizer_dir))
     return report
+
+
+def write_merged_lora_export(model, out: Path, spec: HFExportSpec, writer: bool | None = None
+                             ) -> ExportReport | None:
+    """A LoRA run's model with its adapters merged (``W + scaling · B·A``) as the export of
+    :func:`write_hf_export`: in a drop-in export the tensors no adapter changed are copied from the
+    source bit for bit. Takes the adapters out of ``model`` (a collective like the export)."""
+    from relax_gdn.model.hf_checkpoint import dims_from_model
+    from relax_gdn.model.hf_checkpoint.plan import conversion_plan
+    from relax_gdn.model.lora import merge_lora_adapters
+
+    changed = {f"{module}.weight" for module in merge_lora_adapters(model)}
+    dims = dims_from_model(model, probe_norms=False)
+    unchanged = {name for rule in conversion_plan(dims) for name in rule.hf if name not in changed}
+    return write_hf_export(model, out, spec, unchanged=unchanged, writer=writer)
+
+
+def write_adapter_export(model, out: Path, spec: HFExportSpec, dropout: float = 0.0, writer: bool | None = None):
+    """A LoRA run's adapters as a PEFT adapter directory for the Hugging Face base the run started
+    from (``spec.like``); a collective over the model's TP groups, the report on global rank 0."""
+    from relax_gdn.model.hf_checkpoint.peft import save_peft_adapter
+
+    if spec.like is None:
+        raise RecipeError("the run's base is the preset's seeded initialisation (no model.hf_checkpoint), which no "
+                          "Hugging Face model holds, so a PEFT adapter has nothing to load onto: export the merged "
+                          "model instead (without --adapter)")
+    return save_peft_adapter(model, out, spec.like, dropout=dropout, writer=writer)
 
 
 def _write_tokenizer(out: Path, tokenizer: str | None) -> tuple[bool, str]:

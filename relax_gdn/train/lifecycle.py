@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,12 @@ from relax_gdn.train.checkpoint import (
     resolve_resume,
     write_text_atomically,
 )
-from relax_gdn.train.hf_export import export_spec, write_hf_export
+from relax_gdn.train.hf_export import (
+    export_spec,
+    write_adapter_export,
+    write_hf_export,
+    write_merged_lora_export,
+)
 
 logger = logging.getLogger("relax_gdn.train")
 
@@ -77,10 +83,42 @@ def checkpoint_root(cfg, run_dir: Path | None) -> Path | None:
 
 
 def estimated_checkpoint_bytes(model: torch.nn.Module, tp: int, on_gpu: bool) -> int:
-    """An upper bound of one checkpoint's size: the full model (this rank's TP shard x TP) plus the
-    optimizer (fp32 Adam moments; on GPU also the fp32 main params)."""
+    """An upper bound of one checkpoint's size: the parameters that train (this rank's TP shard x
+    TP: the whole model, or LoRA's adapters) plus their optimizer state (fp32 Adam moments; on GPU
+    also the fp32 main params)."""
     per_element = 12 if on_gpu else 8
-    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters()) * tp
+    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters() if p.requires_grad) * tp
+
+
+def lora_manifest(cfg) -> dict[str, Any] | None:
+    """What a LoRA checkpoint says about its adapters and the base they belong to (None without
+    LoRA): the Hugging Face directory the run started from, or the preset and the seed of its
+    seeded base (``relax_gdn.model.lora.seed_base_weights``)."""
+    lora = cfg.lora_options
+    if lora is None:
+        return None
+    base = ({"hf_checkpoint": str(Path(cfg.model.hf_checkpoint).absolute())} if cfg.model.hf_checkpoint
+            else {"preset": cfg.model.preset, "seed": cfg.train.seed, "init": "relax_gdn.model.lora.seed_base_weights"})
+    return {"adapters": lora.as_dict(), "base": base}
+
+
+def lora_resume_problem(directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+    """Why a checkpoint's model (``saved``: its manifest's ``model.lora``) cannot continue in this
+    run (``current``: :func:`lora_manifest` of it), or None: a LoRA checkpoint holds only adapters,
+    which belong to their base and their shapes."""
+    if saved == current:
+        return None
+    if current is None:
+        return (f"cannot resume from {directory}: it holds only LoRA adapters ({saved['adapters']}) on the base "
+                f"{saved['base']}, this run trains the whole model: resume with the checkpoint's model.lora.* "
+                "(see its config in relax_gdn.json), or start from its merged export (python -m relax_gdn.export_hf)")
+    if saved is None:
+        return (f"cannot resume from {directory}: it is a full fine-tuning checkpoint, this run trains LoRA adapters "
+                "(model.lora.rank > 0): resume with model.lora.rank=0, or start LoRA from its export "
+                "(python -m relax_gdn.export_hf, then model.hf_checkpoint=<that directory>)")
+    what = "base" if saved["base"] != current["base"] else "adapters"
+    return (f"cannot resume from {directory}: its LoRA {what} {saved[what]} differ from this run's {current[what]}; "
+            "resume with the model.lora.*, model.hf_checkpoint and train.seed the checkpoint was written with")
 
 
 def checkpoints_held_at_once(checkpoint_cfg, steps: int) -> int:
@@ -196,7 +234,8 @@ def plan_resume(cfg, root: Path | None, layout: Layout, data_key: DataKey, vocab
     if saved_mtp != mtp:
         raise RecipeError(f"cannot resume from {directory}: it holds model.mtp.num_layers={saved_mtp}, this run "
                           f"builds {mtp}; resume with model.mtp.num_layers={saved_mtp}")
-    problem = optimizer_reshard_problem(directory, manifest, optimizer_form, layout.as_dict())
+    problem = (lora_resume_problem(directory, saved_model.get("lora"), lora_manifest(cfg))
+               or optimizer_reshard_problem(directory, manifest, optimizer_form, layout.as_dict()))
     if problem:
         raise RecipeError(problem)
     return ResumePlan(directory, manifest, manifest.get("layout") == layout.as_dict(), layout.as_dict())
@@ -249,7 +288,8 @@ class RunLifecycle:
         manifest_base = {"layout": layout.as_dict(), "data": data_key.as_dict(), "config": cfg.to_dict(),
                          "model": {"preset": cfg.model.preset, "vocab_size": vocab_size, "dtype": dtype,
                                    "hf_checkpoint": source,  # the export keeps its layout
-                                   "mtp_num_layers": cfg.model.mtp.num_layers or 0},
+                                   "mtp_num_layers": cfg.model.mtp.num_layers or 0,
+                                   "lora": lora_manifest(cfg)},
                          "tokenizer": {"vocab_size": tokenizer_vocab_size}}
         life = cls(cfg=cfg, root=root, run_dir=run_dir, saver=saver, manifest_base=manifest_base,
                    tokenizer_vocab_size=tokenizer_vocab_size, optimizer=optimizer)
@@ -340,16 +380,33 @@ class RunLifecycle:
             return None
         if self.complete and self._export_written():
             return out
-        # written beside and renamed when whole, so that a directory named hf is a complete export
-        partial = out.with_name(f".{out.name}.partial")
-        if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
-        report = write_hf_export(model, partial, export_spec(self.manifest_base), main_params=fp32_main)
-        if report is not None:  # the writing rank
-            shutil.rmtree(out, ignore_errors=True)
-            partial.rename(out)
-            report.out = out
+        spec, lora = export_spec(self.manifest_base), self.cfg.lora_options
+        if lora is None:
+            fp32_main = getattr(self.optimizer, "fp32_main_params", None)  # a bf16 run's optimizer has them
+            self._log_export(_written_whole(out, lambda d: write_hf_export(model, d, spec, main_params=fp32_main)))
+            return out
+        if spec.like is not None:  # the adapters for the HF base, then (which takes them out) merged
+            self._log_export(_written_whole(self.run_dir / "hf_adapter",
+                                            lambda d: write_adapter_export(model, d, spec, dropout=lora.dropout)))
+        self._log_export(_written_whole(out, lambda d: write_merged_lora_export(model, d, spec)))
+        return out
+
+    @staticmethod
+    def _log_export(report) -> None:
+        if report is not None:
             for line in ["Hugging Face export:", *report.lines()]:
                 logger.info("%s", line)
-        return out
+
+
+def _written_whole(out: Path, write: Callable[[Path], Any]):
+    """``write(directory)`` into a directory beside ``out``, renamed to ``out`` once whole: a
+    directory named ``out`` is always a complete export. Its report (None on ranks that do not write)."""
+    partial = out.with_name(f".{out.name}.partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    report = write(partial)
+    if report is not None:  # the writing rank
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        report.out = out
+    return report

@@ -83,6 +83,7 @@ from relax_gdn.errors import (
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint, run_vocab_size
+from relax_gdn.model.lora import seed_base_weights
 from relax_gdn.model.mtp import MTPOptions
 from relax_gdn.model.recompute import apply_mixed_recompute, mtp_recompute, recompute_config_fields, recomputes
 from relax_gdn.parallel import ParallelContext
@@ -274,7 +275,7 @@ def device_memory_bytes(device: torch.device) -> int | None:
 def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
     """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
     shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size,
-                                               mtp_num_layers=cfg.model.mtp.num_layers or 0)
+                                               mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
     settings = dict(
         tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
         sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
@@ -329,12 +330,13 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
 def resolve_mtp_layers(cfg: RunConfig) -> RunConfig:
     """``model.mtp.num_layers=null``: the MTP layers ``model.hf_checkpoint`` holds (its ``mtp.*``
     tensors; 0 without a checkpoint), so a run from a checkpoint with an MTP layer trains it and its
-    export serves MTP speculative decoding with a layer that matches the fine-tuned model. ``cfg``
-    as it is otherwise. Logged on rank 0."""
+    export serves MTP speculative decoding with a layer that matches the fine-tuned model; 0 for a
+    LoRA run (adapters only: the export copies the checkpoint's MTP layer). ``cfg`` as it is
+    otherwise. Logged on rank 0."""
     if cfg.model.mtp.num_layers is not None:
         return cfg
     layers = 0
-    if cfg.model.hf_checkpoint:
+    if cfg.model.hf_checkpoint and not cfg.model.lora.rank:  # a LoRA run copies the MTP layer unchanged
         try:
             layers = HFCheckpoint.read(cfg.model.hf_checkpoint).mtp_layers()
         except FileNotFoundError as e:
@@ -434,17 +436,28 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
         mtp=MTPOptions(cfg.model.mtp.num_layers or 0, **mtp_recompute(cfg.recompute.granularity, cfg.recompute.modules,
                                                                      skip_unused=cfg.recompute.skip_unused)),
+        lora=cfg.lora_options,
     )
     model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
         apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
         model.cuda(device)
+    load_base_weights(model, cfg)
+    return tconfig, model
+
+
+def load_base_weights(model, cfg: RunConfig) -> None:
+    """The weights ``model`` starts from besides its initialisation: ``model.hf_checkpoint``'s, or
+    with ``model.lora`` and no checkpoint the seeded base (the same at every TP size: a LoRA
+    checkpoint holds only the adapters, and the base is rebuilt from what its manifest names)."""
     if cfg.model.hf_checkpoint:
         loaded = load_hf_checkpoint(model, cfg.model.hf_checkpoint)
         if options.mtp.num_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
             logger.warning("model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
                            "starts from random weights (its loss starts near log(vocabulary))", options.mtp.num_layers)
+    elif cfg.lora_options is not None:
+        seed_base_weights(model, cfg.train.seed)
     return tconfig, model
 
 
@@ -583,7 +596,7 @@ class Trainer:
         self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
                                    device=device, micro_batches=self.planner.micro_batches)
         shape = ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
-                                                   mtp_num_layers=cfg.model.mtp.num_layers or 0)
+                                                   mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
         self.metrics = MetricsProcessor(shape, self.dims.world_size, device)
         self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank,
                                      dump_dir=self.run_dir / "hang" if self.run_dir is not None else None)
@@ -676,9 +689,11 @@ class Trainer:
             return
         cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
         n_params = sum(p.numel() for p in self.core_model.parameters())
-        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s params/rank; %d samples (%s)",
+        n_trained = sum(p.numel() for p in self.core_model.parameters() if p.requires_grad)
+        params = f"{n_params:,} params/rank" + (f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else "")
+        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
                     default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, self.device,
-                    "bf16" if self.bf16 else "fp32", f"{n_params:,}", len(dataset), dataset.counts.summary())
+                    "bf16" if self.bf16 else "fp32", params, len(dataset), dataset.counts.summary())
         if eval_set is not None and cfg.eval.every_steps:
             logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
                         len(eval_set.samples), eval_set.source)

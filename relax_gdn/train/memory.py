@@ -7,6 +7,10 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
 * gradients: Megatron-Core DDP's fp32 gradient buffer (``grad_reduce_in_fp32``), 4 bytes each;
 * optimizer: the distributed optimizer's fp32 main weights and two Adam moments (12 bytes),
   sharded over data parallel x context parallel; none with ``optim.name=none``;
+* with LoRA (``ModelShape.lora_rank``) gradients and optimizer state exist for the adapters only
+  (:func:`lora_parameter_count`, this rank's share), their weights come on top of the frozen
+  base's, and the activations are taken as full fine-tuning's (the adapted linears keep the same
+  inputs, the frozen ones keep less; the adapters' rank-wide intermediates are left out);
 * activations: what autograd keeps for backward, per local token and layer, by recompute setting
   (:data:`ACTIVATION_BYTES_PER_TOKEN`), plus the loss and a fixed workspace. Under ``mixed``
   recompute the first ``full_layers`` layers keep only their input and the others what selective
@@ -118,6 +122,15 @@ def parameter_count(shape: ModelShape) -> int:
             + shape.num_attention_layers * (per_layer + attention) + shape.mtp_num_layers * mtp)
 
 
+def lora_parameter_count(shape: ModelShape, tp: int = 1) -> float:
+    """One TP rank's LoRA adapter parameters: a column-parallel layer's ``A [r, in]`` is
+    replicated and its ``B [out, r]`` split over TP, a row-parallel layer's (and the embedding's)
+    the other way round (relax_gdn.model.lora)."""
+    r = shape.lora_rank
+    return sum(count * r * (inp + out / tp if column else inp / tp + out)
+               for inp, out, count, column in shape.lora_adapter_shapes().values())
+
+
 def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int) -> float:
     """Peak bytes kept for backward per local token, all layers (see the module docstring)."""
     def kept(granularity: str, layers: range) -> float:
@@ -146,9 +159,10 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
     """The per-GPU memory of one training step (see the module docstring); ``full_layers``: the
     layers recomputed whole under ``recompute="mixed"``."""
     params = parameter_count(shape) / tp
-    weights = params * (2 if bf16 else 4)
-    gradients = params * 4
-    optimizer_bytes = 0.0 if optimizer == "none" else params * 12 / (dp * cp)
+    trained = lora_parameter_count(shape, tp) if shape.lora_rank else params
+    weights = (params + (trained if shape.lora_rank else 0)) * (2 if bf16 else 4)
+    gradients = trained * 4
+    optimizer_bytes = 0.0 if optimizer == "none" else trained * 12 / (dp * cp)
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
@@ -241,4 +255,5 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
 
 
 __all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "MTP_FUSION_BYTES_PER_TOKEN", "Alternative",
-           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "parameter_count", "settings_that_fit"]
+           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "lora_parameter_count", "parameter_count",
+           "settings_that_fit"]

@@ -237,10 +237,14 @@ def language_model_config(cfg: Mapping) -> Mapping:
     return merged
 
 
-def dims_from_model(model: torch.nn.Module, vocab_size: int | None = None) -> Qwen3_5Dims:
+def dims_from_model(
+    model: torch.nn.Module, vocab_size: int | None = None, probe_norms: bool = True
+) -> Qwen3_5Dims:
     """:class:`Qwen3_5Dims` of a Megatron-Core Qwen3.5 ``GPTModel`` (global sizes).
 
     ``vocab_size`` is the HF vocabulary when the model's is padded beyond it (default: the model's).
+    ``probe_norms=False`` leaves the norm conventions at their defaults instead of running each
+    kind of norm (for shapes alone, e.g. on the meta device).
     """
     from megatron.core.ssm.gated_delta_net.common import _GDNBase
 
@@ -271,7 +275,7 @@ def dims_from_model(model: torch.nn.Module, vocab_size: int | None = None) -> Qw
         layer_types=layer_types,
         tie_word_embeddings=bool(model.share_embeddings_and_output_weights),
         padded_vocab_size=model_vocab if model_vocab != vocab else None,
-        norms=norm_conventions_of(model),
+        norms=norm_conventions_of(model) if probe_norms else NormConventions(),
         rms_norm_eps=cfg.layernorm_epsilon,
         rope_theta=float(getattr(model, "rotary_base", 1e7)),
         partial_rotary_factor=float(getattr(model, "rotary_percent", 0.25)),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from enum import StrEnum
 from pathlib import Path
 
@@ -84,20 +84,25 @@ _WEIGHT_INDEXES = (SAFETENSORS_INDEX, "pytorch_model.bin.index.json")
 
 
 def tensor_origins(
-    source: HFCheckpoint, trained: dict[str, tuple[int, ...]]
+    source: HFCheckpoint, trained: dict[str, tuple[int, ...]], unchanged: Collection[str] = ()
 ) -> tuple[dict[str, Origin], list[str]]:
     """For each tensor of ``source``: :attr:`Origin.TRAINED` when the run writes its text-layout name
     (``trained``: HF text-layout name -> shape, every tensor the export plan writes, ``mtp.*`` too
     when the run trains an MTP layer), else :attr:`Origin.COPIED` for the vision tower and MTP
-    prefixes. Returns ``(origins by source name, trained names the source lacks and may gain: an
-    untied output layer, an MTP layer)``. Raises :class:`CheckpointMismatchError` naming
-    the source tensors it cannot place (they would be lost), a trained tensor whose shape differs
-    from the source's, and trained tensors the source has no place for."""
+    prefixes and for ``unchanged`` (text-layout names of tensors the run kept as the source has
+    them: a LoRA run's frozen base). Returns ``(origins by source name, trained names the source
+    lacks and may gain: an untied output layer, an MTP layer)``. Raises
+    :class:`CheckpointMismatchError` naming the source tensors it cannot place (they would be
+    lost), a trained tensor whose shape differs from the source's, and trained tensors the source
+    has no place for."""
+    trained = {name: shape for name, shape in trained.items() if name not in unchanged}
     origins: dict[str, Origin] = {}
     lost, misshaped = [], []
     for name, tensor in source.tensors.items():
         text = text_layout_name(name)
-        if text in trained:
+        if text in unchanged:
+            origins[name] = Origin.COPIED
+        elif text in trained:
             origins[name] = Origin.TRAINED
             if tuple(trained[text]) != tensor.shape:
                 misshaped.append(f"{name} {tensor.shape} (the run's: {tuple(trained[text])})")
@@ -129,15 +134,18 @@ def tensor_origins(
     return origins, missing
 
 
-def drop_in_origins(source: HFCheckpoint, dims: Qwen3_5Dims) -> tuple[dict[str, Origin], list[str]]:
+def drop_in_origins(
+    source: HFCheckpoint, dims: Qwen3_5Dims, unchanged: Collection[str] = ()
+) -> tuple[dict[str, Origin], list[str]]:
     """:func:`tensor_origins` of ``source`` for an export of a model of ``dims`` (every tensor its plan
-    writes, lm_head included); callable before any model exists, from the preset's dims."""
+    writes, lm_head included, but ``unchanged``); callable before any model exists, from the
+    preset's dims."""
     trained = {
         name: shape
         for rule in conversion_plan(_export_dims(dims))
         for name, shape in zip(rule.hf, rule.hf_shapes)
     }
-    return tensor_origins(source, trained)
+    return tensor_origins(source, trained, unchanged)
 
 
 def save_drop_in_checkpoint(
@@ -149,13 +157,15 @@ def save_drop_in_checkpoint(
     writer: bool | None = None,
     main_params: MainParams | None = None,
     keep_source_tokenizer: bool = True,
+    unchanged: Collection[str] = (),
 ) -> ExportReport | None:
     """Write ``model`` in the layout of the HF checkpoint ``source_dir`` (module docstring).
 
     A collective over ``tp_group`` like :func:`~.files.save_hf_checkpoint`; ``main_params``: the fp32
     main parameters of a bf16 run (float32 source tensors are written from them where they are at
     hand). ``keep_source_tokenizer=False`` leaves the source's tokenizer files out (the caller writes
-    the one the run trained with). Raises :class:`CheckpointMismatchError` before writing anything
+    the one the run trained with). ``unchanged``: text-layout names the run kept as the source has
+    them (a LoRA run's frozen base), copied bit for bit instead of written. Raises :class:`CheckpointMismatchError` before writing anything
     when a source tensor cannot be placed. Returns what was written (None on ranks that do not write).
     """
     model, tp_group, writer = export_ranks(model, tp_group, writer)
@@ -164,19 +174,21 @@ def save_drop_in_checkpoint(
     except FileNotFoundError as e:
         raise CheckpointMismatchError(f"the source checkpoint {source_dir} cannot be read: {e}") from e
     dims = _model_dims(model, source)
-    origins, added = drop_in_origins(source, dims)
-    dtype_of = _written_dtypes(source, dims)
+    unchanged = frozenset(unchanged)
+    origins, added = drop_in_origins(source, dims, unchanged)
+    dtype_of = {n: d for n, d in _written_dtypes(source, dims).items() if n not in unchanged}
     trained, by_text = list(dtype_of), source.by_text_name()
     # every rank, replicas included: fetching main parameters may be a collective over DP x CP
     main = fp32_main_copies(
-        model, dims, lambda rule: any(dtype_of[n] == torch.float32 for n in rule.hf), main_params
+        model, dims, lambda rule: any(dtype_of.get(n) == torch.float32 for n in rule.hf), main_params
     )
     if writer is None:
         return None
     out = Path(out_dir)
     shards = _ShardWriter(source, out, origins, added) if writer else None
     for _, text, tensor in gathered_hf_tensors(model, dims, tp_group, writer, main):
-        shards.add(by_text.get(text, text), tensor.to(dtype_of[text]))
+        if text not in unchanged:
+            shards.add(by_text.get(text, text), tensor.to(dtype_of[text]))
     if not writer:
         return None
     report = ExportReport(
