@@ -117,11 +117,12 @@ class SweepManifest:
                 entry.setdefault("submitit_job_id", json.loads(submission.read_text())["submitit_job_id"])
         return sorted(entries, key=lambda e: e["num"])
 
-    def merge(self, **sweep_fields: Any) -> dict[str, Any]:
-        """Rewrite ``sweep.json`` from the job files; ``sweep_fields`` (launcher, W&B group, ...)
-        are kept from the previous ``sweep.json`` unless given again."""
+    def merge(self, jobs: Sequence[dict[str, Any]] | None = None, **sweep_fields: Any) -> dict[str, Any]:
+        """Rewrite ``sweep.json`` from the job files (or from ``jobs``, entries :meth:`jobs` read);
+        ``sweep_fields`` (launcher, W&B group, ...) are kept from the previous ``sweep.json``
+        unless given again."""
         previous = json.loads(self.path.read_text()) if self.path.exists() else {}
-        jobs = self.jobs()
+        jobs = self.jobs() if jobs is None else list(jobs)
         counts = job_counts(jobs)
         manifest = {"version": MANIFEST_VERSION, "sweep_dir": str(self.sweep_dir),
                     **{k: v for k, v in previous.items() if k not in ("version", "sweep_dir", "jobs", "counts")},

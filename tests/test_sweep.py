@@ -8,6 +8,7 @@ refusals and the plain sbatch path's dry run."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -292,3 +293,35 @@ def test_local_jobs_running_at_once_get_disjoint_gpus():
         gpu_slots([0, 1], 4, 1)
     with pytest.raises(ValueError, match="numeric GPU ids"):
         visible_gpu_ids("GPU-abc", 1)
+
+
+def test_a_progress_line_is_printed_after_sweep_json_holds_what_it_says(tmp_path):
+    """Someone who reads "job #1 started" and then opens sweep.json finds the job running there:
+    the launcher rewrites the file before it prints the lines it read off the job files."""
+    from types import SimpleNamespace
+
+    from hydra_plugins.relax_gdn_launcher.launcher import _SweepLauncher, log
+
+    manifest = SweepManifest(tmp_path)
+    manifest.update_job(1, status="submitted", variant="default", run_dir=str(tmp_path / "1"))
+    manifest.merge()
+    launcher = SimpleNamespace(_progress=SweepProgress())
+    _SweepLauncher._report(launcher, manifest)  # the submitted job: the tally only
+    manifest.update_job(1, status="running", started=1.0)
+
+    seen_in_file: dict[str, str] = {}
+
+    class ReadTheFile(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "started" in record.getMessage():
+                seen_in_file["status"] = json.loads((tmp_path / "sweep.json").read_text())["jobs"][0]["status"]
+
+    handler, level = ReadTheFile(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        _SweepLauncher._report(launcher, manifest)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert seen_in_file == {"status": "running"}

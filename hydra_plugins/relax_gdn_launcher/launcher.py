@@ -239,12 +239,14 @@ class _SweepLauncher(BaseSubmititLauncher):
 
     def _report(self, manifest) -> None:
         """Print what changed since the last look at the job files (starts, ends, the tally, a slow
-        job) and rewrite ``sweep.json`` when something did."""
-        lines = self._progress.update(manifest.jobs(), time.time())
+        job), after rewriting ``sweep.json`` from that same look: a line read off the console is
+        already in the file."""
+        jobs = manifest.jobs()
+        lines = self._progress.update(jobs, time.time())
+        if lines:
+            manifest.merge(jobs)
         for level, line in lines:
             log.log(logging.getLevelName(level), "%s", line)
-        if lines:
-            manifest.merge()
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from relax_gdn.sweep import (SweepManifest, SweepProgress, override_key, sweep_wandb_group,
