@@ -31,7 +31,6 @@ from relax_gdn.config import validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
 from relax_gdn.errors import (
     INTERRUPTED_EXIT_CODE,
-    USER_ERROR_EXIT_CODE,
     RecipeError,
     record_exit_code,
     report_user_error,

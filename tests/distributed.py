@@ -29,12 +29,9 @@ import atexit
 import faulthandler
 import os
 import pickle
-import queue
-import re
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -64,36 +61,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     for key in _LAUNCHER_VARIABLES:
         env.pop(key, None)
     return {**env, **(extra or {})}
-
-
-class OutputLines:
-    """A child's output lines as they come (a reader thread), each wait bounded."""
-
-    def __init__(self, stream):
-        self.seen: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True)
-        self._reader.start()
-
-    def all(self, timeout: float) -> str:
-        """Every line, once the child has closed its output."""
-        self._reader.join(timeout)
-        assert not self._reader.is_alive(), f"the output did not end within {timeout} s"
-        while not self._queue.empty():
-            self.seen.append(self._queue.get())
-        return "".join(self.seen)
-
-    def wait_for(self, pattern: str, timeout: float) -> str:
-        """The first line from here on that matches ``pattern``."""
-        while True:
-            try:
-                line = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output so far:\n"
-                                     + "".join(self.seen[-60:])) from None
-            self.seen.append(line)
-            if re.search(pattern, line):
-                return line
 
 
 def value_error_message(fn: Callable[[], Any]) -> str | None:

@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-import codecs
-import os
-import selectors
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from relax_gdn.config import RunConfig
@@ -60,49 +55,6 @@ def train_py(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = ()
         [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
         cwd=tmp_path, env=child_env(env), capture_output=True, text=True, timeout=TRAIN_PY_TIMEOUT_S,
     )
-
-
-def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:
-    """The lines a child writes to its stdout pipe, as they come, until it closes the pipe. Past
-    ``timeout_s`` the child and its descendants are killed and AssertionError shows the output so far."""
-    deadline = time.monotonic() + timeout_s
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    fd = process.stdout.fileno()  # read below the file object: its readline would block past the limit
-    pending, seen = "", []
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while True:
-            if not selector.select(max(0.0, deadline - time.monotonic())):
-                kill_process_tree(process)
-                raise AssertionError(f"child {process.args!r} still writing after {timeout_s:.0f} s; its output:\n"
-                                     + "".join(seen)[-3000:] + pending)
-            chunk = os.read(fd, 65536)
-            pending += decoder.decode(chunk, final=not chunk)
-            *complete, pending = pending.split("\n")
-            for line in complete:
-                seen.append(line + "\n")
-                yield line + "\n"
-            if not chunk:
-                if pending:
-                    yield pending
-                return
-
-
-def kill_process_tree(process: subprocess.Popen) -> None:
-    """SIGKILL a child and every process below it (torchrun's workers), then reap the child."""
-    import psutil
-
-    try:
-        below = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        below = []
-    for proc in below:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    process.kill()
-    process.wait(timeout=60)  # SIGKILLed: only the reaping is left
 
 
 def train_records_in_this_process(**overrides) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import selectors
 import subprocess
 import time
@@ -40,6 +41,28 @@ def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:
                 if pending:
                     yield pending
                 return
+
+
+class ChildLines:
+    """A child's output read as a test needs it: up to a line that matches, then on; one time limit
+    (:func:`output_lines`) for all of it."""
+
+    def __init__(self, process: subprocess.Popen, timeout_s: float):
+        self._lines = output_lines(process, timeout_s)
+        self.seen: list[str] = []
+
+    def wait_for(self, pattern: str) -> str:
+        """The next line that matches ``pattern``; AssertionError when the output ends first."""
+        for line in self._lines:
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+        raise AssertionError(f"the output ended without a line matching {pattern!r}:\n" + "".join(self.seen[-60:]))
+
+    def all(self) -> str:
+        """Everything, once the child has closed its output."""
+        self.seen.extend(self._lines)
+        return "".join(self.seen)
 
 
 def descendants(pid: int) -> list[psutil.Process]:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import JobResults, child_env, run_distributed
-from tests.helpers import output_lines
+from tests.distributed import JobResults, child_env
 from tests.helpers import small_config as _cfg
+from tests.processes import ChildLines, output_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -577,15 +577,15 @@ def finished_run(tmp_path_factory):
     train = [sys.executable, str(ROOT / "train.py")]
     first = subprocess.Popen([*train, *_run_command(tmp, "run1")], cwd=tmp, env=child_env(), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = OutputLines(first.stdout)
+    lines = ChildLines(first, timeout_s=600)
     try:
-        lines.wait_for(rf"step 2/{FINISHED_STEPS}", timeout=300)
+        lines.wait_for(rf"step 2/{FINISHED_STEPS}")
         first.send_signal(signal.SIGTERM)
         out["stopped_rc"] = first.wait(timeout=300)
     finally:
         if first.poll() is None:
             first.kill()
-    lines.all(timeout=60)
+    lines.all()
     out["stopped_log"] = (tmp / "run1" / "train.log").read_text()
     out["resumed_rc"], out["terminal"] = _in_a_terminal([*train, *_run_command(tmp, "run2")], tmp, timeout=300)
     out["resumed_dir"] = sorted(p.name for p in (tmp / "run2").iterdir())

@@ -43,7 +43,7 @@ from relax_gdn.errors import (
     USER_ERROR_EXIT_CODE,
 )
 from tests.distributed import child_env, run_distributed
-from tests.processes import alive, descendants, kill_tree, output_lines, wait_until
+from tests.processes import alive, descendants, output_lines, wait_until
 from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import output_lines
+from tests.processes import output_lines
 
 TESTS = Path(__file__).resolve().parent
 
@@ -144,7 +144,7 @@ def _unbounded_child_reads(tree: ast.AST) -> list[tuple[int, str]]:
 def test_every_read_of_a_child_process_has_a_time_limit():
     problems = [f"{path.name}:{line}: {code}" for path in sorted(TESTS.glob("*.py"))
                 for line, code in _unbounded_child_reads(ast.parse(path.read_text()))]
-    assert problems == [], "read with a timeout (tests.helpers.output_lines for a child's lines):\n" + "\n".join(
+    assert problems == [], "read with a timeout (tests.processes.output_lines for a child's lines):\n" + "\n".join(
         problems)
 
 

@@ -21,7 +21,8 @@ import pytest
 
 from relax_gdn.sweep import (SweepManifest, SweepProgress, gpu_slots, variant_label, varying_keys, visible_gpu_ids,
                              wandb_run_id)
-from tests.distributed import OutputLines, child_env
+from tests.distributed import child_env
+from tests.processes import ChildLines
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
@@ -117,25 +118,25 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
          "hydra.launcher.timeout_min=15", *TINY],
         cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
-    lines = OutputLines(proc.stdout)
+    lines = ChildLines(proc, timeout_s=1200)
     try:
-        lines.wait_for(r"job #0 failed \(exit 2, \d+:\d\d:\d\d\): .*no usable record", timeout=600)
-        lines.wait_for(r"job #1 started", timeout=300)
+        lines.wait_for(r"job #0 failed \(exit 2, \d+:\d\d:\d\d\): .*no usable record")
+        lines.wait_for(r"job #1 started")
         # printed after sweep.json was rewritten: the running job is there, the sweep is not finished
         manifest = json.loads((sweep_dir / "sweep.json").read_text())
         assert manifest["jobs"][1]["status"] == "running" and "finished" not in manifest, manifest
         assert manifest["counts"] == {"submitted": 0, "running": 1, "ok": 0, "failed": 1, "refused": 0}
-        slow = lines.wait_for(r"job #1 has run", timeout=600)
+        slow = lines.wait_for(r"job #1 has run")
         assert re.search(r"has run \d+:\d\d:\d\d, \d+\.\dx the median \d+:\d\d:\d\d of the 1 finished job\(s\): "
                          + re.escape(str(sweep_dir / "1")) + r"; its output: .*\.submitit/\d+/\d+_0_log\.out", slow), slow
         _write_when_read(bad[1], bad_text, timeout=120)
-        lines.wait_for(r"job #1 failed \(exit 2, ", timeout=300)
+        lines.wait_for(r"job #1 failed \(exit 2, ")
         assert proc.wait(timeout=120) == 2  # two failed jobs
     finally:
         if proc.poll() is None:  # a failed wait: release the pipe's reader and stop the sweep
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-    log = lines.all(timeout=60)
+    log = lines.all()
     assert log.count("job #1 has run") == 1, log[-4000:]  # named once
     assert "2 of 2 jobs failed: #0 (exit 2), #1 (exit 2)" in log
     jobs = json.loads((sweep_dir / "sweep.json").read_text())["jobs"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relax_gdn.errors import PREEMPTED_EXIT_CODE, RecipeError  # noqa: F401 - PREEMPTED_EXIT_CODE: one definition, in errors
+from relax_gdn.errors import RecipeError
 from relax_gdn.train.agreement import agree_on_errors, decided_by_rank0
 from relax_gdn.train.checkpoint import (
     CheckpointError,

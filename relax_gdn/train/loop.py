@@ -453,12 +453,12 @@ def load_base_weights(model, cfg: RunConfig) -> None:
     checkpoint holds only the adapters, and the base is rebuilt from what its manifest names)."""
     if cfg.model.hf_checkpoint:
         loaded = load_hf_checkpoint(model, cfg.model.hf_checkpoint)
-        if options.mtp.num_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
+        mtp_layers = cfg.model.mtp.num_layers or 0
+        if mtp_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
             logger.warning("model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
-                           "starts from random weights (its loss starts near log(vocabulary))", options.mtp.num_layers)
+                           "starts from random weights (its loss starts near log(vocabulary))", mtp_layers)
     elif cfg.lora_options is not None:
         seed_base_weights(model, cfg.train.seed)
-    return tconfig, model
 
 
 def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
