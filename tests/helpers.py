@@ -11,6 +11,20 @@ from relax_gdn.config import RunConfig
 from tests.distributed import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _typo_message() -> str:
+    from dataclasses import fields
+
+    from relax_gdn.config.schema import TrainConfig
+
+    keys = ", ".join(f.name for f in fields(TrainConfig))
+    return (f"error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; its keys "
+            f"are {keys} (relax_gdn/config/schema.py)")
+
+
+# What train.py prints for the typo ``train.stepz=3``: the one message, the keys in schema order.
+TYPO_MESSAGE = _typo_message()
 GDN_MODES = ("headwise", "chunkwise", "all_gather")
 EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
 MESSAGES_EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"

@@ -882,7 +882,12 @@ def _vlm_run_cases(tmp: str) -> dict:
 
     def logits(cls, path, adapter=None):
         model = cls.from_pretrained(path, dtype=torch.float32)
-        if adapter is not None:
+        if adapter is not None and cls is AutoModelForCausalLM:
+            # the text class of a VLM base names its modules model.layers...: transformers' own
+            # adapter loading maps the checkpoint's names (model.language_model.layers...) as it
+            # does for the base's weights; PeftModel.from_pretrained would miss them
+            model.load_adapter(str(adapter))
+        elif adapter is not None:
             model = PeftModel.from_pretrained(model, adapter)
         with torch.no_grad():
             return model.eval()(input_ids=ids).logits[0]
@@ -901,6 +906,9 @@ def vlm_run(gloo, tmp_path_factory):
     return gloo(_vlm_run_cases, 1, str(tmp_path_factory.mktemp("lora_vlm")), runtime=False)[0]
 
 
+BF16_EXPORT_TOL = 1e-2  # relative logits: a bf16 rounding of every adapted weight
+
+
 def test_a_lora_run_from_a_vlm_checkpoint_exports_both_ways(vlm_run):
     r = vlm_run
     assert (r["cli_merged"], r["cli_adapter"]) == (0, 0)
@@ -912,5 +920,7 @@ def test_a_lora_run_from_a_vlm_checkpoint_exports_both_ways(vlm_run):
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
     assert sorted(config["target_modules"]) == sorted(LORA_MODULES)
     for cls in ("AutoModelForCausalLM", "Qwen3_5ForConditionalGeneration"):
-        assert r[cls]["peft"] < 1e-5, (cls, r[cls])  # base + the PEFT adapter == the merged export
-        assert r[cls]["base"] > 1e-3, (cls, r[cls])  # and the adapters changed the model
+        # base + the PEFT adapter == the merged export, up to the export's one bf16 rounding of
+        # W + s·B·A (the base is bf16; an fp32 base is held to 1e-5 in test_merged_and_peft_exports_give_the_models_logits_in_transformers)
+        assert r[cls]["peft"] < BF16_EXPORT_TOL, (cls, r[cls])
+        assert r[cls]["base"] > 30 * BF16_EXPORT_TOL, (cls, r[cls])  # and the adapters changed the model

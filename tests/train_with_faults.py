@@ -92,12 +92,12 @@ def nan_loss(*steps: str) -> None:
 
     forward_backward = loop.Trainer._forward_backward
 
-    def nan_at_step(self, plan, loss_tokens):
+    def nan_at_step(self, plan, *token_counts):
         if self.stop.step not in {int(s) for s in steps}:
-            return forward_backward(self, plan, loss_tokens)
+            return forward_backward(self, plan, *token_counts)
         hook = self.model.register_forward_hook(lambda module, args, out: out * float("nan"))
         try:
-            return forward_backward(self, plan, loss_tokens)
+            return forward_backward(self, plan, *token_counts)
         finally:
             hook.remove()
 
