@@ -37,6 +37,10 @@ class ParallelContext:
         over every rank. ``timeout``: every group's collective timeout (``train.collective_timeout_s``;
         None: Megatron-Core's and torch's defaults)."""
         minutes = {} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}
+        if not parallel_state.model_parallel_is_initialized():
+            # a model built earlier on explicit groups made Megatron-Core's global buffer (it needs
+            # one for SP gathers); initialize_model_parallel makes its own and refuses an existing one
+            parallel_state.destroy_global_memory_buffer()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False, **minutes,
         )
