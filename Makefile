@@ -31,8 +31,11 @@ run: setup
 	@$(PY) train.py --check --world-size $(RUN_NPROC) $(RUN_ARGS) $(ARGS)
 	$(PY) -m relax_gdn.launch --standalone --nproc-per-node $(RUN_NPROC) train.py $(RUN_ARGS) $(ARGS)
 
+# Two pytest-xdist workers: the slow cases mostly wait on their child processes, and each worker
+# keeps its own gloo pools (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu"
