@@ -31,6 +31,9 @@ TINY_TEXT = dict(
     layer_types=["linear_attention"] * 3 + ["full_attention"],
     tie_word_embeddings=False,
 )
+# The same sizes for the import/export parity tests: a vocabulary of 250 (padded to 256 in the
+# model, as Megatron pads to TP multiples, so the padding path runs) and a wider initialisation
+HF_TEXT_CONFIG = {**TINY_TEXT, "vocab_size": 250, "max_position_embeddings": 128, "initializer_range": 0.1}
 TINY_VISION = dict(
     depth=1,
     hidden_size=16,

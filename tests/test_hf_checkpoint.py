@@ -27,31 +27,10 @@ import torch
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
+from tests.hf_sources import HF_TEXT_CONFIG
 
-# A tiny Qwen3.5 keeping every structural feature: GQA (2 query heads per KV group), the output
-# gate, partial RoPE (4 of 16 dims), the 3:1 GDN/attention pattern, GVA (2 value heads per key
-# head), untied embeddings. Vocabulary 250, padded to 256 in the model (Megatron pads to TP
-# multiples), so the padding path is exercised too.
-HF_TEXT_CONFIG = dict(
-    vocab_size=250,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
-)
+# HF_TEXT_CONFIG keeps every structural feature of Qwen3.5 (GQA, the output gate, partial RoPE, the
+# 3:1 GDN/attention pattern, GVA, untied embeddings); its vocabulary of 250 is padded to this in the model
 MODEL_VOCAB = 256
 SEQ = 53
 LOGIT_TOL = 1e-4  # max |ours - transformers| relative to max |logit| (fp32; scan order differs)

@@ -666,7 +666,7 @@ def _make_base(work: Path) -> None:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
-    from tests.test_hf_checkpoint import HF_TEXT_CONFIG
+    from tests.hf_sources import HF_TEXT_CONFIG
 
     _force_transformers_pure_torch()
     torch.manual_seed(0)

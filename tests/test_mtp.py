@@ -116,7 +116,8 @@ MTP_HF_NAMES = {
 
 
 def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
-    from tests.test_hf_checkpoint import HF_TEXT_CONFIG, _random_hf_state
+    from tests.hf_sources import HF_TEXT_CONFIG
+    from tests.test_hf_checkpoint import _random_hf_state
 
     dims = hfc.dims_from_hf_config({**HF_TEXT_CONFIG, "mtp_num_hidden_layers": 1})
     assert dims.mtp_num_layers == 1 and hfc.dims_from_hf_config(HF_TEXT_CONFIG).mtp_num_layers == 0
@@ -375,13 +376,9 @@ def _reference_case(single) -> dict:
 
 
 def _errors(reference, got, ids, shard=lambda n, g: g) -> dict[str, float]:
-    (ref_loss, ref_grads), (loss, grads) = reference, got
-    errors = {"loss": (loss - ref_loss[:, ids]).abs().max().item()}
-    for n, g in ref_grads.items():
-        expect = shard(n, g)
-        assert grads[n].shape == expect.shape, (n, grads[n].shape, expect.shape)
-        errors[n] = (grads[n] - expect).abs().max().item() / max(g.abs().max().item(), 1e-12)
-    return errors
+    from tests.model_harness import errors
+
+    return errors(*reference, *got, ids, shard)
 
 
 def _parity_cases() -> dict:
