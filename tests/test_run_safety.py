@@ -33,6 +33,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from relax_gdn.errors import (
     DIVERGED_EXIT_CODE,
@@ -114,7 +115,9 @@ def test_the_issues_diverging_command_stops_at_the_first_nonfinite_step_keeping_
     assert (last["nonfinite"], last["loss"], last["grad_norm"], last["skipped_update"]) == (True, "nan", "nan", True)
 
 
-def _skip_cases(tmp: str) -> dict:
+def _skip_cases(tmp: str, device: dict | None = None) -> dict:
+    """Two runs with non-finite steps 3, 5 and 6 under ``on_nonfinite=skip``; ``device``: config
+    overrides for a GPU run (Megatron-Core's DDP and optimizer instead of the CPU path's)."""
     import torch
 
     from relax_gdn.train import loop
@@ -138,7 +141,7 @@ def _skip_cases(tmp: str) -> dict:
         tmp_dir = Path(tmp) / name
         result = loop.run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
                                         checkpoint__every_steps=1, checkpoint__keep_last=0,
-                                        checkpoint__dir=str(tmp_dir / "ckpt")), tmp_dir / "run")
+                                        checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run")
         out[name] = dict(records=result.records, weights=dict(sums), nonfinite=result.nonfinite_steps,
                          stop=None if result.stop is None else (result.stop.step, result.stop.exit_code),
                          saved=sorted(p.name for p in (tmp_dir / "ckpt").iterdir()),
@@ -151,9 +154,7 @@ def skipped(tmp_path_factory):
     return run_distributed(_skip_cases, 1, str(tmp_path_factory.mktemp("skip")))[0]
 
 
-@pytest.mark.slow
-def test_skip_leaves_the_weights_of_a_nonfinite_step_and_saves_no_checkpoint_after_it(skipped):
-    out = skipped["skips"]
+def _assert_skipped_without_updates(out: dict) -> None:
     nonfinite = [r["step"] for r in out["records"] if r["nonfinite"]]
     assert nonfinite == [3, 5, 6] and out["stop"] is None and out["nonfinite"] == 3
     weights = out["weights"]
@@ -165,12 +166,29 @@ def test_skip_leaves_the_weights_of_a_nonfinite_step_and_saves_no_checkpoint_aft
     assert out["summary"]["non-finite steps"].startswith("3 ")
 
 
-@pytest.mark.slow
-def test_skip_stops_after_max_nonfinite_steps_in_a_row(skipped):
-    out = skipped["stops"]
+def _assert_stopped_after_two_in_a_row(out: dict) -> None:
     assert out["stop"] == (6, DIVERGED_EXIT_CODE)  # steps 5 and 6 in a row; step 3 alone was skipped
     assert [r["step"] for r in out["records"]] == list(range(1, 7))
     assert out["saved"] == ["latest", "step_000001", "step_000002", "step_000004"]
+
+
+def test_skip_leaves_the_weights_of_a_nonfinite_step_and_saves_no_checkpoint_after_it(skipped):
+    _assert_skipped_without_updates(skipped["skips"])
+
+
+def test_skip_stops_after_max_nonfinite_steps_in_a_row(skipped):
+    _assert_stopped_after_two_in_a_row(skipped["stops"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_gpu_megatrons_optimizer_skips_the_update_of_a_nonfinite_step(tmp_path):
+    """The same runs on one GPU in bf16: Megatron-Core's DDP and optimizer (SkipNonfiniteUpdate
+    turns the update of a non-finite grad norm into a no-op; Megatron alone would write NaN)."""
+    device = {"train__device": "cuda", "train__precision": "bf16"}
+    out = run_distributed(_skip_cases, 1, str(tmp_path), device, backend="nccl")[0]
+    _assert_skipped_without_updates(out["skips"])
+    _assert_stopped_after_two_in_a_row(out["stops"])
 
 
 def test_metrics_jsonl_writes_nonfinite_values_as_strings_and_compare_reads_them_back(tmp_path):
