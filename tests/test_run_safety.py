@@ -387,10 +387,16 @@ def test_a_data_error_on_one_rank_is_reported_by_rank_0_at_once(tmp_path):
 # ------------------------------------------------------------------ dead ranks and hangs
 
 
-@pytest.mark.slow
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+# on 2 GPUs: NCCL, bf16, and background saves (Megatron-Core's writer and its results-queue server)
+ON_TWO_GPUS = ("train.device=cuda", "train.precision=bf16", "checkpoint.async_save=true")
+
+
+@pytest.mark.parametrize("device", [pytest.param((), id="cpu"),
+                                    pytest.param(ON_TWO_GPUS, id="gpu", marks=[pytest.mark.gpu, TWO_GPUS])])
 @pytest.mark.parametrize("dead", [0, 1])
-def test_kill_9_of_a_worker_ends_the_job_naming_it_and_leaves_no_process(tmp_path, dead):
-    command = _command(tmp_path, *SMALL, "parallel.cp=2", "train.steps=40", "checkpoint.every_steps=1",
+def test_kill_9_of_a_worker_ends_the_job_naming_it_and_leaves_no_process(tmp_path, dead, device):
+    command = _command(tmp_path, *SMALL, "parallel.cp=2", "train.steps=40", "checkpoint.every_steps=1", *device,
                        nproc=2)
     torchrun = _start(command, tmp_path, _env(tmp_path))
     lines, killed_at, job = [], None, []
