@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from relax_gdn.bench.needs import require_gpus
+from relax_gdn.bench.timing import event_ms
 
 HEADS, GROUPS, DIM = 16, 4, 256  # Qwen3.5-9B full attention
 CHECK_LENGTHS = (1000, 512, 2584)
@@ -162,17 +163,12 @@ def _timed_ms(fn, iters: int, device) -> list[float]:
     """Each of ``iters`` calls' time: CUDA events on a GPU, the host clock on CPU."""
     samples = []
     for _ in range(iters):
-        if device.type != "cuda":
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
+        if device.type == "cuda":
+            samples.append(event_ms(fn))
             continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append((time.perf_counter() - start) * 1e3)
     return samples
 
 

@@ -9,6 +9,16 @@ import torch
 import torch.distributed as dist
 
 
+def event_ms(fn) -> float:
+    """One call of ``fn`` timed by CUDA events on the current stream (ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, align_ranks: bool = True) -> float:
     """Median of ``iters`` timed calls (CUDA events; ranks aligned by a barrier before each call
     unless ``align_ranks=False``, for rank-local work that ranks may run a different number of
@@ -20,12 +30,7 @@ def cuda_median_ms(fn, iters: int = 10, warmup: int = 3, align_ranks: bool = Tru
         if align_ranks and dist.is_initialized():
             dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(event_ms(fn))
     return statistics.median(samples)
 
 
