@@ -54,11 +54,10 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # as the runs it is compared with
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     from relax_gdn.runtime import Runtime
     from relax_gdn.train import checkpoint, loggers
     from relax_gdn.train.loop import run_training
+    from tests.train_with_faults import on_checkpoint_write
 
     Runtime().install()  # set up like an entry point's process; the kill ends it
     if kill_point == "after_step":
@@ -71,14 +70,7 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
 
         loggers.RunLoggers.log = log_then_kill
     elif kill_point == "writing_shards":
-        write = FileSystemWriterAsync.write_preloaded_data
-
-        def write_some_then_kill(*args, **kwargs):
-            if kwargs["write_bucket"][0].count(f"step_{kill_step:06d}"):
-                _kill_whole_run()
-            return write(*args, **kwargs)
-
-        FileSystemWriterAsync.write_preloaded_data = staticmethod(write_some_then_kill)
+        on_checkpoint_write(str(kill_step), _kill_whole_run)
     elif kill_point == "before_latest":
         replace = os.replace
 

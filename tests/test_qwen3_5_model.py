@@ -61,6 +61,20 @@ def _tp_sections(name: str, config) -> list[int] | None:
     return None
 
 
+def _tp2_cp2_groups():
+    """The pool of 4 as TP 2 x CP 2: (a one-rank group, this rank's TP pair {0,1}/{2,3}, its CP pair
+    {0,2}/{1,3}); every rank makes the same groups in the same order."""
+    import torch.distributed as dist
+
+    from tests.gdn_harness import self_group
+
+    rank = dist.get_rank()
+    single = self_group()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return single, pairs[rank // 2], strided[rank % 2]
+
+
 def _tp_shard(name, full, param, config, tp_size, tp_rank):
     """This TP rank's share of a TP = 1 tensor, laid out like ``param``."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
@@ -145,18 +159,11 @@ def _dynamic_cp2_errors() -> dict[str, float]:
 
 def _tp2cp2_errors(mode: str, sp: bool) -> dict[str, float]:
     """TP = 2 x CP = 2 (the pool of 4): TP groups {0,1},{2,3}; CP groups {0,2},{1,3}."""
-    import torch.distributed as dist
-
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
-    from tests.gdn_harness import self_group
 
     state, ref_loss, ref_grads = _tiny_reference()
-    rank = dist.get_rank()
-    single = self_group()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
+    single, tp_group, cp_group = _tp2_cp2_groups()
     tp_rank, cp_rank = tp_group.rank(), cp_group.rank()
     tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
     ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
@@ -223,18 +230,12 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
 
 def _tp2_renamed_qk_norms() -> dict:
     """The renamed-QK-norm case at TP = 2 x CP = 2 (the pool of 4)."""
-    import torch.distributed as dist
 
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_preset
-    from tests.gdn_harness import self_group
 
     state, ref_loss, ref_grads = _tiny_reference()
-    rank = dist.get_rank()
-    single = self_group()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
+    single, tp_group, cp_group = _tp2_cp2_groups()
     batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
     ids = thd_rank_indices(CU, 2, cp_group.rank(), "zigzag")
     return _renamed_qk_norms_case(state, (ref_loss, ref_grads), batch, tp_group, cp_group, single, ids)

@@ -41,7 +41,8 @@ def stuck(rank: str, step: str) -> None:
     loop.Trainer.train_step = stuck_step
 
 
-def _on_write(step: str, action) -> None:
+def on_checkpoint_write(step: str, action) -> None:
+    """``action()`` when Megatron-Core's writer starts on a bucket of that step's checkpoint."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     write = FileSystemWriterAsync.write_preloaded_data
@@ -61,7 +62,7 @@ def pause_save(step: str, directory: str) -> None:
         while not Path(directory, "go").exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # the test creates it after its signal
 
-    _on_write(step, pause)
+    on_checkpoint_write(step, pause)
 
 
 def save_error(step: str, kind: str) -> None:
@@ -70,7 +71,7 @@ def save_error(step: str, kind: str) -> None:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
         raise ValueError("a bug in the checkpoint writer")
 
-    _on_write(step, fail)
+    on_checkpoint_write(step, fail)
 
 
 def data_error(rank: str) -> None:
