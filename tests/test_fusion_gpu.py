@@ -158,7 +158,7 @@ def _train_reduced(**overrides):
         "train.steps": 2, "train.global_batch_size": 8, "train.max_tokens_per_gpu": 2048,
         "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 64,
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
-        "logging.jsonl": False, **overrides,
+        "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
     })
     return run_training(cfg, None).records
 

@@ -52,8 +52,7 @@ def _gpu_lora_cases(tmp: str) -> dict:
     cfg = RunConfig().with_overrides(_overrides())
     import relax_gdn.train.loop as loop
 
-    trainer = Trainer(cfg, None, dims=loop.validate(cfg, 1), device=torch.device("cuda", 0), bf16=True,
-                      data=loop.load_data(cfg))
+    trainer = Trainer(cfg, None, dims=loop.validate(cfg, 1), device=torch.device("cuda", 0), bf16=True)
     try:
         trainer.setup()
         model = trainer.core_model
@@ -84,8 +83,10 @@ def test_lora_trains_and_resumes_on_the_distributed_optimizer(gpu_lora, sharding
     full, resumed = r["full"], r["resumed"]
     assert full[-1]["loss"] < full[0]["loss"]
     assert r["start"] == 2
-    for got, want in zip(resumed, full[2:]):
-        assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_TOL)
+    # every step's loss in the message: a first step that differs points at the weights, a later one
+    # at the optimizer state
+    assert [x["loss"] for x in resumed] == pytest.approx([x["loss"] for x in full[2:]], rel=LOSS_TOL), \
+        ([x["loss"] for x in full], [x["loss"] for x in resumed])
     assert r["keys"] and all(".lora." in k or k.startswith("optimizer.param_groups") or "common" in k
                              for k in r["keys"]), r["keys"][:10]
     assert all(x["host_syncs"] == 0 for x in full[1:])
