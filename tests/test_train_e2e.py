@@ -71,6 +71,89 @@ def test_kernel_split(tmp_path):
                                     ["vectorized_elementwise_kernel", pytest.approx(0.00005)]]
 
 
+def test_kernel_split_launchers(tmp_path):
+    """Each top kernel's calls, mean and launchers: the innermost operator enclosing its launch (by
+    correlation id, then time on the launching thread) with its input dims, and the range around
+    that operator (the autograd node, the Function); kernels launched outside any host op, or
+    whose launch the trace lacks, are counted apart."""
+    bf16 = ["c10::BFloat16", "c10::BFloat16"]
+
+    def op(name, ts, dur, tid=1, dims=None):
+        args = {} if dims is None else {"Input Dims": dims, "Input type": bf16, "Input Strides": [[d[1], 1] for d in dims]}
+        return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 10, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    def launch(correlation, ts, tid=1, cat="cuda_runtime", name="cudaLaunchKernel"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 10, "tid": tid, "ts": ts, "dur": 2,
+                "args": {"correlation": correlation}}
+
+    def kernel(name, correlation, ts, dur):
+        args = {} if correlation is None else {"correlation": correlation}
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur, "args": args}
+
+    skinny = "nvjet_sm90_tst_512x8_64x3_2x1_v_bz_TNT"
+    events = [
+        # forward, main thread (1): an autograd Function around matmul -> mm
+        op("LinearWithGradAccumulation", 0, 100), op("aten::matmul", 1, 90, dims=[[8192, 4096], [4096, 8]]),
+        op("aten::mm", 2, 80, dims=[[8192, 4096], [4096, 8]]), launch(1, 10),
+        # a Triton kernel launched from Python inside a Function: no operator, the Function says where
+        op("ChunkGatedDeltaRuleFunction", 1000, 100), op("aten::empty", 1001, 2, dims=[[4, 4]]),
+        launch(5, 1050, cat="cuda_driver", name="cuLaunchKernelEx"),
+        launch(6, 2000),  # outside every host range
+        # backward, the autograd thread (2): the same node twice, a second mm with other shapes
+        op("autograd::engine::evaluate_function: MmBackward0", 200, 300, tid=2), op("MmBackward0", 201, 290, tid=2),
+        op("aten::mm", 210, 50, tid=2, dims=[[8, 8192], [8192, 4096]]), launch(2, 220, tid=2),
+        op("aten::mm", 300, 50, tid=2, dims=[[8192, 8], [8, 4096]]), launch(3, 310, tid=2),
+        op("autograd::engine::evaluate_function: MmBackward0", 600, 100, tid=2), op("MmBackward0", 601, 98, tid=2),
+        op("aten::mm", 610, 50, tid=2, dims=[[8, 8192], [8192, 4096]]), launch(4, 620, tid=2),
+        kernel(skinny, 1, 20, 30000), kernel(skinny, 2, 40000, 30000), kernel(skinny, 4, 80000, 30000),
+        kernel("sm90_xmma_gemm_bf16", 3, 120000, 20000), kernel("chunk_gated_delta_rule_fwd_kernel_h", 5, 150000, 15000),
+        kernel("vectorized_elementwise_kernel", 6, 210000, 1000),
+        kernel("reduce_kernel", 99, 220000, 500), kernel("reduce_kernel", None, 230000, 500),  # launches not in the trace
+    ]
+    trace = tmp_path / "trace.json.gz"  # as --trace-dir keeps it
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    top = train_e2e.kernel_split(trace, step_time_s=0.3)["top_kernels"]
+    assert [row[:5] for row in top] == [
+        [skinny, 0.09, "gemm", 3, 0.03], ["sm90_xmma_gemm_bf16", 0.02, "gemm", 1, 0.02],
+        ["chunk_gated_delta_rule_fwd_kernel_h", 0.015, "gdn", 1, 0.015],
+        ["vectorized_elementwise_kernel", 0.001, "elementwise", 1, 0.001], ["reduce_kernel", 0.001, "elementwise", 2, 0.0005]]
+    launchers = {row[0]: row[5] for row in top}
+    # the two backward calls first (more time), the forward one after
+    assert [(w["context"], w["op"], w["input_dims"], w["calls"], w["seconds"]) for w in launchers[skinny]] == [
+        ("MmBackward0", "aten::mm", [[8, 8192], [8192, 4096]], 2, 0.06),
+        ("LinearWithGradAccumulation", "aten::mm", [[8192, 4096], [4096, 8]], 1, 0.03)]
+    assert launchers[skinny][0]["input_types"] == bf16 and launchers[skinny][0]["input_strides"] == [[8192, 1], [4096, 1]]
+    assert launchers["sm90_xmma_gemm_bf16"][0]["input_dims"] == [[8192, 8], [8, 4096]]
+    gdn = launchers["chunk_gated_delta_rule_fwd_kernel_h"]  # aten::empty had ended: not the launcher
+    assert [(w["context"], w["op"], w["launch_found"]) for w in gdn] == [("ChunkGatedDeltaRuleFunction", None, True)]
+    assert [(w["context"], w["op"], w["launch_found"]) for w in launchers["vectorized_elementwise_kernel"]] == [
+        (None, None, True)]
+    assert [(w["op"], w["launch_found"], w["calls"]) for w in launchers["reduce_kernel"]] == [(None, False, 2)]
+    lines = train_e2e._top_kernel_lines(top)
+    print("\n".join(lines))
+    assert lines == [
+        "    top kernels (total = calls x mean, category, name; then calls x launcher > op input dims):",
+        f"      0.090 s = 3 x 30.000 ms  gemm  {skinny}",
+        "        2 x MmBackward0 > aten::mm [8,8192] [8192,4096] bf16",
+        "        1 x LinearWithGradAccumulation > aten::mm [8192,4096] [4096,8] bf16",
+        "      0.020 s = 1 x 20.000 ms  gemm  sm90_xmma_gemm_bf16",
+        "        1 x MmBackward0 > aten::mm [8192,8] [8,4096] bf16",
+        "      0.015 s = 1 x 15.000 ms  gdn  chunk_gated_delta_rule_fwd_kernel_h",
+        "        1 x ChunkGatedDeltaRuleFunction",
+        "      0.001 s = 1 x 1.000 ms  elementwise  vectorized_elementwise_kernel",
+        "        1 x (no enclosing host op)",
+        "      0.001 s = 2 x 0.500 ms  elementwise  reduce_kernel",
+        "        2 x (launch not in the trace)"]
+    # a result written before launchers were recorded still prints
+    assert train_e2e._top_kernel_lines([["sm90_xmma_gemm_bf16", 0.5, "gemm"]])[1:] == [
+        "      0.500 s  gemm  sm90_xmma_gemm_bf16"]
+    # a CPU-only trace: host ops, no launches, no kernels
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"traceEvents": [op("aten::mm", 0, 10, dims=[[2, 2], [2, 2]]), {"ph": "M"}]}))
+    assert train_e2e.kernel_split(cpu_only, step_time_s=0.001)["top_kernels"] == []
+
+
 def test_warm_up_variants():
     variants = ["fused=off,recompute=full", "recompute=full", "recompute=full,train.seed=7",
                 "fused=off,recompute=full,train.seed=1234"]

@@ -65,11 +65,12 @@ model's estimate; with ``--profile``, one more step under ``torch.profiler`` (le
 medians) split into kernel categories (GEMM / elementwise / copy / GDN / attention /
 communication) and idle GPU time (under the profiler, and estimated for an unprofiled step: the
 profiler's host cost inflates the former; the estimate takes the profiled step's FLOPs at the
-timed steps' FLOP rate) and the caching allocator's retries (``alloc_retries``: a full cache freed
-and the GPU drained to find room; ``--cuda-alloc-conf expandable_segments:True`` is the usual
-cure). ``--out`` writes ``{"meta": ..., "variants": [{"name",
-"config", "records", "summary"}]}`` (the record schema of metrics.jsonl); the table gives
-ratios to the first variant.
+timed steps' FLOP rate), the longest kernels with their calls, mean time and the host ops that
+launched them, with those ops' input shapes (``top_kernels``; which ``aten::mm`` of which node and
+shapes runs a slow cuBLAS kernel) and the caching allocator's retries (``alloc_retries``: a full
+cache freed and the GPU drained to find room; ``--cuda-alloc-conf expandable_segments:True`` is the
+usual cure). ``--out`` writes ``{"meta": ..., "variants": [{"name", "config", "records",
+"summary"}]}`` (the record schema of metrics.jsonl); the table gives ratios to the first variant.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax_gdn.bench import trace_launchers
 from relax_gdn.bench.needs import require_gpus
 
 CP_MODES = ("chunkwise", "headwise", "all_gather")
@@ -322,15 +324,46 @@ def _host_ops_between(cpu_ops: list[tuple[float, float, str]], launch_ts: dict):
     return window
 
 
+TOP_KERNELS = 40  # kernels listed in kernel_split's top_kernels (by total time)
+LAUNCHERS_PER_KERNEL = 3  # launchers kept per listed kernel (by their kernels' time)
+
+
+def _read_trace_events(trace_path: Path) -> list[dict]:
+    """A chrome trace's ``traceEvents``; ``.gz`` read as gzip (what ``--trace-dir`` keeps)."""
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def _top_kernels(stats: dict[str, dict], top: int = TOP_KERNELS) -> list[list]:
+    """``kernel_split``'s ``top_kernels``: ``[name, seconds, category, calls, mean_s, launchers]``
+    per kernel name, the longest in total first (the first three fields are the older entries').
+    ``launchers``: the host ops that launched that kernel (:mod:`relax_gdn.bench.trace_launchers`),
+    each a dict of ``op``, ``context``, ``input_dims``, ``input_types``, ``input_strides``,
+    ``launch_found``, ``calls`` and ``seconds``, the most time first."""
+    rows = []
+    for name, st in sorted(stats.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
+        launchers = []
+        for launcher, (calls, secs) in sorted(st["launchers"].items(), key=lambda kv: -kv[1][1])[:LAUNCHERS_PER_KERNEL]:
+            where = trace_launchers.NOT_FOUND if launcher is None else launcher.as_dict()
+            launchers.append({**where, "calls": calls, "seconds": round(secs, 5)})
+        rows.append([name, round(st["seconds"], 5), kernel_category(name), st["calls"],
+                     round(st["seconds"] / st["calls"], 7), launchers])
+    return rows
+
+
 def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float | None = None) -> dict:
     """Seconds of GPU time per kernel category in a chrome trace of ONE step, and the idle time
     (step wall time minus the union of kernel intervals; :func:`idle_gaps` says where it falls
     between kernels). The profiler's own host cost stretches that step, so ``unprofiled_step_s``
     (the same step's tokens at the timed steps' rate) gives ``idle_unprofiled_s``, the idle time
-    of an ordinary step."""
-    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    of an ordinary step. ``top_kernels`` (:func:`_top_kernels`) says which host ops, with which
+    input shapes, launched the longest kernels."""
+    events = _read_trace_events(trace_path)
+    launched_by = trace_launchers.launchers_by_correlation(events)  # correlation id -> Launcher
     seconds = dict.fromkeys(KERNEL_CATEGORIES, 0.0)
-    by_name: dict[str, float] = {}
+    # kernel name -> seconds, calls, {Launcher (None: launch not found) -> [calls, seconds]}
+    by_name: dict[str, dict] = {}
     intervals = []
     cpu_ops, launch_ts = [], {}  # host ops; correlation id -> when the host launched it
     count = 0
@@ -340,7 +373,7 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
         if e.get("cat") == "cpu_op":
             cpu_ops.append((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "")))
             continue
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+        if e.get("cat") in trace_launchers.LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
             launch_ts[e["args"]["correlation"]] = float(e["ts"])
             continue
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -349,8 +382,14 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
         category = "copy" if e["cat"] != "kernel" else kernel_category(e.get("name", ""))
         seconds[category] += dur / 1e6
         name = e.get("name", "")[:240]  # C++ kernels name their functor late
-        by_name[name] = by_name.get(name, 0.0) + dur / 1e6
-        intervals.append((start, start + dur, name, e.get("args", {}).get("correlation")))
+        correlation = e.get("args", {}).get("correlation")
+        st = by_name.setdefault(name, {"seconds": 0.0, "calls": 0, "launchers": {}})
+        st["seconds"] += dur / 1e6
+        st["calls"] += 1
+        tally = st["launchers"].setdefault(launched_by.get(correlation), [0, 0.0])
+        tally[0] += 1
+        tally[1] += dur / 1e6
+        intervals.append((start, start + dur, name, correlation))
         count += 1
     busy, end = 0.0, float("-inf")
     for a, b, *_ in sorted(intervals, key=lambda iv: iv[:2]):  # union of the intervals (kernels on several streams overlap)
@@ -365,8 +404,7 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
             "idle_unprofiled_s": (round(max(unprofiled_step_s - busy_s, 0.0), 6)
                                   if unprofiled_step_s is not None else None),
             "idle_gaps": idle_gaps(intervals, host_window=_host_ops_between(cpu_ops, launch_ts)),
-            "top_kernels": [[n, round(t, 5), kernel_category(n)] for n, t in
-                            sorted(by_name.items(), key=lambda kv: -kv[1])[:40]]}
+            "top_kernels": _top_kernels(by_name)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,6 +579,22 @@ def _micro_batch_tokens(variant: dict) -> object:
     return (variant.get("config") or {}).get("train.max_tokens_per_gpu")
 
 
+def _top_kernel_lines(top_kernels: list[list], kernels: int = 5, launchers: int = 2) -> list[str]:
+    """The longest kernels of a profiled step, each with the host ops that launched it:
+    ``1.510 s = 72 x 20.972 ms  gemm  nvjet_...`` then ``72 x MmBackward0 > aten::mm [8192,4096] [4096,8] bf16``.
+    Entries of older results (``[name, seconds, category]``) print without calls or launchers."""
+    if not top_kernels:
+        return []
+    lines = ["    top kernels (total = calls x mean, category, name; then calls x launcher > op input dims):"]
+    for name, secs, category, *more in top_kernels[:kernels]:
+        calls, mean_s, found = (more + [None, None, []])[:3]
+        count = f" = {calls} x {mean_s * 1e3:.3f} ms" if calls else ""
+        lines.append(f"      {secs:.3f} s{count}  {category}  {name[:90]}")
+        for launcher in found[:launchers]:
+            lines.append(f"        {launcher['calls']} x {trace_launchers.format_launcher(launcher)[:160]}")
+    return lines
+
+
 def format_table(result: dict) -> str:
     """One row per variant; ratios are to the first measured variant of the same micro-batch size
     (``mt=``), so a grid over sizes compares each size with its own first setting."""
@@ -587,6 +641,7 @@ def format_table(result: dict) -> str:
             if gaps:
                 lines.append("    idle by gap size: " + ", ".join(f"{k} {t:.3f} s" for k, t in gaps["seconds_by_gap"].items()))
                 lines.append("    idle before: " + ", ".join(f"{n[:40]} {t:.3f} s" for n, t in gaps["late_kernels"][:4]))
+            lines.extend(_top_kernel_lines(split.get("top_kernels") or []))
     return "\n".join(lines)
 
 

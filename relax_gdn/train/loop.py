@@ -213,7 +213,7 @@ def check_samples_fit(samples, cfg: RunConfig) -> None:
 class ProfileWindow:
     """``logging.profile_steps=[first, last]``: a torch profiler trace per rank over those steps,
     written to ``<trace_dir>/rank<r>_steps<first>-<last>.json`` (layout swaps show up as
-    ``relax_gdn.swap`` ranges)."""
+    ``relax_gdn.swap`` ranges; host ops with their input shapes)."""
 
     def __init__(self, steps: list[int] | None, trace_dir: Path | None, rank: int, device: torch.device):
         self.first, self.last = (steps or (0, -1))
@@ -223,7 +223,11 @@ class ProfileWindow:
     def before_step(self, step: int) -> None:
         if step == self.first and self.trace_dir is not None:  # (CPU: the Runtime quieted kineto)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._profiler = profile(activities=activities)
+            # record_shapes: each host op's input dims / dtypes / strides in the trace, so a long
+            # kernel can be traced to the op and shapes that launched it (bench.train_e2e's
+            # top_kernels). Host-side metadata only, no device sync; it costs host time in the
+            # profiled steps alone (the profiler is off in the others).
+            self._profiler = profile(activities=activities, record_shapes=True)
             self._profiler.__enter__()
 
     def after_step(self, step: int) -> Path | None:
