@@ -330,22 +330,41 @@ class MegatronOptimizerAdapter:
         for megatron_optimizer in self._members():
             _skip_torch_adam_step_on_load(megatron_optimizer)
         self.optimizer.load_state_dict(state["optimizer"])
+        for megatron_optimizer in self._members():
+            _own_adam_step_per_parameter(megatron_optimizer.optimizer)
 
 
 def _skip_torch_adam_step_on_load(distributed_optimizer) -> None:
-    """Megatron-Core 0.19.2's fully_reshardable load sets torch Adam's per-parameter ``step`` from
-    the param groups, leaves it out of the loaded tensors, then looks every state tensor up in
-    them (KeyError: 'step'; Transformer Engine's Adam keeps no per-parameter step). Mark ``step``
-    as not loaded there (a non-tensor value is skipped), leaving the step already set."""
+    """Megatron-Core 0.19.2's load sets torch Adam's per-parameter ``step`` from the saved param
+    groups (the step the checkpoint was written at), then copies the loaded tensors into each
+    parameter's state, ``step`` included, which is wrong in both forms: ``fully_reshardable``
+    leaves ``step`` out of the loaded tensors (KeyError: 'step'; Transformer Engine's Adam keeps no
+    per-parameter step) and ``dp_reshardable`` hands back the step Adam had when the load request
+    was built (a non-persistent object, never saved: 0 in a run that has not stepped), which would
+    reset Adam's bias correction to step 0. Mark ``step`` as not loaded (a non-tensor value is
+    skipped), leaving the saved step the param groups set."""
     set_states = getattr(distributed_optimizer, "_set_main_param_and_optimizer_states", None)
     if set_states is None or getattr(set_states, "_skips_step", False):
         return
 
     def set_states_without_step(model_param, tensors):
-        set_states(model_param, {"step": None, **tensors})
+        set_states(model_param, {**tensors, "step": None})  # last: overrides dp_reshardable's stale step
 
     set_states_without_step._skips_step = True
     distributed_optimizer._set_main_param_and_optimizer_states = set_states_without_step
+
+
+def _own_adam_step_per_parameter(adam: torch.optim.Optimizer) -> None:
+    """Give every parameter of a loaded torch Adam its own ``step`` tensor. Megatron-Core 0.19.2's
+    DistributedOptimizer.load_state_dict (torch Adam, no TE/Apex) puts ONE step tensor into every
+    parameter's state, and torch Adam increments each parameter's step in place: shared, it
+    advances by the number of parameters at every optimizer step, so from the first step after a
+    resume Adam's bias correction (and with it the size of every update) differs from the
+    uninterrupted run's. The first resumed step's loss still agrees; the next one's does not."""
+    for param_state in adam.state.values():
+        step = param_state.get("step")
+        if isinstance(step, torch.Tensor):
+            param_state["step"] = step.detach().clone()
 
 
 def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):
