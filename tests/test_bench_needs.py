@@ -29,7 +29,7 @@ NEEDS_GPU = {
                                         "python -m relax_gdn.bench.train_e2e"),
 }
 RUNS_ON_CPU = {"batching", "fla_configs", "long_context", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
-NOT_A_BENCHMARK = {"__init__", "needs", "timing"}
+NOT_A_BENCHMARK = {"__init__", "needs", "timing", "trace_launchers"}
 
 
 def test_every_benchmark_is_classified():
