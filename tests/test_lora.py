@@ -399,6 +399,29 @@ def _recompute_variants(reference_state, batch, single, case: int) -> dict:
     return out
 
 
+def _record_unfoldable_linear_inputs(model) -> set[str]:
+    """The names of the model's parallel linears whose ``[S, B, D]`` input (filled in as the model
+    runs) has leading strides that do not flatten to ``[S*B, D]`` by the plain stride rule. torch <
+    2.12 (the GPU host's) then runs ``input @ W.t()`` of a frozen weight as S batched one-row GEMMs
+    instead of one GEMM (pytorch#186148: a size-1 dim's odd stride counts too); the GDN out_proj's
+    input was such a tensor. This machine's torch folds them anyway, so the strides are checked."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    unfoldable: set[str] = set()
+
+    def check(name):
+        def hook(module, args):
+            x = args[0]
+            if any(x.stride(i) != x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2)):
+                unfoldable.add(name)
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.register_forward_pre_hook(check(name))
+    return unfoldable
+
+
 def _zero_b_is_the_base(single, batch) -> dict:
     """A model built with adapters (B = 0) gives the base model's loss bit for bit; its counts."""
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
@@ -416,11 +439,13 @@ def _zero_b_is_the_base(single, batch) -> dict:
     model = _lora_build(config, single, single, single)
     missing = model.load_state_dict(base.state_dict(), strict=False).missing_keys
     psp = packed_params(CU, "cpu")
+    unfoldable = _record_unfoldable_linear_inputs(model)
     with torch.no_grad():
         same = torch.equal(base(tokens, positions, None, labels=labels, packed_seq_params=psp),
                            model(tokens, positions, None, labels=labels, packed_seq_params=psp))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"equal": same, "missing_are_adapters": all(".lora." in k for k in missing), "trained": trained,
+            "unfoldable_linear_inputs": sorted(unfoldable),
             "frozen_requires_grad": sum(p.requires_grad for n, p in model.named_parameters() if ".lora." not in n),
             "b_zero": all(not p.any() for n, p in model.named_parameters() if n.endswith("lora_B")
                           and "word_embeddings" not in n)}
@@ -538,6 +563,7 @@ def test_recompute_and_fused_ops_change_nothing_and_dropout_masks_replay(lora_mo
 def test_zero_b_is_the_base_model_exactly_and_only_adapters_train(lora_model):
     r = lora_model[0]["zero_b"]
     assert r["equal"] and r["missing_are_adapters"] and r["b_zero"]
+    assert r["unfoldable_linear_inputs"] == []  # each frozen projection is one GEMM on every torch
     assert r["frozen_requires_grad"] == 0
     shape = _shape("qwen3_5_tiny", rank=4, targets=EVERY_TARGET)
     from relax_gdn.train.memory import lora_parameter_count

@@ -134,6 +134,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("GDN inference is not supported (same as Megatron-Core 0.19.2)")
+        hidden_states = with_standard_strides(hidden_states)  # the first layer's: the embedding's transpose
         cp = resolve_cp_group(packed_seq_params, self.pg_collection.cp)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if not packed:
@@ -343,7 +344,16 @@ class CPGatedDeltaNet(GatedDeltaNet):
         # L2-normalised inside the kernel: no repeat_interleave or separate l2norm pass.
         out = kernels.scan(query, key, value, decay, beta.sigmoid(), rows, self.use_qk_l2norm)
         norm = self._apply_gated_norm(out, gate.reshape(batch, seq, -1, self.value_head_dim))
-        return norm.reshape(batch, seq, -1).transpose(0, 1).contiguous()
+        return with_standard_strides(norm.reshape(batch, seq, -1).transpose(0, 1))
+
+
+def with_standard_strides(x: torch.Tensor) -> torch.Tensor:
+    """``x`` laid out as a fresh tensor of its shape (a view where that needs no copy). The input of
+    a projection must be: a ``[S, 1, D]`` transposed from ``[1, S, D]`` counts as contiguous (a
+    size-1 dim's stride does not matter) but keeps the stride ``S*D`` there, and torch < 2.12's
+    matmul then runs ``x @ W.t()`` of a weight that does not train (LoRA's frozen base) as S
+    one-row GEMMs instead of one (pytorch#186148)."""
+    return x.reshape(-1, x.shape[-1]).view(x.shape)
 
 
 def one_document(cu_host: np.ndarray) -> bool:
