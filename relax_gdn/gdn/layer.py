@@ -134,7 +134,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("GDN inference is not supported (same as Megatron-Core 0.19.2)")
-        hidden_states = with_standard_strides(hidden_states)  # the first layer's: the embedding's transpose
         cp = resolve_cp_group(packed_seq_params, self.pg_collection.cp)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if not packed:

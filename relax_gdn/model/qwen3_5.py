@@ -51,7 +51,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS, ModelAttentionBackend, SpecProvider
-from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec
+from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec, with_standard_strides
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model.fusion import (
     Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
@@ -478,7 +478,10 @@ class Qwen3_5Model(GPTModel):
                 "document, sharded like input_ids) for its rotary embedding"
             )
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-        return (out[0], self.rotary_pos_emb.for_positions(position_ids), *out[2:])
+        # the embedding's [S, 1, H] is a transposed [1, S, H]: the first layer's projections need
+        # standard strides (with_standard_strides says why)
+        decoder_input = out[0] if out[0] is None else with_standard_strides(out[0])
+        return (decoder_input, self.rotary_pos_emb.for_positions(position_ids), *out[2:])
 
     def forward(self, input_ids, position_ids, attention_mask, *args, mtp_input_ids=None, mtp_labels=None,
                 mtp_loss_mask=None, **kwargs):
