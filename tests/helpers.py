@@ -120,3 +120,25 @@ def force_transformers_pure_torch() -> None:
     for name in KERNEL_HANDLES:
         torch_fn = getattr(modeling, name)
         assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name
+
+
+# the layouts the resharding tests save and resume at (2 processes)
+RESHARD_LAYOUTS = {
+    "cp2": dict(parallel__cp=2),
+    "cp1": dict(parallel__cp=1),  # two processes: DP 2
+    "tp2": dict(parallel__tp=2),
+    "dynamic": dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=2), train__max_tokens_per_gpu=256),
+}
+
+
+def reshard_run_config(layout: str, mode: str, steps: int, **dotted):
+    """A small run at one of :data:`RESHARD_LAYOUTS` in GDN ``mode``, ``steps`` long."""
+    # decay_steps fixed: a 2-step run that saves and its 4-step continuation share one schedule
+    return small_config(train__steps=steps, optim__decay_steps=4, gdn__cp_mode=mode,
+                        recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False,
+                        **{**RESHARD_LAYOUTS[layout], **dotted})
+
+
+def step_values(record: dict) -> dict:
+    """What a resumed step must repeat of the uninterrupted one."""
+    return {k: record[k] for k in ("step", "loss", "grad_norm", "lr")}

@@ -1,8 +1,12 @@
 """Hugging Face checkpoints made for tests with transformers' own classes: a tiny Qwen3.5 VLM
-(text, vision tower, MTP tensors) in the layout of the published ones."""
+(text, vision tower, MTP tensors) in the layout of the published ones; the text config and random
+HF state dicts of the conversion tests; reading an export back (its files, the export CLI, a run's
+weights in HF names)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -111,3 +115,56 @@ def make_vlm_source(out: Path, text: dict = TINY_TEXT) -> None:
     index_path.write_text(json.dumps(index, indent=2))
     ByteChatTokenizer().save_pretrained(out)
     (out / PROCESSOR_FILE).write_text(json.dumps({"processor_class": "Qwen3VLProcessor", "patch_size": 2}))
+
+
+# HF_TEXT_CONFIG keeps every structural feature of Qwen3.5 (GQA, the output gate, partial RoPE, the
+# 3:1 GDN/attention pattern, GVA, untied embeddings); its vocabulary of 250 is padded to this in the model
+MODEL_VOCAB = 256
+
+
+def random_hf_state(dims: hfc.Qwen3_5Dims, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors for every HF tensor of ``dims``' conversion plan."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=gen)
+        for rule in hfc.conversion_plan(dims)
+        for name, shape in zip(rule.hf, rule.hf_shapes)
+    }
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file of ``directory`` (not its subdirectories) by name, as bytes."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def export_cli(*args: str) -> tuple[int, str, str]:
+    """``python -m relax_gdn.export_hf ARGS`` in this process: (exit code, stdout, stderr)."""
+    from relax_gdn.export_hf import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def run_weights_in_hf_names(checkpoint: Path, source: hfc.HFCheckpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights (loaded into a fresh model) in HF names and the source's dtypes, by
+    the plain state-dict conversion: independent of the export's gathering and sharding."""
+    from megatron.core import parallel_state
+
+    from relax_gdn.config import run_config_from_dict
+    from relax_gdn.export_hf import _build_model
+    from relax_gdn.model.hf_checkpoint.convert import model_tensors
+    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+
+    manifest = read_manifest(checkpoint)
+    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    try:
+        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
+        load_model_weights(checkpoint, model)
+    finally:
+        parallel_state.destroy_model_parallel()
+    dims = hfc.dims_from_model(model, vocab_size=320)
+    text = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()}, dims)
+    by_text = source.by_text_name()
+    return {by_text[name]: tensor.to(source.tensors[by_text[name]].dtype) for name, tensor in text.items()}

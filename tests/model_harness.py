@@ -157,3 +157,29 @@ def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torc
         "recomputed_in_backward": {name: layer_calls[name] - in_forward[name] for name in models},
         "a_vs_b": _max_difference(alone[a], alone[b]),
     }
+
+
+def tp_sections(name: str, config) -> list[int] | None:
+    """Fused weights whose every section is split over TP separately (dim 0)."""
+    qk = config.linear_num_key_heads * config.linear_key_head_dim
+    v = config.linear_num_value_heads * config.linear_value_head_dim
+    hv = config.linear_num_value_heads
+    if name.endswith("self_attention.in_proj.weight"):
+        return [qk, qk, v, v, hv, hv]
+    if name.endswith("conv1d.weight"):
+        return [qk, qk, v]
+    if name.endswith("linear_fc1.weight"):
+        return [config.ffn_hidden_size] * 2
+    return None
+
+
+def tp_shard(name, full, param, config, tp_size, tp_rank):
+    """This TP rank's share of a TP = 1 tensor, laid out like ``param``."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    sections = tp_sections(name, config)
+    if sections is not None:
+        assert dim == 0
+        return torch.cat([s.chunk(tp_size, 0)[tp_rank] for s in full.split(sections, 0)])
+    return full.chunk(tp_size, dim)[tp_rank]

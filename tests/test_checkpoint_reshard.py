@@ -20,31 +20,13 @@ import pytest
 import torch
 
 from tests.distributed import child_env, computed_once
-from tests.helpers import small_config as _cfg
+from tests.helpers import EQ_TOL, reshard_run_config, step_values
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("chunkwise", "headwise", "all_gather")
-TOL = 1e-5
-LAYOUTS = {
-    "cp2": dict(parallel__cp=2),
-    "cp1": dict(parallel__cp=1),  # two processes: DP 2
-    "tp2": dict(parallel__tp=2),
-    "dynamic": dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=2), train__max_tokens_per_gpu=256),
-}
 # (saved at, resumed at): the CP 2 checkpoint is the reference run's own (per mode)
 PAIRS = (("cp2", "cp1"), ("cp1", "cp2"), ("tp2", "cp2"), ("cp2", "dynamic"))
 LOGIT_TOL = 1e-4  # max |ours - transformers| relative to max |logit| (fp32; the scans sum in another order)
-
-
-def _run_cfg(layout: str, mode: str, steps: int, **dotted):
-    # decay_steps fixed: a 2-step run that saves and its 4-step continuation share one schedule
-    return _cfg(train__steps=steps, optim__decay_steps=4, gdn__cp_mode=mode,
-                recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False,
-                **{**LAYOUTS[layout], **dotted})
-
-
-def _key(record: dict) -> dict:
-    return {k: record[k] for k in ("step", "loss", "grad_norm", "lr")}
 
 
 def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
@@ -54,9 +36,9 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
     def make():
         from relax_gdn.train.loop import run_training
 
-        run = run_training(_run_cfg(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
+        run = run_training(reshard_run_config(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
                                     checkpoint__every_steps=2), None)
-        return [_key(r) for r in run.records], str(run.checkpoints[0])
+        return [step_values(r) for r in run.records], str(run.checkpoints[0])
 
     return computed_once(("reshard", tmp, layout, mode), make)
 
@@ -68,8 +50,8 @@ def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
 
     source_key = (source, mode if source == "cp2" else "chunkwise")
     reference, saved = _uninterrupted(tmp, *source_key)
-    resumed = run_training(_run_cfg(target, mode, 4, checkpoint__resume=saved), None)
-    return {"resumed": (source_key, resumed.start_step, [_key(r) for r in resumed.records]),
+    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None)
+    return {"resumed": (source_key, resumed.start_step, [step_values(r) for r in resumed.records]),
             "reference": reference}
 
 
@@ -120,7 +102,7 @@ def test_resumed_steps_equal_the_uninterrupted_run(gloo, reshard, mode, pair):
         for got, want in zip(resumed, reference[2:]):
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
             for key in ("loss", "grad_norm"):
-                assert got[key] == pytest.approx(want[key], rel=TOL), (mode, pair, key, got, want)
+                assert got[key] == pytest.approx(want[key], rel=EQ_TOL), (mode, pair, key, got, want)
 
 
 def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(gloo, reshard, tmp_path):

@@ -27,26 +27,14 @@ import torch
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
-from tests.hf_sources import HF_TEXT_CONFIG
+from tests.hf_sources import HF_TEXT_CONFIG, MODEL_VOCAB, random_hf_state
 
-# HF_TEXT_CONFIG keeps every structural feature of Qwen3.5 (GQA, the output gate, partial RoPE, the
-# 3:1 GDN/attention pattern, GVA, untied embeddings); its vocabulary of 250 is padded to this in the model
-MODEL_VOCAB = 256
 SEQ = 53
 LOGIT_TOL = 1e-4  # max |ours - transformers| relative to max |logit| (fp32; scan order differs)
 
 
 def _dims(**overrides) -> hfc.Qwen3_5Dims:
     return hfc.dims_from_hf_config({**HF_TEXT_CONFIG, **overrides})
-
-
-def _random_hf_state(dims: hfc.Qwen3_5Dims, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn(shape, generator=gen)
-        for rule in hfc.conversion_plan(dims)
-        for name, shape in zip(rule.hf, rule.hf_shapes)
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +47,7 @@ def test_gated_qkv_rows_are_grouped_query_gate_key_value():
     HF's q_proj: per head [query, gate]. Checked row by row with rows labelled by origin."""
     d = _dims()
     heads, groups, dim = d.num_attention_heads, d.num_query_groups, d.head_dim
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     # label each HF row: value = 1000 * kind + row (kind 0: q_proj, 1: k_proj, 2: v_proj)
     prefix = "model.layers.3.self_attn."
     for kind, name in enumerate(("q_proj", "k_proj", "v_proj")):
@@ -82,7 +70,7 @@ def test_gated_qkv_rows_are_grouped_query_gate_key_value():
 
 def test_gdn_in_proj_conv_and_mlp_stacking():
     d = _dims()
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     m = hfc.hf_to_mcore_state_dict(state, d)
     a = "model.layers.0.linear_attn."
     in_proj = torch.cat([state[f"{a}in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")])
@@ -101,7 +89,7 @@ def test_gdn_in_proj_conv_and_mlp_stacking():
 
 def test_plain_round_trip_is_exact_and_vlm_layout_maps_to_the_same_weights():
     d = _dims()
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     mcore = hfc.hf_to_mcore_state_dict(state, d)
     assert set(mcore) == {rule.mcore for rule in hfc.conversion_plan(d)}
     back = hfc.mcore_to_hf_state_dict(mcore, d)
@@ -120,7 +108,7 @@ def test_plain_round_trip_is_exact_and_vlm_layout_maps_to_the_same_weights():
 
 def test_padded_vocabulary_is_zero_filled_and_trimmed():
     d = replace(_dims(), padded_vocab_size=MODEL_VOCAB)
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     mcore = hfc.hf_to_mcore_state_dict(state, d)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         assert mcore[name].shape == (MODEL_VOCAB, d.hidden_size) and not mcore[name][d.vocab_size :].any()
@@ -131,7 +119,7 @@ def test_padded_vocabulary_is_zero_filled_and_trimmed():
 def test_norm_convention_offsets_and_tied_checkpoint():
     # a model whose GDN output norm were zero-centred (x_hat * (1 + w)) stores w_hf - 1
     d = replace(_dims(), norms=hfc.NormConventions(gdn_out_one_plus=True))
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     mcore = hfc.hf_to_mcore_state_dict(state, d)
     name = "model.layers.1.linear_attn.norm.weight"
     assert torch.equal(mcore["decoder.layers.1.self_attention.out_norm.weight"], state[name] - 1)
@@ -139,7 +127,7 @@ def test_norm_convention_offsets_and_tied_checkpoint():
 
     # a tied checkpoint (no lm_head) into an untied model: the output layer starts as the embedding
     tied = replace(_dims(), lm_head_from_embedding=True)
-    state = _random_hf_state(tied)
+    state = random_hf_state(tied)
     assert "lm_head.weight" not in state
     mcore = hfc.hf_to_mcore_state_dict(state, tied)
     assert torch.equal(mcore["output_layer.weight"], state["model.embed_tokens.weight"])
@@ -148,7 +136,7 @@ def test_norm_convention_offsets_and_tied_checkpoint():
 
 def test_tp_shards_cut_every_section_by_heads_and_gather_back():
     d = _dims()
-    mcore = hfc.hf_to_mcore_state_dict(_random_hf_state(d), d)
+    mcore = hfc.hf_to_mcore_state_dict(random_hf_state(d), d)
     for rule in hfc.conversion_plan(d):
         full = mcore[rule.mcore]
         shards = [hfc.shard_for_tp(full, rule.tp, 2, r, rule.mcore) for r in range(2)]
@@ -167,7 +155,7 @@ def test_tp_shards_cut_every_section_by_heads_and_gather_back():
 
 def test_missing_misshaped_and_unknown_tensors_are_named():
     d = _dims()
-    state = _random_hf_state(d)
+    state = random_hf_state(d)
     missing = dict(state)
     del missing["model.layers.1.linear_attn.in_proj_z.weight"]
     with pytest.raises(

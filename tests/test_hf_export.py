@@ -19,8 +19,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -36,7 +34,8 @@ from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
 from relax_gdn.model.presets import PRESETS
 from tests.distributed import child_env
-from tests.hf_sources import PROCESSOR_FILE, TINY_TEXT, make_vlm_source
+from tests.hf_sources import (PROCESSOR_FILE, TINY_TEXT, export_cli, files_of, make_vlm_source,
+                              run_weights_in_hf_names)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,42 +231,6 @@ def test_safetensors_files_are_readable_as_the_umask_allows(tmp_path, umask, mod
 # ---------------------------------------------------------------------------------------------
 
 
-def _files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-def _cli(*args: str) -> tuple[int, str, str]:
-    from relax_gdn.export_hf import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(args))
-    return rc, out.getvalue(), err.getvalue()
-
-
-def _run_weights_in_hf_names(checkpoint: Path, source: hfc.HFCheckpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights (loaded into a fresh model) in HF names and the source's dtypes, by
-    the plain state-dict conversion: independent of the export's gathering and sharding."""
-    from megatron.core import parallel_state
-
-    from relax_gdn.config import run_config_from_dict
-    from relax_gdn.export_hf import _build_model
-    from relax_gdn.model.hf_checkpoint.convert import model_tensors
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
-
-    manifest = read_manifest(checkpoint)
-    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
-    try:
-        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
-        load_model_weights(checkpoint, model)
-    finally:
-        parallel_state.destroy_model_parallel()
-    dims = hfc.dims_from_model(model, vocab_size=320)
-    text = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()}, dims)
-    by_text = source.by_text_name()
-    return {by_text[name]: tensor.to(source.tensors[by_text[name]].dtype) for name, tensor in text.items()}
-
-
 def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) -> dict:
     """A bf16 model and a checkpoint holding fp32 main parameters as Megatron-Core's
     fully_reshardable form names them (``optimizer.state.param.<key>``, written here with
@@ -365,7 +328,7 @@ def _drop_in_cases(tmp: str) -> dict:
     )
     with Runtime():
         run_training(cfg, tmp / "run")
-    r: dict = {"cli": _cli(str(tmp / "ckpt"), str(export))}
+    r: dict = {"cli": export_cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)
     from safetensors.torch import load_file, save_file
@@ -378,7 +341,7 @@ def _drop_in_cases(tmp: str) -> dict:
     index = json.loads((tampered / hfc.source.SAFETENSORS_INDEX).read_text())
     index["weight_map"]["model.language_model.layers.0.mlp.experts.0.weight"] = single.name
     (tampered / hfc.source.SAFETENSORS_INDEX).write_text(json.dumps(index))
-    r["refused"] = _cli(str(tmp / "ckpt"), str(tmp / "refused"), "--like", str(tampered))
+    r["refused"] = export_cli(str(tmp / "ckpt"), str(tmp / "refused"), "--like", str(tampered))
     r["refused_wrote"] = (tmp / "refused").exists()
 
     source, exported = hfc.HFCheckpoint.read(source_dir), hfc.HFCheckpoint.read(export)
@@ -391,16 +354,16 @@ def _drop_in_cases(tmp: str) -> dict:
     copied = [n for n in original if n.startswith(("model.visual.", "mtp."))]
     r["copied"] = (len(copied), all(torch.equal(saved[n], original[n]) for n in copied))
     with Runtime():
-        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+        run = run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
     r["trained"] = (
         sorted(run) == sorted(set(original) - set(copied)),
         [n for n in run if not torch.equal(saved[n], run[n])],
         [n for n in run if torch.equal(saved[n], original[n])],
     )
     r["a_log"] = {n: (saved[n].dtype, torch.equal(saved[n], run[n])) for n in saved if n.endswith("A_log")}
-    theirs, ours = _files(source_dir), _files(export)
+    theirs, ours = files_of(source_dir), files_of(export)
     r["other_files"] = {n: ours.get(n) == b for n, b in theirs.items() if not n.startswith("model")}
-    r["in_run_export_equal"] = _files(tmp / "run" / "hf") == ours
+    r["in_run_export_equal"] = files_of(tmp / "run" / "hf") == ours
     with Runtime():
         r["fp32_main"] = _fp32_main_parameter_cases(tmp, source_dir, tmp / "ckpt" / "step_000003")
 

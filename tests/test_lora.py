@@ -303,7 +303,7 @@ def _shard_state(model, state, config, tp_size: int, tp_rank: int) -> dict:
     each adapter matrix as its layout says."""
     from relax_gdn.model.hf_checkpoint.plan import shard_for_tp
     from relax_gdn.model.lora import LoRAAdapter
-    from tests.test_qwen3_5_model import _tp_shard
+    from tests.model_harness import tp_shard
 
     adapters = {n: m for n, m in model.named_modules() if isinstance(m, LoRAAdapter)}
     params = dict(model.named_parameters())
@@ -315,7 +315,7 @@ def _shard_state(model, state, config, tp_size: int, tp_rank: int) -> dict:
             split = layout.a_split if leaf == "lora_A" else layout.b_split
             out[key] = value if split is None or tp_size == 1 else shard_for_tp(value, split, tp_size, tp_rank)
         elif key in params:
-            out[key] = _tp_shard(key, value, params[key], config, tp_size, tp_rank)
+            out[key] = tp_shard(key, value, params[key], config, tp_size, tp_rank)
         else:
             out[key] = value
     return out
@@ -458,7 +458,7 @@ def _lora_model_cases():
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
     from tests.model_harness import CU, FULL_RECOMPUTE
     from tests.model_harness import batch as _batch
-    from tests.test_qwen3_5_model import MODES
+    from tests.helpers import GDN_MODES
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -479,7 +479,7 @@ def _lora_model_cases():
     results = {}
 
     ids = thd_rank_indices(CU, 2, pair.rank(), "zigzag")
-    for mode in MODES:  # CP 2, every GDN mode
+    for mode in GDN_MODES:  # CP 2, every GDN mode
         config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True,
                                 **(FULL_RECOMPUTE if mode == "all_gather" else {}))
         model = _lora_build(config, single, pair, single, mode)
@@ -589,7 +589,7 @@ def _hf_lora_model(base_dir, cp_group, single, mode: str):
     from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.lora_options import LoRAOptions
     from relax_gdn.model.qwen3_5 import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config
-    from tests.test_hf_checkpoint import MODEL_VOCAB
+    from tests.hf_sources import MODEL_VOCAB
     from tests.model_harness import FULL_RECOMPUTE
 
     overrides, model_kwargs = hfc.qwen3_5_config_from_hf(base_dir)
@@ -779,9 +779,9 @@ RESUME_PAIRS = (("cp2", "tp2"), ("tp2", "cp2"), ("cp2", "cp1"), ("cp2", "dynamic
 
 
 def _lora_run_cfg(layout: str, steps: int, **dotted):
-    from tests.test_checkpoint_reshard import _run_cfg
+    from tests.helpers import reshard_run_config
 
-    return _run_cfg(layout, "chunkwise", steps, model__lora__rank=4, **dotted)
+    return reshard_run_config(layout, "chunkwise", steps, model__lora__rank=4, **dotted)
 
 
 def _lora_resume_cases(tmp: str) -> dict:
@@ -789,7 +789,7 @@ def _lora_resume_cases(tmp: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     from relax_gdn.train.loop import run_training
-    from tests.test_checkpoint_reshard import _key
+    from tests.helpers import step_values
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -798,16 +798,16 @@ def _lora_resume_cases(tmp: str) -> dict:
     for layout in ("cp2", "tp2"):  # 4 steps, the checkpoint of step 2 kept
         run = run_training(_lora_run_cfg(layout, 4, checkpoint__dir=str(tmp / layout), checkpoint__every_steps=2),
                            None)
-        out["reference"][layout] = [_key(r) for r in run.records]
+        out["reference"][layout] = [step_values(r) for r in run.records]
         saved[layout] = run.checkpoints[0]
     for source, target in RESUME_PAIRS:
         resumed = run_training(_lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None)
-        out["resumed"][(source, target)] = (resumed.start_step, [_key(r) for r in resumed.records])
+        out["resumed"][(source, target)] = (resumed.start_step, [step_values(r) for r in resumed.records])
     # checkpoint.resume=auto: a run stopped after step 2 continues where it stopped
     auto = _lora_run_cfg("cp2", 4, checkpoint__dir=str(tmp / "auto"), checkpoint__resume="auto")
     run_training(_lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True), None)
     resumed = run_training(auto, None)
-    out["auto"] = (resumed.start_step, [_key(r) for r in resumed.records])
+    out["auto"] = (resumed.start_step, [step_values(r) for r in resumed.records])
     meta = FileSystemReader(str(saved["cp2"])).read_metadata()
     out["keys"] = sorted(meta.state_dict_metadata)
     out["bytes"] = sum(p.stat().st_size for p in Path(saved["cp2"]).glob("*.distcp"))
@@ -822,9 +822,9 @@ def _lora_resume_cases(tmp: str) -> dict:
 
 
 def _run_cfg_full(**dotted):
-    from tests.test_checkpoint_reshard import _run_cfg
+    from tests.helpers import reshard_run_config
 
-    return _run_cfg("cp2", "chunkwise", 4, **dotted)
+    return reshard_run_config("cp2", "chunkwise", 4, **dotted)
 
 
 @pytest.fixture(scope="module")
@@ -834,7 +834,7 @@ def lora_resume(gloo, tmp_path_factory):
 
 @pytest.mark.parametrize("pair", RESUME_PAIRS, ids=lambda p: f"{p[0]}_to_{p[1]}")
 def test_lora_checkpoints_resume_at_another_tp_and_cp(lora_resume, pair):
-    from tests.test_checkpoint_reshard import TOL
+    from tests.helpers import EQ_TOL
 
     for rank_out in lora_resume:
         start, resumed = rank_out["resumed"][pair]
@@ -842,17 +842,17 @@ def test_lora_checkpoints_resume_at_another_tp_and_cp(lora_resume, pair):
         assert start == 2 and [r["step"] for r in resumed] == [3, 4]
         for got, want in zip(resumed, reference[2:]):
             for key in ("loss", "grad_norm", "lr"):
-                assert got[key] == pytest.approx(want[key], rel=TOL), (pair, key, got, want)
+                assert got[key] == pytest.approx(want[key], rel=EQ_TOL), (pair, key, got, want)
 
 
 def test_lora_checkpoints_hold_only_the_adapters_and_resume_auto(lora_resume):
-    from tests.test_checkpoint_reshard import TOL
+    from tests.helpers import EQ_TOL
 
     r = lora_resume[0]
     start, records = r["auto"]
     assert start == 2 and [x["step"] for x in records] == [3, 4]
     for got, want in zip(records, r["reference"]["cp2"][2:]):
-        assert got["loss"] == pytest.approx(want["loss"], rel=TOL)
+        assert got["loss"] == pytest.approx(want["loss"], rel=EQ_TOL)
     tensors = [k for k in r["keys"] if k.startswith(("model.", "optimizer.state."))]
     assert tensors and all(".lora." in k for k in tensors), [k for k in tensors if ".lora." not in k][:5]
     assert any(k.startswith("optimizer.state.exp_avg.") for k in tensors)
@@ -878,7 +878,7 @@ def _vlm_run_cases(tmp: str) -> dict:
     from relax_gdn.train.loop import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
-    from tests.test_hf_export import _files
+    from tests.hf_sources import files_of
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -893,8 +893,8 @@ def _vlm_run_cases(tmp: str) -> dict:
         run_training(cfg, run_dir)
     r = {"cli_merged": export_main([str(ckpt), str(tmp / "merged")]),
          "cli_adapter": export_main([str(ckpt), str(tmp / "adapter"), "--adapter"])}
-    r["cli_equal"] = (_files(tmp / "merged") == _files(run_dir / "hf"),
-                      _files(tmp / "adapter") == _files(run_dir / "hf_adapter"))
+    r["cli_equal"] = (files_of(tmp / "merged") == files_of(run_dir / "hf"),
+                      files_of(tmp / "adapter") == files_of(run_dir / "hf_adapter"))
     source, merged = hfc.read_hf_state_dict(source_dir), hfc.read_hf_state_dict(run_dir / "hf")
     r["same_names"] = sorted(source) == sorted(merged)
     r["changed"] = sorted(n for n in source if not torch.equal(source[n], merged[n]))

@@ -117,7 +117,7 @@ MTP_HF_NAMES = {
 
 def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
     from tests.hf_sources import HF_TEXT_CONFIG
-    from tests.test_hf_checkpoint import _random_hf_state
+    from tests.hf_sources import random_hf_state
 
     dims = hfc.dims_from_hf_config({**HF_TEXT_CONFIG, "mtp_num_hidden_layers": 1})
     assert dims.mtp_num_layers == 1 and hfc.dims_from_hf_config(HF_TEXT_CONFIG).mtp_num_layers == 0
@@ -131,7 +131,7 @@ def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
     assert by_mcore["mtp.layers.0.final_layernorm.weight"] == ("mtp.norm.weight",)
     assert by_mcore["mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight"] == tuple(
         f"mtp.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
-    state = _random_hf_state(dims)
+    state = random_hf_state(dims)
     mcore = hfc.hf_to_mcore_state_dict(state, dims)
     back = hfc.mcore_to_hf_state_dict(mcore, dims)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
@@ -389,7 +389,7 @@ def _parity_cases() -> dict:
     from relax_gdn.model.mtp import MTPOptions
     from tests.model_harness import FULL_RECOMPUTE
     from tests.model_harness import finalize_grads as _finalize_grads
-    from tests.test_qwen3_5_model import _tp_shard
+    from tests.model_harness import tp_shard
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -451,7 +451,7 @@ def _parity_cases() -> dict:
         params = dict(model.named_parameters())
 
         def shard(n, full, params=params, config=config):
-            return _tp_shard(n, full, params[n], config, 2, tp_group.rank())
+            return tp_shard(n, full, params[n], config, 2, tp_group.rank())
 
         model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
         got = _run(model, _micro_batch(2, cp_group.rank()))
@@ -572,7 +572,7 @@ def _export_cases(tmp: str) -> dict:
     from relax_gdn.train.loop import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
-    from tests.test_hf_export import _cli, _run_weights_in_hf_names
+    from tests.hf_sources import export_cli, run_weights_in_hf_names
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -588,12 +588,12 @@ def _export_cases(tmp: str) -> dict:
         result = run_training(cfg, tmp / "run")
     out = {"records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
            "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers}
-    out["cli"] = _cli(str(tmp / "ckpt"), str(export))
+    out["cli"] = export_cli(str(tmp / "ckpt"), str(export))
     source, exported = hfc.HFCheckpoint.read(source_dir), hfc.HFCheckpoint.read(export)
     out["layout"] = (source.tensors == exported.tensors, source.files == exported.files)
     saved, original = hfc.read_hf_state_dict(export), hfc.read_hf_state_dict(source_dir)
     with Runtime():
-        run = _run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
+        run = run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
         out["imported"] = _imported_mtp_equals_source(source_dir, original)
     mtp = sorted(n for n in original if n.startswith("mtp."))
     out["mtp"] = {"count": len(mtp), "in_run": all(n in run for n in mtp),

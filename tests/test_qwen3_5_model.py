@@ -22,8 +22,9 @@ from tests.model_harness import build as _build
 from tests.model_harness import errors as _errors
 from tests.model_harness import finalize_grads as _finalize_grads
 from tests.model_harness import tolerance as _tolerance
+from tests.model_harness import tp_shard
+from tests.helpers import GDN_MODES
 
-MODES = ("headwise", "chunkwise", "all_gather")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,20 +48,6 @@ def _run(model, tokens, labels, positions, cu, ids=None, cp_group=None):
     return loss.detach(), grads
 
 
-def _tp_sections(name: str, config) -> list[int] | None:
-    """Fused weights whose every section is split over TP separately (dim 0)."""
-    qk = config.linear_num_key_heads * config.linear_key_head_dim
-    v = config.linear_num_value_heads * config.linear_value_head_dim
-    hv = config.linear_num_value_heads
-    if name.endswith("self_attention.in_proj.weight"):
-        return [qk, qk, v, v, hv, hv]
-    if name.endswith("conv1d.weight"):
-        return [qk, qk, v]
-    if name.endswith("linear_fc1.weight"):
-        return [config.ffn_hidden_size] * 2
-    return None
-
-
 def _tp2_cp2_groups():
     """The pool of 4 as TP 2 x CP 2: (a one-rank group, this rank's TP pair {0,1}/{2,3}, its CP pair
     {0,2}/{1,3}); every rank makes the same groups in the same order."""
@@ -73,18 +60,6 @@ def _tp2_cp2_groups():
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     return single, pairs[rank // 2], strided[rank % 2]
-
-
-def _tp_shard(name, full, param, config, tp_size, tp_rank):
-    """This TP rank's share of a TP = 1 tensor, laid out like ``param``."""
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    dim = param.partition_dim
-    sections = _tp_sections(name, config)
-    if sections is not None:
-        assert dim == 0
-        return torch.cat([s.chunk(tp_size, 0)[tp_rank] for s in full.split(sections, 0)])
-    return full.chunk(tp_size, dim)[tp_rank]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +150,7 @@ def _tp2cp2_errors(mode: str, sp: bool) -> dict[str, float]:
     params = dict(model.named_parameters())
 
     def shard(name, full):
-        return _tp_shard(name, full, params[name], config, 2, tp_rank)
+        return tp_shard(name, full, params[name], config, 2, tp_rank)
 
     model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
     loss, grads = _run(model, tokens, labels, positions, CU, ids)
@@ -213,7 +188,7 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
     params = dict(model.named_parameters())
 
     def shard(name, full):
-        return _tp_shard(name, full, params[name], config, 2, tp_group.rank())
+        return tp_shard(name, full, params[name], config, 2, tp_group.rank())
 
     model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
     renamed = _rename_qk_norms(model)
@@ -413,7 +388,7 @@ def _rope_against_megatron(config) -> dict[int, float]:
     return errors
 
 
-@pytest.mark.parametrize("mode", [*MODES, "chunkwise_dynamic"])
+@pytest.mark.parametrize("mode", [*GDN_MODES, "chunkwise_dynamic"])
 def test_cp2_every_mode_and_dynamic_cp_match_single_rank(gloo, mode):
     per_rank = gloo(_dynamic_cp2_errors, 4) if mode == "chunkwise_dynamic" else gloo(_cp2_errors, 2, mode)
     for rank, errors in enumerate(per_rank):
