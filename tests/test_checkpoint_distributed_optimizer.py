@@ -17,7 +17,6 @@ session's pool.
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,7 +63,7 @@ def _distributed_optimizer_on_cpu():
             setattr(torch, name, saved[name])
 
 
-def _resume_case(sharding: str) -> dict:
+def _resume_case(sharding: str, tmp: str) -> dict:
     """4 steps saving at step 2, then a fresh model + optimizer resumed from that checkpoint for
     steps 3 and 4: each run's losses and Adam's steps (per parameter, and how many distinct step
     tensors) after the load and at the end."""
@@ -127,8 +126,7 @@ def _resume_case(sharding: str) -> dict:
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
-            root = Path(tempfile.mkdtemp(prefix="distopt-"))
-            saver = Saver(root, keep_last=0, dp_cp_group=dist.group.WORLD)
+            saver = Saver(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD)
             model, optimizer = build()
             full, saved = [], None
             for i in range(4):
@@ -147,8 +145,8 @@ def _resume_case(sharding: str) -> dict:
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS)
-def test_a_resumed_run_repeats_the_uninterrupted_one(sharding):
-    (r,) = run_distributed(_resume_case, 1, sharding)
+def test_a_resumed_run_repeats_the_uninterrupted_one(sharding, tmp_path):
+    (r,) = run_distributed(_resume_case, 1, sharding, str(tmp_path))
     assert r["start"] == 2
     # Adam's step: the checkpoint's, one tensor per parameter (one shared tensor would advance by
     # the number of parameters at every step)
