@@ -374,9 +374,20 @@ def _recompute_variants(reference_state, batch, single, case: int) -> dict:
         ref = run(plain)
         full = dict(use_cpu_initialization=True, **recompute_config_fields("full"))
         skip = dict(use_cpu_initialization=True, **recompute_config_fields("full", skip_unused=True, num_layers=4))
+        # the default targets leave the embedding frozen: the first layer's input has no grad, and
+        # the layers recomputed whole must still give their adapters gradients
+        linear = dict(targets=["all_linear"])
+        state = {k: v for k, v in reference_state.items()
+                 if not (".lora." in k and k.startswith(("embedding.", "output_layer.")))}
+        frozen_ref = run(plain, state, **linear)
+        mixed = dict(use_cpu_initialization=True, **recompute_config_fields("mixed", full_layers=2))
         return {"full": _lora_errors(ref, run(qwen3_5_config("qwen3_5_tiny", **full)), None),
                 "full_skip_unused": _lora_errors(ref, run(qwen3_5_config("qwen3_5_tiny", **skip),
-                                                          recompute_skips_unread_gemm=True), None)}
+                                                          recompute_skips_unread_gemm=True), None),
+                "full_frozen_embedding": _lora_errors(
+                    frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **full), state, **linear), None),
+                "mixed_frozen_embedding": _lora_errors(
+                    frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **mixed), state, **linear), None)}
     if case == 1:  # selective: core attention, the SwiGLU, the GDN core
         ref = run(plain)
         selective = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True,
@@ -552,7 +563,8 @@ def test_recompute_and_fused_ops_change_nothing_and_dropout_masks_replay(lora_mo
                 continue
             errors = dict(errors)
             adapters = errors.pop("adapters")
-            assert adapters == (64 if name == "fused" else 66), name  # fused: no output-layer adapter
+            # fused: no output-layer adapter; frozen_embedding: neither an embedding nor an output one
+            assert adapters == {"fused": 64, "full_frozen_embedding": 62, "mixed_frozen_embedding": 62}.get(name, 66), name
             assert errors.pop("frozen_with_grads") == 0
             from tests.model_harness import tolerance as _tolerance
 

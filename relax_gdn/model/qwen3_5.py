@@ -481,6 +481,12 @@ class Qwen3_5Model(GPTModel):
         # the embedding's [S, 1, H] is a transposed [1, S, H]: the first layer's projections need
         # standard strides (with_standard_strides says why)
         decoder_input = out[0] if out[0] is None else with_standard_strides(out[0])
+        if (decoder_input is not None and self.config.recompute_granularity == "full"
+                and torch.is_grad_enabled() and not decoder_input.requires_grad):
+            # A frozen embedding (LoRA) gives an input without grad. Megatron-Core's whole-layer
+            # recompute is a reentrant autograd Function: with no input that requires grad, its output
+            # does not either, and no gradient reaches the adapters inside the recomputed layers.
+            decoder_input.requires_grad_(True)
         return (decoder_input, self.rotary_pos_emb.for_positions(position_ids), *out[2:])
 
     def forward(self, input_ids, position_ids, attention_mask, *args, mtp_input_ids=None, mtp_labels=None,
