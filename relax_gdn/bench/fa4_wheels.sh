@@ -10,10 +10,9 @@
 #   eval "$(relax_gdn/bench/fa4_wheels.sh env)"   the PYTHONPATH that makes it importable
 #
 # The xz'd set is ~75 MB: part-0 60 MiB, part-1 ~12 MiB. The parts travel in separate device calls
-# (each call carries at most 64 MiB, the .gpu bundle ~46 MB of it): carry
-# .gpu-extra/fa4/fa4.tar.xz.part-0 and .gpu-extra/fa4/SHA256SUMS in one call and
-# .gpu-extra/fa4/fa4.tar.xz.part-1 with .gpu in the next; the machine keeps what earlier calls
-# brought while it stays warm. apache-tvm-ffi and torch-c-dlpack-ext, which FA4
+# (each call carries at most 64 MiB, the .gpu bundle ~46 MB of it), in either order: part-1 and
+# SHA256SUMS with .gpu in a call that does other work, part-0 alone in another; the machine keeps
+# what earlier calls brought while it stays warm. apache-tvm-ffi and torch-c-dlpack-ext, which FA4
 # also needs, are in the .gpu bundle already (make-bundle.sh pins them).
 set -euo pipefail
 dest=${FA4_PARTS:-.gpu-extra/fa4}
