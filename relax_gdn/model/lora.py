@@ -56,7 +56,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from relax_gdn.model.hf_checkpoint.plan import COLUMN, ROW, TensorRule, TPSplit, shard_for_tp
-from relax_gdn.model.lora_options import LORA_MODULES, LORA_PARAMETER, LoRAOptions
+from relax_gdn.model.lora_options import LORA_MODULES, LORA_PARAMETER, STARTS_WITHOUT_GRADIENT, LoRAOptions
 
 # ---------------------------------------------------------------------------------------------
 # one adapter
@@ -348,8 +348,11 @@ def _adapters_for(module, rule: TensorRule, leaves: list[str], options: LoRAOpti
     adapters = {}
     for leaf, layout in layouts.items():
         a, b = _initial(layout, options.init_seed, kind is LoRAEmbedding)
-        adapters[leaf] = LoRAAdapter(layout, _local(a, layout.a_split, group, weight),
-                                     _local(b, layout.b_split, group, weight), sequence_parallel=sequence_parallel)
+        adapter = LoRAAdapter(layout, _local(a, layout.a_split, group, weight),
+                              _local(b, layout.b_split, group, weight), sequence_parallel=sequence_parallel)
+        # the factor next to the one that starts at zero has a zero gradient until that one moves
+        setattr(adapter.lora_B if kind is LoRAEmbedding else adapter.lora_A, STARTS_WITHOUT_GRADIENT, True)
+        adapters[leaf] = adapter
     return adapters, rows
 
 

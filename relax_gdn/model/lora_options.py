@@ -62,6 +62,10 @@ assert set(LORA_TARGETS) == set(LORA_GROUPS) | set(LORA_MODULES), "relax_gdn.cho
 # a parameter attribute set where an adapter's parameters are made: the HF checkpoint import and
 # export leave them out, the checkpoint of a LoRA run holds only them
 LORA_PARAMETER = "is_lora_adapter"
+# set on the factor whose gradient is exactly zero while its partner is at its zero start (A next to
+# B = 0; the embedding adapter's B next to A = 0): the check for parameters without gradient
+# (relax_gdn.train.gradient_check) checks its partner instead
+STARTS_WITHOUT_GRADIENT = "starts_without_gradient"
 
 
 def resolve_targets(targets) -> tuple[str, ...]:

@@ -91,6 +91,7 @@ from relax_gdn.runtime import require_runtime
 from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
+from relax_gdn.train.gradient_check import parameters_without_gradient, warn_parameters_without_gradient
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_losses, training_objective
@@ -736,6 +737,10 @@ class Trainer:
         if plan.cp_size_counts is not None:
             record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
         self._log_host_syncs(step)
+        if step == self.start_step + 1:  # once per process: what the first backward left without gradient
+            untrained = parameters_without_gradient(self.core_model, self.device)
+            if self.is_rank0:
+                warn_parameters_without_gradient(untrained, step)
         return self._outcome(record, totals, updated=updated, grad_norm=grad_norm)
 
     def _forward_backward(self, plan: StepPlan, loss_tokens: int, mtp_loss_tokens: int) -> torch.Tensor:
