@@ -11,8 +11,9 @@ from tests.helpers import small_config
 
 
 def _first_step(cut: str, overrides: dict) -> dict:
-    """One step of the small demo on this rank with the graph cut at ``cut``: what rank 0 logged,
-    what the check finds after the step, and the trainable parameters' names."""
+    """Two steps of the small demo on this rank with the graph cut at ``cut``: what rank 0 logged,
+    what the run reports (``TrainResult.params_without_gradient``), what the check finds after the
+    last step, and the trainable parameters' names."""
     import logging
 
     import torch
@@ -38,12 +39,13 @@ def _first_step(cut: str, overrides: dict) -> dict:
         elif cut == "after_layer_1":  # layer 1's output detached: the embedding, layers 0 and 1 cut off
             model.decoder.layers[1].register_forward_hook(
                 lambda module, args, output: (output[0].detach(), *output[1:]))
-        trainer.train_step(1)
+        reported = trainer.run().params_without_gradient
         found = parameters_without_gradient(model, torch.device("cpu"))
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     finally:
         check_logger.removeHandler(handler)
         trainer.close()
+    assert reported == found, (reported, found)  # the same cut in both steps
     return {"logged": logged, "found": found, "trainable": trainable}
 
 

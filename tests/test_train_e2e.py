@@ -232,6 +232,21 @@ def test_table_ratios_per_micro_batch_size_and_refusals():
         in rows["mt=32768,recompute=selective"]
 
 
+def test_a_row_that_left_parameters_without_gradient_is_marked_not_valid():
+    summary = {"tokens_per_s": 900.0, "tokens_per_s_total": 900.0, "tokens_per_s_per_gpu": 900.0, "step_time_s": 1.0,
+               "optimizer_time_s": 0.0, "mfu": 0.87, "mfu_relax": 0.9, "peak_mem_gib": 26.7,
+               "memory_estimate_gib": {"total": 38.5}, "host_syncs_max": 0}
+    untrained = ["decoder.layers.0.mlp.linear_fc1.lora.gate_proj.lora_B", "decoder.layers.1.mlp.linear_fc2.lora.down_proj.lora_B"]
+    table = train_e2e.format_table({"variants": [
+        {"name": "mt=8192,recompute=full", "config": {}, "summary": dict(summary)},
+        {"name": "mt=8192,recompute=full,lora", "config": {}, "summary": {**summary, "params_without_gradient": untrained}}]})
+    lines = table.splitlines()
+    marked = [i for i, line in enumerate(lines) if "NOT A VALID ROW" in line]
+    assert len(marked) == 1 and lines[marked[0] - 1].startswith("mt=8192,recompute=full,lora"), table
+    assert "2 trainable parameters got no gradient (first: decoder.layers.0.mlp.linear_fc1.lora.gate_proj.lora_B)" \
+        in lines[marked[0]]
+
+
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     """The memory model refuses a variant before anything is built (here: a GPU of between the

@@ -540,6 +540,8 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
             records[-1]["profiled"] = True
         summary = summarize(records, args.skip, world)
         summary["memory_estimate_gib"] = estimate.as_gib()
+        if result.params_without_gradient:  # the row did not train what it names (train/gradient_check.py)
+            summary["params_without_gradient"] = result.params_without_gradient
         if retries_before is not None:
             summary["alloc_retries"] = _alloc_retries(device) - retries_before
         trace = result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
@@ -627,6 +629,10 @@ def format_table(result: dict) -> str:
             f"{fmt(s['step_time_s'], '8.3f')}{fmt(s['optimizer_time_s'], '7.3f')}"
             f"{fmt(s['mfu'], '7.3f')}{fmt(s['mfu_relax'], '7.3f')}{fmt(s['peak_mem_gib'], '7.1f')}"
             f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}")
+        untrained = s.get("params_without_gradient")
+        if untrained:
+            lines.append(f"  NOT A VALID ROW: {len(untrained)} trainable parameters got no gradient "
+                         f"(first: {untrained[0]}); see the run's warning")
     for v in rows:
         split = v["summary"].get("kernel_split")
         if split and not split["kernels"]:  # a CPU run: the trace holds host ops only

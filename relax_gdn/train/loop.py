@@ -125,6 +125,8 @@ class TrainResult:
     preempted_at: int | None = None  # the step after which a stop signal (SIGTERM/SIGUSR1/SIGINT) stopped the run
     stop: RunStop | None = None  # set when the run ended early (a stop signal, a divergence)
     nonfinite_steps: int = 0  # steps whose loss or grad norm was not finite (their updates not applied)
+    # trainable parameters the first step of this process left without gradient (train/gradient_check.py)
+    params_without_gradient: list[str] = field(default_factory=list)
     # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
     save_timings: list[tuple[int, float, float]] = field(default_factory=list)
 
@@ -573,6 +575,7 @@ class Trainer:
         self.on_continue = on_continue
         self.nonfinite_in_a_row = 0  # decided in _outcome, alike on every rank
         self.nonfinite_steps = 0
+        self.params_without_gradient: list[str] = []  # after the first step (train_step)
         # what close() releases, set as setup() gets to it
         self.created_group = False
         self.loggers: RunLoggers | None = None
@@ -738,9 +741,9 @@ class Trainer:
             record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
         self._log_host_syncs(step)
         if step == self.start_step + 1:  # once per process: what the first backward left without gradient
-            untrained = parameters_without_gradient(self.core_model, self.device)
+            self.params_without_gradient = parameters_without_gradient(self.core_model, self.device)
             if self.is_rank0:
-                warn_parameters_without_gradient(untrained, step)
+                warn_parameters_without_gradient(self.params_without_gradient, step)
         return self._outcome(record, totals, updated=updated, grad_norm=grad_norm)
 
     def _forward_backward(self, plan: StepPlan, loss_tokens: int, mtp_loss_tokens: int) -> torch.Tensor:
@@ -807,6 +810,7 @@ class Trainer:
                 break
         self.watchdog.close()
         result.nonfinite_steps = self.nonfinite_steps
+        result.params_without_gradient = self.params_without_gradient
         self.lifecycle.finish(completed=ended is None, model=self.core_model)
         if ended is not None:
             result.stop = self._report_end(*ended)
