@@ -1,4 +1,4 @@
-"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels: every CP mode in bf16 and fp32 vs the
+"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels (the interleaved case on one GPU too): every CP mode in bf16 and fp32 vs the
 single-rank fp32 torch reference (chunkwise also with the rank cut on a document boundary, where
 each slice is scanned alone, and with the crossing document's prefix recomputed by the next
 rank), zero host syncs in steady-state chunkwise and headwise calls,
@@ -25,10 +25,8 @@ from tests.gdn_harness import as_fp32 as _as_fp32
 from tests.gdn_harness import paired as _paired
 from tests.gdn_harness import vs_reference as _vs_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
-]
+pytestmark = pytest.mark.gpu
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 CU = [0, 192, 192, 704, 768, 1280]
 # the same T with the rank cut (640) on a document boundary: chunkwise scans each slice alone
@@ -123,6 +121,7 @@ def _gpu_cases(dtype: torch.dtype):
     return results, syncs, identical
 
 
+@TWO_GPUS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fla_modes_match_reference_and_are_sync_free(dtype):
     per_rank = run_distributed(_gpu_cases, 2, dtype, backend="nccl")
@@ -160,12 +159,17 @@ def _interleaved_fla_case():
     })
 
 
-def test_interleaved_fla_options_keep_their_own_results():
+@pytest.mark.parametrize("gpus", [
+    pytest.param(2, marks=TWO_GPUS, id="cp2"),
+    pytest.param(1, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), id="one_gpu"),
+])
+def test_interleaved_fla_options_keep_their_own_results(gpus):
     """Two models (one block of the 9B, fp32, full recompute) with different FLA options (gate in or
     around FLA, summaries skipped or not, peer memory or NCCL swaps, fused or plain norms and loss),
     forward a, forward b, backward a, backward b: each gives what it gives alone (up to the
-    run-to-run noise of FLA's non-deterministic CP kernels), its recompute ran inside backward."""
-    for rank, result in enumerate(run_distributed(_interleaved_fla_case, 2, backend="nccl")):
+    run-to-run noise of FLA's non-deterministic CP kernels), its recompute ran inside backward. On one
+    GPU (CP 1) the CP options have nothing to act on; the gate and the fused norms and loss do."""
+    for rank, result in enumerate(run_distributed(_interleaved_fla_case, gpus, backend="nccl")):
         print(f"rank {rank}: {result}")
         assert max(result["interleaved_vs_alone"].values()) < 1e-3, (rank, result)
         assert result["recomputed_in_backward"] == {"defaults": 1, "other options": 1}, (rank, result)
