@@ -123,6 +123,12 @@ def _resume_case(sharding: str, tmp: str) -> dict:
         states = list(member.optimizer.state.values())
         return [float(s["step"]) for s in states], len({id(s["step"]) for s in states})
 
+    import logging
+
+    ddp_log: list[str] = []  # what Megatron-Core's DDP warns of while the models are built
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: ddp_log.append(record.getMessage())
+    logging.getLogger("megatron.core.distributed.distributed_data_parallel").addHandler(handler)
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
@@ -139,9 +145,10 @@ def _resume_case(sharding: str, tmp: str) -> dict:
             after_load = adam_steps(optimizer)
             resumed = [step(model, optimizer, i) for i in (2, 3)]
             return {"full": full, "resumed": resumed, "start": loaded.step, "after_load": after_load,
-                    "at_end": adam_steps(optimizer)}
+                    "at_end": adam_steps(optimizer), "ddp_log": ddp_log}
         finally:
             parallel_state.destroy_model_parallel()
+            logging.getLogger("megatron.core.distributed.distributed_data_parallel").removeHandler(handler)
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS)
@@ -154,3 +161,5 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(sharding, tmp_path):
     assert r["at_end"] == ([4.0, 4.0, 4.0], 3), r["at_end"]
     # the same CPU kernels in the same order: step 3 (weights) and step 4 (Adam's state) exactly
     assert r["resumed"] == r["full"][2:], (r["full"], r["resumed"])
+    # the buffers' layout is computed where DDP is built and passed in (Megatron-Core warns when not)
+    assert not [m for m in r["ddp_log"] if "full_param_layout" in m], r["ddp_log"]

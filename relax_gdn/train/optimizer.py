@@ -367,6 +367,22 @@ def _own_adam_step_per_parameter(adam: torch.optim.Optimizer) -> None:
             param_state["step"] = step.detach().clone()
 
 
+def _full_param_layout(model, transformer_config, ddp_config):
+    """Where each trainable parameter lives in DDP's gradient buffers, padded for the distributed
+    optimizer's shards: what Megatron-Core asks its callers to compute and pass in (it computes the
+    same itself, with a warning at every run, when they do not). Over the process groups DDP takes
+    (none passed: parallel_state's), one bucket per buffer since the gradient reduction does not
+    overlap the backward (``overlap_grad_reduce=False``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    assert not ddp_config.overlap_grad_reduce, "a bucket size is needed when the reduction overlaps"
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(None, transformer_config, ddp_config)
+    return DistributedOptimizer.compute_full_param_layout(
+        [p for p in model.parameters() if p.requires_grad], None, groups["intra_dp_cp_group"].size(), ddp_config,
+        expert_data_parallel_world_size=groups["intra_expt_dp_group"].size())
+
+
 def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, *, bf16: bool):
     """(DDP-wrapped model, adapter) on CUDA."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -378,7 +394,8 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
         # ranks wait in, and costs a host read per bucket; the step's reduced grad norm decides instead
         check_for_nan_in_grad=False, average_in_collective=False,
     )
-    ddp = DistributedDataParallel(transformer_config, ddp_config, model)
+    ddp = DistributedDataParallel(transformer_config, ddp_config, model,
+                                  full_param_layout=_full_param_layout(model, transformer_config, ddp_config))
     o = cfg.optim
     lr, min_lr = cfg.learning_rates
     if o.name == "none":
