@@ -142,3 +142,9 @@ def reshard_run_config(layout: str, mode: str, steps: int, **dotted):
 def step_values(record: dict) -> dict:
     """What a resumed step must repeat of the uninterrupted one."""
     return {k: record[k] for k in ("step", "loss", "grad_norm", "lr")}
+
+
+def checkpoint_model_keys(keys: list[str]) -> list[str]:
+    """The model's tensors among a distributed checkpoint's metadata keys: Megatron-Core keys them by
+    their own names (``decoder.layers...``), beside ``optimizer.*`` and the ``common_state`` shards."""
+    return [k for k in keys if not k.startswith(("optimizer.", "common"))]

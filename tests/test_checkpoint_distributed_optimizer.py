@@ -67,6 +67,8 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     """4 steps saving at step 2, then a fresh model + optimizer resumed from that checkpoint for
     steps 3 and 4: each run's losses and Adam's steps (per parameter, and how many distinct step
     tensors) after the load and at the end."""
+    import logging
+
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer import TransformerConfig
@@ -123,12 +125,11 @@ def _resume_case(sharding: str, tmp: str) -> dict:
         states = list(member.optimizer.state.values())
         return [float(s["step"]) for s in states], len({id(s["step"]) for s in states})
 
-    import logging
-
     ddp_log: list[str] = []  # what Megatron-Core's DDP warns of while the models are built
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: ddp_log.append(record.getMessage())
-    logging.getLogger("megatron.core.distributed.distributed_data_parallel").addHandler(handler)
+    ddp_logger = logging.getLogger("megatron.core.distributed.distributed_data_parallel")
+    ddp_logger.addHandler(handler)
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
@@ -148,7 +149,7 @@ def _resume_case(sharding: str, tmp: str) -> dict:
                     "at_end": adam_steps(optimizer), "ddp_log": ddp_log}
         finally:
             parallel_state.destroy_model_parallel()
-            logging.getLogger("megatron.core.distributed.distributed_data_parallel").removeHandler(handler)
+            ddp_logger.removeHandler(handler)
 
 
 @pytest.mark.parametrize("sharding", SHARDINGS)

@@ -1,7 +1,8 @@
-"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels (the interleaved case on one GPU too): every CP mode in bf16 and fp32 vs the
-single-rank fp32 torch reference (chunkwise also with the rank cut on a document boundary, where
-each slice is scanned alone, and with the crossing document's prefix recomputed by the next
-rank), zero host syncs in steady-state chunkwise and headwise calls,
+"""relax_gdn.gdn.layer on 2 GPUs (NCCL) with FLA kernels (the interleaved case on one GPU too):
+every CP mode in bf16 and fp32 vs the single-rank fp32 torch reference (chunkwise also with the
+rank cut on a document boundary, where each slice is scanned alone, and with the crossing
+document's prefix recomputed by the next rank), zero host syncs in steady-state chunkwise and
+headwise calls,
 and chunkwise bit-identical with and without ``GDNOptions.fla_skip_unread_cp_summaries`` (the
 skipped summaries are multiplied by zero, so skipping them must not change a bit); and two
 layers built with different options, run interleaved under whole-layer recompute, each giving

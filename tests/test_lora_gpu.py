@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.helpers import checkpoint_model_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 LOSS_TOL = 1e-3  # bf16, relative: a resumed run repeats the uninterrupted one (same kernels, same order)
@@ -92,7 +93,7 @@ def test_lora_trains_and_resumes_on_the_distributed_optimizer(gpu_lora, sharding
     # model weights: adapters only; optimizer state: per adapter (fully_reshardable) or the flat
     # buckets of the DDP buffers (dp_reshardable), which hold the adapters alone
     # (test_only_adapters_have_gradient_buffers)
-    model_keys = [k for k in r["keys"] if not k.startswith(("optimizer.", "common"))]  # the model's own keys
+    model_keys = checkpoint_model_keys(r["keys"])
     assert model_keys and all(".lora." in k for k in model_keys), model_keys[:10]
     assert all(".lora." in k or k.startswith(("optimizer.param_groups", "optimizer.distributed.")) or "common" in k
                for k in r["keys"] if k.startswith("optimizer.")), r["keys"][:10]
