@@ -104,5 +104,5 @@ def test_install_refuses_another_fla_version(monkeypatch):
     import fla
 
     monkeypatch.setattr(fla, "__version__", "0.7.0")
-    with pytest.raises(RuntimeError, match="flash-linear-attention==0.6.0"):
+    with pytest.raises(RuntimeError, match="fla-core==0.6.0"):
         fla_cp_summaries.install()

@@ -56,7 +56,7 @@ def fla_naive():
     alone: importing the ``fla`` package pulls in triton and costs over 10 s on a small CPU box."""
     package = importlib.util.find_spec("fla")
     if package is None:
-        pytest.skip("flash-linear-attention is not installed")
+        pytest.skip("FLA (fla-core) is not installed")
     path = Path(package.origin).parent / "ops" / "gated_delta_rule" / "naive.py"
     spec = importlib.util.spec_from_file_location("fla_gated_delta_rule_naive", path)
     module = importlib.util.module_from_spec(spec)

@@ -176,7 +176,7 @@ def install() -> None:
     if fla.__version__ != FLA_VERSION:
         raise RuntimeError(
             f"relax_gdn.gdn.fla_cp_summaries re-launches FLA {FLA_VERSION}'s CP summary kernels, but FLA "
-            f"{fla.__version__} is installed: install flash-linear-attention=={FLA_VERSION} (pyproject.toml)"
+            f"{fla.__version__} is installed: install fla-core=={FLA_VERSION} (pyproject.toml)"
         )
     from fla.ops.cp import chunk_delta_h
 

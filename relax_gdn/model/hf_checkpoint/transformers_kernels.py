@@ -1,6 +1,6 @@
 """transformers' Qwen3.5 on its pure-torch kernels, where FLA's cannot run.
 
-When ``fla`` (flash-linear-attention, installed here for training) imports, transformers binds
+When ``fla`` (FLA's kernels, the ``fla-core`` package installed here for training) imports, transformers binds
 Qwen3.5's gated-delta-rule and causal-conv handles to FLA's Triton kernels once, when
 ``modeling_qwen3_5`` is imported; no config field or ``from_pretrained`` argument chooses
 otherwise. Triton needs a GPU, so on a CPU ``model(...)`` and ``generate()`` fail with
