@@ -146,5 +146,6 @@ def step_values(record: dict) -> dict:
 
 def checkpoint_model_keys(keys: list[str]) -> list[str]:
     """The model's tensors among a distributed checkpoint's metadata keys: Megatron-Core keys them by
-    their own names (``decoder.layers...``), beside ``optimizer.*`` and the ``common_state`` shards."""
-    return [k for k in keys if not k.startswith(("optimizer.", "common"))]
+    their own names (``decoder.layers...``), beside ``optimizer.*``, the ``common_state`` shards and,
+    on CUDA, each rank's generator state (``rng_state.cuda``, relax_gdn.train.checkpoint)."""
+    return [k for k in keys if not k.startswith(("optimizer.", "common", "rng_state."))]
