@@ -61,6 +61,8 @@ def test_close_leaves_the_process_as_it_was():
         during = _process_state()
         assert current_runtime() is runtime and runtime.cpu_shims
         assert torch.cuda.current_device() == "cpu" and _dynamo.config.disable
+        # what Megatron-Core decorates with torch.compile once this is installed stays the function itself
+        assert torch.compile(_process_state) is _process_state
         assert mcore_random._get_cuda_rng_state() is None
         changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers"}
         expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
