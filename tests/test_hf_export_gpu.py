@@ -162,9 +162,12 @@ def test_drop_in_export_of_a_bf16_run_writes_fp32_a_log_from_the_main_parameters
     run_w, dp_w = hfc.read_hf_state_dict(tmp / "run" / "hf"), hfc.read_hf_state_dict(tmp / "hf_dp")
     assert all(torch.equal(full_w[n], run_w[n]) for n in full_w)  # the run's export = its checkpoint's
     # the vision tower copied bit for bit; the source's MTP layer trained with the model (its default)
+    # and written from the run. Its matrices moved; a norm vector of N(0, 1) values can round back to
+    # its bf16 source after three small steps (tests/test_mtp.py checks every tensor in fp32)
     visual, mtp = ([n for n in src if n.startswith(prefix)] for prefix in ("model.visual.", "mtp."))
     assert visual and [n for n in visual if not torch.equal(full_w[n], src[n])] == []
-    assert mtp and [n for n in mtp if torch.equal(full_w[n], src[n])] == []
+    assert f"mtp.*: {len(mtp)}" in out_full.split("written from the run:")[1].split("\n")[0], out_full
+    assert mtp and [n for n in mtp if src[n].dim() > 1 and torch.equal(full_w[n], src[n])] == []
     a_logs = [n for n in src if n.endswith("A_log")]
     assert len(a_logs) == 3
     for name in a_logs:
