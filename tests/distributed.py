@@ -319,8 +319,9 @@ def _left_behind(groups_before: set) -> str | None:
 
 
 def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
-    """``("ok", result)`` or ``("error", traceback)`` of one job, which starts from the random state
-    its rank started with (whatever ran before); environment and directory are restored after it."""
+    """``("ok", (result, groups made))`` or ``("error", traceback)`` of one job, which starts from the
+    random state its rank started with (whatever ran before); environment and directory are restored
+    after it."""
     import torch
     from torch.distributed import distributed_c10d
 
@@ -328,18 +329,26 @@ def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
     torch.manual_seed(initial_seed)
     torch.set_num_threads(1)  # W ranks share a few cores; the tests' tensors are small
     try:
-        fn, args, runtime = pickle.loads(message)
+        job, fn, args, runtime = pickle.loads(message)
+        # torch names a new group by a per-process count, and gloo finds its peers' addresses under
+        # that name in the pool's store, which keeps every earlier job's entries: every rank starts
+        # each job at the same count, one no earlier job reached, so no group can read a destroyed
+        # group's address (whatever an earlier job did on one rank only)
+        first_name = distributed_c10d._world.group_count = job * _GROUP_NAMES_PER_JOB
         result = _in_runtime(fn, args, runtime)
         problem = _left_behind(groups_before)
         if problem is not None:
             raise RuntimeError(problem)
-        return "ok", result
+        return "ok", (result, distributed_c10d._world.group_count - first_name)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         return "error", traceback.format_exc()
     finally:
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
+
+
+_GROUP_NAMES_PER_JOB = 100_000
 
 
 def _pool_worker(rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, conn) -> None:
@@ -398,6 +407,7 @@ class RankPool:
         self._run_dir: tempfile.TemporaryDirectory | None = None
         self._log_offsets: list[int] = []
         self._closes_at_exit = False
+        self._jobs = 0
 
     def _start(self) -> None:
         if not self._closes_at_exit:  # before multiprocessing's own exit handler joins the ranks
@@ -419,7 +429,8 @@ class RankPool:
     def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, runtime: bool = True) -> list[Any]:
         """Like ``run_distributed(fn, world_size, *args)`` on this pool's ranks."""
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        message = pickle.dumps((fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
+        self._jobs += 1
+        message = pickle.dumps((self._jobs, fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
         if not self._procs:
             try:
                 self._start()
@@ -438,10 +449,14 @@ class RankPool:
             raise
         finally:
             self._relay_output()
+        if failure is None and len({made for _, made in results}) > 1:
+            failure = ("the job's ranks made different numbers of process groups "
+                       f"({[made for _, made in results]} by rank): every rank must make every group, in "
+                       "the same order (torch names groups by that count)")
         if failure is not None:
             self.close()
             raise AssertionError(failure)
-        return results
+        return [result for result, _ in results]
 
     def _collect(self, deadline: float, timeout_s: float) -> tuple[str | None, list[Any]]:
         results: list[Any] = [None] * self.world_size

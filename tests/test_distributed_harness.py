@@ -151,3 +151,25 @@ def test_pool_fails_a_job_past_its_limit_with_the_stacks_of_the_ranks_left(pool)
 def test_pool_refuses_a_job_that_leaves_model_parallel_state(pool):
     with pytest.raises(AssertionError, match=r"destroy_model_parallel\(\) in a `finally`"):
         pool.run(_leaves_model_parallel_state)
+
+
+def _makes_a_group_on_rank_0_only() -> None:
+    if dist.get_rank() == 0:
+        dist.new_group([0], use_local_synchronization=True)  # no other rank takes part: no hang
+
+
+def _makes_every_group_and_sums() -> float:
+    import torch
+
+    pair = dist.new_group([0, 1])
+    total = torch.ones(1)
+    dist.all_reduce(total, group=pair)
+    return total.item()
+
+
+def test_a_job_whose_ranks_make_different_groups_fails_and_the_next_job_runs(gloo):
+    """torch names groups by a per-process count and gloo finds its peers under that name: a job
+    that makes a group on one rank only would leave the ranks' names out of step for later jobs."""
+    with pytest.raises(AssertionError, match=r"different numbers of process groups \(\[1, 0\] by rank\)"):
+        gloo(_makes_a_group_on_rank_0_only, 2)
+    assert gloo(_makes_every_group_and_sums, 2) == [2.0, 2.0]
