@@ -8,9 +8,15 @@ groups), ``tests/gdn_harness.py`` (one GDN layer).
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
+
+# One compute thread per pytest process: `make test` runs two workers on two cores and the cases'
+# tensors are small, so a second thread per worker only contends (docs/testing.md has the timings).
+# The processes the cases start get the same from child_env and the pools.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # A fixture that starts processes: a test that uses it (directly or through other fixtures) is slow.
 PROCESS_FIXTURES = frozenset({"gloo", "gloo_once", "short_train_py"})
