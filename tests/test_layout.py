@@ -193,6 +193,9 @@ def _transport_cases(w: int):
     from relax_gdn.layout.peer_memory import group_is_on_this_host
 
     rank, results = dist.get_rank(), []
+    # the groups first, before any collective of this job (every rank makes every group, in order)
+    halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
+    straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
     cu = [0, 2 * w * 3, 2 * w * 10]
     route = build_route(cu, w, rank, "zigzag", "contiguous")
     data = torch.arange(cu[-1] * 2.0).reshape(-1, 2)
@@ -215,8 +218,6 @@ def _transport_cases(w: int):
     grad = torch.zeros(8, 3)
     grad[8 - send:] = rank + 2  # what the next rank (rank + 1) sends back for these rows
     results.append(("last rows", "gloo", "to next rank", torch.equal(got, from_previous), torch.equal(held.grad, grad)))
-    halves = [dist.new_group(list(range(h * w // 2, (h + 1) * w // 2))) for h in (0, 1)]
-    straddle = dist.new_group([w // 2 - 1, w // 2])  # one rank from each half
     before = os.environ.get("LOCAL_WORLD_SIZE")
     try:
         for hosts, group, expected in (
