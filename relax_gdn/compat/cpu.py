@@ -114,7 +114,7 @@ def _no_dynamo() -> Callable[[], None]:
     # Megatron-Core's jit_fuser is torch.compile: Inductor + a C compiler per process on CPU, for
     # kernels that gain nothing there. TORCHDYNAMO_DISABLE makes torch.compile return the function
     # itself, so the fused functions Megatron-Core decorates when it is imported after this stay
-    # plain Python, and its import skips Inductor's set-up (about a third of its CPU time).
+    # plain Python, and its import skips Inductor's set-up.
     # config.disable covers what was compiled before: those run eagerly.
     from torch import _dynamo
 

@@ -1,9 +1,9 @@
 """transformers' Qwen3.5 on its pure-torch kernels, where FLA's cannot run.
 
-When ``fla`` (FLA's kernels, the ``fla-core`` package installed here for training) imports, transformers binds
-Qwen3.5's gated-delta-rule and causal-conv handles to FLA's Triton kernels once, when
-``modeling_qwen3_5`` is imported; no config field or ``from_pretrained`` argument chooses
-otherwise. Triton needs a GPU, so on a CPU ``model(...)`` and ``generate()`` fail with
+When ``fla`` (FLA's kernels, the ``fla-core`` package installed here for training) imports,
+transformers binds Qwen3.5's gated-delta-rule and causal-conv handles to FLA's Triton kernels
+once, when ``modeling_qwen3_5`` is imported; no config field or ``from_pretrained`` argument
+chooses otherwise. Triton needs a GPU, so on a CPU ``model(...)`` and ``generate()`` fail with
 ``RuntimeError: 0 active drivers``. Each handle keeps transformers' own pure-torch function as
 ``__wrapped__``: :func:`use_torch_kernels_in_transformers` binds the module's names to those,
 whatever was imported before. (Without relax_gdn at hand: ``sys.modules["fla"] = None`` before
