@@ -110,6 +110,12 @@ def _join_group(rank: int, world_size: int, run: Path, backend: str, timeout_s: 
     faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says: every rank on this host
+    # gloo groups connect their ranks at first use, not in new_group: on this 2-core machine under
+    # load, new_group's eager connect failed now and then ("connectFullMesh failed ... Connection
+    # closed by peer", the other ranks still running; cause not found), in whichever case made a
+    # group. The collectives, and what the cases assert, are the same either way.
+    if backend == "gloo":
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
     import torch
     import torch.distributed as dist
