@@ -335,12 +335,9 @@ def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
     torch.manual_seed(initial_seed)
     torch.set_num_threads(1)  # W ranks share a few cores; the tests' tensors are small
     try:
-        job, fn, args, runtime = pickle.loads(message)
-        # torch names a new group by a per-process count, and gloo finds its peers' addresses under
-        # that name in the pool's store, which keeps every earlier job's entries: every rank starts
-        # each job at the same count, one no earlier job reached, so no group can read a destroyed
-        # group's address (whatever an earlier job did on one rank only)
-        first_name = distributed_c10d._world.group_count = job * _GROUP_NAMES_PER_JOB
+        fn, args, runtime = pickle.loads(message)
+        # torch names a new group by a per-process count: the parent checks every rank made as many
+        first_name = distributed_c10d._world.group_count
         result = _in_runtime(fn, args, runtime)
         problem = _left_behind(groups_before)
         if problem is not None:
@@ -352,9 +349,6 @@ def _run_job(message: bytes, initial_seed: int) -> tuple[str, Any]:
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
-
-
-_GROUP_NAMES_PER_JOB = 100_000
 
 
 def _pool_worker(rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, conn) -> None:
@@ -413,7 +407,6 @@ class RankPool:
         self._run_dir: tempfile.TemporaryDirectory | None = None
         self._log_offsets: list[int] = []
         self._closes_at_exit = False
-        self._jobs = 0
 
     def _start(self) -> None:
         if not self._closes_at_exit:  # before multiprocessing's own exit handler joins the ranks
@@ -435,8 +428,7 @@ class RankPool:
     def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, runtime: bool = True) -> list[Any]:
         """Like ``run_distributed(fn, world_size, *args)`` on this pool's ranks."""
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        self._jobs += 1
-        message = pickle.dumps((self._jobs, fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
+        message = pickle.dumps((fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
         if not self._procs:
             try:
                 self._start()
@@ -455,6 +447,8 @@ class RankPool:
             raise
         finally:
             self._relay_output()
+        # ranks whose counts drift apart would name their next groups differently; the failure
+        # closes the pool, so the next job starts on fresh ranks
         if failure is None and len({made for _, made in results}) > 1:
             failure = ("the job's ranks made different numbers of process groups "
                        f"({[made for _, made in results]} by rank): every rank must make every group, in "
