@@ -42,6 +42,8 @@ from typing import IO, Any
 
 import torch.multiprocessing as mp
 
+from relax_gdn.compat.cpu import DYNAMO_OFF_ENV
+
 # Generous: the 4-rank model fixtures take minutes on a loaded 2-core machine. A hang costs this
 # much once, instead of blocking the suite until someone kills it.
 DEFAULT_TIMEOUT_S = float(os.environ.get("RELAX_GDN_TEST_TIMEOUT_S", 900))
@@ -76,7 +78,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child command that starts its own run (``python train.py``,
     torchrun, a sweep): this process's, without a surrounding launcher's variables, with
     ``torch.compile`` off and one OpenMP thread (2-core machines), plus ``extra``."""
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **dict.fromkeys(DYNAMO_OFF_ENV, "1"), "OMP_NUM_THREADS": "1"}
     for key in _LAUNCHER_VARIABLES:
         env.pop(key, None)
     return {**env, **(extra or {})}
@@ -108,7 +110,8 @@ def _join_group(rank: int, world_size: int, run: Path, backend: str, timeout_s: 
     torchrun worker, join the default group through the ``file://`` store. Returns the stacks file."""
     stacks = open(run / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
     faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True)
-    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    for name in DYNAMO_OFF_ENV:
+        os.environ.setdefault(name, "1")
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # as torchrun says: every rank on this host
     # gloo groups connect their ranks at first use, not in new_group: on this 2-core machine under
     # load, new_group's eager connect failed now and then ("connectFullMesh failed ... Connection

@@ -149,3 +149,10 @@ def checkpoint_model_keys(keys: list[str]) -> list[str]:
     their own names (``decoder.layers...``), beside ``optimizer.*``, the ``common_state`` shards and,
     on CUDA, each rank's generator state (``rng_state.cuda``, relax_gdn.train.checkpoint)."""
     return [k for k in keys if not k.startswith(("optimizer.", "common", "rng_state."))]
+
+
+def export_summary_line(out: str, heading: str) -> str:
+    """The line of ``export_hf``'s summary that starts at ``heading`` (e.g. ``"written from the run:"``,
+    relax_gdn/model/hf_checkpoint/files.py), without the heading; fails naming the output if absent."""
+    assert heading in out, f"export_hf printed no {heading!r} line:\n{out}"
+    return out.split(heading, 1)[1].split("\n", 1)[0]

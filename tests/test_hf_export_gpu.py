@@ -24,6 +24,7 @@ import torch
 
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.distributed import child_env, run_distributed
+from tests.helpers import export_summary_line
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +167,7 @@ def test_drop_in_export_of_a_bf16_run_writes_fp32_a_log_from_the_main_parameters
     # its bf16 source after three small steps (tests/test_mtp.py checks every tensor in fp32)
     visual, mtp = ([n for n in src if n.startswith(prefix)] for prefix in ("model.visual.", "mtp."))
     assert visual and [n for n in visual if not torch.equal(full_w[n], src[n])] == []
-    assert f"mtp.*: {len(mtp)}" in out_full.split("written from the run:")[1].split("\n")[0], out_full
+    assert f"mtp.*: {len(mtp)}" in export_summary_line(out_full, "written from the run:"), out_full
     assert mtp and [n for n in mtp if src[n].dim() > 1 and torch.equal(full_w[n], src[n])] == []
     a_logs = [n for n in src if n.endswith("A_log")]
     assert len(a_logs) == 3

@@ -30,6 +30,7 @@ import torch
 from relax_gdn.config import ConfigError, RunConfig, validate
 from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
+from tests.helpers import export_summary_line
 from tests.model_harness import GRAD_TOL, LOSS_TOL
 from tests.model_harness import tolerance as _tolerance
 
@@ -650,8 +651,8 @@ def test_run_from_a_checkpoint_with_mtp_trains_it_and_exports_it_trained(exporte
     assert exported["imported"]  # the source's mtp.* reached the model
     rc, out, err = exported["cli"]
     assert rc == 0, err[-3000:]
-    assert "mtp.*: 15" in out.split("written from the run:")[1].split("\n")[0], out
-    assert "copied bit for bit from the source" in out and "mtp.*" not in out.split("copied bit for bit")[1].split("\n")[0]
+    assert "mtp.*: 15" in export_summary_line(out, "written from the run:"), out
+    assert "mtp.*" not in export_summary_line(out, "copied bit for bit from the source")
     mtp = exported["mtp"]
     assert mtp["count"] == 15 and mtp["in_run"] and mtp["equal_to_run"], mtp
     assert mtp["unchanged_from_source"] == [], mtp  # trained: every MTP tensor moved
