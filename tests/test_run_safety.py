@@ -455,6 +455,35 @@ def test_the_step_watchdog_fires_with_the_stacks_of_every_thread(tmp_path):
     assert "parked_forever" in dump and "relax-gdn: rank 3: no training step completed" in done.stderr
 
 
+@pytest.mark.slow
+def test_a_rank_that_fired_waits_for_its_peers_stacks_before_it_exits(tmp_path):
+    """The first rank to exit ends the job (torchrun stops the others): rank 0 of 2 leaves its stacks,
+    then stays until rank 1's file is there (within peer_grace_s), so a peer whose deadline passes a
+    moment later still leaves its own."""
+    from relax_gdn.train.watchdog import peer_grace_s
+
+    assert peer_grace_s(1.0) == 10.0 and peer_grace_s(15.0) == 15.0 and peer_grace_s(900.0) == 60.0
+    hang = tmp_path / "hang"
+    script = (
+        "import threading\n"
+        "from pathlib import Path\n"
+        "from relax_gdn.train.watchdog import StepWatchdog\n"
+        f"dog = StepWatchdog(1.0, rank=0, world_size=2, dump_dir=Path({str(hang)!r}))\n"
+        "dog.start(); dog.progress(2, 0.1)\n"
+        "threading.Event().wait()\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=child_env(), stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        wait_until(lambda: (hang / "rank0.txt").exists(), 60, "rank 0's stacks")
+        assert rank0.poll() is None  # written, and waiting for rank 1 (10 s of grace)
+        (hang / "rank1.txt").write_text("rank 1: ...")
+        assert rank0.wait(timeout=30) == HANG_EXIT_CODE
+    finally:
+        rank0.kill()
+    assert sorted(p.name for p in hang.iterdir()) == ["rank0.txt", "rank1.txt"]  # no partial file left
+    assert "relax-gdn: rank 0: no training step completed in 1 s" in rank0.stderr.read()
+
+
 def test_auto_hang_timeout_follows_the_median_step_above_a_floor():
     from relax_gdn.train.watchdog import AUTO_AFTER_STEPS, HANG_FLOOR_S, auto_hang_timeout
 

@@ -606,7 +606,7 @@ class Trainer:
         shape = ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
                                                    mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
         self.metrics = MetricsProcessor(shape, self.dims.world_size, device)
-        self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank,
+        self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank, world_size=self.dims.world_size,
                                      dump_dir=self.run_dir / "hang" if self.run_dir is not None else None)
         trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
         self.profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, self.rank, device)

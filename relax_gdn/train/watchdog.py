@@ -6,7 +6,8 @@ its threads (``faulthandler``) to ``<run dir>/hang/rank<r>.txt``, says so in one
 with :data:`~relax_gdn.errors.HANG_EXIT_CODE` (124), which job scripts requeue. A collective
 stuck on one rank holds every rank in that step, so every rank's deadline passes at about the
 same time and each leaves its stacks: the stuck rank's show where it is stuck, the others' which
-collective they wait in.
+collective they wait in. The first rank to exit makes torchrun stop the others, so a rank that has
+written its stacks waits (at most :func:`peer_grace_s`) for every rank's file before it exits.
 
 ``train.hang_timeout_s``: a number of seconds (counted from the start of step 1, so it covers
 the first step's compilation), ``auto`` (:func:`auto_hang_timeout`: ten times the run's median
@@ -37,6 +38,14 @@ HANG_FLOOR_S = 300.0  # the least ``auto`` waits: a checkpoint save of the 9B fi
 HANG_STEP_FACTOR = 10.0  # ``auto`` waits this many median steps
 AUTO_AFTER_STEPS = 3  # ``auto`` is armed once this many steps are timed (the first ones compile and tune)
 _STEP_WINDOW = 101  # the median of the most recent step times: a run whose steps slow down follows
+_PEER_POLL_S = 0.05
+
+
+def peer_grace_s(timeout_s: float) -> float:
+    """How long a rank that fired waits for the other ranks' stacks: the ranks of a stuck step pass
+    their deadlines apart by no more than the step's tail after its last collective (logging, a
+    descheduled process), far less than one timeout; at least 10 s, at most 60 s."""
+    return min(max(timeout_s, 10.0), 60.0)
 
 
 def auto_hang_timeout(step_times_s: list[float] | deque) -> float | None:
@@ -49,10 +58,10 @@ def auto_hang_timeout(step_times_s: list[float] | deque) -> float | None:
 
 class StepWatchdog:
     """One rank's watchdog (module docstring). ``setting``: ``train.hang_timeout_s``; ``dump_dir``:
-    where ``rank<r>.txt`` goes (None: stderr)."""
+    where ``rank<r>.txt`` goes (None: stderr); ``world_size``: the ranks whose files it waits for."""
 
-    def __init__(self, setting: float | str | None, *, rank: int, dump_dir: Path | None):
-        self.setting, self.rank, self.dump_dir = setting, rank, dump_dir
+    def __init__(self, setting: float | str | None, *, rank: int, dump_dir: Path | None, world_size: int = 1):
+        self.setting, self.rank, self.dump_dir, self.world_size = setting, rank, dump_dir, world_size
         self.last_step: int | None = None  # the last step completed
         self._step_times: deque = deque(maxlen=_STEP_WINDOW)
         self._deadline: float | None = None
@@ -115,20 +124,39 @@ class StepWatchdog:
         last = f"step {self.last_step}" if self.last_step is not None else "none"
         head = (f"rank {self.rank}: no training step completed in {self._timeout:.0f} s "
                 f"(train.hang_timeout_s={self.setting}; last step completed: {last})")
-        where = "stderr"
+        where = self._dump_stacks(head)
+        record_exit_code(HANG_EXIT_CODE)
+        os.write(2, f"relax-gdn: {head}; stacks in {where}; exiting with {HANG_EXIT_CODE} (hang)\n".encode())
+        if not where.startswith("stderr"):
+            self._wait_for_peers(peer_grace_s(self._timeout))
+        os._exit(HANG_EXIT_CODE)  # the main thread is stuck: no cleanup can be waited for
+
+    def _dump_stacks(self, head: str) -> str:
+        """Every thread's stack into ``rank<r>.txt`` (whole or absent: written aside, then renamed),
+        or stderr where it cannot be written; returns where."""
         if self.dump_dir is not None:
             path = self.dump_dir / f"rank{self.rank}.txt"
+            partial = path.with_suffix(".partial")
             try:
                 self.dump_dir.mkdir(parents=True, exist_ok=True)
-                with open(path, "w", encoding="utf-8") as f:
+                with open(partial, "w", encoding="utf-8") as f:
                     f.write(f"{head}\nPython stacks of every thread:\n\n")
                     f.flush()
                     faulthandler.dump_traceback(f, all_threads=True)
-                where = str(path)
+                os.replace(partial, path)
+                return str(path)
             except OSError as e:
                 where = f"stderr ({path} cannot be written: {e.strerror})"
-        if where.startswith("stderr"):
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        record_exit_code(HANG_EXIT_CODE)
-        os.write(2, f"relax-gdn: {head}; stacks in {where}; exiting with {HANG_EXIT_CODE} (hang)\n".encode())
-        os._exit(HANG_EXIT_CODE)  # the main thread is stuck: no cleanup can be waited for
+        else:
+            where = "stderr"
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        return where
+
+    def _wait_for_peers(self, grace_s: float) -> None:
+        """Until every rank's file is there or ``grace_s`` passed: the first rank to exit ends the
+        job (torchrun stops the others), and a peer whose deadline is a moment later would leave none."""
+        assert self.dump_dir is not None
+        files = [self.dump_dir / f"rank{r}.txt" for r in range(self.world_size)]
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and not all(f.exists() for f in files):
+            time.sleep(_PEER_POLL_S)
