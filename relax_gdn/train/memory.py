@@ -40,10 +40,10 @@ The per-token activation figures are fitted to peaks measured on an H200 with ``
 and scaled with the hidden size for other presets; they round up, so the check errs towards
 refusing, except where few layers are selective: ``mixed`` at 128k (2 of 32 selective) peaked
 3.8 % above its estimate, likely the selective layers' backward on top of everything kept
-(docs/benchmarks.md, "Long context"), which :data:`MIXED_HEADROOM` absorbed. The selective figures come from the memory in use when ``mixed`` runs with 3-20
-selective layers ran out of memory at 32k-128k tokens: a fit at 8k alone had hidden part of the
-per-token cost of a selective layer in the fixed terms (docs/benchmarks.md, "Figures behind code
-comments").
+(docs/benchmarks.md, "Long context"), which :data:`MIXED_HEADROOM` absorbed. The selective
+figures come from the memory in use when ``mixed`` runs with 3-20 selective layers ran out of
+memory at 32k-128k tokens: a fit at 8k alone had hidden part of the per-token cost of a selective
+layer in the fixed terms (docs/benchmarks.md, "Figures behind code comments").
 """
 
 from __future__ import annotations
