@@ -36,6 +36,8 @@ OptimizerCheckpointSharding = Literal["dp_reshardable", "fully_reshardable"]
 WandbMode = Literal["online", "offline", "disabled"]
 # a step whose loss or grad norm is not finite: stop the run (nothing saved) or skip its update
 NonfinitePolicy = Literal["stop", "skip"]
+# model.fp8.recipe: torchao's float8 training recipes (relax_gdn.model.fp8.options says what each casts how)
+FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 # model.lora.targets: Hugging Face module names (what PEFT's target_modules say) and named groups of
 # them (relax_gdn.model.lora_options.LORA_GROUPS says what each group holds)
 LoRATarget = Literal[
@@ -65,6 +67,7 @@ OPTIMIZER_CHECKPOINT_SHARDINGS: tuple[str, ...] = get_args(OptimizerCheckpointSh
 WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonfinitePolicy)
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+FP8_RECIPES: tuple[str, ...] = get_args(FP8Recipe)
 
 
 def choice_problem(key: str, value: object, allowed: tuple[str, ...]) -> str | None:

@@ -36,7 +36,8 @@ def batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, **options):
+def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, fp8=None,
+          **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
@@ -47,6 +48,7 @@ def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=Tr
     return build_qwen3_5_preset_model(
         "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
         attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
+        fp8=fp8,
     )
 
 

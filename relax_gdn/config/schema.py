@@ -21,6 +21,7 @@ from relax_gdn.choices import (
     DataSource,
     RecordFormat,
     Device,
+    FP8Recipe,
     KernelBackend,
     LRSchedule,
     ModelAttentionBackend,
@@ -38,6 +39,7 @@ from relax_gdn.choices import (
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn import DEFAULT_MAX_RECOMPUTED_PREFIX
 from relax_gdn.gdn.options import GDNOptions
+from relax_gdn.model.fp8.options import FP8Options
 from relax_gdn.model.lora_options import LoRAOptions, resolve_targets
 from relax_gdn.model.presets import qwen3_5_preset
 from relax_gdn.model.recompute import recomputes
@@ -65,6 +67,16 @@ class LoRAConfig:
 
 
 @dataclass
+class FP8Config:
+    # the linear layers' GEMMs in FP8 with a torchao float8 recipe (docs/fp8.md): tensorwise,
+    # rowwise or rowwise_gw_hp; null: bf16. Emulated exactly on CPU (the GEMM in fp32).
+    recipe: FP8Recipe | None = None
+    # module-name patterns (fnmatch) kept in bf16; output_layer: its fused loss never calls the layer
+    bf16_modules: list[str] = field(default_factory=lambda: ["output_layer"])
+    bf16_gdn_gates: bool = True  # the GDN input projection's beta/alpha rows in bf16, the rest in FP8
+
+
+@dataclass
 class ModelConfig:
     preset: ModelPreset = "qwen3_5_tiny"  # relax_gdn.model.presets (qwen3_5_tiny: 4 layers, hidden 64, CPU)
     hf_checkpoint: str | None = None  # local HF checkpoint directory; None: random init
@@ -83,6 +95,7 @@ class ModelConfig:
     fused_grad_accumulation: bool = True
     mtp: MTPConfig = field(default_factory=MTPConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
 
 
 @dataclass
@@ -300,6 +313,16 @@ class RunConfig:
                            modules=resolve_targets(lora.targets), init_seed=self.train.seed)
 
     @property
+    def fp8_options(self) -> FP8Options | None:
+        """The FP8 GEMMs of this run (``model.fp8``; None without a recipe: bf16), built once and
+        passed to the model builder."""
+        fp8 = self.model.fp8
+        if fp8.recipe is None:
+            return None
+        return FP8Options(recipe=fp8.recipe, bf16_modules=tuple(fp8.bf16_modules),
+                          bf16_gdn_gates=bool(fp8.bf16_gdn_gates))
+
+    @property
     def learning_rates(self) -> tuple[float, float]:
         """(peak, floor) of the schedule: ``optim.lr`` or, when null, the model preset's rate
         (``Qwen3_5Preset.sft_lr``, or ``lora_lr`` with ``model.lora``); ``optim.min_lr`` or, when
@@ -348,6 +371,7 @@ _NESTED = {
     (RunConfig, "model"): ModelConfig,
     (ModelConfig, "mtp"): MTPConfig,
     (ModelConfig, "lora"): LoRAConfig,
+    (ModelConfig, "fp8"): FP8Config,
     (RunConfig, "gdn"): GDNConfig,
     (RunConfig, "parallel"): ParallelConfig,
     (RunConfig, "recompute"): RecomputeConfig,

@@ -44,6 +44,7 @@ from relax_gdn.choices import (
 from relax_gdn.config.schema import RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
+from relax_gdn.model.fp8.options import fp8_problems
 from relax_gdn.model.lora_options import lora_problems
 from relax_gdn.model.presets import PRESETS
 
@@ -135,6 +136,7 @@ def _choices(cfg: RunConfig) -> list[str]:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
     problems += _full_layers(cfg)
     problems += _mtp(cfg)
+    problems += _fp8(cfg)
     lora = cfg.model.lora
     problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
                               fused_cross_entropy=m.fused_cross_entropy)
@@ -166,6 +168,29 @@ def _mtp(cfg: RunConfig) -> list[str]:
                         "adapters only and does not train an MTP layer; use model.mtp.num_layers=0 (a checkpoint's "
                         "MTP layer is copied into the export unchanged) or model.lora.rank=0")
     return problems
+
+
+def _fp8(cfg: RunConfig) -> list[str]:
+    """``model.fp8.*`` (relax_gdn.model.fp8.options), against this machine's GPU where the run is on
+    CUDA: FP8 tensor cores are compute capability 8.9 and newer."""
+    fp8 = cfg.model.fp8
+    if fp8.recipe is None:
+        return []
+    if not isinstance(fp8.bf16_modules, (list, tuple)) or not all(isinstance(p, str) for p in fp8.bf16_modules):
+        return [f"model.fp8.bf16_modules={fp8.bf16_modules!r} must be a list of module-name patterns "
+                "(e.g. [output_layer, 'decoder.layers.0.*'])"]
+    return fp8_problems(fp8.recipe, fp8.bf16_modules, spec_provider=cfg.model.spec_provider,
+                        fused_cross_entropy=cfg.model.fused_cross_entropy, cuda_capability=_run_gpu_capability(cfg))
+
+
+def _run_gpu_capability(cfg: RunConfig) -> tuple[int, int] | None:
+    """The compute capability of the GPU this run would use (None: it runs on the CPU). Imports
+    torch, so only rules that depend on the GPU ask."""
+    if cfg.train.device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
 def _full_layers(cfg: RunConfig) -> list[str]:

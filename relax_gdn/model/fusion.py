@@ -103,7 +103,7 @@ def takes_main_grad(weight: torch.Tensor) -> bool:
     return getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
 
 
-def _handed_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+def handed_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
     """Mark ``weight``'s gradient as added to ``main_grad`` and return what autograd gets instead,
     as Megatron-Core's fused linears do: an uninitialised tensor of the weight's shape, which DDP's
     hook neither reads nor keeps (None would skip the hook, which DDP's bookkeeping counts on);
@@ -133,7 +133,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         main_grad = weight.main_grad
         main_grad.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype),
                              accumulate=True)
-        return None, _handed_to_main_grad(weight)
+        return None, handed_to_main_grad(weight)
 
 
 def embedding_into_main_grad(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -346,6 +346,7 @@ __all__ = [
     "fused_output_loss",
     "fused_rms_norm",
     "gated_rms_norm_applies",
+    "handed_to_main_grad",
     "linear_cross_entropy",
     "takes_main_grad",
     "weighted_linear_cross_entropy_sum",

@@ -19,8 +19,8 @@ class _MatmulOutputUnread(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.matmul:
-            a, b = args
-            return a.new_zeros(*a.shape[:-1], b.shape[-1])
+            a, b = args  # plain tensors, or FP8 operands (relax_gdn.model.fp8) that report their output dtype
+            return torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
         return func(*args, **(kwargs or {}))
 
 

@@ -57,6 +57,7 @@ from relax_gdn.model.fusion import (
     Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
 )
 from relax_gdn.model.attention import CPDotProductAttention
+from relax_gdn.model.fp8.options import FP8Options
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.lora_options import LoRAOptions, lora_problems
 from relax_gdn.model.mlp import Qwen3_5MLP
@@ -128,6 +129,8 @@ class Qwen3_5Options:
             ``model.mtp.*``); none by default.
         lora: LoRA adapters on the projections, every other weight frozen (``model.lora``;
             :mod:`relax_gdn.model.lora`); None: the whole model trains.
+        fp8: the linear layers' GEMMs in FP8 (:class:`~relax_gdn.model.fp8.options.FP8Options`,
+            ``model.fp8``); None: bf16 (or the parameters' dtype).
     """
 
     vocab_size: int
@@ -144,6 +147,7 @@ class Qwen3_5Options:
     recompute_skips_unread_gemm: bool = False
     mtp: MTPOptions = MTPOptions()
     lora: LoRAOptions | None = None
+    fp8: FP8Options | None = None
 
     @classmethod
     def for_preset(cls, preset: str | Qwen3_5Preset, **fields) -> Qwen3_5Options:
@@ -594,6 +598,10 @@ def build_qwen3_5_model(
         from relax_gdn.model.lora import add_lora_adapters
 
         add_lora_adapters(model, lora)
+    if options.fp8 is not None:  # last: the MTP layer's and the adapted layers' linears get it too
+        from relax_gdn.model.fp8.plan import install_fp8
+
+        install_fp8(model, options.fp8, spec_provider=provider, fused_cross_entropy=options.fusion.cross_entropy)
     return model
 
 

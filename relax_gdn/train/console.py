@@ -164,6 +164,8 @@ def run_summary(result) -> list[tuple[str, str]]:
     if evals:
         rows.append(("eval loss", f"{_fmt(evals[-1][EVAL_LOSS])} (step {evals[-1]['step']}, "
                                   f"{len(evals)} evaluation(s))"))
+    if getattr(result, "fp8", None):
+        rows.append(("FP8 GEMMs", result.fp8))
     histogram = cp_size_histogram(records)
     if histogram:
         rows.append(("micro-batches per CP size", format_cp_sizes(histogram)))

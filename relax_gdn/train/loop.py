@@ -81,6 +81,7 @@ from relax_gdn.errors import (
     MemoryFitError,
 )
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
+from relax_gdn.model.fp8.plan import fp8_plan_of
 from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint, run_vocab_size
 from relax_gdn.model.lora import seed_base_weights
@@ -129,6 +130,7 @@ class TrainResult:
     params_without_gradient: list[str] = field(default_factory=list)
     # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
     save_timings: list[tuple[int, float, float]] = field(default_factory=list)
+    fp8: str | None = None  # which linear layers ran their GEMMs in FP8 (relax_gdn.model.fp8.plan), with model.fp8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,6 +446,7 @@ def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16:
         mtp=MTPOptions(cfg.model.mtp.num_layers or 0, **mtp_recompute(cfg.recompute.granularity, cfg.recompute.modules,
                                                                      skip_unused=cfg.recompute.skip_unused)),
         lora=cfg.lora_options,
+        fp8=cfg.fp8_options,
     )
     model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
@@ -702,6 +705,10 @@ class Trainer:
         logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
                     default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, self.device,
                     "bf16" if self.bf16 else "fp32", params, len(dataset), dataset.counts.summary())
+        fp8_plan = fp8_plan_of(self.core_model)
+        if fp8_plan is not None:
+            emulated = " (emulated on CPU: the same casts, the GEMMs in fp32)" if self.device.type == "cpu" else ""
+            logger.info("%s%s", fp8_plan.startup_line(), emulated)
         if eval_set is not None and cfg.eval.every_steps:
             logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
                         len(eval_set.samples), eval_set.source)
@@ -811,6 +818,8 @@ class Trainer:
         self.watchdog.close()
         result.nonfinite_steps = self.nonfinite_steps
         result.params_without_gradient = self.params_without_gradient
+        fp8_plan = fp8_plan_of(self.core_model)
+        result.fp8 = fp8_plan.ran_line() if fp8_plan is not None else None
         self.lifecycle.finish(completed=ended is None, model=self.core_model)
         if ended is not None:
             result.stop = self._report_end(*ended)

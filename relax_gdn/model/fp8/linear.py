@@ -1,0 +1,253 @@
+"""Megatron-Core's parallel linears with their GEMMs in FP8.
+
+Megatron-Core's ``ColumnParallelLinear`` / ``RowParallelLinear`` run their GEMMs through
+``self._forward_impl`` (``linear_with_grad_accumulation_and_async_allreduce``, or
+``linear_with_frozen_weight`` for a frozen weight). :class:`FP8LinearImpl` takes that place on a
+layer (an instance attribute: the layer's class, parameters and checkpoint keys stay Megatron-Core's,
+and a LoRA layer, a subclass calling ``super().forward``, gets it too) and computes the same
+function with the three GEMMs (output, input gradient, weight gradient) in FP8 as the recipe says,
+keeping what Megatron-Core's function does around them:
+
+* sequence parallelism: the input is all-gathered over TP for the GEMM and only this rank's part is
+  saved (gathered again in backward); the input gradient is reduce-scattered;
+* column-parallel without SP: the input gradient is all-reduced over TP;
+* ``gradient_accumulation_fusion``: the weight gradient is added into the fp32 ``main_grad`` and
+  autograd gets Megatron-Core's placeholder (:func:`~relax_gdn.model.fusion.handed_to_main_grad`);
+  a high-precision weight-gradient GEMM (``rowwise_gw_hp``) accumulates there inside the GEMM;
+* a frozen weight (LoRA's base) is cast once and kept in FP8 until the weight changes (its
+  ``_version``: a checkpoint load casts again), not at every step;
+* ``bf16_rows``: the last rows of the output (the GDN input projection's beta/alpha gates) come
+  from a bf16 GEMM beside the FP8 one.
+
+What it saves for backward is what Megatron-Core's function saves (the input in high precision and
+the weight), so recompute, activation memory and the memory model are unchanged; the FP8 casts are
+transient. The forward GEMM goes through ``torch.matmul`` as Megatron-Core's does, so
+:class:`~relax_gdn.model.mlp.Qwen3_5MLP`'s skipped GEMM under full recompute skips it here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torchao.float8.config import Float8LinearConfig
+from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
+
+from relax_gdn.model.fp8.casts import CastKernels, Operand, cast_to_fp8, operand
+from relax_gdn.model.fusion import handed_to_main_grad
+
+
+def linear_mm_config(config: Float8LinearConfig, emulate: bool) -> LinearMMConfig:
+    """The three GEMMs' ``torch._scaled_mm`` settings of ``config`` (the inner dimension padded to a
+    multiple of 16 where a micro-batch's token count is not one: the weight gradient's GEMM reduces
+    over tokens); ``emulate``: the fp32 GEMM of the dequantised operands (CPU)."""
+    def mm(gemm) -> ScaledMMConfig:
+        return ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
+
+    return LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
+                          mm(config.gemm_config_grad_weight))
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    """The six casts of one linear (2-D views: input ``[T, K]``, weightᵀ ``[K, N]``, output gradient
+    ``[T, N]``), with the dimension TP splits each along for its kind of layer."""
+
+    input: Operand
+    weight: Operand
+    grad_output: Operand
+    weight_for_grad_input: Operand
+    grad_output_for_grad_weight: Operand
+    input_for_grad_weight: Operand
+
+    @classmethod
+    def of(cls, c: Float8LinearConfig, parallel: str) -> LinearOperands:
+        row = parallel == "row"  # input and weight split over K; else the weight and grad split over N
+        x_split, w_split, g_split = (1, 0, None) if row else (None, 1, 1)
+        return cls(
+            input=operand(c.cast_config_input, GemmInputRole.INPUT, -1, x_split),
+            weight=operand(c.cast_config_weight, GemmInputRole.WEIGHT, 0, w_split),
+            grad_output=operand(c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, g_split),
+            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, w_split),
+            grad_output_for_grad_weight=operand(c.cast_config_grad_output_for_grad_weight,
+                                                GemmInputRole.GRAD_OUTPUT, 0, g_split),
+            input_for_grad_weight=operand(c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, x_split),
+        )
+
+
+@dataclass
+class FP8LinearImpl:
+    """One layer's FP8 GEMMs, installed as its ``_forward_impl`` (see the module docstring).
+
+    Args:
+        config: the recipe (torchao's ``Float8LinearConfig``).
+        parallel: ``"column"`` or ``"row"``: how TP splits the layer (which operands' amax spans ranks).
+        tp_group: the layer's TP group.
+        kernels: the model's compiled casts.
+        bf16_rows: output rows at the end computed in bf16 (0: all in FP8).
+    """
+
+    config: Float8LinearConfig
+    parallel: str
+    tp_group: dist.ProcessGroup | None
+    kernels: CastKernels
+    bf16_rows: int = 0
+    calls: int = 0  # forwards run in FP8 (the run summary reports which layers ran)
+    weight_casts: int = 0  # weight casts computed (a frozen weight's are kept: tests count them)
+    operands: LinearOperands = field(init=False)
+    _mm_configs: dict = field(init=False, repr=False)  # emulate -> LinearMMConfig
+    _frozen_casts: dict = field(init=False, default_factory=dict, repr=False)
+    _frozen_key: tuple | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self):
+        self.operands = LinearOperands.of(self.config, self.parallel)
+        self._mm_configs = {emulate: linear_mm_config(self.config, emulate) for emulate in (False, True)}
+
+    def __call__(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                 sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
+                 gtp_remat_size=1):
+        if grad_output_buffer is not None or gtp_remat_size > 1:
+            raise NotImplementedError("FP8 linears do not defer weight gradients or shard weights over GTP")
+        self.calls += 1
+        output = _FP8LinearFunction.apply(input, weight, self, gradient_accumulation_fusion, allreduce_dgrad,
+                                          sequence_parallel)
+        return output if bias is None else output + bias
+
+    # -- casts ------------------------------------------------------------------------------------
+
+    def cast(self, x: torch.Tensor, op: Operand, emulate: bool):
+        return cast_to_fp8(x, op, self._mm_configs[emulate],
+                           round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
+                           tp_group=self.tp_group, kernels=self.kernels)
+
+    def weight_t(self, weight: torch.Tensor, op: Operand, emulate: bool):
+        """The FP8 rows of ``weight``, transposed (``[K, N]``) and cast as ``op`` says; a frozen
+        weight's cast is computed once per value of the weight and kept."""
+        if weight.requires_grad:
+            self.weight_casts += 1
+            return self.cast(self.fp8_rows(weight).t(), op, emulate)
+        key = (weight.data_ptr(), weight._version, weight.device, emulate)
+        if key != self._frozen_key:
+            self._frozen_casts.clear()
+            self._frozen_key = key
+        if op not in self._frozen_casts:
+            self.weight_casts += 1
+            self._frozen_casts[op] = self.cast(self.fp8_rows(weight).t(), op, emulate)
+        return self._frozen_casts[op]
+
+    def fp8_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The part of a weight ``[N, K]`` (or an output-shaped ``[T, N]`` when transposed) in FP8."""
+        return t if not self.bf16_rows else t[: t.shape[0] - self.bf16_rows]
+
+    def split_out(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``t [..., N]`` as (FP8 columns, bf16 columns or None)."""
+        if not self.bf16_rows:
+            return t, None
+        n8 = t.shape[-1] - self.bf16_rows
+        return t[..., :n8], t[..., n8:]
+
+
+def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` all-gathered over ``group`` along the sequence, into Megatron-Core's shared buffer (as
+    its own linears gather: the gathered input is used at once, never saved)."""
+    from megatron.core.parallel_state import get_global_memory_buffer
+
+    size = list(x.size())
+    size[0] *= group.size()
+    out = get_global_memory_buffer().get_tensor(size, x.dtype, "mpu")
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """``input @ weightᵀ`` with Megatron-Core's TP communication, the GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, input, weight, impl: FP8LinearImpl, grad_accumulation_fusion: bool, allreduce_dgrad: bool,
+                sequence_parallel: bool):
+        ctx.save_for_backward(input, weight)
+        ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = impl, allreduce_dgrad, sequence_parallel
+        ctx.main_grad = weight.main_grad if grad_accumulation_fusion and hasattr(weight, "main_grad") else None
+        total = _gather_sequence(input, impl.tp_group) if sequence_parallel else input
+        x = total.reshape(-1, total.shape[-1])
+        emulate = not x.is_cuda
+        ops = impl.operands
+        # torch.matmul, as Megatron-Core's function: Qwen3_5MLP's skipped GEMM intercepts it
+        out = torch.matmul(impl.cast(x, ops.input, emulate), impl.weight_t(weight, ops.weight, emulate))
+        if impl.bf16_rows:
+            out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows:].t())], dim=-1)
+        return out.reshape(*total.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        impl: FP8LinearImpl = ctx.impl
+        group = impl.tp_group
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        emulate = not g.is_cuda
+        grad_input = _grad_input(impl, g, weight, emulate).reshape(*grad_output.shape[:-1], weight.shape[1])
+        handle = sub_grad_input = None
+        if ctx.sequence_parallel:
+            sub_grad_input = torch.empty_like(input)
+            handle = dist.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
+        elif ctx.allreduce_dgrad:
+            handle = dist.all_reduce(grad_input, group=group, async_op=True)
+        grad_weight = None
+        if weight.requires_grad:
+            total = _gather_sequence(input, group) if ctx.sequence_parallel else input
+            grad_weight = _grad_weight(impl, g, total.reshape(-1, total.shape[-1]), weight, ctx.main_grad, emulate)
+        if handle is not None:
+            handle.wait()
+        return (sub_grad_input if ctx.sequence_parallel else grad_input), grad_weight, None, None, None, None
+
+
+def _grad_input(impl: FP8LinearImpl, g: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
+    ops = impl.operands
+    g8, g_hp = impl.split_out(g)
+    grad = torch.mm(impl.cast(g8, ops.grad_output, emulate), impl.weight_t(weight, ops.weight_for_grad_input,
+                                                                            emulate).t())
+    if g_hp is not None:
+        grad = grad.addmm(g_hp, weight[-impl.bf16_rows:])
+    return grad
+
+
+def _grad_weight(impl: FP8LinearImpl, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 main_grad: torch.Tensor | None, emulate: bool) -> torch.Tensor:
+    """The weight gradient, added into ``main_grad`` when given (then Megatron-Core's placeholder is
+    returned), else returned in the weight's dtype."""
+    ops = impl.operands
+    g8, g_hp = impl.split_out(g)
+    parts = [(g8, impl.fp8_rows(main_grad) if main_grad is not None else None, True)]
+    if g_hp is not None:
+        parts.append((g_hp, main_grad[-impl.bf16_rows:] if main_grad is not None else None, False))
+    grads = []
+    for g_part, into, fp8 in parts:
+        fp8 = fp8 and not (ops.grad_output_for_grad_weight.disabled or ops.input_for_grad_weight.disabled)
+        if not fp8:
+            grads.append(_hp_weight_grad(g_part, x, into))
+            continue
+        gw = torch.mm(impl.cast(g_part, ops.grad_output_for_grad_weight, emulate).t(),
+                      impl.cast(x, ops.input_for_grad_weight, emulate))
+        if into is not None:
+            into.add_(gw)
+        grads.append(gw)
+    if main_grad is not None:
+        return handed_to_main_grad(weight)
+    return grads[0] if len(grads) == 1 else torch.cat(grads, dim=0)
+
+
+def _hp_weight_grad(g: torch.Tensor, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+    """``gᵀ x`` in the activations' precision, accumulated inside the GEMM into ``into`` when given
+    (Megatron-Core's fused wgrad kernel, as its own linears do)."""
+    if into is None:
+        return g.t().matmul(x)
+    from megatron.core.tensor_parallel import layers
+
+    accumulate = (layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 if into.dtype == torch.float32
+                  else layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16)
+    accumulate(x, g, into)
+    return None
+
+
+__all__ = ["FP8LinearImpl", "linear_mm_config"]

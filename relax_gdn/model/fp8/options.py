@@ -1,0 +1,90 @@
+"""What FP8 a model computes in (:class:`FP8Options`) and every rule of ``model.fp8``, written once:
+:func:`fp8_problems` is what ``relax_gdn.config.validate`` reports before anything is built and what
+:func:`relax_gdn.model.fp8.install_fp8` refuses.
+
+FP8 here is a compute format of the linear layers' GEMMs, not a storage format: parameters,
+gradients, optimizer state and checkpoints stay as they are, so a run can switch it on or off
+across a resume. The recipes are torchao's float8 training recipes (``torchao.float8``
+``Float8LinearConfig.from_recipe_name``), applied to Megatron-Core's parallel linears:
+
+* ``tensorwise``: one scale per tensor; inputs and weights in e4m3, gradients in e5m2; all three
+  GEMMs (output, input gradient, weight gradient) in FP8.
+* ``rowwise``: one scale per row of each GEMM operand along its reduction dimension, scales rounded
+  down to powers of two, everything in e4m3; all three GEMMs in FP8.
+* ``rowwise_gw_hp``: ``rowwise`` with the weight gradient's GEMM in high precision (torchao's
+  ``rowwise_with_gw_hp``): the most accurate weight gradients of the three.
+
+Kept in bf16 by default: the output layer (its chunked loss never calls the layer: it is
+``model.fused_cross_entropy``'s), the GDN input projection's beta/alpha rows (the gates of the
+recurrence: ``bf16_gdn_gates``), the embedding (a lookup, no GEMM), and every linear whose local
+weight dimensions are not multiples of 16 (``torch._scaled_mm``'s rule).
+
+Torch-free, so configuration checks import it without Megatron-Core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relax_gdn.choices import FP8_RECIPES, choice_problem
+
+# model.fp8.recipe -> torchao's recipe name (torchao.float8.Float8LinearConfig.from_recipe_name)
+TORCHAO_RECIPES: dict[str, str] = {
+    "tensorwise": "tensorwise",
+    "rowwise": "rowwise",
+    "rowwise_gw_hp": "rowwise_with_gw_hp",
+}
+assert set(TORCHAO_RECIPES) == set(FP8_RECIPES), "relax_gdn.choices.FP8Recipe lists these names"
+
+# FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
+MIN_CUDA_CAPABILITY = (8, 9)
+OUTPUT_LAYER = "output_layer"
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    """Which GEMMs of a model run in FP8 and how, fixed when the model is built.
+
+    Args:
+        recipe: one of :data:`~relax_gdn.choices.FP8_RECIPES` (see the module docstring).
+        bf16_modules: ``fnmatch`` patterns of module names (``output_layer``,
+            ``decoder.layers.*.mlp.linear_fc2``, ``mtp.*``) whose GEMMs stay in bf16.
+        bf16_gdn_gates: the GDN input projection's beta and alpha output rows (2 x the value heads)
+            stay in bf16; its other rows (q, k, v, z) run in FP8.
+    """
+
+    recipe: str
+    bf16_modules: tuple[str, ...] = (OUTPUT_LAYER,)
+    bf16_gdn_gates: bool = True
+
+    @property
+    def torchao_recipe(self) -> str:
+        return TORCHAO_RECIPES[self.recipe]
+
+
+def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], *, spec_provider: str,
+                 fused_cross_entropy: bool, cuda_capability: tuple[int, int] | None) -> list[str]:
+    """Why ``model.fp8`` cannot run as set (empty when it can; nothing to say without a recipe).
+
+    ``cuda_capability``: the GPU's compute capability when the run is on CUDA, None on CPU (where the
+    recipe runs as an exact emulation: the same scales and casts, the GEMM in fp32)."""
+    if recipe is None:
+        return []
+    if problem := choice_problem("model.fp8.recipe", recipe, FP8_RECIPES):
+        return [problem + " (or null for bf16 GEMMs)"]
+    problems = []
+    if spec_provider == "te":
+        problems.append("model.fp8.recipe needs the local specs (Megatron-Core's own linears); with "
+                        "model.spec_provider=te use Transformer Engine's FP8 instead, or model.spec_provider=local")
+    if cuda_capability is not None and tuple(cuda_capability) < MIN_CUDA_CAPABILITY:
+        major, minor = cuda_capability
+        problems.append(f"model.fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, "
+                        f"Hopper or newer); this GPU is {major}.{minor}: set model.fp8.recipe=null")
+    if OUTPUT_LAYER not in bf16_modules and fused_cross_entropy:
+        problems.append("model.fp8.bf16_modules leaves out output_layer, but model.fused_cross_entropy=true "
+                        "computes the output layer inside the chunked loss, never through the layer: add "
+                        "output_layer back or set model.fused_cross_entropy=false")
+    return problems
+
+
+__all__ = ["FP8Options", "MIN_CUDA_CAPABILITY", "TORCHAO_RECIPES", "fp8_problems"]

@@ -1,0 +1,150 @@
+"""Which linear layers of a model run their GEMMs in FP8, decided once when the model is built.
+
+:func:`install_fp8` walks the model's Megatron-Core parallel linears, keeps in bf16 what
+:class:`~relax_gdn.model.fp8.options.FP8Options` keeps (and every layer whose local weight
+dimensions are not multiples of 16), gives the others an :class:`~relax_gdn.model.fp8.linear.FP8LinearImpl`
+and returns the :class:`FP8Plan`: the start-up line that names what stays in bf16, and, after
+training, the summary of which layers really ran in FP8 (counted per forward, so a layer that a
+fused path bypasses shows up as such instead of passing for FP8).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from relax_gdn.model.fp8.options import FP8Options, fp8_problems
+
+if TYPE_CHECKING:  # torchao takes seconds to import: only a model built with FP8 loads it
+    from relax_gdn.model.fp8.casts import CastKernels
+    from relax_gdn.model.fp8.linear import FP8LinearImpl
+
+# torch._scaled_mm: both dimensions of the weight (the GEMMs' inner and outer sizes) multiples of 16
+_ALIGN = 16
+
+
+@dataclass
+class PlannedLayer:
+    """One parallel linear of the model: its FP8 implementation (None: bf16) and why not, or which
+    of its output rows stay in bf16."""
+
+    name: str
+    out_features: int  # this rank's rows
+    in_features: int
+    impl: FP8LinearImpl | None
+    bf16_reason: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def fp8_weights(self) -> int:
+        if self.impl is None:
+            return 0
+        return (self.out_features - self.impl.bf16_rows) * self.in_features
+
+
+@dataclass
+class FP8Plan:
+    """The FP8 layout of one model (see the module docstring)."""
+
+    options: FP8Options
+    layers: list[PlannedLayer]
+
+    def startup_line(self) -> str:
+        """One line: the recipe, the layers in FP8 by kind, and what stays in bf16 with why."""
+        fp8 = Counter(layer.kind for layer in self.layers if layer.impl is not None)
+        gated = Counter(layer.kind for layer in self.layers if layer.impl is not None and layer.impl.bf16_rows)
+        parts = [f"{kind} x{n}" + (" (beta/alpha rows bf16)" if gated[kind] else "") for kind, n in fp8.items()]
+        kept = [f"{layer.name} ({layer.bf16_reason})" for layer in self.layers if layer.impl is None]
+        total = sum(layer.out_features * layer.in_features for layer in self.layers)
+        share = sum(layer.fp8_weights for layer in self.layers) / max(total, 1)
+        return (f"FP8 GEMMs ({self.options.recipe}, torchao): {sum(fp8.values())} linear layers: "
+                f"{', '.join(parts) or 'none'} ({share:.0%} of the linear weights); bf16: "
+                f"{', '.join(kept + ['the embedding (a lookup)'])}")
+
+    def ran_line(self) -> str:
+        """After training: how many layers ran their GEMMs in FP8, and any that were planned for FP8
+        but never ran (a path that bypasses the layer)."""
+        planned = [layer for layer in self.layers if layer.impl is not None]
+        idle = [layer.name for layer in planned if layer.impl.calls == 0]
+        line = (f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
+                f"ran forward, input-gradient and weight-gradient GEMMs in FP8")
+        return line + (f"; planned but never called: {', '.join(idle)}" if idle else "")
+
+
+def _matching(name: str, patterns: tuple[str, ...]) -> str | None:
+    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+
+
+def _gdn_gate_rows(model: torch.nn.Module) -> dict[str, int]:
+    """GDN input projection name -> its beta/alpha output rows on this rank (the last two sections
+    of Megatron-Core's ``in_proj_split_sections``)."""
+    from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
+
+    return {f"{name}.in_proj": sum(module.in_proj_split_sections[-2:]) for name, module in model.named_modules()
+            if isinstance(module, GatedDeltaNet)}
+
+
+def _plan_layer(name: str, module, options: FP8Options, gate_rows: dict[str, int],
+                kernels: CastKernels) -> PlannedLayer:
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    out_features, in_features = module.weight.shape
+    layer = PlannedLayer(name, out_features, in_features, None)
+    if pattern := _matching(name, options.bf16_modules):
+        layer.bf16_reason = f"model.fp8.bf16_modules {pattern!r}"
+        return layer
+    bf16_rows = gate_rows.get(name, 0) if options.bf16_gdn_gates else 0
+    if (out_features - bf16_rows) % _ALIGN or in_features % _ALIGN:
+        layer.bf16_reason = f"{out_features - bf16_rows}x{in_features} not multiples of {_ALIGN}"
+        return layer
+    from torchao.float8 import Float8LinearConfig
+
+    from relax_gdn.model.fp8.linear import FP8LinearImpl
+
+    layer.impl = FP8LinearImpl(
+        Float8LinearConfig.from_recipe_name(options.torchao_recipe),
+        "row" if isinstance(module, RowParallelLinear) else "column",
+        module.tp_group, kernels, bf16_rows=bf16_rows,
+    )
+    return layer
+
+
+def install_fp8(model: torch.nn.Module, options: FP8Options, *, spec_provider: str = "local",
+                fused_cross_entropy: bool = True) -> FP8Plan:
+    """Give ``model``'s parallel linears their FP8 GEMMs as ``options`` say (their
+    ``_forward_impl``); returns the plan (also kept as ``model.fp8_plan``)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from relax_gdn.model.fp8.casts import CastKernels
+
+    if problems := fp8_problems(options.recipe, options.bf16_modules, spec_provider=spec_provider,
+                                fused_cross_entropy=fused_cross_entropy, cuda_capability=None):
+        raise ValueError("; ".join(problems))
+    kernels, gate_rows, layers = CastKernels(), _gdn_gate_rows(model), []
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.weight is None:
+            continue
+        layer = _plan_layer(name, module, options, gate_rows, kernels)
+        if layer.impl is not None:
+            module._forward_impl = layer.impl
+        layers.append(layer)
+    model.fp8_plan = FP8Plan(options, layers)
+    return model.fp8_plan
+
+
+def fp8_plan_of(model: torch.nn.Module) -> FP8Plan | None:
+    """The plan :func:`install_fp8` gave ``model`` (None: bf16 GEMMs); ``model`` may be wrapped
+    (Megatron-Core's DDP keeps it as ``.module``)."""
+    while not hasattr(model, "fp8_plan") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return getattr(model, "fp8_plan", None)
+
+
+__all__ = ["FP8Plan", "PlannedLayer", "fp8_plan_of", "install_fp8"]
