@@ -37,7 +37,7 @@ def batch(vocab: int, seed: int = 0):
 
 
 def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, fp8=None,
-          **options):
+          lora=None, **options):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
@@ -48,8 +48,24 @@ def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=Tr
     return build_qwen3_5_preset_model(
         "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
         attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
-        fp8=fp8,
+        fp8=fp8, lora=lora,
     )
+
+
+def loss_and_grads(model, tokens, labels, positions, cu, ids=None, cp_group=None):
+    """Per-token loss and parameter gradients of ``sum(loss)`` on the rows ``ids`` of the batch
+    (``cp_group``: a dynamic-CP group carried by the micro-batch)."""
+    from tests.gdn_harness import packed_params
+
+    if ids is not None:
+        tokens, labels, positions = tokens[:, ids], labels[:, ids], positions[:, ids]
+    dynamic = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": cp_group.size()}
+    psp = packed_params(cu, "cpu", **dynamic)
+    loss = model(tokens, positions, None, labels=labels, packed_seq_params=psp)
+    loss.sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}  # frozen: none
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
 
 
 def finalize_grads(model, grads, config, tp_group, cp_group):

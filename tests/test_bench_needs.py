@@ -21,6 +21,8 @@ NEEDS_GPU = {
                       "python -m relax_gdn.bench.attention"),
     "fused_ops": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
                       "python -m relax_gdn.bench.fused_ops"),
+    "gemm": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+                 "python -m relax_gdn.bench.gemm"),
     "gdn_layer": ((), "needs 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
                       "torchrun --nproc-per-node 2 -m relax_gdn.bench.gdn_layer"),
     "swap": ((), "needs at least 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "

@@ -21,6 +21,7 @@ from tests.model_harness import batch as _batch
 from tests.model_harness import build as _build
 from tests.model_harness import errors as _errors
 from tests.model_harness import finalize_grads as _finalize_grads
+from tests.model_harness import loss_and_grads as _run
 from tests.model_harness import tolerance as _tolerance
 from tests.model_harness import tp_shard
 from tests.helpers import GDN_MODES
@@ -30,22 +31,6 @@ from tests.helpers import GDN_MODES
 # ---------------------------------------------------------------------------------------------
 # helpers run inside the worker processes
 # ---------------------------------------------------------------------------------------------
-
-
-def _run(model, tokens, labels, positions, cu, ids=None, cp_group=None):
-    """Per-token loss and parameter gradients of ``sum(loss)`` on the rows ``ids`` of the batch
-    (``cp_group``: a dynamic-CP group carried by the micro-batch)."""
-    from tests.gdn_harness import packed_params
-
-    if ids is not None:
-        tokens, labels, positions = tokens[:, ids], labels[:, ids], positions[:, ids]
-    dynamic = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": cp_group.size()}
-    psp = packed_params(cu, "cpu", **dynamic)
-    loss = model(tokens, positions, None, labels=labels, packed_seq_params=psp)
-    loss.sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def _tp2_cp2_groups():

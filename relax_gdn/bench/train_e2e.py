@@ -23,6 +23,7 @@ or any dotted config key:
                                          ``recompute.skip_unused=false`` (what the targets compare to)
 ``mt=<tokens>``                          ``train.max_tokens_per_gpu``
 ``mtp=<layers>``                         ``model.mtp.num_layers`` (1: Qwen3.5's multi-token-prediction layer)
+``fp8=<recipe|off>``                     ``model.fp8.recipe`` (tensorwise, rowwise, rowwise_gw_hp; docs/fp8.md)
 ``profile``                              this variant's profiled step (``--profile`` for one variant)
 ``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
 
@@ -141,7 +142,7 @@ def variant_overrides(variant: str, world: int) -> dict:
         key, eq, value = setting.partition("=")
         if not eq:
             raise ValueError(f"variant setting {setting!r}: want baseline, static|dynamic:<mode>, recompute=, fused=, "
-                             "mt=, mtp= or <group.key>=<value>")
+                             "mt=, mtp=, fp8= or <group.key>=<value>")
         key = key.strip()
         if key == "recompute":
             overrides["recompute.granularity"] = value.strip()
@@ -153,6 +154,8 @@ def variant_overrides(variant: str, world: int) -> dict:
             overrides["train.max_tokens_per_gpu"] = int(value)
         elif key == "mtp":
             overrides["model.mtp.num_layers"] = int(value)
+        elif key == "fp8":
+            overrides["model.fp8.recipe"] = None if value.strip() in ("off", "none", "null") else value.strip()
         elif "." in key:
             overrides[key] = _parse_value(value)
         else:

@@ -289,7 +289,7 @@ def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: in
         tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
         sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
         full_layers=cfg.recompute.full_layers or 0, fused_norms=cfg.model.fused_norms,
-        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name,
+        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name, fp8=cfg.model.fp8.recipe,
     )
     return shape, settings
 

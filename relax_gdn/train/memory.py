@@ -23,6 +23,13 @@ at start and, on CUDA, refuses before building anything a run whose estimate exc
   held until backward) and per token the final norm's input and output and the gradient of the
   loss's input (also formed in forward); without it, the full logits.
 
+FP8 GEMMs (``fp8``: ``model.fp8.recipe``) keep what bf16 keeps for backward (the linears save their
+high-precision inputs; the FP8 operands are transient) and add ``fp8``: the casts of the largest
+linear live during its backward (its input and output gradient in FP8 with their transposed copies,
+the weight's casts, the weight gradient before it is added into the main grad), and with LoRA the
+frozen base weights' casts, kept across steps (one byte per FP8 weight, two for the rowwise recipes,
+whose forward and input-gradient GEMMs scale the weight along different dimensions).
+
 A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
 layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
 layer's at the recompute setting it runs under, :func:`relax_gdn.model.recompute.mtp_recompute`:
@@ -89,10 +96,12 @@ class MemoryEstimate:
     activations: float
     logits: float
     workspace: float
+    fp8: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.workspace
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.workspace
+                + self.fp8)
 
     def as_gib(self) -> dict[str, float]:
         return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items()}
@@ -101,7 +110,7 @@ class MemoryEstimate:
         g = self.as_gib()
         return (f"weights {g['weights']:.1f} + grads {g['gradients']:.1f} + optimizer {g['optimizer']:.1f} + "
                 f"activations {g['activations']:.1f} + logits {g['logits']:.1f} + workspace {g['workspace']:.1f} "
-                f"= {g['total']:.1f} GiB per GPU")
+                + (f"+ FP8 casts {g['fp8']:.1f} " if self.fp8 else "") + f"= {g['total']:.1f} GiB per GPU")
 
 
 def parameter_count(shape: ModelShape) -> int:
@@ -122,6 +131,34 @@ def parameter_count(shape: ModelShape) -> int:
     mtp = per_layer + attention + 2 * h * h + 3 * h  # an attention layer, eh_proj, its three norms
     return (2 * shape.vocab_size * h + h + shape.num_gdn_layers * (per_layer + gdn)
             + shape.num_attention_layers * (per_layer + attention) + shape.mtp_num_layers * mtp)
+
+
+def fp8_linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the linear layers an FP8 recipe runs in FP8 by default (the output layer
+    and the GDN gates' rows stay in bf16; relax_gdn.model.fp8.options)."""
+    h, ffn = shape.hidden_size, shape.ffn_hidden_size
+    q = shape.kv_channels * shape.num_attention_heads
+    kv = shape.kv_channels * shape.num_query_groups
+    gate = q if shape.attention_output_gate else 0
+    qk = shape.linear_key_head_dim * shape.linear_num_key_heads
+    v = shape.linear_value_head_dim * shape.linear_num_value_heads
+    attention = shape.num_attention_layers + shape.mtp_num_layers
+    mlp = [(h, 2 * ffn, shape.num_layers + shape.mtp_num_layers), (ffn, h, shape.num_layers + shape.mtp_num_layers)]
+    return [(h, 2 * qk + 2 * v, shape.num_gdn_layers), (v, h, shape.num_gdn_layers),
+            (h, q + gate + 2 * kv, attention), (q, h, attention), (2 * h, h, shape.mtp_num_layers), *mlp]
+
+
+def _fp8_bytes(shape: ModelShape, recipe: str, tokens: float, tp: int) -> float:
+    """The FP8 casts' memory (see the module docstring): the largest linear's transient casts, and
+    the frozen base weights' kept casts with LoRA."""
+    linears = [(i, o) for i, o, n in fp8_linear_shapes(shape) if n]
+    widest = max(i + o for i, o in linears) / tp
+    largest = max(i * o for i, o in linears) / tp
+    transient = tokens * widest * 2 + largest * (2 + 2)  # operands + transposed copies; weight casts, bf16 wgrad
+    if not shape.lora_rank:
+        return transient
+    per_weight = 1 if recipe == "tensorwise" else 2
+    return transient + per_weight * sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
 
 
 def lora_parameter_count(shape: ModelShape, tp: int = 1) -> float:
@@ -157,9 +194,9 @@ def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: 
 def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
                     sequence_parallel: bool = False, bf16: bool = True, recompute: str = "none",
                     full_layers: int = 0, fused_norms: bool = True, fused_cross_entropy: bool = True,
-                    optimizer: str = "adam") -> MemoryEstimate:
+                    optimizer: str = "adam", fp8: str | None = None) -> MemoryEstimate:
     """The per-GPU memory of one training step (see the module docstring); ``full_layers``: the
-    layers recomputed whole under ``recompute="mixed"``."""
+    layers recomputed whole under ``recompute="mixed"``; ``fp8``: the FP8 recipe (None: bf16 GEMMs)."""
     params = parameter_count(shape) / tp
     trained = lora_parameter_count(shape, tp) if shape.lora_rank else params
     weights = (params + (trained if shape.lora_rank else 0)) * (2 if bf16 else 4)
@@ -168,8 +205,9 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
+    fp8_bytes = _fp8_bytes(shape, fp8, act_tokens * (tp if sequence_parallel else 1), tp) if fp8 else 0.0
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer_bytes, activations=activations,
-                          logits=logits, workspace=WORKSPACE_BYTES)
+                          logits=logits, workspace=WORKSPACE_BYTES, fp8=fp8_bytes)
 
 
 def _loss_bytes(shape: ModelShape, tokens_per_gpu: int, tp: int, act_tokens: float, dtype_bytes: int, *,
@@ -257,5 +295,5 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
 
 
 __all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "MTP_FUSION_BYTES_PER_TOKEN", "Alternative",
-           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "lora_parameter_count", "parameter_count",
-           "settings_that_fit"]
+           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "fp8_linear_shapes", "lora_parameter_count",
+           "parameter_count", "settings_that_fit"]

@@ -104,14 +104,15 @@ class FP8LinearImpl:
         self.operands = LinearOperands.of(self.config, self.parallel)
         self._mm_configs = {emulate: linear_mm_config(self.config, emulate) for emulate in (False, True)}
 
-    def __call__(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+    def __call__(self, input, weight, *, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                  sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
                  gtp_remat_size=1):
+        """Megatron-Core's ``_forward_impl`` arguments (it passes them by keyword)."""
         if grad_output_buffer is not None or gtp_remat_size > 1:
             raise NotImplementedError("FP8 linears do not defer weight gradients or shard weights over GTP")
         self.calls += 1
-        output = _FP8LinearFunction.apply(input, weight, self, gradient_accumulation_fusion, allreduce_dgrad,
-                                          sequence_parallel)
+        comm = _Communication(gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel)
+        output = _FP8LinearFunction.apply(input, weight, self, comm)
         return output if bias is None else output + bias
 
     # -- casts ------------------------------------------------------------------------------------
@@ -160,16 +161,26 @@ def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class _Communication:
+    """What Megatron-Core's function is told besides its tensors: add the weight gradient into
+    ``main_grad``, all-reduce the input gradient over TP, gather the input over the sequence (SP)."""
+
+    grad_accumulation_fusion: bool
+    allreduce_dgrad: bool
+    sequence_parallel: bool
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``input @ weightᵀ`` with Megatron-Core's TP communication, the GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, input, weight, impl: FP8LinearImpl, grad_accumulation_fusion: bool, allreduce_dgrad: bool,
-                sequence_parallel: bool):
+    def forward(ctx, input, weight, impl: FP8LinearImpl, comm: _Communication):
         ctx.save_for_backward(input, weight)
-        ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = impl, allreduce_dgrad, sequence_parallel
-        ctx.main_grad = weight.main_grad if grad_accumulation_fusion and hasattr(weight, "main_grad") else None
-        total = _gather_sequence(input, impl.tp_group) if sequence_parallel else input
+        ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = impl, comm.allreduce_dgrad, comm.sequence_parallel
+        fuse = comm.grad_accumulation_fusion and hasattr(weight, "main_grad")
+        ctx.main_grad = weight.main_grad if fuse else None  # on ctx, as Megatron-Core's: layers may share it
+        total = _gather_sequence(input, impl.tp_group) if comm.sequence_parallel else input
         x = total.reshape(-1, total.shape[-1])
         emulate = not x.is_cuda
         ops = impl.operands
@@ -186,20 +197,30 @@ class _FP8LinearFunction(torch.autograd.Function):
         group = impl.tp_group
         g = grad_output.reshape(-1, grad_output.shape[-1])
         emulate = not g.is_cuda
-        grad_input = _grad_input(impl, g, weight, emulate).reshape(*grad_output.shape[:-1], weight.shape[1])
-        handle = sub_grad_input = None
-        if ctx.sequence_parallel:
-            sub_grad_input = torch.empty_like(input)
-            handle = dist.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
-        elif ctx.allreduce_dgrad:
-            handle = dist.all_reduce(grad_input, group=group, async_op=True)
+        grad_input, handle = None, None
+        if ctx.needs_input_grad[0]:  # not for a first layer over a frozen embedding (LoRA)
+            grad_input = _grad_input(impl, g, weight, emulate).reshape(*grad_output.shape[:-1], weight.shape[1])
+            grad_input, handle = _reduce_grad_input(grad_input, input, ctx.sequence_parallel, ctx.allreduce_dgrad,
+                                                    group)
         grad_weight = None
         if weight.requires_grad:
             total = _gather_sequence(input, group) if ctx.sequence_parallel else input
             grad_weight = _grad_weight(impl, g, total.reshape(-1, total.shape[-1]), weight, ctx.main_grad, emulate)
         if handle is not None:
             handle.wait()
-        return (sub_grad_input if ctx.sequence_parallel else grad_input), grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None
+
+
+def _reduce_grad_input(grad_input, input, sequence_parallel: bool, allreduce: bool, group):
+    """Start the input gradient's TP reduction as Megatron-Core's function does (reduce-scatter over the
+    sequence with SP, all-reduce for a column-parallel layer without it), overlapping the weight
+    gradient's GEMM: (this rank's input gradient once ``handle`` is waited on, handle or None)."""
+    if sequence_parallel:
+        part = torch.empty_like(input)
+        return part, dist.reduce_scatter_tensor(part, grad_input.contiguous(), group=group, async_op=True)
+    if allreduce:
+        return grad_input, dist.all_reduce(grad_input, group=group, async_op=True)
+    return grad_input, None
 
 
 def _grad_input(impl: FP8LinearImpl, g: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
@@ -244,9 +265,11 @@ def _hp_weight_grad(g: torch.Tensor, x: torch.Tensor, into: torch.Tensor | None)
         return g.t().matmul(x)
     from megatron.core.tensor_parallel import layers
 
-    accumulate = (layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 if into.dtype == torch.float32
-                  else layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16)
-    accumulate(x, g, into)
+    fused = getattr(layers, "fused_weight_gradient_mlp_cuda", None)  # apex's, or relax_gdn.compat.wgrad's (CUDA)
+    if fused is None:
+        into.add_(g.t().matmul(x))
+        return None
+    (fused.wgrad_gemm_accum_fp32 if into.dtype == torch.float32 else fused.wgrad_gemm_accum_fp16)(x, g, into)
     return None
 
 
