@@ -27,28 +27,7 @@
 set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/long-context}
-BUDGET_S=${BUDGET_S:-570}
-mkdir -p "$OUT" .gpu-cache
-start=$SECONDS
-summary="$OUT/summary.txt"
-
-left() { echo $(( BUDGET_S - (SECONDS - start) )); }
-
-step() {  # step NAME LIMIT_S COMMAND...: runs when LIMIT_S still fits, log in $OUT/NAME.log
-  local name=$1 limit=$2 t0=$SECONDS rc; shift 2
-  if (( limit < 30 || $(left) < limit )); then
-    echo "$name: skipped, $(left) s left of the budget, needs $limit" | tee -a "$summary"; return 0
-  fi
-  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: exit $rc after $(( SECONDS - t0 )) s" | tee -a "$summary"
-  return 0
-}
-
-[[ -f .gpu/activate.sh ]] && source .gpu/activate.sh
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton TRITON_CACHE_AUTOTUNING=1
-export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4
+source "$(dirname "$0")/device_call.sh"
 fa4_ok=0
 if relax_gdn/bench/fa4_wheels.sh install > "$OUT/fa4_install.log" 2>&1; then
   eval "$(relax_gdn/bench/fa4_wheels.sh env)"
@@ -57,9 +36,6 @@ if relax_gdn/bench/fa4_wheels.sh install > "$OUT/fa4_install.log" 2>&1; then
 else
   echo "fa4: not installed ($(tail -1 "$OUT/fa4_install.log")); bench.attention reports it unavailable" | tee -a "$summary"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-git log -1 --format='commit %h %s' > "$OUT/commit.txt" 2>/dev/null
-
 if [[ $CALL == 1 ]]; then
   step test_attention_gpu 270 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
     -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right or auto_runs or reduced_9b"
@@ -89,8 +65,5 @@ else
   echo; echo "== profiled steps (kernel seconds, idle) =="
   grep -h -A2 ": kernels [0-9]" "$OUT"/e2e_"${CALL}"_*.log | tail -6
 fi
-du -sh .gpu-cache 2>/dev/null | tee -a "$summary"
-# the caches for a fresh machine (unpack into the repository root and carry .gpu-cache), when small enough
-tar -czf "$OUT/gpu-cache.tgz" --exclude=winner .gpu-cache 2>/dev/null
-if (( $(stat -c %s "$OUT/gpu-cache.tgz") > 60 * 1024 * 1024 )); then rm -f "$OUT/gpu-cache.tgz"; fi
+save_caches
 echo; cat "$summary"

@@ -38,15 +38,16 @@ from relax_gdn.model.fp8.casts import CastKernels, Operand, cast_to_fp8, operand
 from relax_gdn.model.fusion import handed_to_main_grad
 
 
-def linear_mm_config(config: Float8LinearConfig, emulate: bool) -> LinearMMConfig:
-    """The three GEMMs' ``torch._scaled_mm`` settings of ``config`` (the inner dimension padded to a
-    multiple of 16 where a micro-batch's token count is not one: the weight gradient's GEMM reduces
-    over tokens); ``emulate``: the fp32 GEMM of the dequantised operands (CPU)."""
-    def mm(gemm) -> ScaledMMConfig:
-        return ScaledMMConfig(emulate, gemm.use_fast_accum, False, True)
+def linear_mm_config(config: Float8LinearConfig, emulate: bool, pad_tokens: bool = False) -> LinearMMConfig:
+    """The three GEMMs' ``torch._scaled_mm`` settings of ``config``; ``emulate``: the fp32 GEMM of the
+    dequantised operands (CPU); ``pad_tokens``: the weight gradient's GEMM, which reduces over the
+    micro-batch's tokens, pads them to a multiple of 16 (``_scaled_mm``'s rule; torchao's padding
+    copies its operands, so only a token count that needs it asks for it)."""
+    def mm(gemm, pad: bool = False) -> ScaledMMConfig:
+        return ScaledMMConfig(emulate, gemm.use_fast_accum, False, pad)
 
     return LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
-                          mm(config.gemm_config_grad_weight))
+                          mm(config.gemm_config_grad_weight, pad_tokens))
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,14 @@ class FP8LinearImpl:
     calls: int = 0  # forwards run in FP8 (the run summary reports which layers ran)
     weight_casts: int = 0  # weight casts computed (a frozen weight's are kept: tests count them)
     operands: LinearOperands = field(init=False)
-    _mm_configs: dict = field(init=False, repr=False)  # emulate -> LinearMMConfig
+    _mm_configs: dict = field(init=False, repr=False)  # (emulate, pad_tokens) -> LinearMMConfig
     _frozen_casts: dict = field(init=False, default_factory=dict, repr=False)
     _frozen_key: tuple | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.operands = LinearOperands.of(self.config, self.parallel)
-        self._mm_configs = {emulate: linear_mm_config(self.config, emulate) for emulate in (False, True)}
+        self._mm_configs = {(emulate, pad): linear_mm_config(self.config, emulate, pad)
+                            for emulate in (False, True) for pad in (False, True)}
 
     def __call__(self, input, weight, *, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                  sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
@@ -117,8 +119,8 @@ class FP8LinearImpl:
 
     # -- casts ------------------------------------------------------------------------------------
 
-    def cast(self, x: torch.Tensor, op: Operand, emulate: bool):
-        return cast_to_fp8(x, op, self._mm_configs[emulate],
+    def cast(self, x: torch.Tensor, op: Operand, emulate: bool, pad_tokens: bool = False):
+        return cast_to_fp8(x, op, self._mm_configs[emulate, pad_tokens],
                            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
                            tp_group=self.tp_group, kernels=self.kernels)
 
@@ -248,8 +250,9 @@ def _grad_weight(impl: FP8LinearImpl, g: torch.Tensor, x: torch.Tensor, weight: 
         if not fp8:
             grads.append(_hp_weight_grad(g_part, x, into))
             continue
-        gw = torch.mm(impl.cast(g_part, ops.grad_output_for_grad_weight, emulate).t(),
-                      impl.cast(x, ops.input_for_grad_weight, emulate))
+        pad = x.shape[0] % 16 != 0
+        gw = torch.mm(impl.cast(g_part, ops.grad_output_for_grad_weight, emulate, pad).t(),
+                      impl.cast(x, ops.input_for_grad_weight, emulate, pad))
         if into is not None:
             into.add_(gw)
         grads.append(gw)

@@ -1,0 +1,36 @@
+# Sourced by the device-call scripts (long_context.sh, fp8.sh): one call of at most BUDGET_S seconds
+# on the GPU host, run from the repository root with the .gpu bundle carried. Sets OUT, the caches
+# (Triton autotuning, Inductor, TileLang, FA4's CuTe DSL in .gpu-cache/, which a warm machine keeps
+# between calls) and the environment every step needs; `step NAME LIMIT_S COMMAND...` runs a step
+# only while its limit still fits the budget, its log in $OUT/NAME.log and one line in
+# $OUT/summary.txt; `save_caches` packs .gpu-cache for a fresh machine when small enough.
+BUDGET_S=${BUDGET_S:-570}
+mkdir -p "$OUT" .gpu-cache
+start=$SECONDS
+summary="$OUT/summary.txt"
+
+left() { echo $(( BUDGET_S - (SECONDS - start) )); }
+
+step() {  # step NAME LIMIT_S COMMAND...: runs when LIMIT_S still fits, log in $OUT/NAME.log
+  local name=$1 limit=$2 t0=$SECONDS rc; shift 2
+  if (( limit < 30 || $(left) < limit )); then
+    echo "$name: skipped, $(left) s left of the budget, needs $limit" | tee -a "$summary"; return 0
+  fi
+  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: exit $rc after $(( SECONDS - t0 )) s" | tee -a "$summary"
+  return 0
+}
+
+save_caches() {  # the caches for a fresh machine (unpack into the repository root and carry .gpu-cache)
+  du -sh .gpu-cache 2>/dev/null | tee -a "$summary"
+  tar -czf "$OUT/gpu-cache.tgz" --exclude=winner .gpu-cache 2>/dev/null
+  if (( $(stat -c %s "$OUT/gpu-cache.tgz") > 60 * 1024 * 1024 )); then rm -f "$OUT/gpu-cache.tgz"; fi
+}
+
+[[ -f .gpu/activate.sh ]] && source .gpu/activate.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton TRITON_CACHE_AUTOTUNING=1
+export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+git log -1 --format='commit %h %s' > "$OUT/commit.txt" 2>/dev/null
