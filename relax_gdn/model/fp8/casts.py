@@ -45,6 +45,9 @@ def _amax_and_scaled_bits(x: torch.Tensor, axiswise_dim: int | None, float8_dtyp
     return _scaled_bits(x, _amax(x, axiswise_dim), float8_dtype, round_scales_to_power_of_2)
 
 
+_RECOMPILE_LIMIT = 64
+
+
 class CastKernels:
     """The cast's pieces, compiled on CUDA for the model that owns this object (eager on CPU, and
     eager for this model alone after a compile error)."""
@@ -53,20 +56,19 @@ class CastKernels:
         self._compile = compile_on_cuda
         self._compiled: dict[str, object] = {}
 
-    def _fn(self, name: str, fn, x: torch.Tensor):
+    def _call(self, name: str, fn, x: torch.Tensor, *args):
         if not (self._compile and x.is_cuda):
-            return fn
+            return fn(x, *args)
         compiled = self._compiled.get(name)
         if compiled is None:
             compiled = self._compiled[name] = torch.compile(fn, dynamic=True)
-        return compiled
-
-    def _call(self, name: str, fn, x: torch.Tensor, *args):
         try:
-            return self._fn(name, fn, x)(x, *args)
+            # one graph per dtype, scaling axis and layout: a model's recipe needs up to ~5, a benchmark
+            # comparing the recipes in one process more than dynamo's default limit of 8 per function,
+            # past which it would run the casts eagerly without a word
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return compiled(x, *args)
         except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
-            if not self._compile or not x.is_cuda:
-                raise
             logger.warning("torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
                            type(e).__name__, e)
             self._compile = False

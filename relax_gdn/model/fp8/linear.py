@@ -52,8 +52,10 @@ def linear_mm_config(config: Float8LinearConfig, emulate: bool, pad_tokens: bool
 
 @dataclass(frozen=True)
 class LinearOperands:
-    """The six casts of one linear (2-D views: input ``[T, K]``, weightᵀ ``[K, N]``, output gradient
-    ``[T, N]``), with the dimension TP splits each along for its kind of layer."""
+    """The six casts of one linear (2-D: input ``[T, K]``, weight ``[N, K]``, output gradient ``[T, N]``,
+    each cast as it is stored, so the compiled casts see contiguous tensors), with the dimension TP
+    splits each along for its kind of layer. torchao casts the weight transposed; the dimensions here
+    are the same ones on the untransposed weight."""
 
     input: Operand
     weight: Operand
@@ -65,12 +67,12 @@ class LinearOperands:
     @classmethod
     def of(cls, c: Float8LinearConfig, parallel: str) -> LinearOperands:
         row = parallel == "row"  # input and weight split over K; else the weight and grad split over N
-        x_split, w_split, g_split = (1, 0, None) if row else (None, 1, 1)
+        x_split, w_split, g_split = (1, 1, None) if row else (None, 0, 1)
         return cls(
             input=operand(c.cast_config_input, GemmInputRole.INPUT, -1, x_split),
-            weight=operand(c.cast_config_weight, GemmInputRole.WEIGHT, 0, w_split),
+            weight=operand(c.cast_config_weight, GemmInputRole.WEIGHT, -1, w_split),  # over K, per output row
             grad_output=operand(c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, g_split),
-            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1, w_split),
+            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, 0, w_split),
             grad_output_for_grad_weight=operand(c.cast_config_grad_output_for_grad_weight,
                                                 GemmInputRole.GRAD_OUTPUT, 0, g_split),
             input_for_grad_weight=operand(c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, x_split),
@@ -124,19 +126,19 @@ class FP8LinearImpl:
                            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
                            tp_group=self.tp_group, kernels=self.kernels)
 
-    def weight_t(self, weight: torch.Tensor, op: Operand, emulate: bool):
-        """The FP8 rows of ``weight``, transposed (``[K, N]``) and cast as ``op`` says; a frozen
-        weight's cast is computed once per value of the weight and kept."""
+    def weight(self, weight: torch.Tensor, op: Operand, emulate: bool):
+        """The FP8 rows of ``weight`` (``[N, K]``) cast as ``op`` says; a frozen weight's cast is
+        computed once per value of the weight and kept."""
         if weight.requires_grad:
             self.weight_casts += 1
-            return self.cast(self.fp8_rows(weight).t(), op, emulate)
+            return self.cast(self.fp8_rows(weight), op, emulate)
         key = (weight.data_ptr(), weight._version, weight.device, emulate)
         if key != self._frozen_key:
             self._frozen_casts.clear()
             self._frozen_key = key
         if op not in self._frozen_casts:
             self.weight_casts += 1
-            self._frozen_casts[op] = self.cast(self.fp8_rows(weight).t(), op, emulate)
+            self._frozen_casts[op] = self.cast(self.fp8_rows(weight), op, emulate)
         return self._frozen_casts[op]
 
     def fp8_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +189,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         emulate = not x.is_cuda
         ops = impl.operands
         # torch.matmul, as Megatron-Core's function: Qwen3_5MLP's skipped GEMM intercepts it
-        out = torch.matmul(impl.cast(x, ops.input, emulate), impl.weight_t(weight, ops.weight, emulate))
+        out = torch.matmul(impl.cast(x, ops.input, emulate), impl.weight(weight, ops.weight, emulate).t())
         if impl.bf16_rows:
             out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows:].t())], dim=-1)
         return out.reshape(*total.shape[:-1], out.shape[-1])
@@ -228,10 +230,9 @@ def _reduce_grad_input(grad_input, input, sequence_parallel: bool, allreduce: bo
 def _grad_input(impl: FP8LinearImpl, g: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
     ops = impl.operands
     g8, g_hp = impl.split_out(g)
-    grad = torch.mm(impl.cast(g8, ops.grad_output, emulate), impl.weight_t(weight, ops.weight_for_grad_input,
-                                                                            emulate).t())
+    grad = torch.mm(impl.cast(g8, ops.grad_output, emulate), impl.weight(weight, ops.weight_for_grad_input, emulate))
     if g_hp is not None:
-        grad = grad.addmm(g_hp, weight[-impl.bf16_rows:])
+        grad.addmm_(g_hp, weight[-impl.bf16_rows:])
     return grad
 
 
