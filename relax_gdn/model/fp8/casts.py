@@ -46,6 +46,7 @@ def _amax_and_scaled_bits(x: torch.Tensor, axiswise_dim: int | None, float8_dtyp
 
 
 _RECOMPILE_LIMIT = 64
+_RECOMPILE_LIMIT_KEY = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 class CastKernels:
@@ -66,7 +67,7 @@ class CastKernels:
             # one graph per dtype, scaling axis and layout: a model's recipe needs up to ~5, a benchmark
             # comparing the recipes in one process more than dynamo's default limit of 8 per function,
             # past which it would run the casts eagerly without a word
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_KEY: _RECOMPILE_LIMIT}):
                 return compiled(x, *args)
         except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
             logger.warning("torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
