@@ -142,7 +142,7 @@ class FP8LinearImpl:
         return self._frozen_casts[op]
 
     def fp8_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The part of a weight ``[N, K]`` (or an output-shaped ``[T, N]`` when transposed) in FP8."""
+        """The rows of a weight ``[N, K]`` that run in FP8."""
         return t if not self.bf16_rows else t[: t.shape[0] - self.bf16_rows]
 
     def split_out(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
