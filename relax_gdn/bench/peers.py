@@ -168,7 +168,8 @@ def base_config(args, checkpoint: str, device: torch.device):
         "train.max_tokens_per_gpu": padded_length(args.doc_tokens, 1), "train.device": device.type,
         "train.seed": args.seed, "data.num_samples": args.docs_per_step * args.steps, "data.max_sample_tokens": None,
         "optim.warmup_steps": 1, "optim.lr": args.lr, "optim.min_lr": args.lr / 10,
-        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": True,
+        # no sync debug mode (a check per CUDA call) that the HF rows would run without
+        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": False,
     })
 
 
@@ -363,8 +364,11 @@ def table_rows(workload: dict, baseline: str) -> list[list[str]]:
     cells = []
     for entry in rows:
         tok_s, s, a = timed(entry), entry["summary"], entry.get("agreement") or {}
-        label = entry["name"] + (f" (recompute={entry['config']['recompute.granularity']})"
-                                 if entry["side"] == "relax" and "recompute=" not in entry["name"] else "")
+        label = entry["name"]
+        if entry["side"] == "relax" and "recompute=" not in entry["name"]:
+            granularity = entry["config"]["recompute.granularity"]
+            whole = f", {entry['full_layers']} layers whole" if granularity == "mixed" and entry.get("full_layers") else ""
+            label += f" (recompute={granularity}{whole})"
         cells.append([
             label, _fmt(tok_s, ",.0f"), _fmt(tok_s / base if tok_s and base else None, ".2f"),
             _fmt(tok_s / fastest if tok_s and fastest else None, ".2f"), _fmt(s.get("mfu") if tok_s else None, ".3f"),
@@ -534,7 +538,8 @@ def plan(args, specs: list[str], device: torch.device) -> tuple[list[Row], Path]
 
 def _versions() -> dict:
     found = {"torch": torch.__version__}
-    for package in ("transformers", "peft", "liger-kernel", "torchao", "fla-core", "megatron-core"):
+    for package in ("transformers", "peft", "liger-kernel", "torchao", "fla-core", "flash-linear-attention",
+                    "causal-conv1d", "megatron-core", "flash-attn-4"):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
