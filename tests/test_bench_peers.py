@@ -68,7 +68,7 @@ def test_every_row_that_runs_agrees_with_the_hf_reference_step(cpu_run, workload
     result, _, _, _ = cpu_run
     (found,) = [w for w in result["workloads"] if w["name"] == workload]
     reference = found["reference"]
-    assert reference["loss"] > 1.0 and reference["grad_norm"] > 0.0 and reference["error"] is None
+    assert reference["loss"] > 1.0 and reference["grad_norm"] > 0.0 and "error" not in reference
     rows = _rows(result, workload)
     agreeing = {"hf", "hf,ckpt", "relax", "relax,recompute=full", "relax,packed"}
     if workload == "full":

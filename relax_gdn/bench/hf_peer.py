@@ -115,9 +115,9 @@ class HFSettings:
     Args:
         checkpointing: ``ckpt``: transformers' activation checkpointing of every decoder layer
             (``activation_checkpointing_enable``, non-reentrant).
-        liger: ``liger``: Liger's kernels as ``apply_liger_kernel_to_qwen3_5`` sets them (RMSNorm,
-            SwiGLU, the fused linear cross-entropy), what LLaMA-Factory's ``enable_liger_kernel``
-            switches on.
+        liger: ``liger``: Liger's kernels as ``apply_liger_kernel_to_qwen3_5`` sets them by default
+            (RMSNorm, SwiGLU, the fused linear cross-entropy): what the Liger switch of the
+            transformers-based recipes applies.
         fp8: ``fp8`` / ``fp8=<recipe>``: torchao's float8 training of every decoder linear (not the
             output layer) with that recipe (``tensorwise`` when none is named); implies ``compile``.
         compile: ``compile``: ``torch.compile`` of each decoder block.
@@ -284,11 +284,19 @@ def hf_inputs(sample, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
+NORM_CHUNK = 2**26  # elements upcast at a time: 256 MiB of fp32, not a copy of the 9B's embedding gradient
+
+
 def fp32_grad_norm(params: list[torch.nn.Parameter]) -> float:
-    """The gradients' global 2-norm accumulated in fp32 (the agreement check's; HF's clipping
-    forms its own norm in the gradients' dtype)."""
-    squares = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
-    return math.sqrt(torch.stack(squares).sum().item()) if squares else 0.0
+    """The gradients' global 2-norm from fp32 values (the agreement check's; HF's clipping forms
+    its own norm in the gradients' dtype), upcast a chunk at a time."""
+    total = 0.0
+    for param in params:
+        if param.grad is not None:
+            for chunk in param.grad.detach().reshape(-1).split(NORM_CHUNK):
+                values = chunk.float()
+                total += torch.dot(values, values).item()
+    return math.sqrt(total)
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,16 @@ from pathlib import Path
 
 import torch
 
+from relax_gdn.bench.hf_peer import (
+    Batches,
+    HFSettings,
+    existing_init_problem,
+    init_marker,
+    out_of_memory,
+    parse_hf_settings,
+)
 from relax_gdn.bench.needs import require_gpus
+from relax_gdn.config import RunConfig
 
 WORKLOADS = ("lora", "full")
 BASE_ROWS = ("hf", "hf,ckpt", "hf,ckpt,liger", "hf,fp8", "relax", "relax,recompute=full")
@@ -88,7 +97,7 @@ class Row:
 
     spec: str
     side: str  # "hf" or "relax"
-    hf: object = None  # HFSettings (hf rows)
+    hf: HFSettings | None = None  # hf rows
     overrides: dict = field(default_factory=dict)  # config overrides (relax rows); recompute "best" resolved later
 
     @property
@@ -105,7 +114,6 @@ def default_rows(docs_per_step: int) -> list[str]:
 def parse_row(spec: str, packed_tokens: int) -> Row:
     """A :class:`Row` of ``spec``; ``packed_tokens``: the micro-batch of ``packed`` (one step's documents).
     ``ValueError`` naming what is wrong."""
-    from relax_gdn.bench.hf_peer import parse_hf_settings
     from relax_gdn.bench.train_e2e import variant_overrides
 
     side, *words = [w.strip() for w in spec.split(",") if w.strip()] or [""]
@@ -157,9 +165,8 @@ def agreement(first: dict | None, reference: dict | None, kind: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def base_config(args, checkpoint: str, device: torch.device):
+def base_config(args, checkpoint: str, device: torch.device) -> RunConfig:
     """The run configuration every relax-gdn row starts from."""
-    from relax_gdn.config import RunConfig
     from relax_gdn.data import padded_length
 
     return RunConfig().with_overrides({
@@ -193,7 +200,7 @@ def workload_optimizer(cfg, device: torch.device, vocab: int, requested: str) ->
     if requested != "auto":
         return requested, "requested"
     if device.type != "cuda":
-        return "adam", "fits"
+        return "adam", "no GPU memory to fit"
     from relax_gdn.train.loop import device_memory_bytes
     from relax_gdn.train.memory import GIB
 
@@ -242,11 +249,11 @@ class Bench:
     dtype: torch.dtype
     checkpoint: Path
     vocab: int
-    batches: object  # hf_peer.Batches
-    base: object  # RunConfig
+    batches: Batches
+    base: RunConfig  # what every relax-gdn row starts from
 
 
-def run_hf(bench: Bench, name: str, settings, *, lora, optimizer: str, steps: int) -> dict:
+def run_hf(bench: Bench, name: str, settings: HFSettings, *, lora, optimizer: str, steps: int) -> dict:
     from relax_gdn.bench.hf_peer import run_hf_row
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.train.flops import ModelShape
@@ -259,7 +266,6 @@ def run_hf(bench: Bench, name: str, settings, *, lora, optimizer: str, steps: in
 
 def run_relax(bench: Bench, row: Row, workload_keys: dict, optimizer: str) -> dict:
     from relax_gdn.bench import train_e2e
-    from relax_gdn.bench.hf_peer import out_of_memory
 
     cfg, overrides = relax_row_config(bench.base, workload_keys, row, device=bench.device, vocab=bench.vocab,
                                       optimizer=optimizer)
@@ -280,15 +286,14 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
     cfg = bench.base.with_overrides(keys)
     optimizer, why = workload_optimizer(cfg, bench.device, bench.vocab, args.optimizer)
     lora = cfg.lora_options
-    from relax_gdn.bench.hf_peer import parse_hf_settings
-
     reference = run_hf(bench, f"{REFERENCE_ROW} (reference step)", parse_hf_settings(REFERENCE_ROW.split(",")[1:]),
                        lora=lora, optimizer="none", steps=1)
     first = reference["records"][0] if reference["records"] else None
+    reference_step = {"row": REFERENCE_ROW, "loss": first["loss"], "grad_norm": first["grad_norm"]} if first else None
     out = {"name": workload, "optimizer": optimizer, "optimizer_note": why,
-           "lora": lora.as_dict() if lora is not None else None, "reference": {
-               "row": REFERENCE_ROW, "loss": first and first["loss"], "grad_norm": first and first["grad_norm"],
-               "error": reference["summary"].get("error")}, "rows": []}
+           "lora": lora.as_dict() if lora is not None else None,
+           "reference": reference_step or {"row": REFERENCE_ROW, "loss": None, "grad_norm": None,
+                                           "error": note(reference, None)}, "rows": []}
     emit(out, None)
     for row in rows:
         if row.side == "hf":
@@ -296,8 +301,7 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
         else:
             entry = run_relax(bench, row, keys, optimizer)
         records = entry.get("records") or []
-        entry["agreement"] = agreement(records[0] if records else None, first and out["reference"],
-                                       precision(row, bench.device))
+        entry["agreement"] = agreement(records[0] if records else None, reference_step, precision(row, bench.device))
         out["rows"].append(entry)
         emit(out, entry)
     return out
@@ -307,8 +311,8 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
 # the table
 # ---------------------------------------------------------------------------------------------
 
-COLUMNS = ("row", "tok/s", "÷ {baseline}", "÷ fastest HF", "MFU", "peak GiB", "first loss", "Δ loss", "grad norm",
-           "Δ grad", "note")
+COLUMNS = ("row", "tok/s", "÷ {baseline}", "÷ fastest HF", "MFU", "peak GiB", "first loss", "rel Δ loss",
+           "first grad norm", "rel Δ grad", "note")
 
 
 def timed(entry: dict) -> float | None:
@@ -384,7 +388,7 @@ def workload_title(workload: dict, meta: dict) -> str:
     update = "AdamW" if workload["optimizer"] == "adam" else "forward + backward, no update"
     ref = workload["reference"]
     proof = (f"HF reference step: loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}" if ref["loss"] is not None
-             else f"HF reference step FAILED: {ref['error']}")
+             else f"no HF reference step: {ref['error']}")
     return (f"{meta['preset']}, {what}, {update}; {meta['docs_per_step']} x {meta['doc_tokens']}-token document(s) "
             f"per step, medians of steps {meta['skip'] + 1}-{meta['steps']}; {proof}")
 
@@ -491,8 +495,6 @@ def check_args(args, parser: argparse.ArgumentParser, device: torch.device) -> l
 
 def _checkpoint_problem(args, dtype: torch.dtype) -> tuple[Path, str | None]:
     """The checkpoint directory of the run and why it cannot be used (None: it can)."""
-    from relax_gdn.bench.hf_peer import existing_init_problem, init_marker
-
     if args.hf_checkpoint:
         path = Path(args.hf_checkpoint)
         config = path / "config.json"
@@ -505,10 +507,29 @@ def _checkpoint_problem(args, dtype: torch.dtype) -> tuple[Path, str | None]:
     return path, existing_init_problem(path, marker)
 
 
+def _check_relax_row(base: RunConfig, row: Row, workload: str, args) -> None:
+    """Refuse (:class:`~relax_gdn.errors.ConfigError`) a relax-gdn row that cannot run ``workload``:
+    its configuration breaks a rule, or its micro-batch cannot hold one document."""
+    from relax_gdn.config import validate
+    from relax_gdn.data import padded_length
+    from relax_gdn.errors import ConfigError
+
+    overrides = {**workload_overrides(workload, args.lora_rank), **row.overrides}
+    best = overrides["recompute.granularity"] == "best"  # chosen on the GPU; any choice validates alike
+    overrides |= {"recompute.granularity": "full"} if best else {}
+    try:  # (the random-init checkpoint is written later; a given one is checked on its own)
+        cfg = base.with_overrides({**overrides, "model.hf_checkpoint": None})
+        validate(cfg, 1)
+    except ConfigError as e:
+        raise ConfigError([f"row {row.spec!r} ({workload}): {p}" for p in e.problems]) from None
+    if padded_length(args.doc_tokens, 1) > cfg.train.max_tokens_per_gpu:
+        raise ConfigError(f"row {row.spec!r}: train.max_tokens_per_gpu={cfg.train.max_tokens_per_gpu} holds less "
+                          f"than one {args.doc_tokens}-token document; raise it or lower --doc-tokens")
+
+
 def plan(args, specs: list[str], device: torch.device) -> tuple[list[Row], Path]:
     """The rows and the checkpoint directory, every row's configuration validated: a
     :class:`~relax_gdn.errors.ConfigError` names what to change before anything is built or written."""
-    from relax_gdn.config import validate
     from relax_gdn.data import padded_length
     from relax_gdn.errors import ConfigError
     from relax_gdn.model.hf_checkpoint import run_vocab_size
@@ -517,22 +538,16 @@ def plan(args, specs: list[str], device: torch.device) -> tuple[list[Row], Path]
     checkpoint, problem = _checkpoint_problem(args, dtype)
     if problem is not None:
         raise ConfigError(problem)
+    if args.hf_checkpoint:
+        run_vocab_size(checkpoint, args.preset, 0, 1)  # missing, or of other sizes than the preset's
     try:
         rows = [parse_row(spec, padded_length(args.doc_tokens, 1) * args.docs_per_step) for spec in specs]
     except ValueError as e:
         raise ConfigError(f"--rows: {e}") from None
     base = base_config(args, str(checkpoint), device)
-    if args.hf_checkpoint:
-        run_vocab_size(checkpoint, args.preset, 0, 1)  # a checkpoint of other sizes: ConfigError
     for workload in args.workloads:
         for row in (r for r in rows if r.side == "relax"):
-            overrides = {**workload_overrides(workload, args.lora_rank), **row.overrides}
-            overrides["recompute.granularity"] = "full" if overrides["recompute.granularity"] == "best" else \
-                overrides["recompute.granularity"]
-            try:  # (the random-init checkpoint is written later; a given one was checked above)
-                validate(base.with_overrides({**overrides, "model.hf_checkpoint": None}), 1)
-            except ConfigError as e:
-                raise ConfigError([f"row {row.spec!r} ({workload}): {p}" for p in e.problems]) from None
+            _check_relax_row(base, row, workload, args)
     return rows, checkpoint
 
 
@@ -547,9 +562,10 @@ def _versions() -> dict:
     return found
 
 
-def _quiet_transformers(runtime, device: torch.device) -> None:
-    """Process-wide changes the HF side needs, each undone when the Runtime closes: no loading
-    progress bars; on CPU, transformers' pure-torch GDN functions instead of FLA's Triton kernels."""
+def _process_settings(runtime, device: torch.device) -> None:
+    """Process-wide changes of the benchmark, each undone when the Runtime closes: no loading
+    progress bars; on CPU, transformers' pure-torch GDN functions instead of FLA's Triton kernels,
+    and one compute thread."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
     from transformers.utils import logging as hf_logging
 
@@ -563,6 +579,11 @@ def _quiet_transformers(runtime, device: torch.device) -> None:
         bound = {name: getattr(modeling, name) for name in KERNEL_HANDLES}
         use_torch_kernels_in_transformers()
         runtime.adopt(lambda: [setattr(modeling, name, fn) for name, fn in bound.items()])
+        # the tiny model's ops are too small to share between threads: more threads only add their
+        # synchronisation (and contend with whatever else the machine runs)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        runtime.adopt(lambda: torch.set_num_threads(threads))
 
 
 def _write(result: dict, out: str | None, tables: bool) -> None:
@@ -585,7 +606,7 @@ def _progress(result: dict, out: str | None):
         if entry is None:
             ref = workload["reference"]
             said = (f"loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}" if ref["loss"] is not None
-                    else f"FAILED: {ref['error']}")
+                    else f"none: {ref['error']}")
             print(f"[peers] {workload['name']}: HF reference step ({ref['row']}): {said}", flush=True)
             return
         tok_s = timed(entry)
@@ -595,7 +616,7 @@ def _progress(result: dict, out: str | None):
 
 
 def _run(args, rows: list[Row], checkpoint: Path, device: torch.device, runtime) -> dict:
-    from relax_gdn.bench.hf_peer import Batches, write_random_checkpoint
+    from relax_gdn.bench.hf_peer import write_random_checkpoint
     from relax_gdn.bench.provenance import tree_commit
     from relax_gdn.data import LengthProfile, length_matched_samples
     from relax_gdn.model.hf_checkpoint import run_vocab_size
@@ -603,7 +624,7 @@ def _run(args, rows: list[Row], checkpoint: Path, device: torch.device, runtime)
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     created = init_distributed(device)
-    _quiet_transformers(runtime, device)
+    _process_settings(runtime, device)
     if not args.hf_checkpoint:
         checkpoint = write_random_checkpoint(checkpoint, args.preset, args.seed, dtype, device)
     vocab = run_vocab_size(checkpoint, args.preset, 0, 1)
@@ -645,15 +666,18 @@ def main(argv: list[str] | None = None) -> dict:
     device = _device(args.device)
     specs = check_args(args, parser, device)
 
-    from relax_gdn.errors import ConfigError, report_user_error
+    from relax_gdn.errors import ConfigError, RecipeError, report_user_error
     from relax_gdn.runtime import Runtime
 
     try:
         rows, checkpoint = plan(args, specs, device)
     except ConfigError as e:
         report_user_error(e)
-    with Runtime() as runtime:  # after the checks: a refused run builds and writes nothing
-        return _run(args, rows, checkpoint, device, runtime)
+    try:
+        with Runtime() as runtime:  # after the checks: a refused run builds and writes nothing
+            return _run(args, rows, checkpoint, device, runtime)
+    except RecipeError as e:  # what only the run finds (a relax-gdn row's data): one message, exit 2
+        report_user_error(e)
 
 
 if __name__ == "__main__":
