@@ -17,6 +17,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,8 +140,26 @@ def test_outputs_json_markdown_and_the_table_last(cpu_run):
     assert markdown.count("| row | tok/s | ÷ hf,ckpt |") == 2
     assert "| relax (recompute=none) |" in markdown
     lines = printed.rstrip().splitlines()
-    assert lines[-1].startswith("└") and "relax,packed" in "\n".join(lines[-12:])  # the rich table is last
+    bottom = max(i for i, line in enumerate(lines) if line.startswith("└"))  # the rich tables are last:
+    assert "relax,packed" in "\n".join(lines[bottom - 12:bottom])  # the full workload's rows,
+    assert lines[bottom + 1].startswith("hf,ckpt,liger: cannot run: ")  # then the notes under them
+    assert not any("│" in line for line in lines[bottom + 1:])
     assert "Traceback" not in printed
+
+
+@pytest.mark.slow
+def test_the_random_init_checkpoint_is_written_once(cpu_run):
+    from relax_gdn.bench.hf_peer import existing_init_problem, init_marker, write_random_checkpoint
+
+    init = Path(cpu_run[0]["meta"]["checkpoint"])
+    written = {p.name: p.stat().st_mtime_ns for p in init.iterdir()}
+    assert "model.safetensors" in written and "config.json" in written
+    assert write_random_checkpoint(init, "qwen3_5_tiny", 1234, torch.float32, torch.device("cpu")) == init
+    assert {p.name: p.stat().st_mtime_ns for p in init.iterdir()} == written  # reused, not written again
+    assert existing_init_problem(init, init_marker("qwen3_5_tiny", 1234, torch.float32)) is None
+    other = existing_init_problem(init, init_marker("qwen3_5_tiny", 7, torch.float32))
+    assert "holds the random-init checkpoint of {'preset': 'qwen3_5_tiny', 'seed': 1234" in other
+    assert not init.with_name(init.name + ".partial").exists()
 
 
 def test_rows_parse_to_settings_and_overrides():

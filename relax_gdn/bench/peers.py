@@ -84,6 +84,7 @@ REFERENCE_ROW = "hf,ckpt"
 LOSS_RTOL = {"fp32": 1e-5, "bf16": 1e-3, "fp8": 1e-2}
 GRAD_NORM_RTOL = {"fp32": 1e-2, "bf16": 1e-2, "fp8": 1e-1}
 CPU_PRESET = "qwen3_5_tiny"
+LOG_WIDTH = 240  # columns of the table printed where stdout is not a terminal
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +281,8 @@ def run_relax(bench: Bench, row: Row, workload_keys: dict, optimizer: str) -> di
 
 
 def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
-    """Every row of ``workload`` after its HF reference step; ``emit(entry)`` after each row."""
+    """Every row of ``workload`` after its HF reference step; ``emit(workload result, entry)`` after
+    the reference step (entry None) and after each row."""
     args = bench.args
     keys = workload_overrides(workload, args.lora_rank)
     cfg = bench.base.with_overrides(keys)
@@ -313,6 +315,9 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
 
 COLUMNS = ("row", "tok/s", "÷ {baseline}", "÷ fastest HF", "MFU", "peak GiB", "first loss", "rel Δ loss",
            "first grad norm", "rel Δ grad", "note")
+# the console's table fits a terminal: without the first step's values (its title gives the
+# reference's; the deviations stay), and the notes under it, one line per row that has one
+CONSOLE_COLUMNS = tuple(c for c in COLUMNS if c not in ("first loss", "first grad norm", "note"))
 
 
 def timed(entry: dict) -> float | None:
@@ -410,22 +415,26 @@ def markdown(result: dict) -> str:
 
 def print_tables(result: dict, stream=None) -> None:
     """The rich tables, one per workload (the last thing the benchmark prints)."""
-    import shutil
-
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     stream = stream or sys.stdout
     meta = result["meta"]
-    console = Console(file=stream, width=max(shutil.get_terminal_size((200, 24)).columns, 120))
+    console = Console(file=stream)
+    if not console.is_terminal:  # a log or a pipe: one line per row, whatever the terminal was
+        console = Console(file=stream, width=LOG_WIDTH)
+    keep = [COLUMNS.index(c) for c in CONSOLE_COLUMNS]
     for workload in result["workloads"]:
-        table = Table(title=workload_title(workload, meta), title_justify="left")
-        for i, column in enumerate(COLUMNS):
-            table.add_column(column.format(baseline=meta["baseline_row"]),
-                             justify="left" if i in (0, len(COLUMNS) - 1) else "right")
-        for row in table_rows(workload, meta["baseline_row"]):
-            table.add_row(*(Text(cell) for cell in row))  # plain text: "[peers]" is no markup
+        cells = table_rows(workload, meta["baseline_row"])
+        notes = [f"{row[0]}: {row[-1]}" for row in cells if row[-1]]
+        table = Table(title=workload_title(workload, meta), title_justify="left", caption_justify="left",
+                      caption=Text("\n".join(notes)) if notes else None)  # plain text: "[peers]" is no markup
+        for i, column in enumerate(CONSOLE_COLUMNS):
+            table.add_column(column.format(baseline=meta["baseline_row"]), justify="right" if i else "left",
+                             no_wrap=True)
+        for row in cells:
+            table.add_row(*(Text(row[i]) for i in keep))
         console.print(table)
 
 
