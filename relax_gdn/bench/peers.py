@@ -14,9 +14,9 @@ it with ``from_pretrained``, relax-gdn through ``model.hf_checkpoint``.
 Data: every step is ``--docs-per-step`` random-token SFT documents of ``--doc-tokens`` tokens (a
 prompt without loss, then the response; ``relax_gdn.data.length_matched_samples``), the same
 documents on both sides: the global batch of step ``s`` is ``relax_gdn.data.global_batch_at_step``'s.
-HF runs one document per forward (batch 1, no padding: transformers' GDN path does not pack);
-relax-gdn runs one document per micro-batch (``train.max_tokens_per_gpu`` = the document), and
-the ``packed`` row packs every document of a step into one micro-batch.
+HF runs one document per forward (batch 1, no padding, as the transformers-based recipes train
+by default); relax-gdn runs one document per micro-batch (``train.max_tokens_per_gpu`` = the
+document), and the ``packed`` row packs every document of a step into one micro-batch.
 
 Workloads (``--workloads``): ``full`` (every weight trains) and ``lora`` (PEFT's LoRA on HF, r
 ``--lora-rank`` with alpha 2 x r on the targets of relax-gdn's ``model.lora`` default: every
@@ -50,8 +50,8 @@ tok/s over ``--baseline-row``'s (HF with checkpointing unless named) and over th
 A row that runs out of memory shows ``OOM`` with the memory it asked for (and the steps it ran);
 one the memory model refuses shows the estimate. ``--out X.json`` writes the JSON (``meta``,
 ``workloads`` with their reference step and rows: ``records`` in the schema of metrics.jsonl,
-``summary``, ``agreement``) after every row and ``X.md`` (the tables) at the end; the rich table
-is printed last.
+``summary``, ``agreement``) after every row and ``X.md`` (the tables) at the end; the rich tables
+(each row's note under its table) are printed last.
 """
 
 from __future__ import annotations
