@@ -14,8 +14,8 @@ it with ``from_pretrained``, relax-gdn through ``model.hf_checkpoint``.
 Data: every step is ``--docs-per-step`` random-token SFT documents of ``--doc-tokens`` tokens (a
 prompt without loss, then the response; ``relax_gdn.data.length_matched_samples``), the same
 documents on both sides: the global batch of step ``s`` is ``relax_gdn.data.global_batch_at_step``'s.
-HF runs one document per forward (batch 1, no padding, as the transformers-based recipes train
-by default); relax-gdn runs one document per micro-batch (``train.max_tokens_per_gpu`` = the
+HF runs one document per forward (batch 1, no padding: neither padding nor packing work is
+counted on its side); relax-gdn runs one document per micro-batch (``train.max_tokens_per_gpu`` = the
 document), and the ``packed`` row packs every document of a step into one micro-batch.
 
 Workloads (``--workloads``): ``full`` (every weight trains) and ``lora`` (PEFT's LoRA on HF, r
