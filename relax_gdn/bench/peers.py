@@ -394,8 +394,10 @@ def workload_title(workload: dict, meta: dict) -> str:
     ref = workload["reference"]
     proof = (f"HF reference step: loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}" if ref["loss"] is not None
              else f"no HF reference step: {ref['error']}")
-    return (f"{meta['preset']}, {what}, {update}; {meta['docs_per_step']} x {meta['doc_tokens']}-token document(s) "
-            f"per step, medians of steps {meta['skip'] + 1}-{meta['steps']}; {proof}")
+    docs = f"{meta['docs_per_step']} x {meta['doc_tokens']}-token document{'s' if meta['docs_per_step'] > 1 else ''}"
+    first, last = meta["skip"] + 1, meta["steps"]
+    timed_steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    return f"{meta['preset']}, {what}, {update}; {docs} per step, medians of {timed_steps}; {proof}"
 
 
 def markdown(result: dict) -> str:
