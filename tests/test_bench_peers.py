@@ -30,7 +30,7 @@ from tests.helpers import ROOT
 # alpha 64 instead of the workload's 32: the same first loss (B starts at zero), twice the adapters'
 # gradient, so the LoRA workload must mark it as disagreeing (the full workload has no adapters)
 OFF_SCALE_ROW = "relax,model.lora.alpha=64"
-CPU_RUN = ["--preset", "qwen3_5_tiny", "--steps", "3", "--docs-per-step", "2", "--doc-tokens", "160",
+CPU_RUN = ["--preset", "qwen3_5_tiny", "--steps", "2", "--docs-per-step", "2", "--doc-tokens", "160",
            "--rows", ";".join([*peers.default_rows(2), OFF_SCALE_ROW])]
 # torch's message when the caching allocator gives up (torch 2.14)
 TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
@@ -80,10 +80,10 @@ def test_every_row_that_runs_agrees_with_the_hf_reference_step(cpu_run, workload
         assert check["agrees"] is True, (name, check)
         assert check["loss_rel"] <= 1e-5 and check["grad_norm_rel"] <= 1e-2, (name, check)
         assert entry["records"][0]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-2)
-        assert len(entry["records"]) == 3 and peers.timed(entry) > 0
+        assert len(entry["records"]) == 2 and peers.timed(entry) > 0
     # the same documents on both sides, step by step; the two relax-gdn forms of a step
     hf, relax, packed = rows["hf"]["records"], rows["relax"]["records"], rows["relax,packed"]["records"]
-    assert [r["tokens"] for r in hf] == [r["tokens"] for r in relax] == [2 * 160] * 3
+    assert [r["tokens"] for r in hf] == [r["tokens"] for r in relax] == [2 * 160] * 2
     assert [r["loss_tokens"] for r in hf] == [r["loss_tokens"] for r in relax]
     assert {r["num_micro_batches"] for r in relax} == {2} and {r["num_micro_batches"] for r in packed} == {1}
     assert rows["relax"]["config"]["recompute.granularity"] == "none"  # best on CPU: no GPU to fit
