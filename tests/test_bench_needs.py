@@ -29,9 +29,12 @@ NEEDS_GPU = {
                  "torchrun --nproc-per-node 2 -m relax_gdn.bench.swap"),
     "train_e2e": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
                                         "python -m relax_gdn.bench.train_e2e"),
+    "peers": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+                                    "python -m relax_gdn.bench.peers"),
 }
-RUNS_ON_CPU = {"batching", "fla_configs", "long_context", "gdn_precision", "gdn_runs", "routes", "train_e2e"}  # train_e2e: --device auto
-NOT_A_BENCHMARK = {"__init__", "needs", "timing", "trace_launchers"}
+# train_e2e, peers: --device auto
+RUNS_ON_CPU = {"batching", "fla_configs", "long_context", "gdn_precision", "gdn_runs", "routes", "train_e2e", "peers"}
+NOT_A_BENCHMARK = {"__init__", "needs", "timing", "trace_launchers", "hf_peer", "provenance"}
 
 
 def test_every_benchmark_is_classified():

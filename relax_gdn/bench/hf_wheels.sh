@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The transformers / peft wheels for the offline GPU host (the HF export and LoRA GPU tests), at the
+# The transformers / peft / liger-kernel wheels for the offline GPU host (the HF export and LoRA GPU
+# tests, the Hugging Face rows of `python -m relax_gdn.bench.peers`), at the
 # versions of requirements.lock, into .gpu-hf/ (git-ignored; ~25 MiB, one transfer of its own since
 # the .gpu bundle takes 47 of a call's 64 MiB). The machine keeps it between calls while it stays warm.
 #
@@ -8,8 +9,8 @@
 set -euo pipefail
 dest=${1:-.gpu-hf}
 lock=$(dirname "$0")/../../requirements.lock
-# transformers, peft and what they import that the host's torch image and the .gpu bundle lack
-names=(transformers tokenizers huggingface_hub peft accelerate regex tqdm filelock fsspec hf-xet requests
+# transformers, peft, liger-kernel and what they import that the host's torch image and the .gpu bundle lack
+names=(transformers tokenizers huggingface_hub peft liger-kernel accelerate regex tqdm filelock fsspec hf-xet requests
        certifi charset-normalizer idna urllib3 httpx2 httpcore2 anyio sniffio h11 truststore typer click
        shellingham annotated-doc)
 pins=()

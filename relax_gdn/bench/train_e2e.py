@@ -86,7 +86,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +95,7 @@ import torch.distributed as dist
 
 from relax_gdn.bench import trace_launchers
 from relax_gdn.bench.needs import require_gpus
+from relax_gdn.bench.provenance import tree_commit
 
 CP_MODES = ("chunkwise", "headwise", "all_gather")
 KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "elementwise")
@@ -482,7 +482,10 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
     return round(left, 3)
 
 
-def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
+def run_variant(name: str, cfg, args, world: int, device: torch.device, data=None) -> dict:
+    """One variant: ``run_training`` of ``cfg`` on the benchmark's samples (``data``: a prepared
+    ``(tokenizer, SFTDataset)`` pair instead, as ``bench.peers`` gives), summarised; a refusal
+    by the memory model or a failure while it runs is reported in the summary, not raised."""
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.loop import _vocab_size, run_training
     from relax_gdn.train.memory import GIB
@@ -508,7 +511,7 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
     # recompute.full_layers=null: the memory model's choice, here as in the loop (same GPU)
     cfg = resolve_full_layers(cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab)
     estimate = _memory_estimate(cfg, world, bf16, padded_vocab, optimizer)
-    data = benchmark_data(args, vocab, capacity, cfg.data.num_samples)
+    data = data if data is not None else benchmark_data(args, vocab, capacity, cfg.data.num_samples)
     from relax_gdn.data import length_stats
     from relax_gdn.errors import MemoryFitError, RecipeError
 
@@ -564,20 +567,6 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-
-
-def _commit() -> str | None:
-    """HEAD's short hash, with ``+dirty`` when tracked files differ from it (then the numbers
-    belong to a working tree, not to that commit)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              timeout=10).stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _micro_batch_tokens(variant: dict) -> object:
@@ -734,7 +723,7 @@ def _run(args, variants: list[str]) -> dict:
     world = dist.get_world_size()
     result = {"meta": {
         "preset": args.preset, "world_size": world, "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": _commit(),
+        if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": tree_commit(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
         # what every variant starts from: relax_gdn.compare labels a key a variant leaves alone by it

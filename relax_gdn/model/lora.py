@@ -307,9 +307,10 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
-def _initial(layout: AdapterLayout, seed: int, embedding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_adapter(layout: AdapterLayout, seed: int, embedding: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole ``(A, B)`` at the start (fp32): PEFT's initialisation, from a generator seeded by
-    ``seed`` and the module's name (so every TP size draws the same)."""
+    ``seed`` and the module's name (so every TP size draws the same, and a PEFT model given these
+    matrices starts from the same adapters: ``relax_gdn.bench.peers``)."""
     gen = _generator(seed, layout.hf_module)
     if embedding:  # PEFT: lora_embedding_A zeros, lora_embedding_B normal
         return torch.zeros(layout.a_shape), torch.randn(layout.b_shape, generator=gen)
@@ -347,7 +348,7 @@ def _adapters_for(module, rule: TensorRule, leaves: list[str], options: LoRAOpti
                              or getattr(module, "reduce_scatter_embeddings", False))
     adapters = {}
     for leaf, layout in layouts.items():
-        a, b = _initial(layout, options.init_seed, kind is LoRAEmbedding)
+        a, b = initial_adapter(layout, options.init_seed, kind is LoRAEmbedding)
         adapter = LoRAAdapter(layout, _local(a, layout.a_split, group, weight),
                               _local(b, layout.b_split, group, weight), sequence_parallel=sequence_parallel)
         # the factor next to the one that starts at zero has a zero gradient until that one moves
@@ -573,6 +574,7 @@ __all__ = [
     "LoRAEmbedding",
     "LoRARowParallel",
     "add_lora_adapters",
+    "initial_adapter",
     "lora_adapter_tensors",
     "lora_layers",
     "lora_scaling",
