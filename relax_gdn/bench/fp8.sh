@@ -3,11 +3,11 @@
 # 9.5 minutes each, from the repository root on the GPU host with the .gpu bundle carried (built with
 # EXTRA including torchao==0.18.0, docs/gpu.md):
 #
-#   CALL=1 relax_gdn/bench/fp8.sh   bench.gemm (the 9B's linear layers, bf16 vs each recipe), the FP8
-#       GPU tests (tests/test_fp8_gpu.py), the reduced 9B's loss curves: bf16 and RECIPE, seed 1
-#   CALL=2 relax_gdn/bench/fp8.sh   the full 9B at 8k tokens, one bench.train_e2e process per table:
-#       selective recompute bf16 / tensorwise (profiled) / rowwise / rowwise_gw_hp, full recompute bf16 /
-#       tensorwise, LoRA r16 + Adam bf16 / RECIPE
+#   CALL=1 relax_gdn/bench/fp8.sh   bench.gemm (the 9B's linear layers, bf16 vs each recipe), the full 9B
+#       at 8k tokens (one bench.train_e2e process per table: selective recompute bf16 / tensorwise
+#       (profiled) / rowwise, full recompute bf16 / tensorwise), the FP8 GPU tests (tests/test_fp8_gpu.py)
+#   CALL=2 relax_gdn/bench/fp8.sh   LoRA r16 + Adam bf16 / RECIPE, selective bf16 / rowwise_gw_hp, the
+#       reduced 9B's loss curves (bf16 and RECIPE, seed 1)
 #   CALL=3 relax_gdn/bench/fp8.sh   the reduced 9B's loss curves, seed 2, and the comparison of both seeds
 #
 # Environment: RECIPE (the recipe the loss curves and the LoRA row use; tensorwise), PRESET (qwen3_5_9b;
@@ -34,22 +34,26 @@ curves() {  # curves SEED: the reduced 9B, CURVE_STEPS steps, bf16 and RECIPE (o
 
 case $CALL in
   1)
-    step bench_gemm 150 python3 -m relax_gdn.bench.gemm --out "$OUT/gemm.json"
-    step test_fp8_gpu 240 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py
-    curves 1
+    step bench_gemm 100 python3 -m relax_gdn.bench.gemm --out "$OUT/gemm.json"
+    step e2e_selective 210 "${E2E[@]}" --out "$OUT/e2e_selective.json" --variants \
+      "recompute=selective;recompute=selective,fp8=tensorwise,profile;recompute=selective,fp8=rowwise"
+    step test_fp8_gpu 130 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py \
+      -k "not reduced_9b or tensorwise-selective or rowwise-selective"
+    step e2e_full 120 "${E2E[@]}" --out "$OUT/e2e_full.json" --variants "recompute=full;recompute=full,fp8=tensorwise"
     echo; echo "== GEMMs =="; sed -n '/^layer /,$p' "$OUT/bench_gemm.log"
+    for t in selective full; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done
     echo; echo "== GPU tests =="; tail -3 "$OUT/test_fp8_gpu.log" ;;
   2)
-    step e2e_selective 260 "${E2E[@]}" --out "$OUT/e2e_selective.json" --variants \
-      "recompute=selective;recompute=selective,fp8=tensorwise,profile;recompute=selective,fp8=rowwise;recompute=selective,fp8=rowwise_gw_hp"
-    step e2e_full 130 "${E2E[@]}" --out "$OUT/e2e_full.json" --variants "recompute=full;recompute=full,fp8=tensorwise"
     step e2e_lora 150 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora.json" --variants \
       "model.lora.rank=16;model.lora.rank=16,fp8=$RECIPE"
-    for t in selective full lora; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
+    step e2e_gw_hp 150 "${E2E[@]}" --out "$OUT/e2e_gw_hp.json" --variants \
+      "recompute=selective;recompute=selective,fp8=rowwise_gw_hp"
+    curves 1
+    for t in lora gw_hp; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
   3)
     curves 2
     python3 -m relax_gdn.compare "$OUT/curves" --baseline model.fp8.recipe=null > "$OUT/compare.log" 2>&1
-    echo; cat "$OUT/compare.log" | tail -30 ;;
+    echo; tail -30 "$OUT/compare.log" ;;
 esac
 save_caches
 echo; cat "$summary"
