@@ -114,6 +114,29 @@ def test_bf16_rows_and_the_main_grad(recipe):
     assert torch.allclose(wi.main_grad[80:] - 0.5, g[:, 80:].t() @ x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_scaled_mm_path_agrees_with_the_emulation(recipe, monkeypatch):
+    """The GPU path's operands and scales (each GEMM's layouts, the padded tokens, a tensorwise scale
+    beside a rowwise one, the post-scaled rowwise GEMM) through ``torch._scaled_mm``, which CPU torch
+    has too, against the emulation: within the GEMM's own rounding."""
+    import relax_gdn.model.fp8.linear as linear
+    from relax_gdn.model.fp8.casts import fp8_mm
+
+    x, w, g = (t.to(torch.bfloat16) for t in _inputs(40, 64, 96, seed=3))
+
+    def fwd_bwd():
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = _impl(recipe, bf16_rows=16)(xi, wi)
+        y.backward(g)
+        return y, xi.grad, wi.grad
+
+    emulated = fwd_bwd()
+    monkeypatch.setattr(linear, "fp8_mm", lambda a, b, dtype, *, fast_accum, emulate: fp8_mm(
+        a, b, dtype, fast_accum=fast_accum, emulate=False))
+    for name, got, want in zip(("output", "input grad", "weight grad"), fwd_bwd(), emulated):
+        assert got.dtype == torch.bfloat16 and relative_error(got, want) < 1e-2, (recipe, name)
+
+
 def test_frozen_weight_is_cast_once_per_value():
     x, w, g = _inputs(32, 64, 96)
     impl = _impl("rowwise")

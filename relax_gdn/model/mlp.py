@@ -9,7 +9,7 @@ from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.mlp import MLP
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 
 class _MatmulOutputUnread(TorchFunctionMode):
@@ -22,6 +22,12 @@ class _MatmulOutputUnread(TorchFunctionMode):
             a, b = args  # plain tensors, or FP8 operands (relax_gdn.model.fp8) that report their output dtype
             return torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
         return func(*args, **(kwargs or {}))
+
+
+def matmul_output_unread() -> bool:
+    """Whether a :class:`_MatmulOutputUnread` is active: a linear that computes its GEMM otherwise than
+    through ``torch.matmul`` (relax_gdn.model.fp8) skips it then too."""
+    return any(isinstance(mode, _MatmulOutputUnread) for mode in _get_current_function_mode_stack())
 
 
 class Qwen3_5MLP(MLP):

@@ -1,17 +1,20 @@
-"""High-precision tensors to FP8 GEMM operands, with torchao's float8 building blocks.
+"""High-precision tensors to FP8 GEMM operands, and the FP8 GEMM, with torchao's float8 recipes.
 
-Each operand of an FP8 GEMM is cast as its recipe's ``CastConfig`` says (torchao's
-``tensor_to_amax`` -> ``amax_to_scale`` -> saturated cast, wrapped as a ``Float8TrainingTensor``
-whose ``torch.mm`` torchao dispatches to ``torch._scaled_mm``, or to the fp32 emulation on CPU).
-One thing torchao leaves to its DTensor path is done here for Megatron-Core's tensor parallelism:
-an operand split over the TP ranks along a dimension its scale reduces over gets its amax
-all-reduced (MAX) over the TP group, so every rank casts with the scale the whole tensor would
-have: TP 2 (+ SP) computes what TP 1 computes. The reduction is a device collective; the scales
-never leave the device (no host sync).
+Each operand is cast as its recipe's ``CastConfig`` says, with torchao's building blocks
+(``tensor_to_amax`` -> ``amax_to_scale`` -> ``to_fp8_saturated``), straight into the layout Hopper's
+FP8 GEMM reads (``torch._scaled_mm``: the first operand row-major, the second column-major): a cast
+writes the tensor as it is stored (``rows``), transposed (``cols``, the tokens padded to a multiple
+of 16 where a weight gradient's GEMM reduces over them), or both in one pass. On CUDA each cast is
+one compiled kernel (``torch.compile``, dynamic token count) per operand; a separate transposing copy
+of the FP8 data, or torchao's tensor-subclass dispatch around every GEMM, measured as long as the
+GEMMs themselves at the 9B's shapes (docs/benchmarks.md, "FP8 on one GPU").
 
-On CUDA the amax and the scaled cast are compiled (``torch.compile``, dynamic shapes): one or two
-fused kernels per operand instead of an fp32 copy and a chain of elementwise kernels. A compile
-that fails falls back to eager for the model that asked (:class:`CastKernels`), with one warning.
+Tensor parallelism: an operand split over the TP ranks along a dimension its scale reduces over gets
+its amax all-reduced (MAX) over the TP group first, so every rank casts with the scale the whole
+tensor would have: TP 2 (+ SP) computes what TP 1 computes. The reduction is a device collective;
+the scales never leave the device (no host sync).
+
+On CPU the GEMM is torchao's emulation: the same FP8 operands, dequantised and multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -21,78 +24,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
-from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole, LinearMMConfig
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
 
 logger = logging.getLogger(__name__)
 
-
-def _amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
-    granularity = ScalingGranularity.TENSORWISE if axiswise_dim is None else ScalingGranularity.AXISWISE
-    return tensor_to_amax(x, scaling_granularity=granularity, axiswise_dim=axiswise_dim)
-
-
-def _scaled_bits(x: torch.Tensor, amax: torch.Tensor, float8_dtype: torch.dtype,
-                 round_scales_to_power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # torchao's hp_tensor_and_scale_to_float8: the product in fp32, then a saturated cast
-    scale = amax_to_scale(amax, float8_dtype, round_scales_to_power_of_2)
-    return to_fp8_saturated(x.to(torch.float32) * scale, float8_dtype), scale
-
-
-def _amax_and_scaled_bits(x: torch.Tensor, axiswise_dim: int | None, float8_dtype: torch.dtype,
-                          round_scales_to_power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _scaled_bits(x, _amax(x, axiswise_dim), float8_dtype, round_scales_to_power_of_2)
-
-
+# torch._scaled_mm: the reduction dimension a multiple of 16
+ALIGN = 16
 _RECOMPILE_LIMIT = 64
 _RECOMPILE_LIMIT_KEY = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
-class CastKernels:
-    """The cast's pieces, compiled on CUDA for the model that owns this object (eager on CPU, and
-    eager for this model alone after a compile error)."""
-
-    def __init__(self, compile_on_cuda: bool = True):
-        self._compile = compile_on_cuda
-        self._compiled: dict[str, object] = {}
-
-    def _call(self, name: str, fn, x: torch.Tensor, *args):
-        if not (self._compile and x.is_cuda):
-            return fn(x, *args)
-        compiled = self._compiled.get(name)
-        if compiled is None:
-            compiled = self._compiled[name] = torch.compile(fn, dynamic=True)
-        try:
-            # one graph per dtype, scaling axis and layout: a model's recipe needs up to ~5, a benchmark
-            # comparing the recipes in one process more than dynamo's default limit of 8 per function,
-            # past which it would run the casts eagerly without a word
-            with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_KEY: _RECOMPILE_LIMIT}):
-                return compiled(x, *args)
-        except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
-            logger.warning("torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
-                           type(e).__name__, e)
-            self._compile = False
-            return fn(x, *args)
-
-    def amax(self, x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
-        return self._call("amax", _amax, x, axiswise_dim)
-
-    def scaled_bits(self, x, amax, float8_dtype, round_scales_to_power_of_2):
-        return self._call("scaled_bits", _scaled_bits, x, amax, float8_dtype, round_scales_to_power_of_2)
-
-    def amax_and_scaled_bits(self, x, axiswise_dim, float8_dtype, round_scales_to_power_of_2):
-        return self._call("amax_and_scaled_bits", _amax_and_scaled_bits, x, axiswise_dim, float8_dtype,
-                          round_scales_to_power_of_2)
-
-
 @dataclass(frozen=True)
 class Operand:
-    """How one GEMM operand is cast: its recipe's cast config, its role, the dimension its scale
-    reduces over (None: tensorwise) and the dimension TP splits it along (None: replicated)."""
+    """How one GEMM operand is cast: its recipe's cast config, the dimension its scale reduces over
+    (None: tensorwise) and the dimension TP splits it along (None: replicated), both on the tensor as
+    stored."""
 
     cast: CastConfig
-    role: GemmInputRole
     axiswise_dim: int | None
     split_dim: int | None = None
 
@@ -107,25 +57,123 @@ class Operand:
         return self.axiswise_dim is None or self.axiswise_dim % ndim == self.split_dim % ndim
 
 
-def operand(cast: CastConfig, role: GemmInputRole, axiswise_dim: int, split_dim: int | None) -> Operand:
+def operand(cast: CastConfig, axiswise_dim: int, split_dim: int | None) -> Operand:
     """An :class:`Operand` whose axiswise dimension applies only where the cast is axiswise
     (torchao's ``get_maybe_axiswise_dim``)."""
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
-    return Operand(cast, role, axiswise_dim if axiswise else None, split_dim)
+    return Operand(cast, axiswise_dim if axiswise else None, split_dim)
 
 
-def cast_to_fp8(x: torch.Tensor, op: Operand, mm_config: LinearMMConfig, *, round_scales_to_power_of_2: bool,
-                tp_group: dist.ProcessGroup | None, kernels: CastKernels) -> Float8TrainingTensor:
-    """``x`` as the FP8 operand ``op`` describes (``x`` must not be a disabled operand)."""
-    dtype = op.cast.target_dtype
-    if tp_group is not None and tp_group.size() > 1 and op.amax_spans_ranks(x.dim()):
+@dataclass(frozen=True)
+class FP8Data:
+    """One GEMM operand in FP8: ``data`` row-major ``[rows, k]`` and the ``scale`` that made it (scalar,
+    or ``[rows, 1]``: one per row); the value is ``data / scale``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+# --- the kernels (plain torch: compiled on CUDA) -------------------------------------------------
+
+
+def _amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
+    granularity = ScalingGranularity.TENSORWISE if axiswise_dim is None else ScalingGranularity.AXISWISE
+    return tensor_to_amax(x, scaling_granularity=granularity, axiswise_dim=axiswise_dim)
+
+
+def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool):
+    """``x [m, n]`` scaled by the scale of ``amax`` and cast to ``dtype``: (as stored or None, transposed
+    ``[n, m']`` with ``m`` padded to a multiple of 16 or None, the scale, ``amax``)."""
+    scale = amax_to_scale(amax, dtype, pow2)
+    scaled = x.to(torch.float32) * scale  # torchao's hp_tensor_and_scale_to_float8: the product in fp32
+    as_stored = to_fp8_saturated(scaled, dtype) if rows else None
+    transposed = None
+    if cols:
+        transposed = to_fp8_saturated(F.pad(scaled.t(), (0, (-x.shape[0]) % ALIGN)), dtype).contiguous()
+    return as_stored, transposed, scale, amax
+
+
+def _amax_and_cast(x, axiswise_dim, dtype, pow2, rows, cols):
+    return _cast(x, _amax(x, axiswise_dim), dtype, pow2, rows, cols)
+
+
+class CastKernels:
+    """The casts, compiled on CUDA for the model that owns this object (eager on CPU, and eager for
+    this model alone after a compile error, with one warning)."""
+
+    def __init__(self, compile_on_cuda: bool = True):
+        self._compile = compile_on_cuda
+        self._compiled: dict[str, object] = {}
+
+    def _call(self, name: str, fn, x: torch.Tensor, *args):
+        if not (self._compile and x.is_cuda):
+            return fn(x, *args)
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            compiled = self._compiled[name] = torch.compile(fn, dynamic=True)
+        try:
+            # one graph per dtype, scaling axis and layout: a model's recipe needs a few, a benchmark
+            # comparing the recipes in one process more than dynamo's default limit of 8 per function,
+            # past which it would run the casts eagerly without a word
+            with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_KEY: _RECOMPILE_LIMIT}):
+                return compiled(x, *args)
+        except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
+            logger.warning("torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
+                           type(e).__name__, e)
+            self._compile = False
+            return fn(x, *args)
+
+    def amax(self, x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
+        return self._call("amax", _amax, x, axiswise_dim)
+
+    def cast(self, x, amax, dtype, pow2, rows, cols):
+        return self._call("cast", _cast, x, amax, dtype, pow2, rows, cols)
+
+    def amax_and_cast(self, x, axiswise_dim, dtype, pow2, rows, cols):
+        return self._call("amax_and_cast", _amax_and_cast, x, axiswise_dim, dtype, pow2, rows, cols)
+
+
+def cast_to_fp8(x: torch.Tensor, op: Operand, *, layouts: tuple[str, ...], pow2: bool,
+                tp_group: dist.ProcessGroup | None, kernels: CastKernels,
+                amax: torch.Tensor | None = None) -> tuple[dict[str, FP8Data], torch.Tensor]:
+    """``x`` (2-D) cast as ``op`` says into ``layouts`` (``rows``: as stored, ``cols``: transposed, the
+    first dimension padded to a multiple of 16): ({layout: FP8Data}, the amax it was scaled by).
+    ``amax``: one computed earlier for the same operand (the backward's cast of a tensorwise input)."""
+    dtype, rows, cols = op.cast.target_dtype, "rows" in layouts, "cols" in layouts
+    # what fp8_mm multiplies: a scale per row of the data, so rows keep the last dimension's, cols the first's
+    assert op.axiswise_dim is None or op.axiswise_dim % x.dim() == (x.dim() - 1 if rows else 0), (op, layouts)
+    if amax is None and tp_group is not None and tp_group.size() > 1 and op.amax_spans_ranks(x.dim()):
         amax = kernels.amax(x, op.axiswise_dim)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
-        bits, scale = kernels.scaled_bits(x, amax, dtype, round_scales_to_power_of_2)
+    if amax is None:
+        as_stored, transposed, scale, amax = kernels.amax_and_cast(x, op.axiswise_dim, dtype, pow2, rows, cols)
     else:
-        bits, scale = kernels.amax_and_scaled_bits(x, op.axiswise_dim, dtype, round_scales_to_power_of_2)
-    return Float8TrainingTensor(bits, scale, x.dtype, linear_mm_config=mm_config, gemm_input_role=op.role,
-                                axiswise_dim=op.axiswise_dim)
+        as_stored, transposed, scale, amax = kernels.cast(x, amax, dtype, pow2, rows, cols)
+    out = {}
+    if rows:
+        out["rows"] = FP8Data(as_stored, scale)
+    if cols:
+        out["cols"] = FP8Data(transposed, scale.t() if scale.dim() else scale)
+    return out, amax
 
 
-__all__ = ["CastKernels", "Operand", "cast_to_fp8", "operand"]
+def fp8_mm(a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, *, fast_accum: bool, emulate: bool) -> torch.Tensor:
+    """``a @ b_tᵀ`` in FP8 (``a [m, k]``, ``b_t [n, k]``, both row-major): Hopper's ``torch._scaled_mm``,
+    or on CPU torchao's emulation (the dequantised operands multiplied in fp32)."""
+    if emulate:
+        return ((a.data.float() / a.scale) @ (b_t.data.float() / b_t.scale).t()).to(out_dtype)
+    scale_a, scale_b = a.scale.reciprocal(), b_t.scale.reciprocal().t()
+    rowwise = scale_a.dim() or scale_b.dim()
+    if rowwise:  # _scaled_mm scales both operands the same way: a tensorwise one is repeated
+        scale_a = scale_a.expand(a.data.shape[0], 1).contiguous() if not scale_a.dim() else scale_a
+        scale_b = scale_b.expand(1, b_t.data.shape[0]).contiguous() if not scale_b.dim() else scale_b
+    if rowwise and not fast_accum:
+        # torchao's choice: the rowwise kernel without fast accumulation is slow; the tensorwise one
+        # with unit scales, then the scales applied to the product
+        one = torch.ones((), device=a.data.device)
+        out = torch._scaled_mm(a.data, b_t.data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
+        return out.mul_(scale_a).mul_(scale_b)
+    return torch._scaled_mm(a.data, b_t.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+__all__ = ["ALIGN", "CastKernels", "FP8Data", "Operand", "cast_to_fp8", "fp8_mm", "operand"]

@@ -20,9 +20,11 @@ keeping what Megatron-Core's function does around them:
   from a bf16 GEMM beside the FP8 one.
 
 What it saves for backward is what Megatron-Core's function saves (the input in high precision and
-the weight), so recompute, activation memory and the memory model are unchanged; the FP8 casts are
-transient. The forward GEMM goes through ``torch.matmul`` as Megatron-Core's does, so
-:class:`~relax_gdn.model.mlp.Qwen3_5MLP`'s skipped GEMM under full recompute skips it here too.
+the weight; a tensorwise recipe also keeps their amax, a scalar each, instead of reducing them again),
+so recompute, activation memory and the memory model are unchanged; the FP8 casts are transient. The
+GEMMs are ``torch._scaled_mm`` on operands cast straight into its layouts
+(:mod:`relax_gdn.model.fp8.casts`). Where :class:`~relax_gdn.model.mlp.Qwen3_5MLP` skips a GEMM whose
+output no gradient reads (full recompute), the forward skips its casts and GEMM too.
 """
 
 from __future__ import annotations
@@ -32,30 +34,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torchao.float8.config import Float8LinearConfig
-from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
 
-from relax_gdn.model.fp8.casts import CastKernels, Operand, cast_to_fp8, operand
+from relax_gdn.model.fp8.casts import CastKernels, FP8Data, Operand, cast_to_fp8, fp8_mm, operand
 from relax_gdn.model.fusion import handed_to_main_grad
-
-
-def linear_mm_config(config: Float8LinearConfig, emulate: bool, pad_tokens: bool = False) -> LinearMMConfig:
-    """The three GEMMs' ``torch._scaled_mm`` settings of ``config``; ``emulate``: the fp32 GEMM of the
-    dequantised operands (CPU); ``pad_tokens``: the weight gradient's GEMM, which reduces over the
-    micro-batch's tokens, pads them to a multiple of 16 (``_scaled_mm``'s rule; torchao's padding
-    copies its operands, so only a token count that needs it asks for it)."""
-    def mm(gemm, pad: bool = False) -> ScaledMMConfig:
-        return ScaledMMConfig(emulate, gemm.use_fast_accum, False, pad)
-
-    return LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
-                          mm(config.gemm_config_grad_weight, pad_tokens))
+from relax_gdn.model.mlp import matmul_output_unread
 
 
 @dataclass(frozen=True)
 class LinearOperands:
     """The six casts of one linear (2-D: input ``[T, K]``, weight ``[N, K]``, output gradient ``[T, N]``,
-    each cast as it is stored, so the compiled casts see contiguous tensors), with the dimension TP
-    splits each along for its kind of layer. torchao casts the weight transposed; the dimensions here
-    are the same ones on the untransposed weight."""
+    the dimensions on the tensors as stored), with the dimension TP splits each along for its kind of
+    layer. torchao casts the weight transposed; the dimensions here are the same ones on the weight."""
 
     input: Operand
     weight: Operand
@@ -69,14 +58,17 @@ class LinearOperands:
         row = parallel == "row"  # input and weight split over K; else the weight and grad split over N
         x_split, w_split, g_split = (1, 1, None) if row else (None, 0, 1)
         return cls(
-            input=operand(c.cast_config_input, GemmInputRole.INPUT, -1, x_split),
-            weight=operand(c.cast_config_weight, GemmInputRole.WEIGHT, -1, w_split),  # over K, per output row
-            grad_output=operand(c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1, g_split),
-            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, 0, w_split),
-            grad_output_for_grad_weight=operand(c.cast_config_grad_output_for_grad_weight,
-                                                GemmInputRole.GRAD_OUTPUT, 0, g_split),
-            input_for_grad_weight=operand(c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, x_split),
+            input=operand(c.cast_config_input, -1, x_split),
+            weight=operand(c.cast_config_weight, -1, w_split),  # over K, per output row
+            grad_output=operand(c.cast_config_grad_output, -1, g_split),
+            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, 0, w_split),  # over N, per input
+            grad_output_for_grad_weight=operand(c.cast_config_grad_output_for_grad_weight, 0, g_split),
+            input_for_grad_weight=operand(c.cast_config_input_for_grad_weight, 0, x_split),
         )
+
+    @property
+    def weight_grad_in_fp8(self) -> bool:
+        return not (self.grad_output_for_grad_weight.disabled or self.input_for_grad_weight.disabled)
 
 
 @dataclass
@@ -99,14 +91,11 @@ class FP8LinearImpl:
     calls: int = 0  # forwards run in FP8 (the run summary reports which layers ran)
     weight_casts: int = 0  # weight casts computed (a frozen weight's are kept: tests count them)
     operands: LinearOperands = field(init=False)
-    _mm_configs: dict = field(init=False, repr=False)  # (emulate, pad_tokens) -> LinearMMConfig
     _frozen_casts: dict = field(init=False, default_factory=dict, repr=False)
     _frozen_key: tuple | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         self.operands = LinearOperands.of(self.config, self.parallel)
-        self._mm_configs = {(emulate, pad): linear_mm_config(self.config, emulate, pad)
-                            for emulate in (False, True) for pad in (False, True)}
 
     def __call__(self, input, weight, *, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                  sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
@@ -121,25 +110,37 @@ class FP8LinearImpl:
 
     # -- casts ------------------------------------------------------------------------------------
 
-    def cast(self, x: torch.Tensor, op: Operand, emulate: bool, pad_tokens: bool = False):
-        return cast_to_fp8(x, op, self._mm_configs[emulate, pad_tokens],
-                           round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
-                           tp_group=self.tp_group, kernels=self.kernels)
+    def cast(self, x: torch.Tensor, op: Operand, layout: str, amax: torch.Tensor | None = None):
+        """(``x`` cast as ``op`` says into ``layout``, its amax)."""
+        casts, amax = cast_to_fp8(x, op, layouts=(layout,), pow2=self.config.round_scales_to_power_of_2,
+                                  tp_group=self.tp_group, kernels=self.kernels, amax=amax)
+        return casts[layout], amax
 
-    def weight(self, weight: torch.Tensor, op: Operand, emulate: bool):
-        """The FP8 rows of ``weight`` (``[N, K]``) cast as ``op`` says; a frozen weight's cast is
-        computed once per value of the weight and kept."""
+    def weight(self, weight: torch.Tensor, op: Operand, layout: str, amax: torch.Tensor | None = None):
+        """(the FP8 rows of ``weight`` ``[N, K]`` cast as ``op`` says into ``layout``, its amax); a frozen
+        weight's casts are computed once per value of the weight and kept."""
         if weight.requires_grad:
             self.weight_casts += 1
-            return self.cast(self.fp8_rows(weight), op, emulate)
-        key = (weight.data_ptr(), weight._version, weight.device, emulate)
+            return self.cast(self.fp8_rows(weight), op, layout, amax)
+        key = (weight.data_ptr(), weight._version, weight.device)
         if key != self._frozen_key:
             self._frozen_casts.clear()
             self._frozen_key = key
-        if op not in self._frozen_casts:
+        if (op, layout) not in self._frozen_casts:
+            # both layouts at once where forward and input gradient cast the weight alike (tensorwise)
+            ops = self.operands
+            both = ops.weight == ops.weight_for_grad_input
+            layouts = ("rows", "cols") if both else (layout,)
+            casts, amax = cast_to_fp8(self.fp8_rows(weight), op, layouts=layouts, tp_group=self.tp_group,
+                                      pow2=self.config.round_scales_to_power_of_2, kernels=self.kernels)
             self.weight_casts += 1
-            self._frozen_casts[op] = self.cast(self.fp8_rows(weight), op, emulate)
-        return self._frozen_casts[op]
+            for name in layouts:
+                self._frozen_casts[op, name] = (casts[name], amax)
+        return self._frozen_casts[op, layout]
+
+    def mm(self, a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, gemm) -> torch.Tensor:
+        """``a @ b_tᵀ`` with the recipe's setting for ``gemm`` (a ``Float8GemmConfig``)."""
+        return fp8_mm(a, b_t, out_dtype, fast_accum=gemm.use_fast_accum, emulate=not a.data.is_cuda)
 
     def fp8_rows(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a weight ``[N, K]`` that run in FP8."""
@@ -175,44 +176,73 @@ class _Communication:
     sequence_parallel: bool
 
 
+def _reusable(first: Operand, then: Operand, amax: torch.Tensor | None) -> torch.Tensor | None:
+    """The amax of ``first``'s cast when ``then`` casts the same tensor the same way (a tensorwise
+    recipe's input and weight in backward), else None."""
+    same = first.cast == then.cast and first.axiswise_dim is None and then.axiswise_dim is None
+    return amax if same else None
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``input @ weightᵀ`` with Megatron-Core's TP communication, the GEMMs in FP8."""
 
     @staticmethod
     def forward(ctx, input, weight, impl: FP8LinearImpl, comm: _Communication):
-        ctx.save_for_backward(input, weight)
         ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = impl, comm.allreduce_dgrad, comm.sequence_parallel
         fuse = comm.grad_accumulation_fusion and hasattr(weight, "main_grad")
         ctx.main_grad = weight.main_grad if fuse else None  # on ctx, as Megatron-Core's: layers may share it
         total = _gather_sequence(input, impl.tp_group) if comm.sequence_parallel else input
         x = total.reshape(-1, total.shape[-1])
-        emulate = not x.is_cuda
+        shape = (*total.shape[:-1], weight.shape[0])
+        if matmul_output_unread():  # Qwen3_5MLP under full recompute: backward reads only the saved inputs
+            ctx.save_for_backward(input, weight, None, None)
+            return x.new_zeros(shape)
         ops = impl.operands
-        # torch.matmul, as Megatron-Core's function: Qwen3_5MLP's skipped GEMM intercepts it
-        out = torch.matmul(impl.cast(x, ops.input, emulate), impl.weight(weight, ops.weight, emulate).t())
+        x8, x_amax = impl.cast(x, ops.input, "rows")
+        w8, w_amax = impl.weight(weight, ops.weight, "rows")
+        ctx.save_for_backward(input, weight, x_amax, w_amax)
+        out = impl.mm(x8, w8, x.dtype, impl.config.gemm_config_output)
         if impl.bf16_rows:
             out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows:].t())], dim=-1)
-        return out.reshape(*total.shape[:-1], out.shape[-1])
+        return out.reshape(shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
+        input, weight, x_amax, w_amax = ctx.saved_tensors
         impl: FP8LinearImpl = ctx.impl
         group = impl.tp_group
         g = grad_output.reshape(-1, grad_output.shape[-1])
-        emulate = not g.is_cuda
+        g8, g_hp = impl.split_out(g)
+        need_input, need_weight = ctx.needs_input_grad[0], weight.requires_grad  # LoRA: no input grad in layer 0
+        casts = _grad_output_casts(impl, g8, need_input, need_weight and impl.operands.weight_grad_in_fp8)
         grad_input, handle = None, None
-        if ctx.needs_input_grad[0]:  # not for a first layer over a frozen embedding (LoRA)
-            grad_input = _grad_input(impl, g, weight, emulate).reshape(*grad_output.shape[:-1], weight.shape[1])
-            grad_input, handle = _reduce_grad_input(grad_input, input, ctx.sequence_parallel, ctx.allreduce_dgrad,
-                                                    group)
+        if need_input:
+            grad_input = _grad_input(impl, casts["rows"], g_hp, weight, w_amax)
+            grad_input, handle = _reduce_grad_input(grad_input.reshape(*grad_output.shape[:-1], weight.shape[1]),
+                                                    input, ctx.sequence_parallel, ctx.allreduce_dgrad, group)
         grad_weight = None
-        if weight.requires_grad:
+        if need_weight:
             total = _gather_sequence(input, group) if ctx.sequence_parallel else input
-            grad_weight = _grad_weight(impl, g, total.reshape(-1, total.shape[-1]), weight, ctx.main_grad, emulate)
+            x = total.reshape(-1, total.shape[-1])
+            grad_weight = _grad_weight(impl, casts.get("cols"), g8, g_hp, x, weight, ctx.main_grad, x_amax)
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, None, None
+
+
+def _grad_output_casts(impl: FP8LinearImpl, g8: torch.Tensor, rows: bool, cols: bool) -> dict[str, FP8Data]:
+    """The output gradient's FP8 casts: ``rows`` for the input gradient, ``cols`` (transposed) for the
+    weight gradient; one pass over it where the recipe casts both the same way (tensorwise)."""
+    ops = impl.operands
+    pow2, kw = impl.config.round_scales_to_power_of_2, dict(tp_group=impl.tp_group, kernels=impl.kernels)
+    if rows and cols and ops.grad_output == ops.grad_output_for_grad_weight:
+        return cast_to_fp8(g8, ops.grad_output, layouts=("rows", "cols"), pow2=pow2, **kw)[0]
+    casts = {}
+    if rows:
+        casts.update(cast_to_fp8(g8, ops.grad_output, layouts=("rows",), pow2=pow2, **kw)[0])
+    if cols:
+        casts.update(cast_to_fp8(g8, ops.grad_output_for_grad_weight, layouts=("cols",), pow2=pow2, **kw)[0])
+    return casts
 
 
 def _reduce_grad_input(grad_input, input, sequence_parallel: bool, allreduce: bool, group):
@@ -227,36 +257,33 @@ def _reduce_grad_input(grad_input, input, sequence_parallel: bool, allreduce: bo
     return grad_input, None
 
 
-def _grad_input(impl: FP8LinearImpl, g: torch.Tensor, weight: torch.Tensor, emulate: bool) -> torch.Tensor:
+def _grad_input(impl: FP8LinearImpl, g8: FP8Data, g_hp: torch.Tensor | None, weight: torch.Tensor,
+                w_amax) -> torch.Tensor:
     ops = impl.operands
-    g8, g_hp = impl.split_out(g)
-    grad = torch.mm(impl.cast(g8, ops.grad_output, emulate), impl.weight(weight, ops.weight_for_grad_input, emulate))
+    w_t8, _ = impl.weight(weight, ops.weight_for_grad_input, "cols",
+                          _reusable(ops.weight, ops.weight_for_grad_input, w_amax))
+    grad = impl.mm(g8, w_t8, weight.dtype, impl.config.gemm_config_grad_input)
     if g_hp is not None:
         grad.addmm_(g_hp, weight[-impl.bf16_rows:])
     return grad
 
 
-def _grad_weight(impl: FP8LinearImpl, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 main_grad: torch.Tensor | None, emulate: bool) -> torch.Tensor:
-    """The weight gradient, added into ``main_grad`` when given (then Megatron-Core's placeholder is
-    returned), else returned in the weight's dtype."""
+def _grad_weight(impl: FP8LinearImpl, g_t8: FP8Data | None, g8: torch.Tensor, g_hp: torch.Tensor | None,
+                 x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor | None, x_amax) -> torch.Tensor:
+    """The weight gradient (FP8 from ``g_t8``, the output gradient's transposed cast, or in high
+    precision from ``g8`` where the recipe says so; the bf16 rows from ``g_hp``), added into ``main_grad``
+    when given (then Megatron-Core's placeholder is returned), else returned in the weight's dtype."""
     ops = impl.operands
-    g8, g_hp = impl.split_out(g)
-    parts = [(g8, impl.fp8_rows(main_grad) if main_grad is not None else None, True)]
+    into = impl.fp8_rows(main_grad) if main_grad is not None else None
+    if g_t8 is not None:
+        x_t8, _ = impl.cast(x, ops.input_for_grad_weight, "cols", _reusable(ops.input, ops.input_for_grad_weight,
+                                                                            x_amax))
+        gw = impl.mm(g_t8, x_t8, weight.dtype, impl.config.gemm_config_grad_weight)
+        grads = [gw if into is None else into.add_(gw)]
+    else:
+        grads = [_hp_weight_grad(g8, x, into)]
     if g_hp is not None:
-        parts.append((g_hp, main_grad[-impl.bf16_rows:] if main_grad is not None else None, False))
-    grads = []
-    for g_part, into, fp8 in parts:
-        fp8 = fp8 and not (ops.grad_output_for_grad_weight.disabled or ops.input_for_grad_weight.disabled)
-        if not fp8:
-            grads.append(_hp_weight_grad(g_part, x, into))
-            continue
-        pad = x.shape[0] % 16 != 0
-        gw = torch.mm(impl.cast(g_part, ops.grad_output_for_grad_weight, emulate, pad).t(),
-                      impl.cast(x, ops.input_for_grad_weight, emulate, pad))
-        if into is not None:
-            into.add_(gw)
-        grads.append(gw)
+        grads.append(_hp_weight_grad(g_hp, x, main_grad[-impl.bf16_rows:] if main_grad is not None else None))
     if main_grad is not None:
         return handed_to_main_grad(weight)
     return grads[0] if len(grads) == 1 else torch.cat(grads, dim=0)
@@ -277,4 +304,4 @@ def _hp_weight_grad(g: torch.Tensor, x: torch.Tensor, into: torch.Tensor | None)
     return None
 
 
-__all__ = ["FP8LinearImpl", "linear_mm_config"]
+__all__ = ["FP8LinearImpl", "LinearOperands"]
