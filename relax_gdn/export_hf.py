@@ -95,29 +95,28 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool
     """Build the run's model at TP 1, CP 1, load the checkpoint's weights (a LoRA run's: its base,
     then its adapters), write the export."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
+    from relax_gdn.parallel import ParallelContext, init_distributed
+    from relax_gdn.train.build import build_checkpoint_model
     from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, load_model_weights
     from relax_gdn.train.hf_export import write_hf_export
-    from relax_gdn.train.loop import init_distributed
 
     device = _prepare_device()
     created = init_distributed(device)
     try:
-        parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+        parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
         if device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(cfg.train.seed)  # the RNG tracker Megatron-Core's layers fork
-        model = _build_model(cfg, manifest, device)
+        model = build_checkpoint_model(manifest, parallel, device)
         if cfg.lora_options is not None:
             return _export_lora(directory, manifest, cfg, model, out, spec, adapter=adapter)
         load_model_weights(directory, model)
         main_params = checkpoint_fp32_main_params(directory, manifest, model)
         return write_hf_export(model, out, spec, main_params=main_params)
     finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -127,7 +126,7 @@ def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *
     moved), its adapters, then the merged model or (``adapter``) the PEFT adapter directory."""
     from relax_gdn.train.checkpoint import load_model_weights
     from relax_gdn.train.hf_export import write_adapter_export, write_merged_lora_export
-    from relax_gdn.train.loop import load_base_weights
+    from relax_gdn.train.build import load_base_weights
 
     base = manifest["model"]["lora"]["base"].get("hf_checkpoint")
     if base is not None:
@@ -155,26 +154,6 @@ def _prepare_device() -> torch.device:
 
     require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
     return torch.device("cpu")
-
-
-def _build_model(cfg, manifest: dict, device: torch.device):
-    from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.model.fusion import Fusion
-    from relax_gdn.model.mtp import MTPOptions
-
-    # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
-    dtype = getattr(torch, manifest["model"].get("dtype", "float32"))
-    tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, perform_initialization=False,
-                             use_cpu_initialization=device.type == "cpu", params_dtype=dtype,
-                             bf16=dtype == torch.bfloat16)
-    model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
-        gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
-        attention_backend=cfg.model.attention_backend, mtp=MTPOptions(manifest["model"].get("mtp_num_layers", 0)),
-        lora=cfg.lora_options, fusion=Fusion(cross_entropy=cfg.model.fused_cross_entropy),
-    )
-    return model.to(device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,18 +55,18 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
     """Loss per loss token of every record in ``eval_path`` under the checkpoint's weights, one
     sample at a time: logits from the model, log-softmax and the mask applied here."""
     import torch
-    from megatron.core import parallel_state
 
-    from relax_gdn.config import ParallelDims
     from relax_gdn.data import make_micro_batch
     from relax_gdn.data.tokenizer import load_tokenizer
+    from relax_gdn.parallel import ParallelContext
+    from relax_gdn.train.build import build
     from relax_gdn.train.checkpoint import load_model_weights
-    from relax_gdn.train.loop import _build_model, _vocab_size
 
     tokenizer = load_tokenizer(None)
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        _, model = _build_model(cfg, ParallelDims(1, 1, 1), torch.device("cpu"), False, _vocab_size(cfg, tokenizer, 1))
+        model = build(cfg, parallel, tokenizer_vocab_size=tokenizer.vocab_size, device=torch.device("cpu"), bf16=False,
+                      runtime=None).model
         load_model_weights(checkpoint, model)
         model.eval()
         total, tokens = 0.0, 0
@@ -83,7 +83,7 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
             tokens += int(weights.sum())
         return total / tokens, tokens
     finally:
-        parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
 
 
 def _sample(ids, mask):

@@ -237,11 +237,11 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
     Megatron-Core's own save): the drop-in export writes the float32 source tensors from them."""
     from dataclasses import replace
 
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from relax_gdn.config import run_config_from_dict
-    from relax_gdn.export_hf import _build_model
+    from relax_gdn.parallel import ParallelContext
+    from relax_gdn.train.build import build_checkpoint_model
     from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, read_manifest
 
     manifest = read_manifest(checkpoint)
@@ -250,9 +250,9 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
         "model": {**manifest["model"], "dtype": "bfloat16"},
         "optimizer": {"kind": "megatron", "sharding": "fully_reshardable"},
     }
-    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
+        model = build_checkpoint_model(manifest, parallel, torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():
             for param in model.parameters():
@@ -275,7 +275,7 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
         report = hfc.save_drop_in_checkpoint(model, tmp / "fp32_export", source_dir, main_params=loader)
         plain = hfc.save_drop_in_checkpoint(model, tmp / "bf16_export", source_dir)
     finally:
-        parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
     written, rounded = (
         hfc.read_hf_state_dict(tmp / "fp32_export"),
         hfc.read_hf_state_dict(tmp / "bf16_export"),

@@ -52,9 +52,9 @@ def _gpu_lora_cases(tmp: str) -> dict:
                          "export": str(tmp / f"full_{sharding}" / "hf")}
     # the DDP buffers and optimizer of a LoRA model: adapters only
     cfg = RunConfig().with_overrides(_overrides())
-    import relax_gdn.train.loop as loop
+    from relax_gdn.config import validate
 
-    trainer = Trainer(cfg, None, dims=loop.validate(cfg, 1), device=torch.device("cuda", 0), bf16=True)
+    trainer = Trainer(cfg, None, dims=validate(cfg, 1), device=torch.device("cuda", 0), bf16=True)
     try:
         trainer.setup()
         model = trainer.core_model

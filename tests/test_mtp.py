@@ -200,7 +200,7 @@ def test_mtp_configuration_rules_and_defaults():
 def test_null_num_layers_is_what_the_checkpoint_holds(tmp_path):
     from safetensors.torch import save_file
 
-    from relax_gdn.train.loop import resolve_mtp_layers
+    from relax_gdn.train.build import resolve_mtp_layers
 
     def checkpoint(name, tensors):
         (tmp_path / name).mkdir()

@@ -376,7 +376,7 @@ def test_wandb_log_failure_warns_once_and_training_logging_goes_on(tmp_path, mon
 
 def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
     from relax_gdn.data import Sample
-    from relax_gdn.train.loop import check_samples_fit
+    from relax_gdn.train.run_data import check_samples_fit
 
     cfg = _cfg(parallel__cp=2, train__max_tokens_per_gpu=256)
     check_samples_fit([Sample([1] * 512, [True] * 512, 0)], cfg)  # 512 = 256 x 2: fits exactly

@@ -76,16 +76,16 @@ def save_error(step: str, kind: str) -> None:
 
 def data_error(rank: str) -> None:
     from relax_gdn.errors import DataError
-    from relax_gdn.train import loop
+    from relax_gdn.train import run_data
 
-    load = loop.load_data
+    load = run_data.load_data
 
-    def load_or_fail(cfg):
+    def load_or_fail(cfg, log=True):
         if RANK == int(rank):
             raise DataError(f"data.path: the data file is not visible on this node (rank {rank})")
-        return load(cfg)
+        return load(cfg, log=log)
 
-    loop.load_data = load_or_fail
+    run_data.load_data = load_or_fail
 
 
 def nan_loss(*steps: str) -> None:

@@ -59,14 +59,13 @@ def main() -> None:
 
 
 def _measure_all(args) -> None:
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from relax_gdn.model import fusion
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel import ParallelContext, init_distributed
 
     init_distributed(torch.device("cuda", 0))  # the plain loss asks for its (one-rank) TP group
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
 
     torch.manual_seed(0)
     dev, bf16, n = torch.device("cuda"), torch.bfloat16, args.tokens

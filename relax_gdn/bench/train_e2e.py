@@ -441,12 +441,10 @@ def summarize(records: list[dict], skip: int, world: int) -> dict:
 
 def _memory_estimate(cfg, world: int, bf16: bool, vocab_size: int, optimizer: str):
     from relax_gdn.config import ParallelDims
-    from relax_gdn.train.loop import memory_inputs
-    from relax_gdn.train.memory import estimate_memory
+    from relax_gdn.train.build import memory_estimate
 
     dims = ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp)
-    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
-    return estimate_memory(shape, **{**settings, "optimizer": optimizer})
+    return memory_estimate(cfg, dims, bf16=bf16, vocab_size=vocab_size, optimizer=optimizer)
 
 
 def _unprofiled_step_s(records: list[dict], summary: dict) -> float | None:
@@ -481,11 +479,12 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
 
 def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
     from relax_gdn.model import qwen3_5_preset
-    from relax_gdn.train.loop import _vocab_size, run_training
+    from relax_gdn.train.build import padded_vocab_size
+    from relax_gdn.train.loop import run_training
     from relax_gdn.train.memory import GIB
 
     vocab = qwen3_5_preset(cfg.model.preset).vocab_size
-    padded_vocab = _vocab_size(cfg, VocabularyOnly(vocab), cfg.parallel.tp)
+    padded_vocab = padded_vocab_size(cfg, vocab, cfg.parallel.tp)
     bf16 = device.type == "cuda"
     optimizer, why = args.optimizer, "requested"
     if optimizer == "auto":
@@ -500,7 +499,7 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
     capacity = cfg.train.max_tokens_per_gpu * cfg.parallel.cp
     cfg = cfg.with_overrides({"optim.name": optimizer, "data.max_sample_tokens": capacity})
     from relax_gdn.config import ParallelDims
-    from relax_gdn.train.loop import resolve_full_layers
+    from relax_gdn.train.build import resolve_full_layers
 
     # recompute.full_layers=null: the memory model's choice, here as in the loop (same GPU)
     cfg = resolve_full_layers(cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab)
@@ -717,7 +716,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run(args, variants: list[str]) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import init_distributed, select_device
+    from relax_gdn.parallel import init_distributed
+    from relax_gdn.train.build import select_device
 
     base = RunConfig().with_overrides({
         "model.preset": args.preset, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,41 +63,22 @@ from torch.profiler import ProfilerActivity, profile
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
-from relax_gdn.data import (
-    SFTDataset,
-    global_batch_at_step,
-    load_sft_dataset,
-    load_tokenizer,
-    padded_length,
-    synthetic_math_dataset,
-)
-from relax_gdn.errors import (
-    DIVERGED_EXIT_CODE,
-    INTERRUPTED_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-    ConfigError,
-    DataError,
-    MemoryFitError,
-)
-from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
-from relax_gdn.model.fusion import Fusion
-from relax_gdn.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint, run_vocab_size
-from relax_gdn.model.lora import seed_base_weights
-from relax_gdn.model.mtp import MTPOptions
-from relax_gdn.model.recompute import apply_mixed_recompute, mtp_recompute, recompute_config_fields, recomputes
-from relax_gdn.parallel import ParallelContext
+from relax_gdn.data import global_batch_at_step
+from relax_gdn.errors import DIVERGED_EXIT_CODE, INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relax_gdn.parallel import ParallelContext, init_distributed, launcher_rank, launcher_world_size
 from relax_gdn.runtime import require_runtime
 from relax_gdn.train.agreement import agree_on_errors
-from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
+from relax_gdn.train.build import build, resolve_mtp_layers, select_bf16, select_device
+from relax_gdn.train.evaluate import Evaluator
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.gradient_check import parameters_without_gradient, warn_parameters_without_gradient
 from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_losses, training_objective
-from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, settings_that_fit
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
 from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
+from relax_gdn.train.run_data import RunData, load_run_data
 from relax_gdn.train.stop import StopRequest
 from relax_gdn.train.watchdog import StepWatchdog
 
@@ -136,83 +116,6 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def select_device(cfg: RunConfig) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(["train.device=cuda but CUDA is not available here; use train.device=auto or cpu"])
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        # torchrun sets LOCAL_RANK; a caller that made the process group itself has already
-        # chosen this process's GPU with torch.cuda.set_device
-        local_rank = os.environ.get("LOCAL_RANK")
-        return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
-    if cfg.train.precision == "bf16" and device.type != "cuda":
-        raise ConfigError(["train.precision=bf16 needs CUDA (the CPU path trains in fp32); use "
-                           "train.precision=auto or fp32 on CPU"])
-    return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-
-
-@dataclass(frozen=True)
-class RunData:
-    """A run's data, loaded and checked before any process group or model exists."""
-
-    tokenizer: Any  # relax_gdn.data.SFTTokenizer
-    dataset: SFTDataset  # the training set
-    eval_set: EvalSet | None  # None: no evaluation
-
-
-def load_data(cfg: RunConfig) -> RunData:
-    """The tokenizer, training set and eval set that ``cfg`` names: errors name the data.* / eval.*
-    key to fix."""
-    d = cfg.data
-    tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
-    if d.source == "synthetic":
-        dataset = synthetic_math_dataset(
-            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=cfg.sample_token_limit,
-            max_steps=d.synthetic_max_steps, min_steps=1,
-        )
-    else:
-        if not d.path or not Path(d.path).exists():
-            raise DataError(f"data.path={d.path!r} does not exist (data.source={d.source}); point it at the data "
-                            "file or directory")
-        dataset = load_sft_dataset(
-            d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=cfg.sample_token_limit, max_samples=d.num_samples, format=d.source,
-            split=d.split, record_format=d.format,
-        )
-        if dataset.counts.examples and int(os.environ.get("RANK", "0")) == 0:
-            logger.warning("data.path=%s: %s\n  %s", d.path, dataset.counts.summary(),
-                           "\n  ".join(dataset.counts.report_lines()))
-    dataset, eval_set = split_eval_set(cfg, tokenizer, dataset)
-    if len(dataset) < cfg.train.global_batch_size:
-        raise DataError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
-                         f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
-    check_samples_fit(dataset.samples, cfg)
-    if eval_set is not None:
-        check_samples_fit(eval_set.samples, cfg)
-    return RunData(tokenizer, dataset, eval_set)
-
-
-def check_samples_fit(samples, cfg: RunConfig) -> None:
-    """Every sample must fit one micro-batch at the largest CP size, checked before step 1 (not
-    as an error or an OOM at whatever step first draws it). Skipping them instead is the data
-    side's job: ``data.max_sample_tokens`` drops and counts them at load time."""
-    cp = cfg.parallel.cp  # with dynamic CP, max_cp == cp
-    capacity = cfg.train.max_tokens_per_gpu * cp
-    too_long = [s for s in samples if padded_length(len(s), cp) > capacity]
-    if too_long:
-        worst = max(too_long, key=len)
-        raise DataError(
-            f"{len(too_long)} samples do not fit one micro-batch of train.max_tokens_per_gpu x parallel.cp = "
-            f"{cfg.train.max_tokens_per_gpu} x {cp} = {capacity} tokens (e.g. sample {worst.sample_id}: {len(worst)} "
-            f"tokens): set data.max_sample_tokens={capacity} to skip them (counted in the run log), or raise "
-            "train.max_tokens_per_gpu / parallel.cp"
-        )
-
-
 class ProfileWindow:
     """``logging.profile_steps=[first, last]``: a torch profiler trace per rank over those steps,
     written to ``<trace_dir>/rank<r>_steps<first>-<last>.json`` (layout swaps show up as
@@ -244,115 +147,10 @@ class ProfileWindow:
         return path
 
 
-def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
-    """Join torchrun's group (env://), or make a one-process group; True when created here.
-    ``timeout_s``: the group's collective timeout (``train.collective_timeout_s``; None: torch's)."""
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://", **timeout)
-    else:
-        # An in-process store: one rank has nobody to meet, so no port to pick (and race for).
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
-    return True
-
-
-def env_world_size() -> int:
-    """World size before any process group exists (what ``validate`` needs)."""
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """What the memory model checks against: the GPU's total memory (None off CUDA)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-
-def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
-    """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size,
-                                               mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
-    settings = dict(
-        tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
-        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
-        full_layers=cfg.recompute.full_layers or 0, fused_norms=cfg.model.fused_norms,
-        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name,
-    )
-    return shape, settings
-
-
-def resolve_full_layers(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool,
-                        vocab_size: int) -> RunConfig:
-    """``recompute.granularity=mixed`` with ``recompute.full_layers=null``: the fewest whole-layer
-    recomputes the memory model fits on this GPU (every layer when none fits: the check then refuses;
-    none without a GPU to fit). ``cfg`` as it is otherwise."""
-    if cfg.recompute.granularity != "mixed" or cfg.recompute.full_layers is not None:
-        return cfg
-    capacity = device_memory_bytes(device)
-    layers = 0
-    if capacity is not None:
-        shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
-        chosen = fewest_full_layers(shape, capacity, **settings)
-        layers = shape.num_layers if chosen is None else chosen
-    return cfg.with_overrides({"recompute.full_layers": layers})
-
-
-def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
-                      log: bool) -> None:
-    """On a GPU: log the per-GPU memory model and refuse (before building the model) a run whose
-    estimate exceeds the GPU's memory, naming the settings the model says would fit
-    (:class:`~relax_gdn.errors.MemoryFitError`). (A CPU run has no GPU memory to estimate.)"""
-    capacity = device_memory_bytes(device)
-    if capacity is None:
-        return
-    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
-    estimate = estimate_memory(shape, **settings)
-    recompute = cfg.recompute.granularity + (f" ({cfg.recompute.full_layers} layers whole)"
-                                             if cfg.recompute.granularity == "mixed" else "")
-    if log:
-        logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
-                    recompute, cfg.train.max_tokens_per_gpu, estimate.summary())
-    if estimate.total > capacity:
-        fits = [a.describe() for a in settings_that_fit(shape, capacity, **settings)]
-        advice = ("The memory model says these fit: " + "; ".join(fits) if fits else
-                  "Nothing the memory model tries fits (other recompute settings, a smaller "
-                  "train.max_tokens_per_gpu, no optimizer state, more CP ranks)")
-        raise MemoryFitError(
-            f"{cfg.model.preset} will not fit this GPU: {estimate.summary()} with recompute {recompute}, above its "
-            f"{capacity / GIB:.0f} GiB. {advice} (optim.name=none is for benchmarks: gradients without an update)",
-            estimate_gib=estimate.as_gib(), capacity_gib=round(capacity / GIB, 2), fits=fits)
-
-
-def resolve_mtp_layers(cfg: RunConfig) -> RunConfig:
-    """``model.mtp.num_layers=null``: the MTP layers ``model.hf_checkpoint`` holds (its ``mtp.*``
-    tensors; 0 without a checkpoint), so a run from a checkpoint with an MTP layer trains it and its
-    export serves MTP speculative decoding with a layer that matches the fine-tuned model; 0 for a
-    LoRA run (adapters only: the export copies the checkpoint's MTP layer). ``cfg`` as it is
-    otherwise. Logged on rank 0."""
-    if cfg.model.mtp.num_layers is not None:
-        return cfg
-    layers = 0
-    if cfg.model.hf_checkpoint and not cfg.model.lora.rank:  # a LoRA run copies the MTP layer unchanged
-        try:
-            layers = HFCheckpoint.read(cfg.model.hf_checkpoint).mtp_layers()
-        except FileNotFoundError as e:
-            raise ConfigError(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r}: {e}") from e
-    if layers and int(os.environ.get("RANK", "0")) == 0:
-        logger.info("model.mtp.num_layers=null: model.hf_checkpoint holds %d MTP layer(s), trained with weight "
-                    "model.mtp.loss_weight=%g (model.mtp.num_layers=0 copies them into the export unchanged)",
-                    layers, cfg.model.mtp.loss_weight)
-    return cfg.with_overrides({"model.mtp.num_layers": layers})
 
 
 def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
@@ -379,10 +177,10 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
     what ``cfg.data`` names. ``on_continue``: called on rank 0 with the run directory a resumed run
     continues when it is not ``run_dir`` (``train.py`` moves Hydra's job log there).
     """
-    dims = validate(cfg, env_world_size())
+    dims = validate(cfg, launcher_world_size())
     resolved = resolve_mtp_layers(cfg)
     if resolved is not cfg:  # again: the MTP layer a checkpoint brings has rules of its own
-        dims = validate(resolved, env_world_size())
+        dims = validate(resolved, launcher_world_size())
     cfg = resolved
     device = select_device(cfg)
     bf16 = select_bf16(cfg, device)
@@ -397,86 +195,6 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
         return trainer.run()
     finally:
         trainer.close()
-
-
-def load_run_data(cfg: RunConfig, data=None) -> RunData:
-    """What ``cfg.data`` names (:func:`load_data`), or the prepared ``(tokenizer, SFTDataset)`` pair
-    ``data`` after checking that its samples fit."""
-    if data is None:
-        return load_data(cfg)
-    run_data = RunData(*data, eval_set=None)
-    check_samples_fit(run_data.dataset.samples, cfg)
-    return run_data
-
-
-def _build_model(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int):
-    fuse_wgrad = False
-    if cfg.model.fused_grad_accumulation and device.type == "cuda":
-        from relax_gdn.compat.wgrad import enable_wgrad_accumulation_fusion
-
-        fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
-        require_runtime("the fused wgrad GEMM").adopt(undo)  # Megatron-Core patched: the Runtime undoes it
-
-    tconfig = qwen3_5_config(
-        cfg.model.preset,
-        tensor_model_parallel_size=dims.tp,
-        sequence_parallel=cfg.parallel.sp,
-        use_cpu_initialization=device.type == "cpu",
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        deterministic_mode=cfg.train.deterministic,
-        calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
-        bias_activation_fusion=cfg.model.fused_swiglu and device.type == "cuda",  # compiled SwiGLU kernels
-        gradient_accumulation_fusion=fuse_wgrad,
-        **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules,
-                                  skip_unused=cfg.recompute.skip_unused,
-                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
-                                  full_layers=cfg.recompute.full_layers),
-    )
-    options = Qwen3_5Options.for_preset(
-        cfg.model.preset, vocab_size=vocab_size, gdn=cfg.gdn_options,
-        attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
-        contiguous_between_layers=cfg.gdn.contiguous_between_layers,
-        fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
-                      embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
-        recompute_mlp_activation=recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"),
-        recompute_skips_unread_gemm=cfg.recompute.skip_unused,  # acts under full recompute only
-        mtp=MTPOptions(cfg.model.mtp.num_layers or 0, **mtp_recompute(cfg.recompute.granularity, cfg.recompute.modules,
-                                                                     skip_unused=cfg.recompute.skip_unused)),
-        lora=cfg.lora_options,
-    )
-    model = build_qwen3_5_model(tconfig, options)
-    if cfg.recompute.granularity == "mixed":
-        apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
-    if device.type == "cuda":
-        model.cuda(device)
-    load_base_weights(model, cfg)
-    return tconfig, model
-
-
-def load_base_weights(model, cfg: RunConfig) -> None:
-    """The weights ``model`` starts from besides its initialisation: ``model.hf_checkpoint``'s, or
-    with ``model.lora`` and no checkpoint the seeded base (the same at every TP size: a LoRA
-    checkpoint holds only the adapters, and the base is rebuilt from what its manifest names)."""
-    if cfg.model.hf_checkpoint:
-        loaded = load_hf_checkpoint(model, cfg.model.hf_checkpoint)
-        mtp_layers = cfg.model.mtp.num_layers or 0
-        if mtp_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
-            logger.warning("model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
-                           "starts from random weights (its loss starts near log(vocabulary))", mtp_layers)
-    elif cfg.lora_options is not None:
-        seed_base_weights(model, cfg.train.seed)
-
-
-def _vocab_size(cfg: RunConfig, tokenizer, tp: int) -> int:
-    if cfg.model.hf_checkpoint:  # the checkpoint's (its other sizes checked against the preset)
-        return run_vocab_size(cfg.model.hf_checkpoint, cfg.model.preset, tokenizer.vocab_size, tp)
-    # Megatron pads to a multiple of 128 x TP; padding to 128 x 8 instead gives every TP <= 8 the
-    # SAME padded vocabulary, so a checkpoint written at one TP loads at another (the embedding and
-    # output layer keep their global shape). The initial values still differ between TP sizes:
-    # Megatron-Core initialises each TP shard from its own RNG stream.
-    multiple = 128 * max(8, tp)
-    return -(-tokenizer.vocab_size // multiple) * multiple
 
 
 class StepFlag(Enum):
@@ -590,9 +308,9 @@ class Trainer:
         and run directory, loggers, planner, evaluator, metrics, the step watchdog."""
         cfg, device = self.cfg, self.device
         saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
-        self.stop = StopRequest(require_runtime("stop signals"), rank=int(os.environ.get("RANK", "0")), saves=saves)
+        self.stop = StopRequest(require_runtime("stop signals"), rank=launcher_rank(), saves=saves)
         self._init_process_groups()
-        self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data))
+        self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data, log=self.is_rank0))
         self._build_model_and_optimizer()
         self._start_lifecycle()
         self._log_run()
@@ -651,12 +369,12 @@ class Trainer:
     def _checked_model(self):
         """The vocabulary size, the resolved recompute layers, the memory check, then the model
         (Megatron-Core's TransformerConfig and module): nothing here is a collective."""
-        cfg, dims, device, bf16 = self.cfg, self.dims, self.device, self.bf16
-        self.vocab_size = _vocab_size(cfg, self.data.tokenizer, dims.tp)
+        built = build(self.cfg, self.parallel, tokenizer_vocab_size=self.data.tokenizer.vocab_size,
+                      device=self.device, bf16=self.bf16, runtime=require_runtime("building the model"),
+                      log=self.is_rank0)
         # mixed recompute without a layer count: the memory model's choice, kept in the run's config
-        self.cfg = cfg = resolve_full_layers(cfg, dims, device, bf16, self.vocab_size)
-        check_memory_fits(cfg, dims, device, bf16, self.vocab_size, log=self.is_rank0)
-        return _build_model(cfg, dims, device, bf16, self.vocab_size)
+        self.cfg, self.vocab_size = built.cfg, built.vocab_size
+        return built.tconfig, built.model
 
     def _start_lifecycle(self) -> None:
         """checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run."""
