@@ -98,7 +98,7 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool
 
     from relax_gdn.parallel import ParallelContext, init_distributed
     from relax_gdn.train.build import build_checkpoint_model
-    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, load_model_weights
+    from relax_gdn.train.checkpoint_state import checkpoint_fp32_main_params, load_model_weights
     from relax_gdn.train.hf_export import write_hf_export
 
     device = _prepare_device()
@@ -124,7 +124,7 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool
 def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *, adapter: bool):
     """A LoRA checkpoint: the base its manifest names (the HF directory, or ``--like`` where it
     moved), its adapters, then the merged model or (``adapter``) the PEFT adapter directory."""
-    from relax_gdn.train.checkpoint import load_model_weights
+    from relax_gdn.train.checkpoint_state import load_model_weights
     from relax_gdn.train.hf_export import write_adapter_export, write_merged_lora_export
     from relax_gdn.train.build import load_base_weights
 

@@ -153,7 +153,8 @@ def run_weights_in_hf_names(checkpoint: Path, source: hfc.HFCheckpoint) -> dict[
     from relax_gdn.model.hf_checkpoint.convert import model_tensors
     from relax_gdn.parallel import ParallelContext
     from relax_gdn.train.build import build_checkpoint_model
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     manifest = read_manifest(checkpoint)
     parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)

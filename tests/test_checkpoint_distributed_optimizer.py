@@ -75,7 +75,10 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     from megatron.core.transformer.module import MegatronModule
 
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.checkpoint import Saver, load_checkpoint, read_manifest
+    from relax_gdn.runtime import require_runtime
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_checkpoint, state_to_save
+    from relax_gdn.train.checkpoint_writer import CheckpointWriter
     from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
 
     torch.set_num_threads(1)
@@ -103,7 +106,7 @@ def _resume_case(sharding: str, tmp: str) -> dict:
             return {f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=0)
                     for n, p in self.named_parameters()}
 
-    class Schedule:  # what Saver.save asks of the LR scheduler
+    class Schedule:  # what a checkpoint asks of the LR scheduler
         def state_dict(self):
             return {}
 
@@ -133,13 +136,16 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
-            saver = Saver(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD)
+            writer = CheckpointWriter(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD, async_save=False,
+                                      runtime=require_runtime("saving checkpoints"))
             model, optimizer = build()
             full, saved = [], None
             for i in range(4):
                 full.append(step(model, optimizer, i))
                 if i == 1:
-                    saved = saver.save(2, model=model, optimizer=optimizer, scheduler=Schedule(), manifest={})
+                    saved = writer.save(2, manifest={"optimizer": optimizer.checkpoint_form},
+                                        state=lambda: state_to_save(2, model=model, optimizer=optimizer,
+                                                                    scheduler=Schedule()))
             model, optimizer = build()
             loaded = load_checkpoint(saved, read_manifest(saved), model=model, optimizer=optimizer,
                                      same_layout=True)

@@ -317,7 +317,7 @@ def test_failed_save_names_the_checkpoint_and_keeps_the_previous_one(auto_resume
                                                    (4, 1, 100, 2)])
 def test_checkpoints_held_at_once(every, keep, steps, held):
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.lifecycle import checkpoints_held_at_once
+    from relax_gdn.train.checkpoint_disk import checkpoints_held_at_once
 
     cfg = RunConfig().with_overrides({"checkpoint.every_steps": every, "checkpoint.keep_last": keep})
     assert checkpoints_held_at_once(cfg.checkpoint, steps) == held
@@ -412,7 +412,7 @@ def test_optimizer_state_of_another_kind_exits_2_naming_the_fix(saved_checkpoint
 @pytest.mark.parametrize("sharding,saved_tp,tp,refused", [
     ("dp_reshardable", 2, 1, True), ("dp_reshardable", 1, 1, False), ("fully_reshardable", 2, 1, False)])
 def test_dp_reshardable_optimizer_state_is_refused_at_another_tp(sharding, saved_tp, tp, refused):
-    from relax_gdn.train.checkpoint import optimizer_reshard_problem
+    from relax_gdn.train.resume import optimizer_reshard_problem
 
     manifest = {"optimizer": {"kind": "megatron", "sharding": sharding},
                 "layout": {"world_size": 2, "tp": saved_tp, "cp": 2 // saved_tp, "dynamic_cp": False, "max_cp": 1}}

@@ -68,7 +68,8 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     torch.set_num_threads(1)
     manifest = read_manifest(checkpoint)

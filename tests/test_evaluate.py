@@ -60,7 +60,7 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
     from relax_gdn.data.tokenizer import load_tokenizer
     from relax_gdn.parallel import ParallelContext
     from relax_gdn.train.build import build
-    from relax_gdn.train.checkpoint import load_model_weights
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     tokenizer = load_tokenizer(None)
     parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)

@@ -242,7 +242,8 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
 
     from relax_gdn.parallel import ParallelContext
     from relax_gdn.train.build import build_checkpoint_model
-    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, read_manifest
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import checkpoint_fp32_main_params
 
     manifest = read_manifest(checkpoint)
     manifest = {

@@ -254,7 +254,7 @@ def test_a_drop_in_export_copies_what_lora_left_unchanged():
 
 
 def test_a_lora_checkpoint_continues_only_into_its_own_model(tmp_path):
-    from relax_gdn.train.lifecycle import lora_manifest, lora_resume_problem
+    from relax_gdn.train.resume import lora_manifest, lora_resume_problem
 
     cfg = _cfg(model__lora__rank=8)
     mine = lora_manifest(cfg)

@@ -118,7 +118,7 @@ def _preempted(tmp: str) -> dict:
         preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted")
     finally:
         loggers_module.RunLoggers.log = original_log
-    return {"preempted": (preempted.preempted_at, [Path(p).name for p in preempted.checkpoints],
+    return {"preempted": (preempted.stop.step, [Path(p).name for p in preempted.checkpoints],
                           len(preempted.records)),
             "traces": sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())}
 
@@ -155,7 +155,7 @@ def _step_totals() -> dict:
     import torch
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import StepFlag, all_reduce_step
+    from relax_gdn.train.step import StepFlag, all_reduce_step
 
     loss = torch.tensor(float(dist.get_rank() + 1))
     totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),

@@ -89,20 +89,20 @@ def data_error(rank: str) -> None:
 
 
 def nan_loss(*steps: str) -> None:
-    from relax_gdn.train import loop
+    from relax_gdn.train.step import TrainStep
 
-    forward_backward = loop.Trainer._forward_backward
+    forward_backward = TrainStep.forward_backward
 
-    def nan_at_step(self, plan, *token_counts):
-        if self.stop.step not in {int(s) for s in steps}:
-            return forward_backward(self, plan, *token_counts)
+    def nan_at_step(self, batch):
+        if batch.step not in {int(s) for s in steps}:
+            return forward_backward(self, batch)
         hook = self.model.register_forward_hook(lambda module, args, out: out * float("nan"))
         try:
-            return forward_backward(self, plan, *token_counts)
+            return forward_backward(self, batch)
         finally:
             hook.remove()
 
-    loop.Trainer._forward_backward = nan_at_step
+    TrainStep.forward_backward = nan_at_step
 
 
 FAULTS = {"stuck": stuck, "pause_save": pause_save, "save_error": save_error, "data_error": data_error,

@@ -1,56 +1,31 @@
-"""The training loop: :func:`run_training` (the entry point) runs a :class:`Trainer`.
+"""The training run: :func:`run_training` (the entry point) validates the config (before anything
+is built; ``model.mtp.num_layers=null`` resolved from the checkpoint's tensors) and runs a
+:class:`Trainer`:
 
-:func:`run_training` validates the config (nothing built yet; ``model.mtp.num_layers=null`` is
-resolved from the checkpoint's tensors, :func:`resolve_mtp_layers`), picks the device and loads +
-tokenizes the data (a bad source fails here, before any process group, model or file exists), then:
-
-1. :meth:`Trainer.setup`: process groups (:class:`relax_gdn.parallel.ParallelContext`: TP x CP
-   groups from ``parallel_state.initialize_model_parallel``, DP = world / (tp·cp), dynamic-CP
-   sub-groups), the model (``build_qwen3_5_model``), gradient sync + optimizer + warm-up/cosine
-   schedule, checkpoint/resume and the run directory (:class:`RunLifecycle`), loggers, the
-   micro-batch planner, the evaluator and the metrics;
-2. :meth:`Trainer.train_step`: ONE optimizer step: the step's global batch (a pure function of seed
-   and step) planned into this rank's micro-batches (:class:`MicroBatchPlanner`: packed for this
-   DP rank, sharded for this CP rank; dynamic CP: each micro-batch at its own CP size d, split over
-   the CP group's sub-groups of size d), gradient accumulation with the loss
-   ``Σ (per-token loss × loss_mask) / (loss tokens of the whole global batch)``, the optimizer
-   step, the step's ONE all-reduce (loss + the :class:`StepFlag` s of every rank), the metrics
-   record and the step's :class:`StepOutcome` (decided in one place, alike on every rank). With a
-   multi-token-prediction layer the objective adds ``model.mtp.loss_weight × mtp_loss``
-   (:mod:`relax_gdn.train.loss`) and the record ``mtp_loss``; ``loss`` stays the LM's;
-3. :meth:`Trainer.run`: the steps, each followed by its evaluation when due, logging, the profiler
-   window, the checkpoint when due, and the stop a rank asked for (SIGTERM/SIGUSR1, Ctrl-C:
-   :mod:`relax_gdn.train.stop`) or a non-finite loss or grad norm decided (``train.on_nonfinite``),
-   under the step watchdog (:mod:`relax_gdn.train.watchdog`); then the background save is
-   awaited and the Hugging Face export written;
-4. :meth:`Trainer.close`: signal handlers, the watchdog, loggers and process groups released (also
+1. :meth:`Trainer.setup`: stop signals, the process groups (:class:`~relax_gdn.parallel.ParallelContext`),
+   the data (:mod:`~relax_gdn.train.run_data`), the model (:mod:`~relax_gdn.train.build`), gradient
+   sync + optimizer + schedule, checkpoints, resume and the run directory
+   (:class:`~relax_gdn.train.checkpoint_manager.CheckpointManager`), loggers, the planner, the
+   evaluator and the step (:class:`~relax_gdn.train.step.TrainStep`);
+2. :meth:`Trainer.run`: one :meth:`Trainer.train_step` per optimizer step, each followed by its
+   evaluation when due, logging, the profiler window, the checkpoint when due, and the stop a rank
+   asked for (:mod:`~relax_gdn.train.stop`) or a divergence (``train.on_nonfinite``), under the step
+   watchdog; then the background save is awaited and the Hugging Face export written;
+3. :meth:`Trainer.close`: signal handlers, the watchdog, loggers and process groups released (also
    after an error).
 
-What every rank must decide alike is decided once (:mod:`relax_gdn.train.agreement`): the data
-and checkpoint problems found on any rank stop every rank at the same place, the checkpoint to
-resume is rank 0's choice, and a step's outcome comes from the step's all-reduce alone.
-
-Non-finite steps: the grad norm is on the host before the update (the optimizer reads it to
-clip), and an update whose grad norm is not finite is not applied (a non-finite loss comes with
-non-finite gradients). The loss is all-reduced as a sum, so a NaN or inf on any rank is one on
-every rank, read with the step's existing host read: no flag or sync is added for it.
-
-Loss normalisation: every loss token of the global batch counts once across CP and DP. The
-count is known on every rank without a collective: the global batch and its split are computed
-identically on all ranks (``relax_gdn.data``), so it is ``Σ sample.num_loss_tokens`` over the
-global batch. Gradients are then SUMMED over DP × CP (Megatron's ``calculate_per_token_loss``).
+What every rank must decide alike is decided once (:mod:`relax_gdn.train.agreement`): a data or
+checkpoint problem found on any rank stops every rank at the same place, the checkpoint to resume
+is rank 0's choice, and a step's outcome comes from the step's all-reduce alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
@@ -58,111 +33,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.module import Float16Module
-from torch.profiler import ProfilerActivity, profile
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
-from relax_gdn.data import global_batch_at_step
-from relax_gdn.errors import DIVERGED_EXIT_CODE, INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from relax_gdn.parallel import ParallelContext, init_distributed, launcher_rank, launcher_world_size
 from relax_gdn.runtime import require_runtime
 from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.build import build, resolve_mtp_layers, select_bf16, select_device
+from relax_gdn.train.console import log_run_start
 from relax_gdn.train.evaluate import Evaluator
 from relax_gdn.train.flops import ModelShape
-from relax_gdn.train.gradient_check import parameters_without_gradient, warn_parameters_without_gradient
-from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
+from relax_gdn.train.checkpoint_manager import CheckpointManager, RunFacts, TrainState
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
-from relax_gdn.train.loss import summed_token_losses, training_objective
-from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
-from relax_gdn.train.optimizer import CPUGradSyncOptimizer, build_megatron_ddp_and_optimizer, build_scheduler
-from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
+from relax_gdn.train.metrics import MetricsProcessor
+from relax_gdn.train.optimizer import build_scheduler, build_training_model_and_optimizer
+from relax_gdn.train.planner import MicroBatchPlanner
+from relax_gdn.train.profiling import ProfileWindow
+from relax_gdn.train.resume import DataKey, Layout
 from relax_gdn.train.run_data import RunData, load_run_data
+from relax_gdn.train.run_result import RunStop, TrainResult, report_divergence, report_stop
+from relax_gdn.train.step import StepOutcome, TrainStep, all_reduce_step, raised_flags, stop_exit_code
 from relax_gdn.train.stop import StopRequest
 from relax_gdn.train.watchdog import StepWatchdog
 
 logger = logging.getLogger("relax_gdn.train")
-
-
-@dataclass(frozen=True)
-class RunStop:
-    """Why a run ended before ``train.steps``, alike on every rank."""
-
-    step: int  # the last step run
-    why: str  # what a person reads: "SIGTERM", "Ctrl-C", "a non-finite loss or grad norm", ...
-    exit_code: int  # relax_gdn.errors: 75 preempted, 130 interrupted, 3 diverged
-    checkpoint: Path | None  # rank 0: where the run continues from (saved at the stop, or the last good one)
-
-
-@dataclass
-class TrainResult:
-    records: list[dict[str, Any]]  # one per step run here, identical on every rank
-    run_dir: Path | None
-    checkpoints: list[Path] = field(default_factory=list)
-    start_step: int = 0  # steps already done when this run started (resume)
-    wandb_dir: str | None = None  # rank 0: the W&B run's files directory, when W&B ran
-    preempted_at: int | None = None  # the step after which a stop signal (SIGTERM/SIGUSR1/SIGINT) stopped the run
-    stop: RunStop | None = None  # set when the run ended early (a stop signal, a divergence)
-    nonfinite_steps: int = 0  # steps whose loss or grad norm was not finite (their updates not applied)
-    # trainable parameters the first step of this process left without gradient (train/gradient_check.py)
-    params_without_gradient: list[str] = field(default_factory=list)
-    # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
-    save_timings: list[tuple[int, float, float]] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# setup helpers
-# ---------------------------------------------------------------------------------------------
-
-
-class ProfileWindow:
-    """``logging.profile_steps=[first, last]``: a torch profiler trace per rank over those steps,
-    written to ``<trace_dir>/rank<r>_steps<first>-<last>.json`` (layout swaps show up as
-    ``relax_gdn.swap`` ranges; host ops with their input shapes)."""
-
-    def __init__(self, steps: list[int] | None, trace_dir: Path | None, rank: int, device: torch.device):
-        self.first, self.last = (steps or (0, -1))
-        self.trace_dir, self.rank, self.device = trace_dir, rank, device
-        self._profiler = None
-
-    def before_step(self, step: int) -> None:
-        if step == self.first and self.trace_dir is not None:  # (CPU: the Runtime quieted kineto)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            # record_shapes: each host op's input dims / dtypes / strides in the trace, so a long
-            # kernel can be traced to the op and shapes that launched it (bench.train_e2e's
-            # top_kernels). Host-side metadata only, no device sync; it costs host time in the
-            # profiled steps alone (the profiler is off in the others).
-            self._profiler = profile(activities=activities, record_shapes=True)
-            self._profiler.__enter__()
-
-    def after_step(self, step: int) -> Path | None:
-        if self._profiler is None or step != self.last:
-            return None
-        self._profiler.__exit__(None, None, None)
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
-        path = self.trace_dir / f"rank{self.rank}_steps{self.first}-{self.last}.json"
-        self._profiler.export_chrome_trace(str(path))
-        self._profiler = None
-        return path
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _broadcast_run_dir(run_dir: Path | None) -> Path | None:
-    # Hydra names the run directory from the clock on every rank; rank 0's name wins.
-    box = [str(run_dir) if run_dir is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0]) if box[0] is not None else None
-
-
-# ---------------------------------------------------------------------------------------------
-# the loop
-# ---------------------------------------------------------------------------------------------
 
 
 def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
@@ -197,59 +91,17 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
         trainer.close()
 
 
-class StepFlag(Enum):
-    """A condition one rank raises for the step, carried by the step's one all-reduce: raised on
-    any rank, it is raised on every rank in that same step, so all ranks decide alike. Each member
-    is one slot of the reduced vector, after the loss, in the order defined here."""
-
-    STOP_REQUESTED = auto()  # SIGTERM / SIGUSR1 reached this rank: save and stop after this step (exit 75)
-    INTERRUPTED = auto()  # Ctrl-C (SIGINT) reached this rank: save and stop after this step (exit 130)
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
-@dataclass(frozen=True)
-class StepTotals:
-    """What the step's one all-reduce gives every rank alike."""
-
-    loss_sum: float  # Σ per-token loss × loss mask over the global batch
-    flags: frozenset[StepFlag]  # raised on at least one rank
-    mtp_loss_sum: float | None = None  # the MTP layer's Σ per-token loss × its loss mask; None without MTP
-
-
-def all_reduce_step(loss_sums: torch.Tensor, raised: set[StepFlag], tp: int) -> StepTotals:
-    """The step's one collective and one host read: the losses summed over DP × CP (``loss_sums``:
-    the LM's, then the MTP layer's when it trains; TP ranks hold the same values, hence / tp) and
-    every rank's :class:`StepFlag` s. The read waits for the device, so it ends the timed step."""
-    losses = loss_sums.reshape(-1)
-    flags = torch.tensor([float(flag in raised) for flag in StepFlag], device=losses.device)
-    stats = torch.cat((losses / tp, flags))
-    dist.all_reduce(stats)
-    values = stats.tolist()
-    loss_totals, flag_totals = values[:losses.numel()], values[losses.numel():]
-    return StepTotals(loss_totals[0], frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total),
-                      mtp_loss_sum=loss_totals[1] if len(loss_totals) > 1 else None)
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one optimizer step did and what the run does after it, alike on every rank."""
-
-    record: dict[str, Any]  # the step's metrics (run() adds the evaluation when due)
-    updated: bool  # the optimizer applied the update (optim.name=none measures gradients only)
-    stop_code: int | None = None  # a rank was asked to stop: save, end the run after this step with this code
-    nonfinite: bool = False  # the loss or grad norm was not finite: the update was not applied
-    diverged: bool = False  # train.on_nonfinite ends the run here, saving nothing
-
-    @property
-    def stop(self) -> bool:
-        return self.stop_code is not None
-
-
-def stop_exit_code(flags: frozenset[StepFlag]) -> int | None:
-    """The exit code a stop request raised on any rank ends the run with: 75 for SIGTERM / SIGUSR1
-    (a job script requeues it) over 130 for Ctrl-C; None without one."""
-    if StepFlag.STOP_REQUESTED in flags:
-        return PREEMPTED_EXIT_CODE
-    return INTERRUPTED_EXIT_CODE if StepFlag.INTERRUPTED in flags else None
+def broadcast_run_dir(run_dir: Path | None) -> Path | None:
+    """Rank 0's run directory on every rank (Hydra names it from the clock on every rank)."""
+    box = [str(run_dir) if run_dir is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] is not None else None
 
 
 class Trainer:
@@ -260,40 +112,28 @@ class Trainer:
     rank: int  # global rank
     is_rank0: bool  # the rank that logs and writes the run directory
     parallel: ParallelContext
+    data: RunData  # the tokenizer, training set and eval set, loaded and checked (every rank agreeing)
     tconfig: Any  # Megatron-Core TransformerConfig
     model: torch.nn.Module  # what runs forward/backward (on CUDA: wrapped in DDP, bf16 wrapper)
     core_model: torch.nn.Module  # the model itself: what checkpoints and exports read
     optimizer: Any  # gradient sync + clipping + update (relax_gdn.train.optimizer)
     scheduler: Any
     vocab_size: int
-    lifecycle: RunLifecycle
+    checkpoints: CheckpointManager
     start_step: int  # steps already done (a resumed run)
-    planner: MicroBatchPlanner
     evaluator: Evaluator
-    metrics: MetricsProcessor
-    profile_window: ProfileWindow
-    host_syncs: HostSyncCounter
-    data: RunData  # the tokenizer, training set and eval set, loaded and checked (every rank agreeing)
+    stepper: TrainStep  # one optimizer step: forward_backward, optimizer_step, train_step
 
     def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
                  data=None, on_continue: Callable[[Path], None] | None = None):
-        """Args:
-            cfg: the validated run configuration.
-            run_dir: rank 0's run directory (rank 0's name is broadcast in setup); None: none.
-            dims: the parallel sizes ``validate`` derived (world, dp, cp, tp).
-            device: where this rank trains (``select_device``).
-            bf16: bf16 parameters and compute (``select_bf16``); else fp32.
-            data: a prepared ``(tokenizer, SFTDataset)`` pair instead of what ``cfg.data`` names
-                (:func:`load_run_data`, called in setup).
-            on_continue: rank 0 calls it with the run directory a resumed run continues, when that
-                is not ``run_dir``.
-        """
+        """``cfg``: the validated configuration; ``run_dir``: rank 0's run directory (broadcast in
+        setup; None: none); ``dims``: the parallel sizes ``validate`` derived; ``device`` and ``bf16``:
+        ``select_device`` / ``select_bf16``; ``data``: a prepared ``(tokenizer, SFTDataset)`` pair
+        instead of what ``cfg.data`` names; ``on_continue``: rank 0 calls it with the run directory a
+        resumed run continues, when that is not ``run_dir``."""
         self.cfg, self.run_dir, self.dims, self.device, self.bf16 = cfg, run_dir, dims, device, bf16
         self._given_data = data
         self.on_continue = on_continue
-        self.nonfinite_in_a_row = 0  # decided in _outcome, alike on every rank
-        self.nonfinite_steps = 0
-        self.params_without_gradient: list[str] = []  # after the first step (train_step)
         # what close() releases, set as setup() gets to it
         self.created_group = False
         self.loggers: RunLoggers | None = None
@@ -304,32 +144,39 @@ class Trainer:
 
     def setup(self) -> None:
         """Everything before step 1, in this order (a collective): stop signals handled, process
-        groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoint
-        and run directory, loggers, planner, evaluator, metrics, the step watchdog."""
-        cfg, device = self.cfg, self.device
+        groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoints,
+        resume and the run directory, loggers, the step (planner, metrics), evaluator, watchdog."""
+        cfg = self.cfg
         saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
         self.stop = StopRequest(require_runtime("stop signals"), rank=launcher_rank(), saves=saves)
         self._init_process_groups()
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data, log=self.is_rank0))
         self._build_model_and_optimizer()
-        self._start_lifecycle()
-        self._log_run()
+        self._start_checkpoints()
+        if self.is_rank0 and not self.checkpoints.complete:
+            log_run_start(default_run_name(self.cfg), self.cfg, self.dims, device=self.device, bf16=self.bf16,
+                          model=self.core_model, data=self.data)
         self._start_loggers()
-        self.planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
-                                         pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route,
-                                         mtp=bool(cfg.model.mtp.num_layers))
-        # the eval set packed exactly like a training global batch
-        self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
-                                   device=device, micro_batches=self.planner.micro_batches)
-        shape = ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
-                                                   mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
-        self.metrics = MetricsProcessor(shape, self.dims.world_size, device)
+        self._start_step()
         self.watchdog = StepWatchdog(cfg.train.hang_timeout_s, rank=self.rank, world_size=self.dims.world_size,
                                      dump_dir=self.run_dir / "hang" if self.run_dir is not None else None)
-        trace_root = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
-        self.profile_window = ProfileWindow(cfg.logging.profile_steps, trace_root, self.rank, device)
-        # in forward + backward only (logging.count_host_syncs)
-        self.host_syncs = HostSyncCounter(enabled=device.type == "cuda" and cfg.logging.count_host_syncs)
+
+    def _start_step(self) -> None:
+        """The planner, the metrics and the step; the evaluator, which packs the eval set exactly
+        like a training global batch."""
+        cfg, device = self.cfg, self.device
+        planner = MicroBatchPlanner(self.parallel, max_tokens_per_gpu=cfg.train.max_tokens_per_gpu, device=device,
+                                    pad_id=self.data.tokenizer.pad_id, route_strategy=cfg.gdn.route,
+                                    mtp=bool(cfg.model.mtp.num_layers))
+        self.evaluator = Evaluator(self.data.eval_set, cfg.eval.every_steps, cfg.train.steps, tp=self.dims.tp,
+                                   device=device, micro_batches=planner.micro_batches)
+        shape = ModelShape.from_transformer_config(self.tconfig, self.vocab_size,
+                                                   mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
+        self.stepper = TrainStep(cfg=cfg, model=self.model, core_model=self.core_model, optimizer=self.optimizer,
+                                 scheduler=self.scheduler, planner=planner,
+                                 metrics=MetricsProcessor(shape, self.dims.world_size, device), stop=self.stop,
+                                 samples=self.data.dataset.samples, first_step=self.start_step + 1,
+                                 is_rank0=self.is_rank0)
 
     def _init_process_groups(self) -> None:
         cfg, device = self.cfg, self.device
@@ -338,7 +185,7 @@ class Trainer:
         self.created_group = init_distributed(device, timeout_s=cfg.train.collective_timeout_s)
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        self.run_dir = _broadcast_run_dir(self.run_dir)
+        self.run_dir = broadcast_run_dir(self.run_dir)
         if cfg.train.deterministic:  # process-wide: the Runtime puts torch's setting back when it closes
             require_runtime("train.deterministic").use_deterministic_algorithms(warn_only=True)
         seed_everything(cfg.train.seed)
@@ -350,51 +197,40 @@ class Trainer:
             model_parallel_cuda_manual_seed(cfg.train.seed)
 
     def _build_model_and_optimizer(self) -> None:
+        """The model (a problem on any rank, such as a checkpoint file one node lacks, stops every
+        rank here, before DDP), then gradient sync + optimizer + schedule."""
         device, bf16 = self.device, self.bf16
-        # a problem on any rank (a checkpoint file one node lacks) stops every rank here, before DDP
-        self.tconfig, model = agree_on_errors(self._checked_model)
-        cfg = self.cfg
-        self.core_model = model
-        if device.type == "cuda":
-            if bf16:  # as Megatron's get_model: bf16 params, fp32 outputs (the per-token loss)
-                model = Float16Module(self.tconfig, model)
-            model, self.optimizer = build_megatron_ddp_and_optimizer(model, self.tconfig, cfg, bf16=bf16)
-            model.broadcast_params()  # every DP replica starts from rank 0's weights
-        else:
-            self.optimizer = CPUGradSyncOptimizer(model, cfg, dp_cp_group=self.parallel.dp_cp_group,
-                                                  tp_group=self.parallel.tp_group, sequence_parallel=cfg.parallel.sp)
-        self.model = model
-        self.scheduler = build_scheduler(self.optimizer, cfg, log=self.is_rank0)
+        built = agree_on_errors(lambda: build(self.cfg, self.parallel, tokenizer_vocab_size=self.data.tokenizer.vocab_size,
+                                              device=device, bf16=bf16, runtime=require_runtime("building the model"),
+                                              log=self.is_rank0))
+        # the config as built: mixed recompute's layer count is the memory model's choice, kept in the run's config
+        self.cfg, self.tconfig, self.core_model, self.vocab_size = built.cfg, built.tconfig, built.model, built.vocab_size
+        self.model, self.optimizer = build_training_model_and_optimizer(built.model, self.tconfig, self.cfg,
+                                                                        self.parallel, device=device, bf16=bf16)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg, log=self.is_rank0)
 
-    def _checked_model(self):
-        """The vocabulary size, the resolved recompute layers, the memory check, then the model
-        (Megatron-Core's TransformerConfig and module): nothing here is a collective."""
-        built = build(self.cfg, self.parallel, tokenizer_vocab_size=self.data.tokenizer.vocab_size,
-                      device=self.device, bf16=self.bf16, runtime=require_runtime("building the model"),
-                      log=self.is_rank0)
-        # mixed recompute without a layer count: the memory model's choice, kept in the run's config
-        self.cfg, self.vocab_size = built.cfg, built.vocab_size
-        return built.tconfig, built.model
-
-    def _start_lifecycle(self) -> None:
-        """checkpoint.dir checked, checkpoint loaded (any layout), run directory of a resumed run."""
-        cfg, dims = self.cfg, self.dims
-        self.lifecycle = RunLifecycle.start(
-            cfg, run_dir=self.run_dir, model=self.core_model, optimizer=self.optimizer, scheduler=self.scheduler,
-            vocab_size=self.vocab_size,
+    def _start_checkpoints(self) -> None:
+        """checkpoint.dir checked, the checkpoint resumed (any layout) and the run directory of a
+        resumed run: the one place the run's directory is decided."""
+        cfg, dims, data = self.cfg, self.dims, self.data
+        facts = RunFacts(
             layout=Layout(dims.world_size, dims.tp, dims.cp, cfg.parallel.dynamic_cp.enabled, cfg.effective_max_cp),
-            data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(self.data.dataset)),
-            tokenizer_vocab_size=self.data.tokenizer.vocab_size, device=self.device,
-            dp_cp_group=self.parallel.dp_cp_group)
-        continued = self.lifecycle.run_dir
+            data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, len(data.dataset)),
+            vocab_size=self.vocab_size, tokenizer_vocab_size=data.tokenizer.vocab_size)
+        self.checkpoints = CheckpointManager(cfg, run_dir=self.run_dir, state=TrainState(self.core_model, self.optimizer,
+                                                                                         self.scheduler),
+                                             facts=facts, device=self.device, dp_cp_group=self.parallel.dp_cp_group,
+                                             runtime=require_runtime("saving checkpoints"))
+        self.start_step = self.checkpoints.resume()
+        continued = self.checkpoints.run_dir
         if self.is_rank0 and self.on_continue is not None and continued not in (None, self.run_dir):
             self.on_continue(continued)
-        self.start_step, self.run_dir = self.lifecycle.start_step, continued
+        self.run_dir = continued
 
     def _start_loggers(self) -> None:
         """config.yaml in the run directory; console, JSONL and W&B loggers (a resumed run appends).
         A finished run (resumed at train.steps) leaves its directory and W&B run as they are."""
-        if self.lifecycle.complete:
+        if self.checkpoints.complete:
             self.loggers = RunLoggers([])
             return
         cfg, dims, dataset = self.cfg, self.dims, self.data.dataset
@@ -406,106 +242,15 @@ class Trainer:
             save_run_config(cfg, self.run_dir)
         self.loggers = RunLoggers.create(cfg, self.run_dir, is_rank0=self.is_rank0,
                                          config_dict={**cfg.to_dict(), "derived": derived},
-                                         start_step=self.start_step, append=self.lifecycle.resumed is not None,
-                                         wandb_run_id=self.lifecycle.wandb_run_id)
-        self.lifecycle.wandb_run_id = self.loggers.wandb_run_id()  # saved in checkpoints: a resume continues it
-
-    def _log_run(self) -> None:
-        if not self.is_rank0 or self.lifecycle.complete:
-            return
-        cfg, dims, dataset, eval_set = self.cfg, self.dims, self.data.dataset, self.data.eval_set
-        n_params = sum(p.numel() for p in self.core_model.parameters())
-        n_trained = sum(p.numel() for p in self.core_model.parameters() if p.requires_grad)
-        params = f"{n_params:,} params/rank" + (f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else "")
-        logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
-                    default_run_name(cfg), dims.world_size, dims.dp, dims.cp, dims.tp, self.device,
-                    "bf16" if self.bf16 else "fp32", params, len(dataset), dataset.counts.summary())
-        if eval_set is not None and cfg.eval.every_steps:
-            logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
-                        len(eval_set.samples), eval_set.source)
-
-    # ----------------------------------------------------------------------------- one step
-
-    def train_step(self, step: int) -> StepOutcome:
-        """Optimizer step ``step`` (1-based) over this rank's micro-batches of the step's global batch;
-        a collective. Plan, build, forward + backward, optimizer step, the step's one all-reduce,
-        the record, the outcome."""
-        cfg = self.cfg
-        timer = StepTimer()
-        epoch, batch = global_batch_at_step(self.data.dataset.samples, cfg.train.global_batch_size, cfg.train.seed,
-                                            step - 1)
-        plan = self.planner.plan(batch)
-        loss_tokens = sum(s.num_loss_tokens for s in batch)
-        mtp_loss_tokens = sum(s.num_mtp_loss_tokens for s in batch) if self.planner.mtp else 0
-        self.optimizer.zero_grad()
-        self.scheduler.step(1)  # the rate of THIS step (see build_scheduler)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        loss_sums = self._forward_backward(plan, loss_tokens, mtp_loss_tokens)
-        optimizer_timer = OptimizerTimer(self.device)
-        updated, grad_norm = self.optimizer.step()
-        optimizer_timer.stop()
-        totals = all_reduce_step(loss_sums, self._raised_flags(), self.dims.tp)
-        step_time = timer.elapsed()
-        record = self.metrics.record(
-            step=step, loss=totals.loss_sum / max(loss_tokens, 1), grad_norm=grad_norm, lr=lr,
-            seq_lengths=[len(s) for s in batch], loss_tokens=loss_tokens, padded_tokens=plan.padded_tokens,
-            num_micro_batches=len(plan.micro_batches), epoch=epoch, step_time_s=step_time,
-            host_syncs=self.host_syncs.count if self.host_syncs.enabled else None,
-        ).as_dict()
-        record["optimizer_time_s"] = optimizer_timer.seconds()  # the step's host read has waited
-        if totals.mtp_loss_sum is not None:  # the MTP layer's loss, apart from the LM's (train/loss.py)
-            record["mtp_loss"] = totals.mtp_loss_sum / max(mtp_loss_tokens, 1)
-        if plan.cp_size_counts is not None:
-            record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
-        self._log_host_syncs(step)
-        if step == self.start_step + 1:  # once per process: what the first backward left without gradient
-            self.params_without_gradient = parameters_without_gradient(self.core_model, self.device)
-            if self.is_rank0:
-                warn_parameters_without_gradient(self.params_without_gradient, step)
-        return self._outcome(record, totals, updated=updated, grad_norm=grad_norm)
-
-    def _forward_backward(self, plan: StepPlan, loss_tokens: int, mtp_loss_tokens: int) -> torch.Tensor:
-        """Gradients of the global batch's objective (train/loss.py) accumulated over this rank's
-        micro-batches; returns this rank's summed per-token losses, ``[LM]`` or ``[LM, MTP]`` (on
-        the device, not yet reduced over ranks)."""
-        loss_sums = torch.zeros(1 + bool(self.planner.mtp), dtype=torch.float32, device=self.device)
-        weight = self.cfg.model.mtp.loss_weight
-        self.host_syncs.reset()
-        # every micro-batch built (and its upload queued) before the first forward: the host's
-        # packing never stands between one micro-batch's backward and the next forward
-        for mb in [self.planner.build(planned) for planned in plan.micro_batches]:
-            with self.host_syncs:
-                sums = summed_token_losses(self.model, mb)
-                training_objective(sums, loss_tokens, mtp_loss_tokens, weight).backward()
-            loss_sums += sums.detach()
-        return loss_sums
-
-    def _raised_flags(self) -> set[StepFlag]:
-        """This rank's :class:`StepFlag` s for the step's all-reduce."""
-        flags = {StepFlag.STOP_REQUESTED} if self.stop.preempted_by is not None else set()
-        return flags | ({StepFlag.INTERRUPTED} if self.stop.interrupted else set())
-
-    def _outcome(self, record: dict[str, Any], totals: StepTotals, *, updated: bool,
-                 grad_norm: float | None) -> StepOutcome:
-        """The one place a step's outcome is decided. From all-reduced values only (the loss sum,
-        the flags, the grad norm the optimizer reduced), so every rank takes the same decision in
-        the same step: a stop request, and a loss or grad norm that is not finite (its update was
-        not applied; ``train.on_nonfinite`` says whether the run ends here)."""
-        nonfinite = not math.isfinite(totals.loss_sum) or (grad_norm is not None and not math.isfinite(grad_norm))
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
-        self.nonfinite_steps += nonfinite
-        record["nonfinite"], record["nonfinite_steps"] = nonfinite, self.nonfinite_steps
-        train = self.cfg.train
-        diverged = nonfinite and (train.on_nonfinite == "stop" or self.nonfinite_in_a_row >= train.max_nonfinite_steps)
-        return StepOutcome(record=record, updated=updated and not nonfinite, stop_code=stop_exit_code(totals.flags),
-                           nonfinite=nonfinite, diverged=diverged)
-
-    def _log_host_syncs(self, step: int) -> None:
-        if self.host_syncs.count and self.is_rank0 and step <= self.start_step + 2:  # where (first steps only)
-            logger.info("step %d: %d host syncs in forward+backward, at %s", step, self.host_syncs.count,
-                        dict(self.host_syncs.locations.most_common(8)))
+                                         start_step=self.start_step, append=self.checkpoints.resumed is not None,
+                                         wandb_run_id=self.checkpoints.wandb_run_id)
+        self.checkpoints.register_wandb_run(self.loggers.wandb_run_id())
 
     # ----------------------------------------------------------------------------- the loop
+
+    def train_step(self, step: int) -> StepOutcome:
+        """Optimizer step ``step`` (1-based; :meth:`relax_gdn.train.step.TrainStep.train_step`)."""
+        return self.stepper.train_step(step)
 
     def run(self) -> TrainResult:
         """Steps ``start_step + 1 .. train.steps``, each followed by its evaluation when due, its log
@@ -513,49 +258,47 @@ class Trainer:
         ends early after a step in which a rank was asked to stop (saved), or one that
         ``train.on_nonfinite`` ends the run at (nothing saved). Then waits for a background save and
         exports when the run completed."""
-        cfg = self.cfg
-        result = TrainResult(records=[], run_dir=self.run_dir, checkpoints=self.lifecycle.saved,
-                             start_step=self.start_step,
-                             save_timings=self.lifecycle.saver.timings if self.lifecycle.saver else [])
+        records: list[dict[str, Any]] = []
+        ended: tuple[int, StepOutcome, Path | None] | None = None
         self.model.train()
         self.watchdog.start()
-        ended: tuple[int, StepOutcome, Path | None] | None = None
-        for step in range(self.start_step + 1, cfg.train.steps + 1):
-            self.stop.step = step
-            outcome, saved = self._step_and_save(step, result)
-            if outcome.diverged or (outcome.stop and step != cfg.train.steps):
-                ended = (step, outcome, saved)
-                break
+        trace_dir = self.run_dir / "traces" if self.run_dir is not None else None  # no run directory: no traces
+        with ProfileWindow(self.cfg.logging.profile_steps, trace_dir, self.rank, self.device) as profiler:
+            for step in range(self.start_step + 1, self.cfg.train.steps + 1):
+                self.stop.step = step
+                outcome, saved = self._step_and_save(step, profiler, records)
+                if outcome.diverged or (outcome.stop and step != self.cfg.train.steps):
+                    ended = (step, outcome, saved)
+                    break
         self.watchdog.close()
-        result.nonfinite_steps = self.nonfinite_steps
-        result.params_without_gradient = self.params_without_gradient
-        self.lifecycle.finish(completed=ended is None, model=self.core_model)
-        if ended is not None:
-            result.stop = self._report_end(*ended)
-            result.preempted_at = None if ended[1].diverged else ended[0]
+        self.checkpoints.finish(completed=ended is None)
         wandb = self.loggers.wandb()
-        result.wandb_dir = wandb.run_dir if wandb is not None else None
-        return result
+        return TrainResult(records=records, run_dir=self.run_dir, checkpoints=list(self.checkpoints.saved),
+                           start_step=self.start_step, wandb_dir=wandb.run_dir if wandb is not None else None,
+                           stop=self._report_end(*ended) if ended is not None else None,
+                           nonfinite_steps=self.stepper.nonfinite.total,
+                           params_without_gradient=self.stepper.params_without_gradient,
+                           save_timings=self.checkpoints.timings)
 
-    def _step_and_save(self, step: int, result: TrainResult) -> tuple[StepOutcome, Path | None]:
+    def _step_and_save(self, step: int, profiler: ProfileWindow,
+                       records: list[dict[str, Any]]) -> tuple[StepOutcome, Path | None]:
         """One step, its record logged, the profiler window, the checkpoint when due; a stop asked
         for while the checkpoint was written stops the run after it (the returned outcome says so)."""
-        self.profile_window.before_step(step)
+        profiler.before_step(step)
         outcome = self.train_step(step)
         self.watchdog.progress(step, outcome.record["step_time_s"])
         record = self._logged_record(step, outcome)
-        result.records.append(record)
+        records.append(record)
         self.loggers.log(record)
-        trace = self.profile_window.after_step(step)
+        trace = profiler.after_step(step)
         if trace is not None and self.is_rank0:
             logger.info("profiler traces of steps %s written to %s", self.cfg.logging.profile_steps, trace.parent)
         if outcome.diverged:
             return outcome, None
-        saved = self.lifecycle.after_step(step, stop_requested=outcome.stop, nonfinite=outcome.nonfinite,
-                                          model=self.core_model, optimizer=self.optimizer, scheduler=self.scheduler)
+        saved = self.checkpoints.save_if_due(step, stop_requested=outcome.stop, nonfinite=outcome.nonfinite)
         self.watchdog.progress()
         if saved is not None and not outcome.stop:  # a signal that came during the save: agreed, stop now
-            flags = all_reduce_step(torch.zeros((), device=self.device), self._raised_flags(), self.dims.tp).flags
+            flags = all_reduce_step(torch.zeros((), device=self.device), raised_flags(self.stop), self.dims.tp).flags
             outcome = dataclasses.replace(outcome, stop_code=stop_exit_code(flags))
         return outcome, saved
 
@@ -570,48 +313,15 @@ class Trainer:
         return record
 
     def _report_end(self, step: int, outcome: StepOutcome, saved: Path | None) -> RunStop:
-        """The one line rank 0 says about a run that ended before ``train.steps``, and what it ended
-        with (after the background save, so the checkpoint named is complete)."""
+        """What a run that ended before ``train.steps`` ended with, said once by rank 0 (after the
+        background save, so the checkpoint named is complete)."""
         if outcome.diverged:
-            return self._report_divergence(step, outcome.record)
-        code = outcome.stop_code
-        why = ("Ctrl-C" if code == INTERRUPTED_EXIT_CODE else
-               self.stop.preempted_by or "SIGTERM/SIGUSR1 on another rank")
-        checkpoint = saved if saved is not None else self.lifecycle.last_checkpoint()
-        if self.is_rank0:
-            what = "preempted" if code == PREEMPTED_EXIT_CODE else "stopped"
-            if saved is not None:
-                where = f"checkpoint {saved}"
-            elif outcome.nonfinite:
-                where = (f"not saved: the step was not finite; the last good checkpoint is {checkpoint}"
-                         if checkpoint else "not saved: the step was not finite, and there is no earlier checkpoint")
-            else:
-                where = "without a checkpoint (no run directory or checkpoint.dir)"
-            logger.warning("%s after step %d (%s), %s; %s; exiting with %d", what, step, why, where,
-                           self._how_to_continue(checkpoint), code)
-        return RunStop(step=step, why=why, exit_code=code, checkpoint=checkpoint)
-
-    def _how_to_continue(self, checkpoint: Path | None) -> str:
-        if checkpoint is None:
-            return "nothing to continue from"
-        if self.cfg.checkpoint.resume == "auto":
-            return "the same command continues from it"
-        return f"continue with checkpoint.resume={checkpoint}"
-
-    def _report_divergence(self, step: int, record: dict[str, Any]) -> RunStop:
-        """``train.on_nonfinite`` ended the run at ``step``: nothing saved from this state."""
-        train, checkpoint = self.cfg.train, self.lifecycle.last_checkpoint()
-        if self.is_rank0:
-            rule = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop" else
-                    f"{self.nonfinite_in_a_row} in a row, train.max_nonfinite_steps={train.max_nonfinite_steps}")
-            last = (f"the last good checkpoint is {checkpoint}" if checkpoint is not None
-                    else "no checkpoint was saved before it")
-            logger.error("step %d: loss %s, grad norm %s: not finite (%s); its update was not applied and nothing "
-                         "was saved; %s; %s (lower optim.lr, or train.on_nonfinite=skip to step over such "
-                         "batches); exiting with %d", step, record["loss"], record["grad_norm"], rule, last,
-                         self._how_to_continue(checkpoint), DIVERGED_EXIT_CODE)
-        return RunStop(step=step, why="a non-finite loss or grad norm", exit_code=DIVERGED_EXIT_CODE,
-                       checkpoint=checkpoint)
+            return report_divergence(self.cfg, step, outcome.record, in_a_row=self.stepper.nonfinite.in_a_row,
+                                     checkpoint=self.checkpoints.last_checkpoint(), is_rank0=self.is_rank0)
+        return report_stop(self.cfg, step, code=outcome.stop_code, preempted_by=self.stop.preempted_by, saved=saved,
+                           nonfinite=outcome.nonfinite,
+                           checkpoint=saved if saved is not None else self.checkpoints.last_checkpoint(),
+                           is_rank0=self.is_rank0)
 
     def close(self) -> None:
         """Release what setup() made, also after a setup or a step that failed part way: signal

@@ -141,6 +141,7 @@ class CPUGradSyncOptimizer:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     checkpoint_form = {"kind": "cpu_adamw"}  # one form, resharding at any TP / CP / DP
+    main_params = None  # the weights are fp32 themselves: no main copy (see MegatronOptimizerAdapter.main_params)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                            sharding: str | None = None) -> dict[str, Any]:
@@ -193,6 +194,7 @@ class GradientsOnly:
         return False, None  # no grad norm measured
 
     checkpoint_form = {"kind": "none"}
+    main_params = None  # no optimizer state, no main copy
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                            sharding: str | None = None) -> dict[str, Any]:
@@ -293,6 +295,12 @@ class MegatronOptimizerAdapter:
         return {"kind": "megatron", "optimizer": self.optimizer.sharded_state_dict(
             model_sharded_state_dict, is_loading,
             metadata={"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True})}
+
+    @property
+    def main_params(self):
+        """The fp32 main parameters of a bf16 run, for the HF export's float32 tensors
+        (:meth:`fp32_main_params`; the CPU path and ``optim.name=none`` have none: None)."""
+        return self.fp32_main_params
 
     def fp32_main_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This TP rank's fp32 main copy of each of ``params`` (model tensors by name), whole and
@@ -410,6 +418,24 @@ def build_megatron_ddp_and_optimizer(model, transformer_config, cfg: RunConfig, 
         use_gloo_process_groups=False,
     )
     return ddp, MegatronOptimizerAdapter(ddp, optimizer, cfg.checkpoint.optimizer_sharding)
+
+
+def build_training_model_and_optimizer(model, transformer_config, cfg: RunConfig, parallel, *, device: torch.device,
+                                       bf16: bool):
+    """What runs forward/backward and the optimizer that syncs its gradients and updates it: on
+    CUDA, ``model`` in the bf16 wrapper (as Megatron's ``get_model``: bf16 params, fp32 outputs, the
+    per-token loss) and Megatron-Core DDP, every DP replica starting from rank 0's weights; on CPU
+    ``model`` itself and :class:`CPUGradSyncOptimizer` over ``parallel``'s groups."""
+    if device.type != "cuda":
+        return model, CPUGradSyncOptimizer(model, cfg, dp_cp_group=parallel.dp_cp_group, tp_group=parallel.tp_group,
+                                           sequence_parallel=cfg.parallel.sp)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(transformer_config, model)
+    model, optimizer = build_megatron_ddp_and_optimizer(model, transformer_config, cfg, bf16=bf16)
+    model.broadcast_params()
+    return model, optimizer
 
 
 def resolve_warmup_steps(warmup: int | float, steps: int, log: bool = True) -> int:
