@@ -40,14 +40,15 @@ RECORDED = "recorded"  # --like's default: the checkpoint the run started from, 
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
-                      like: str | Path | None = RECORDED, adapter: bool = False):
+                      like: str | Path | None = RECORDED, adapter: bool = False, *, runtime):
     """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
     :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
     keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
     layout only): "float32" or "bfloat16" instead of the dtype the run trained in; ``adapter``: a
     LoRA checkpoint's adapters as a PEFT adapter directory (an
-    :class:`~relax_gdn.model.hf_checkpoint.peft.AdapterReport`). Without CUDA it needs an installed
-    :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
+    :class:`~relax_gdn.model.hf_checkpoint.peft.AdapterReport`). ``runtime``: the installed
+    :class:`relax_gdn.runtime.Runtime` (``main`` installs one; without CUDA it applied Megatron-Core's
+    CPU shims)."""
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.train.checkpoint import read_manifest, resolve_resume
     from relax_gdn.train.hf_export import export_spec
@@ -70,7 +71,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
             raise RecipeError(f"--dtype {dtype} applies to the text layout; an export in the layout of "
                               f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
                               "layout)")
-    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, adapter)
+    device = _prepare_device(runtime)
+    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, device,
+                   adapter=adapter)
 
 
 def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
@@ -91,7 +94,7 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
     drop_in_origins(source, preset_dims(model["preset"], vocab, model.get("mtp_num_layers", 0)))
 
 
-def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool = False):
+def _export(directory: Path, manifest: dict, cfg, out: Path, spec, device: torch.device, *, adapter: bool):
     """Build the run's model at TP 1, CP 1, load the checkpoint's weights (a LoRA run's: its base,
     then its adapters), write the export."""
     import torch.distributed as dist
@@ -101,7 +104,6 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool
     from relax_gdn.train.checkpoint_state import checkpoint_fp32_main_params, load_model_weights
     from relax_gdn.train.hf_export import write_hf_export
 
-    device = _prepare_device()
     created = init_distributed(device)
     try:
         parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
@@ -141,7 +143,7 @@ def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *
     return write_merged_lora_export(model, out, spec)
 
 
-def _prepare_device() -> torch.device:
+def _prepare_device(runtime) -> torch.device:
     """The GPU where CUDA is visible: Megatron-Core creates GDN parameters on
     ``torch.cuda.current_device()`` and forks its CUDA RNG tracker whenever a GPU is visible, and
     the CPU shims that redirect both must not hide a GPU. The CPU otherwise (``CUDA_VISIBLE_DEVICES=``
@@ -150,9 +152,7 @@ def _prepare_device() -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         return device
-    from relax_gdn.runtime import require_runtime
-
-    require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
+    runtime.require("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
     return torch.device("cpu")
 
 
@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     from relax_gdn.runtime import Runtime
 
     try:
-        with Runtime():
-            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter)
+        with Runtime() as runtime:
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter,
+                                       runtime=runtime)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer resumes exactly (CPU, one gloo process, a fresh one per case).
 
 The GPU path (Megatron-Core DDP + DistributedOptimizer: bf16 params, fp32 main params, torch Adam
-without Transformer Engine or Apex) saved and loaded with the project's own ``Saver`` and
+without Transformer Engine or Apex) saved and loaded with the project's own ``CheckpointWriter`` and
 ``load_checkpoint``, in both ``checkpoint.optimizer_sharding`` forms, on a small module with a
 frozen weight beside the ones that train (LoRA's shape: the frozen one has no DDP buffer, no
 optimizer state and is not in the checkpoint). A run resumed from its step-2 checkpoint repeats
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
@@ -75,7 +75,6 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     from megatron.core.transformer.module import MegatronModule
 
     from relax_gdn.config import RunConfig
-    from relax_gdn.runtime import require_runtime
     from relax_gdn.train.checkpoint import read_manifest
     from relax_gdn.train.checkpoint_state import load_checkpoint, state_to_save
     from relax_gdn.train.checkpoint_writer import CheckpointWriter
@@ -137,7 +136,7 @@ def _resume_case(sharding: str, tmp: str) -> dict:
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
             writer = CheckpointWriter(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD, async_save=False,
-                                      runtime=require_runtime("saving checkpoints"))
+                                      runtime=job_runtime())
             model, optimizer = build()
             full, saved = [], None
             for i in range(4):

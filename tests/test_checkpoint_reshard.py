@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import child_env, computed_once
+from tests.distributed import child_env, computed_once, job_runtime
 from tests.helpers import EQ_TOL, reshard_run_config, step_values
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
         from relax_gdn.train.loop import run_training
 
         run = run_training(reshard_run_config(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
-                                    checkpoint__every_steps=2), None)
+                                    checkpoint__every_steps=2), None, runtime=job_runtime())
         return [step_values(r) for r in run.records], str(run.checkpoints[0])
 
     return computed_once(("reshard", tmp, layout, mode), make)
@@ -50,7 +50,8 @@ def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
 
     source_key = (source, mode if source == "cp2" else "chunkwise")
     reference, saved = _uninterrupted(tmp, *source_key)
-    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None)
+    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None,
+                           runtime=job_runtime())
     return {"resumed": (source_key, resumed.start_step, [step_values(r) for r in resumed.records]),
             "reference": reference}
 

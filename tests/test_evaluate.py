@@ -13,6 +13,7 @@ import pytest
 from relax_gdn.config import ConfigError, validate
 from relax_gdn.data import ByteChatTokenizer, synthetic_math_dataset
 from relax_gdn.train.evaluate import EVAL_LOSS, holdout_indices, split_eval_set
+from tests.distributed import job_runtime
 from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
 from tests.helpers import config_with as _cfg
 from tests.helpers import messages_config as messages_cfg
@@ -110,9 +111,10 @@ def _single_process_eval(tmp: str) -> dict:
                        train__steps=3, checkpoint__dir=str(tmp / "ckpt"), checkpoint__save_final=True,
                        logging__jsonl=True, logging__wandb=dict(mode="offline", project="relax-gdn-test",
                                                                 entity=None, group=None, tags=[], name=None))
-    result = run_training(cfg, tmp / "run")
+    result = run_training(cfg, tmp / "run", runtime=job_runtime())
     without_eval = run_training(cfg.with_overrides({"eval.every_steps": 0, "checkpoint.save_final": False,
-                                                    "logging.wandb.mode": "disabled"}), None)
+                                                    "logging.wandb.mode": "disabled"}), None,
+                                                    runtime=job_runtime())
     hand = _hand_eval_loss(cfg, Path(result.checkpoints[-1]), eval_path)
     jsonl = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     from tests.wandb_records import offline_run_records

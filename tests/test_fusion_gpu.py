@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from relax_gdn.bench.timing import count_host_syncs
 from relax_gdn.model import fusion
+from tests.distributed import job_runtime
 from tests.helpers import plain_rms_norm as _plain_rms_norm
 from tests.helpers import relative_error as _rel
 
@@ -160,7 +161,7 @@ def _train_reduced(**overrides):
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
         "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
     })
-    return run_training(cfg, None).records
+    return run_training(cfg, None, runtime=job_runtime()).records
 
 
 def test_tiny_model_embedding_gradient_through_ddp(runtime):

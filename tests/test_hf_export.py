@@ -266,7 +266,7 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
                 key = f"optimizer.state.param.{sharded.key}"
                 state[key] = replace(sharded, key=key, data=main[name].clone(), dtype=torch.float32)
         (tmp / "fp32_ckpt").mkdir()
-        # with the common (non-sharded) state the Saver writes beside the tensors: a load returns it too
+        # with the common (non-sharded) state the checkpoint writer puts beside the tensors: a load returns it too
         dist_checkpointing.save(
             {"model": model.sharded_state_dict(), "optimizer": {"kind": "megatron", "optimizer": state},
              "scheduler": {"num_steps": 3}, "step": 3},
@@ -327,8 +327,8 @@ def _drop_in_cases(tmp: str) -> dict:
             "checkpoint.export_hf_final": True,
         }
     )
-    with Runtime():
-        run_training(cfg, tmp / "run")
+    with Runtime() as runtime:
+        run_training(cfg, tmp / "run", runtime=runtime)
     r: dict = {"cli": export_cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)

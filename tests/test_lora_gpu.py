@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 from tests.helpers import checkpoint_model_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,7 +37,7 @@ def _gpu_lora_cases(tmp: str) -> dict:
     tmp = Path(tmp)
 
     def run(run_dir=None, **extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir)
+        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir, runtime=job_runtime())
 
     out = {}
     for sharding in ("dp_reshardable", "fully_reshardable"):
@@ -54,7 +54,8 @@ def _gpu_lora_cases(tmp: str) -> dict:
     cfg = RunConfig().with_overrides(_overrides())
     from relax_gdn.config import validate
 
-    trainer = Trainer(cfg, None, dims=validate(cfg, 1), device=torch.device("cuda", 0), bf16=True)
+    trainer = Trainer(cfg, None, dims=validate(cfg, 1), device=torch.device("cuda", 0), bf16=True,
+                      runtime=job_runtime())
     try:
         trainer.setup()
         model = trainer.core_model

@@ -30,6 +30,7 @@ import torch
 from relax_gdn.config import ConfigError, RunConfig, validate
 from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
+from tests.distributed import job_runtime
 from tests.helpers import export_summary_line
 from tests.model_harness import GRAD_TOL, LOSS_TOL
 from tests.model_harness import tolerance as _tolerance
@@ -473,7 +474,8 @@ def _training_runs() -> dict:
     for name, fields in runs.items():
         cfg = _cfg(train__steps=1, train__global_batch_size=8, logging__jsonl=False, data__synthetic_max_steps=1,
                    model__mtp__num_layers=1, model__mtp__loss_weight=0.3, **fields)
-        out[name] = [{k: r.get(k) for k in ("loss", "mtp_loss", "grad_norm")} for r in run_training(cfg, None).records]
+        records = run_training(cfg, None, runtime=job_runtime()).records
+        out[name] = [{k: r.get(k) for k in ("loss", "mtp_loss", "grad_norm")} for r in records]
     return out
 
 
@@ -585,8 +587,8 @@ def _export_cases(tmp: str) -> dict:
         "data.synthetic_max_steps": 1, "data.num_samples": 32, "optim.warmup_steps": 1, "logging.console": False,
         "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.save_final": True,
     })  # model.mtp.num_layers left null: the source's MTP layer is trained
-    with Runtime():
-        result = run_training(cfg, tmp / "run")
+    with Runtime() as runtime:
+        result = run_training(cfg, tmp / "run", runtime=runtime)
     out = {"records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
            "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers}
     out["cli"] = export_cli(str(tmp / "ckpt"), str(export))

@@ -24,11 +24,11 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
 
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_selective_recompute_matches_no_recompute(runtime):
-    none = _train(**{"recompute.granularity": "none"})
+    none = _train(runtime, **{"recompute.granularity": "none"})
     for overrides in ({"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
                       {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
                       {"recompute.granularity": "mixed", "recompute.full_layers": 2}):
-        selective = _train(**overrides)
+        selective = _train(runtime, **overrides)
         for s, n in zip(selective, none):
             assert s["loss"] == pytest.approx(n["loss"], rel=1e-6)
             assert s["grad_norm"] == pytest.approx(n["grad_norm"], rel=1e-5)

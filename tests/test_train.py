@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.config import ConfigError, RunConfig
-from tests.distributed import JobResults
+from tests.distributed import JobResults, job_runtime
 from tests.helpers import EQ_TOL
 from tests.helpers import GDN_MODES as MODES
 from tests.helpers import small_config as _cfg
@@ -47,7 +47,7 @@ def _demo(tmp: str) -> dict:
     demo = _cfg(train__steps=20, optim__warmup_steps=2,
                 logging__wandb=dict(mode="offline", project="relax-gdn-test", entity=None, group=None,
                                     tags=["test"], name=None))
-    result = run_training(demo, tmp / "demo")
+    result = run_training(demo, tmp / "demo", runtime=job_runtime())
     return {"demo": result.records, "demo_files": sorted(p.name for p in (tmp / "demo").iterdir()),
             "wandb_runs": sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))}
 
@@ -71,7 +71,8 @@ def _wandb_broken(tmp: str) -> dict:
             warnings.simplefilter("always")
             failing = _cfg(train__steps=2, logging__wandb=dict(mode="online", project="p", entity=None, group=None,
                                                                  tags=[], name=None))
-            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken").records
+            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken",
+                                               runtime=job_runtime()).records
         out["wandb_warnings"] = [str(w.message) for w in caught if "W&B" in str(w.message)]
     finally:
         wandb.init = original
@@ -82,7 +83,7 @@ def _cp1_reference() -> dict:
     """The CP = 1 reference of the equality test."""
     from relax_gdn.train.loop import run_training
 
-    return {"cp1": run_training(_equality_cfg(1), None).records}
+    return {"cp1": run_training(_equality_cfg(1), None, runtime=job_runtime()).records}
 
 
 def _resume(tmp: str) -> dict:
@@ -90,8 +91,9 @@ def _resume(tmp: str) -> dict:
     from relax_gdn.train.loop import run_training
 
     tmp = Path(tmp)
-    full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full")
-    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed")
+    full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full", runtime=job_runtime())
+    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed",
+                           runtime=job_runtime())
     return {"full": full.records, "checkpoints": [str(p) for p in full.checkpoints], "resumed": resumed.records,
             "resumed_start": resumed.start_step}
 
@@ -115,7 +117,8 @@ def _preempted(tmp: str) -> dict:
 
     loggers_module.RunLoggers.log = log_then_signal
     try:
-        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted")
+        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted",
+                                 runtime=job_runtime())
     finally:
         loggers_module.RunLoggers.log = original_log
     return {"preempted": (preempted.stop.step, [Path(p).name for p in preempted.checkpoints],
@@ -138,7 +141,7 @@ def _two_process_step(case: str) -> dict:
         assert case == "dynamic", case
         cfg = _cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
                    parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False)
-    return {case: run_training(cfg, None).records}
+    return {case: run_training(cfg, None, runtime=job_runtime()).records}
 
 
 def _cp2_demo(tmp: str) -> dict:
@@ -147,7 +150,8 @@ def _cp2_demo(tmp: str) -> dict:
     from relax_gdn.train.loop import run_training
 
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
-    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records}
+    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir,
+                                     runtime=job_runtime()).records}
 
 
 def _step_totals() -> dict:
@@ -298,12 +302,13 @@ def test_resume_repeats_the_uninterrupted_run(single):
 
 
 def test_missing_data_file_fails_before_anything_is_written(tmp_path):
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
 
     run_dir = tmp_path / "run"
     cfg = _cfg(data__source="jsonl", data__path=str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ConfigError, match="data.path="):
-        run_training(cfg, run_dir)
+    with pytest.raises(ConfigError, match="data.path="):  # before the Runtime (never installed) is asked
+        run_training(cfg, run_dir, runtime=Runtime())
     assert not run_dir.exists()
 
 
@@ -314,18 +319,21 @@ def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
     bad.write_text("not json\n{\"question\": \"no prompt field\"}\n")
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="no usable record"):
-        run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir)
+        run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir, runtime=runtime)
     assert not run_dir.exists()
 
 
 def test_impossible_config_fails_before_anything_is_written(tmp_path):
+    from relax_gdn.runtime import Runtime
     from relax_gdn.train.loop import run_training
 
     run_dir = tmp_path / "run"
+    never_installed = Runtime()  # the config is refused before the Runtime is asked for anything
     with pytest.raises(ConfigError, match=r"world size 1 is not divisible by parallel.tp x parallel.cp"):
-        run_training(_cfg(parallel__cp=2), run_dir)
+        run_training(_cfg(parallel__cp=2), run_dir, runtime=never_installed)
     with pytest.raises(ConfigError, match="parallel.sp=true needs parallel.tp > 1") as info:
-        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir)
+        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir,
+                     runtime=never_installed)
     assert "data.num_samples=3 is below train.global_batch_size=7" in str(info.value)  # all at once
     assert not run_dir.exists()
 

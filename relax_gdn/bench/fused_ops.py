@@ -129,6 +129,7 @@ def _measure_all(args) -> None:
     head = (0.02 * torch.randn(vocab, 4096, device=dev, dtype=bf16)).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device=dev)
     weights = torch.rand(n, device=dev)  # a loss mask / token count as the loop's upstream gradient
+    kernels = fusion.ChunkKernels()  # compiled once, as a model's loss keeps them
 
     def plain_ce():
         logits = (h @ head.t()).unsqueeze(1)  # [s, b, V] like the output layer
@@ -136,11 +137,11 @@ def _measure_all(args) -> None:
 
     _measure("lm_head + CE: plain (Megatron vocab-parallel)", _fwd_bwd(plain_ce, [h, head], weights), rows)
     _measure("lm_head + CE: chunked linear_cross_entropy",
-             _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels), [h, head], weights), rows)
+             _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels, kernels=kernels), [h, head], weights), rows)
     mask = (weights > 0.3).float()  # the training loss: the masked sum, gradients formed in forward
     _measure("lm_head + CE: plain, masked sum", _fwd_bwd(lambda: (plain_ce().float() * mask).sum(), [h, head]), rows)
     _measure("lm_head + CE: chunked weighted_linear_cross_entropy_sum",
-             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask), [h, head]), rows)
+             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask, kernels=kernels), [h, head]), rows)
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError:

@@ -477,7 +477,7 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
     return round(left, 3)
 
 
-def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
+def run_variant(name: str, cfg, args, world: int, device: torch.device, *, runtime) -> dict:
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.build import padded_vocab_size
     from relax_gdn.train.loop import run_training
@@ -519,7 +519,7 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device) -> dict:
             cfg = cfg.with_overrides({"train.steps": steps + 1, "logging.profile_steps": [steps + 1, steps + 1]})
             run_dir = Path(tmp) / name.replace("/", "_")
         try:
-            result = run_training(cfg, run_dir, data=data)
+            result = run_training(cfg, run_dir, runtime=runtime, data=data)
         except MemoryFitError as e:  # refused before anything was built: report it, go on
             entry |= {"records": [], "summary": {
                 "refused": str(e), "memory_estimate_gib": e.estimate_gib, "capacity_gib": e.capacity_gib,
@@ -710,11 +710,11 @@ def main(argv: list[str] | None = None) -> dict:
     from relax_gdn.runtime import Runtime
 
     # after the checks above: installing touches CUDA, and a refused run must not pay for it
-    with Runtime():  # every process-wide change of the benchmark, undone when it ends
-        return _run(args, variants)
+    with Runtime() as runtime:  # every process-wide change of the benchmark, undone when it ends
+        return _run(args, variants, runtime)
 
 
-def _run(args, variants: list[str]) -> dict:
+def _run(args, variants: list[str], runtime) -> dict:
     from relax_gdn.config import RunConfig
     from relax_gdn.parallel import init_distributed
     from relax_gdn.train.build import select_device
@@ -746,14 +746,14 @@ def _run(args, variants: list[str]) -> dict:
             steps = warm_up_steps or ({"train.steps": args.steps + 1} if profiled_variant(variant) else {})
             warm_up = run_variant(f"{variant} (warm-up pass)",
                                   base.with_overrides({**variant_overrides(variant, world), **steps}),
-                                  untimed, world, device)
+                                  untimed, world, device, runtime=runtime)
             passes.append({"variant": variant, "steps": len(warm_up["records"]),
                            "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused")})
         result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
     for variant in variants:
         overrides = variant_overrides(variant, world)
         variant_args = args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
-        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device)
+        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device, runtime=runtime)
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:

@@ -105,10 +105,6 @@ class WandbLogger:
         self.run = None
 
     @property
-    def active(self) -> bool:
-        return self.run is not None
-
-    @property
     def run_id(self) -> str | None:
         return None if self.run is None else getattr(self.run, "id", None)
 

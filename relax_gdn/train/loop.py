@@ -37,7 +37,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import save_run_config
 from relax_gdn.parallel import ParallelContext, init_distributed, launcher_rank, launcher_world_size
-from relax_gdn.runtime import require_runtime
+from relax_gdn.runtime import Runtime
 from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.build import build, resolve_mtp_layers, select_bf16, select_device
 from relax_gdn.train.console import log_run_start
@@ -59,14 +59,15 @@ from relax_gdn.train.watchdog import StepWatchdog
 logger = logging.getLogger("relax_gdn.train")
 
 
-def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
+def run_training(cfg: RunConfig, run_dir: str | Path | None, *, runtime: Runtime, data=None,
                  on_continue: Callable[[Path], None] | None = None) -> TrainResult:
     """Train ``cfg`` (already validated or not: validated again here, before anything is built).
 
     ``run_dir``: where rank 0 writes ``config.yaml``, ``metrics.jsonl`` and (by default) the
     checkpoints; None writes nothing (no JSONL, no checkpoints unless ``checkpoint.dir``).
-    Uses the initialized default process group, else makes a one-process one. It needs an installed
-    :class:`relax_gdn.runtime.Runtime` (the entry points install one). ``data``: a prepared
+    Uses the initialized default process group, else makes a one-process one. ``runtime``: the
+    installed :class:`relax_gdn.runtime.Runtime` (the entry points install one), which makes the
+    process-wide changes the run needs (signal handlers, the checkpoint writer's queue). ``data``: a prepared
     ``(tokenizer, SFTDataset)`` pair (benchmarks with a length distribution of their own) instead of
     what ``cfg.data`` names. ``on_continue``: called on rank 0 with the run directory a resumed run
     continues when it is not ``run_dir`` (``train.py`` moves Hydra's job log there).
@@ -80,10 +81,10 @@ def run_training(cfg: RunConfig, run_dir: str | Path | None, data=None, *,
     bf16 = select_bf16(cfg, device)
     # the entry point's Runtime owns the process-wide changes (on CPU: Megatron-Core's shims)
     cpu = device.type == "cpu"
-    require_runtime("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
+    runtime.require("training on CPU" if cpu else "training on CUDA", cpu_shims=cpu)
 
     trainer = Trainer(cfg, Path(run_dir) if run_dir is not None else None, dims=dims, device=device, bf16=bf16,
-                      data=data, on_continue=on_continue)
+                      runtime=runtime, data=data, on_continue=on_continue)
     try:
         trainer.setup()
         return trainer.run()
@@ -125,13 +126,14 @@ class Trainer:
     stepper: TrainStep  # one optimizer step: forward_backward, optimizer_step, train_step
 
     def __init__(self, cfg: RunConfig, run_dir: Path | None, *, dims: ParallelDims, device: torch.device, bf16: bool,
-                 data=None, on_continue: Callable[[Path], None] | None = None):
+                 runtime: Runtime, data=None, on_continue: Callable[[Path], None] | None = None):
         """``cfg``: the validated configuration; ``run_dir``: rank 0's run directory (broadcast in
         setup; None: none); ``dims``: the parallel sizes ``validate`` derived; ``device`` and ``bf16``:
-        ``select_device`` / ``select_bf16``; ``data``: a prepared ``(tokenizer, SFTDataset)`` pair
-        instead of what ``cfg.data`` names; ``on_continue``: rank 0 calls it with the run directory a
-        resumed run continues, when that is not ``run_dir``."""
+        ``select_device`` / ``select_bf16``; ``runtime``: the installed Runtime; ``data``: a prepared
+        ``(tokenizer, SFTDataset)`` pair instead of what ``cfg.data`` names; ``on_continue``: rank 0
+        calls it with the run directory a resumed run continues, when that is not ``run_dir``."""
         self.cfg, self.run_dir, self.dims, self.device, self.bf16 = cfg, run_dir, dims, device, bf16
+        self.runtime = runtime
         self._given_data = data
         self.on_continue = on_continue
         # what close() releases, set as setup() gets to it
@@ -148,7 +150,7 @@ class Trainer:
         resume and the run directory, loggers, the step (planner, metrics), evaluator, watchdog."""
         cfg = self.cfg
         saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
-        self.stop = StopRequest(require_runtime("stop signals"), rank=launcher_rank(), saves=saves)
+        self.stop = StopRequest(self.runtime, rank=launcher_rank(), saves=saves)
         self._init_process_groups()
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data, log=self.is_rank0))
         self._build_model_and_optimizer()
@@ -187,7 +189,7 @@ class Trainer:
         self.is_rank0 = self.rank == 0
         self.run_dir = broadcast_run_dir(self.run_dir)
         if cfg.train.deterministic:  # process-wide: the Runtime puts torch's setting back when it closes
-            require_runtime("train.deterministic").use_deterministic_algorithms(warn_only=True)
+            self.runtime.use_deterministic_algorithms(warn_only=True)
         seed_everything(cfg.train.seed)
         dynamic = cfg.parallel.dynamic_cp
         self.parallel = ParallelContext.initialize(tp=self.dims.tp, cp=self.dims.cp,
@@ -201,7 +203,7 @@ class Trainer:
         rank here, before DDP), then gradient sync + optimizer + schedule."""
         device, bf16 = self.device, self.bf16
         built = agree_on_errors(lambda: build(self.cfg, self.parallel, tokenizer_vocab_size=self.data.tokenizer.vocab_size,
-                                              device=device, bf16=bf16, runtime=require_runtime("building the model"),
+                                              device=device, bf16=bf16, runtime=self.runtime,
                                               log=self.is_rank0))
         # the config as built: mixed recompute's layer count is the memory model's choice, kept in the run's config
         self.cfg, self.tconfig, self.core_model, self.vocab_size = built.cfg, built.tconfig, built.model, built.vocab_size
@@ -220,7 +222,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, run_dir=self.run_dir, state=TrainState(self.core_model, self.optimizer,
                                                                                          self.scheduler),
                                              facts=facts, device=self.device, dp_cp_group=self.parallel.dp_cp_group,
-                                             runtime=require_runtime("saving checkpoints"))
+                                             runtime=self.runtime)
         self.start_step = self.checkpoints.resume()
         continued = self.checkpoints.run_dir
         if self.is_rank0 and self.on_continue is not None and continued not in (None, self.run_dir):
