@@ -175,7 +175,7 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
            runtime) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     on_continue = partial(continue_job_log, run_dir) if run_dir is not None else None
     try:

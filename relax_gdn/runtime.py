@@ -161,8 +161,8 @@ class Runtime:
         ``cpu_shims`` is asked for."""
         if not self.installed:
             raise RuntimeError(
-                f"{what} needs the process set up by relax_gdn.runtime.Runtime, and the Runtime it was given is "
-                "not installed: wrap the call in `with Runtime() as runtime: ...` and pass that runtime "
+                f"{what} needs the process set up by relax_gdn.runtime.Runtime, and the Runtime it was given "
+                "is not installed: wrap the call in `with Runtime() as runtime: ...` and pass that runtime "
                 "(train.py, export_hf and the benchmarks do; tests use the `runtime` fixture)"
             )
         if cpu_shims and not self.cpu_shims:
@@ -207,7 +207,7 @@ class Runtime:
         """transformers' Qwen3.5 on its own pure-torch GDN and conv kernels until :meth:`close`
         (:func:`relax_gdn.model.hf_checkpoint.use_torch_kernels_in_transformers`: CPU inference of
         an export, exact comparisons)."""
-        from relax_gdn.model.hf_checkpoint.transformers_kernels import use_torch_kernels_in_transformers
+        from relax_gdn.compat.transformers_kernels import use_torch_kernels_in_transformers
 
         self.adopt(use_torch_kernels_in_transformers())
 

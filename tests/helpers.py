@@ -74,7 +74,7 @@ def train_py(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = ()
 def train_records_in_this_process(runtime, **overrides) -> list[dict]:
     """Two steps of the tiny model on 16 short samples (``run_training`` here, no process group
     started, in the installed ``runtime``): the records."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
@@ -114,8 +114,8 @@ def force_transformers_pure_torch():
     process: the callers compare transformers' torch path only). Returns what binds FLA's back."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
     from relax_gdn.model import hf_checkpoint as hfc
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
 
     bind_back = hfc.use_torch_kernels_in_transformers()
     for name in KERNEL_HANDLES:

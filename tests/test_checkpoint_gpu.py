@@ -30,7 +30,7 @@ def _overrides(**extra) -> dict:
 
 def _save_then_resume(tmp: str, save_cp: int, resume_cp: int, sharding: str, async_save: bool) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(**extra):
         return run_training(RunConfig().with_overrides(_overrides(**extra)), None, runtime=job_runtime())

@@ -56,7 +56,7 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     torch.set_num_threads(1)  # as the runs it is compared with
     from relax_gdn.runtime import Runtime
     from relax_gdn.train import checkpoint, loggers
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.train_with_faults import on_checkpoint_write
 
     runtime = Runtime().install()  # set up like an entry point's process; the kill ends it
@@ -86,7 +86,7 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
 
 
 def _uninterrupted_run(tmp: str) -> dict:
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     run_training(_lifecycle_cfg(tmp / "uninterrupted"), tmp / "uninterrupted" / "run", runtime=job_runtime())
@@ -95,7 +95,7 @@ def _uninterrupted_run(tmp: str) -> dict:
 
 def _finish_run(tmp: str, case: str) -> dict:
     """A killed run again with the same command (resume=auto)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
@@ -186,7 +186,7 @@ def _auto_resume_cases(tmp: str) -> dict:
     import torch
 
     from relax_gdn.errors import RecipeError
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -249,7 +249,7 @@ def _full_disk(tmp: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from relax_gdn.errors import RecipeError
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     out = {}

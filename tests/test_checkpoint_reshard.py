@@ -34,7 +34,7 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
     per pool rank and (layout, mode)."""
 
     def make():
-        from relax_gdn.train.loop import run_training
+        from relax_gdn.train import run_training
 
         run = run_training(reshard_run_config(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
                                     checkpoint__every_steps=2), None, runtime=job_runtime())
@@ -46,7 +46,7 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
 def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
     """The checkpoint written at ``source`` resumed at ``target`` in ``mode`` (the pool of 2).
     Mode-independent sources (CP 1 runs no GDN CP path) are written once, by chunkwise."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     source_key = (source, mode if source == "cp2" else "chunkwise")
     reference, saved = _uninterrupted(tmp, *source_key)

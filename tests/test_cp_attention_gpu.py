@@ -263,7 +263,7 @@ FA4_LOSS_TOL, FA4_GRAD_NORM_TOL = 1e-3, 1e-2
 
 def _reduced_9b_first_step(backend: str) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "model.preset": "qwen3_5_9b_reduced", "model.attention_backend": backend, "train.device": "cuda",

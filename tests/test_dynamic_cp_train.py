@@ -25,7 +25,7 @@ def _mixed(mode: str, dynamic: bool):
 
 def _static_and_dynamic(mode: str) -> dict:
     """Step 1 at static CP 4 and at dynamic CP <= 4 on the same samples (the pool of 4)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     return {mode: tuple(run_training(_mixed(mode, dynamic), None, runtime=job_runtime()).records
                         for dynamic in (False, True))}
@@ -37,7 +37,7 @@ def _s4_preset() -> dict:
 
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.config.hydra_io import register_schema
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import ROOT
 
     conf_dir = str(ROOT / "conf")

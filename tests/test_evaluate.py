@@ -98,7 +98,7 @@ def _single_process_eval(tmp: str) -> dict:
 
     import torch
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)

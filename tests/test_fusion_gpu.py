@@ -152,7 +152,7 @@ def test_embedding_gradient_into_main_grad_cuda_bf16():
 
 def _train_reduced(**overrides):
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",

@@ -302,7 +302,7 @@ def _drop_in_cases(tmp: str) -> dict:
     an entry point does, while ``python -m relax_gdn.export_hf`` (``_cli``) installs its own."""
     from relax_gdn.config import RunConfig
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
     torch.set_num_threads(1)

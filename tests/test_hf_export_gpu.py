@@ -73,7 +73,7 @@ def _overrides(**extra) -> dict:
 
 def _train(run_dir: str | None, extra: dict) -> int:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     return len(run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir,
                             runtime=job_runtime()).records)

@@ -801,7 +801,7 @@ def _lora_resume_cases(tmp: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemReader
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import step_values
 
     torch.set_num_threads(1)
@@ -891,7 +891,7 @@ def _vlm_run_cases(tmp: str) -> dict:
     from relax_gdn.export_hf import main as export_main
     from relax_gdn.model import hf_checkpoint as hfc
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
     from tests.hf_sources import files_of

@@ -32,7 +32,8 @@ def _gpu_lora_cases(tmp: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import Trainer, run_training
+    from relax_gdn.train import run_training
+    from relax_gdn.train.loop import Trainer
 
     tmp = Path(tmp)
 

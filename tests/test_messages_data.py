@@ -223,7 +223,7 @@ def test_the_example_chat_file_loads():
 def _two_process_messages_cases() -> dict:
     import torch
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     # a quarter of the conversations held out and evaluated after every step

@@ -465,7 +465,7 @@ def _parity_cases() -> dict:
 def _training_runs() -> dict:
     """Step 1 of the same global batch at DP 4, DP 2 x CP 2 (chunkwise) and CP 4 (all_gather, full
     recompute): the logged LM and MTP losses and the gradient norm (the objective's) agree."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import small_config as _cfg
 
     runs = {"dp4": {}, "cp2": {"parallel__cp": 2},
@@ -572,7 +572,7 @@ def _export_cases(tmp: str) -> dict:
     and the library calls around it run inside one each."""
     from relax_gdn.config.hydra_io import load_run_config
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
     from tests.hf_sources import export_cli, run_weights_in_hf_names

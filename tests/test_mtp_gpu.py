@@ -29,7 +29,7 @@ def _overrides(**extra) -> dict:
 
 def _gpu_cases() -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(**extra):
         return run_training(RunConfig().with_overrides(_overrides(**extra)), None,

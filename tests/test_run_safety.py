@@ -120,7 +120,7 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
     overrides for a GPU run (Megatron-Core's DDP and optimizer instead of the CPU path's)."""
     import torch
 
-    from relax_gdn.train import loop
+    from relax_gdn.train import loop, run_training
     from relax_gdn.train.console import run_summary
     from tests.train_with_faults import nan_loss
 
@@ -139,10 +139,10 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
     for name, most in (("skips", 3), ("stops", 2)):
         sums.clear()
         tmp_dir = Path(tmp) / name
-        result = loop.run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
-                                        checkpoint__every_steps=1, checkpoint__keep_last=0,
-                                        checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run",
-                                        runtime=job_runtime())
+        result = run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
+                                   checkpoint__every_steps=1, checkpoint__keep_last=0,
+                                   checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run",
+                              runtime=job_runtime())
         out[name] = dict(records=result.records, weights=dict(sums), nonfinite=result.nonfinite_steps,
                          stop=None if result.stop is None else (result.stop.step, result.stop.exit_code),
                          saved=sorted(p.name for p in (tmp_dir / "ckpt").iterdir()),
@@ -343,7 +343,7 @@ def _listings_differ(tmp: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)

@@ -20,8 +20,8 @@ def _process_state() -> dict:
     from megatron.core.tensor_parallel import random as mcore_random
     from torch import _dynamo
 
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
     from relax_gdn.known_warnings import KNOWN_LOG_LINES
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
 
     modeling = _transformers_modeling()  # first: its import adds warning filters of its own
     state = {
@@ -118,7 +118,7 @@ def test_library_code_asks_for_a_runtime_instead_of_patching(tmp_path):
     to install, and nothing of the process has changed."""
     from relax_gdn.config import RunConfig
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     before = torch.cuda.current_device
     cfg = RunConfig().with_overrides({"train.steps": 1, "train.device": "cpu", "logging.console": False})

@@ -38,7 +38,7 @@ def _demo(tmp: str) -> dict:
     """The demo: 20 steps, JSONL, W&B offline into a temporary directory (no network)."""
     import os
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
@@ -58,7 +58,7 @@ def _wandb_broken(tmp: str) -> dict:
 
     import wandb
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     out = {}
 
@@ -81,14 +81,14 @@ def _wandb_broken(tmp: str) -> dict:
 
 def _cp1_reference() -> dict:
     """The CP = 1 reference of the equality test."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     return {"cp1": run_training(_equality_cfg(1), None, runtime=job_runtime()).records}
 
 
 def _resume(tmp: str) -> dict:
     """4 steps with a checkpoint at 2; then from step 2 to 4."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full", runtime=job_runtime())
@@ -105,7 +105,7 @@ def _preempted(tmp: str) -> dict:
     import signal
 
     from relax_gdn.train import loggers as loggers_module
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     original_log = loggers_module.RunLoggers.log
@@ -129,7 +129,7 @@ def _preempted(tmp: str) -> dict:
 def _two_process_step(case: str) -> dict:
     """Step 1 on 2 processes: CP 2 in each GDN mode (and chunkwise with prebuilt routes), CP 1 (DP
     2), or dynamic CP <= 2 (samples up to 256 tokens on one rank, longer ones on both)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     if case in MODES:
         cfg = _equality_cfg(2, case)
@@ -147,7 +147,7 @@ def _two_process_step(case: str) -> dict:
 def _cp2_demo(tmp: str) -> dict:
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
     return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir,
@@ -303,7 +303,7 @@ def test_resume_repeats_the_uninterrupted_run(single):
 
 def test_missing_data_file_fails_before_anything_is_written(tmp_path):
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     run_dir = tmp_path / "run"
     cfg = _cfg(data__source="jsonl", data__path=str(tmp_path / "missing.jsonl"))
@@ -313,7 +313,7 @@ def test_missing_data_file_fails_before_anything_is_written(tmp_path):
 
 
 def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n{\"question\": \"no prompt field\"}\n")
@@ -325,7 +325,7 @@ def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
 
 def test_impossible_config_fails_before_anything_is_written(tmp_path):
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     run_dir = tmp_path / "run"
     never_installed = Runtime()  # the config is refused before the Runtime is asked for anything
@@ -393,8 +393,9 @@ def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
 
 
 def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
+    from relax_gdn.run_stats import cp_size_histogram
     from relax_gdn.train.console import step_line
-    from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
+    from relax_gdn.train.metrics import format_cp_sizes
 
     records = [{"step": 1, "cp_sizes": {"2": 2, "1": 4}}, {"step": 2, "cp_sizes": {"4": 1, "2": 3}}, {"step": 3}]
     assert cp_size_histogram(records) == {"1": 4, "2": 5, "4": 1}

@@ -36,7 +36,7 @@ def _overrides(**extra) -> dict:
 
 def _gpu_cases(tmp: str) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(run_dir=None, **extra):
         return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir, runtime=job_runtime())

@@ -480,7 +480,7 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
 def run_variant(name: str, cfg, args, world: int, device: torch.device, *, runtime) -> dict:
     from relax_gdn.model import qwen3_5_preset
     from relax_gdn.train.build import padded_vocab_size
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from relax_gdn.train.memory import GIB
 
     vocab = qwen3_5_preset(cfg.model.preset).vocab_size

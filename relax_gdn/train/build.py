@@ -34,7 +34,12 @@ from relax_gdn.model.fusion import Fusion
 from relax_gdn.model.hf_checkpoint import HFCheckpoint, load_hf_checkpoint, run_vocab_size
 from relax_gdn.model.lora import seed_base_weights
 from relax_gdn.model.mtp import MTPOptions
-from relax_gdn.model.recompute import apply_mixed_recompute, mtp_recompute, recompute_config_fields, recomputes
+from relax_gdn.model.recompute import (
+    apply_mixed_recompute,
+    mtp_recompute,
+    recompute_config_fields,
+    recomputes,
+)
 from relax_gdn.parallel import ParallelContext, launcher_rank
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.memory import GIB, MemoryEstimate, estimate_memory, fewest_full_layers, settings_that_fit
@@ -65,14 +70,20 @@ def select_device(cfg: RunConfig) -> torch.device:
         # torchrun sets LOCAL_RANK; a caller that made the process group itself has already
         # chosen this process's GPU with torch.cuda.set_device
         local_rank = os.environ.get("LOCAL_RANK")
-        return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
+        return torch.device(
+            "cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device()
+        )
     return torch.device("cpu")
 
 
 def select_bf16(cfg: RunConfig, device: torch.device) -> bool:
     if cfg.train.precision == "bf16" and device.type != "cuda":
-        raise ConfigError(["train.precision=bf16 needs CUDA (the CPU path trains in fp32); use "
-                           "train.precision=auto or fp32 on CPU"])
+        raise ConfigError(
+            [
+                "train.precision=bf16 needs CUDA (the CPU path trains in fp32); use "
+                "train.precision=auto or fp32 on CPU"
+            ]
+        )
     return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
 
 
@@ -91,9 +102,12 @@ def resolve_mtp_layers(cfg: RunConfig) -> RunConfig:
         except FileNotFoundError as e:
             raise ConfigError(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r}: {e}") from e
     if layers and launcher_rank() == 0:
-        logger.info("model.mtp.num_layers=null: model.hf_checkpoint holds %d MTP layer(s), trained with weight "
-                    "model.mtp.loss_weight=%g (model.mtp.num_layers=0 copies them into the export unchanged)",
-                    layers, cfg.model.mtp.loss_weight)
+        logger.info(
+            "model.mtp.num_layers=null: model.hf_checkpoint holds %d MTP layer(s), trained with weight "
+            "model.mtp.loss_weight=%g (model.mtp.num_layers=0 copies them into the export unchanged)",
+            layers,
+            cfg.model.mtp.loss_weight,
+        )
     return cfg.with_overrides({"model.mtp.num_layers": layers})
 
 
@@ -121,26 +135,39 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: int) -> tuple[ModelShape, dict]:
     """The model's shape and the run's settings as :func:`~relax_gdn.train.memory.estimate_memory` takes them."""
-    shape = ModelShape.from_transformer_config(qwen3_5_config(cfg.model.preset), vocab_size,
-                                               mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options)
+    shape = ModelShape.from_transformer_config(
+        qwen3_5_config(cfg.model.preset),
+        vocab_size,
+        mtp_num_layers=cfg.model.mtp.num_layers or 0,
+        lora=cfg.lora_options,
+    )
     settings = dict(
-        tokens_per_gpu=cfg.train.max_tokens_per_gpu, tp=dims.tp, cp=dims.cp, dp=dims.dp,
-        sequence_parallel=cfg.parallel.sp, bf16=bf16, recompute=cfg.recompute.granularity,
-        full_layers=cfg.recompute.full_layers or 0, fused_norms=cfg.model.fused_norms,
-        fused_cross_entropy=cfg.model.fused_cross_entropy, optimizer=cfg.optim.name,
+        tokens_per_gpu=cfg.train.max_tokens_per_gpu,
+        tp=dims.tp,
+        cp=dims.cp,
+        dp=dims.dp,
+        sequence_parallel=cfg.parallel.sp,
+        bf16=bf16,
+        recompute=cfg.recompute.granularity,
+        full_layers=cfg.recompute.full_layers or 0,
+        fused_norms=cfg.model.fused_norms,
+        fused_cross_entropy=cfg.model.fused_cross_entropy,
+        optimizer=cfg.optim.name,
     )
     return shape, settings
 
 
-def memory_estimate(cfg: RunConfig, dims: ParallelDims, *, bf16: bool, vocab_size: int,
-                    optimizer: str | None = None) -> MemoryEstimate:
+def memory_estimate(
+    cfg: RunConfig, dims: ParallelDims, *, bf16: bool, vocab_size: int, optimizer: str | None = None
+) -> MemoryEstimate:
     """The memory model's per-GPU estimate of ``cfg`` (``optimizer``: instead of ``optim.name``)."""
     shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
     return estimate_memory(shape, **{**settings, "optimizer": optimizer or settings["optimizer"]})
 
 
-def resolve_full_layers(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool,
-                        vocab_size: int) -> RunConfig:
+def resolve_full_layers(
+    cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int
+) -> RunConfig:
     """``recompute.granularity=mixed`` with ``recompute.full_layers=null``: the fewest whole-layer
     recomputes the memory model fits on this GPU (every layer when none fits: the check then refuses;
     none without a GPU to fit). ``cfg`` as it is otherwise."""
@@ -155,8 +182,9 @@ def resolve_full_layers(cfg: RunConfig, dims: ParallelDims, device: torch.device
     return cfg.with_overrides({"recompute.full_layers": layers})
 
 
-def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int,
-                      log: bool) -> None:
+def check_memory_fits(
+    cfg: RunConfig, dims: ParallelDims, device: torch.device, bf16: bool, vocab_size: int, log: bool
+) -> None:
     """On a GPU: log the per-GPU memory model and refuse (before building the model) a run whose
     estimate exceeds the GPU's memory, naming the settings the model says would fit
     (:class:`~relax_gdn.errors.MemoryFitError`). (A CPU run has no GPU memory to estimate.)"""
@@ -165,20 +193,32 @@ def check_memory_fits(cfg: RunConfig, dims: ParallelDims, device: torch.device, 
         return
     shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
     estimate = estimate_memory(shape, **settings)
-    recompute = cfg.recompute.granularity + (f" ({cfg.recompute.full_layers} layers whole)"
-                                             if cfg.recompute.granularity == "mixed" else "")
+    recompute = cfg.recompute.granularity + (
+        f" ({cfg.recompute.full_layers} layers whole)" if cfg.recompute.granularity == "mixed" else ""
+    )
     if log:
-        logger.info("memory model (%s, recompute %s, %d tokens/GPU): %s", cfg.model.preset,
-                    recompute, cfg.train.max_tokens_per_gpu, estimate.summary())
+        logger.info(
+            "memory model (%s, recompute %s, %d tokens/GPU): %s",
+            cfg.model.preset,
+            recompute,
+            cfg.train.max_tokens_per_gpu,
+            estimate.summary(),
+        )
     if estimate.total > capacity:
         fits = [a.describe() for a in settings_that_fit(shape, capacity, **settings)]
-        advice = ("The memory model says these fit: " + "; ".join(fits) if fits else
-                  "Nothing the memory model tries fits (other recompute settings, a smaller "
-                  "train.max_tokens_per_gpu, no optimizer state, more CP ranks)")
+        advice = (
+            "The memory model says these fit: " + "; ".join(fits)
+            if fits
+            else "Nothing the memory model tries fits (other recompute settings, a smaller "
+            "train.max_tokens_per_gpu, no optimizer state, more CP ranks)"
+        )
         raise MemoryFitError(
             f"{cfg.model.preset} will not fit this GPU: {estimate.summary()} with recompute {recompute}, above its "
             f"{capacity / GIB:.0f} GiB. {advice} (optim.name=none is for benchmarks: gradients without an update)",
-            estimate_gib=estimate.as_gib(), capacity_gib=round(capacity / GIB, 2), fits=fits)
+            estimate_gib=estimate.as_gib(),
+            capacity_gib=round(capacity / GIB, 2),
+            fits=fits,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +231,16 @@ def parallel_dims(parallel: ParallelContext) -> ParallelDims:
     return ParallelDims(parallel.tp * parallel.cp * parallel.dp, parallel.tp, parallel.cp)
 
 
-def build(cfg: RunConfig, parallel: ParallelContext, *, tokenizer_vocab_size: int, device: torch.device,
-          bf16: bool, runtime, log: bool = False) -> BuiltModel:
+def build(
+    cfg: RunConfig,
+    parallel: ParallelContext,
+    *,
+    tokenizer_vocab_size: int,
+    device: torch.device,
+    bf16: bool,
+    runtime,
+    log: bool = False,
+) -> BuiltModel:
     """The model of ``cfg`` on ``parallel``'s groups (made first: ``ParallelContext.initialize``),
     checked against this GPU's memory before anything is built (a :class:`MemoryFitError` names
     what fits). ``runtime``: the installed :class:`relax_gdn.runtime.Runtime` (it takes over the
@@ -218,7 +266,9 @@ def build(cfg: RunConfig, parallel: ParallelContext, *, tokenizer_vocab_size: in
     return BuiltModel(cfg=cfg, tconfig=tconfig, model=model, vocab_size=vocab_size)
 
 
-def training_transformer_config(cfg: RunConfig, tp: int, *, device: torch.device, bf16: bool, fuse_wgrad: bool):
+def training_transformer_config(
+    cfg: RunConfig, tp: int, *, device: torch.device, bf16: bool, fuse_wgrad: bool
+):
     """Megatron-Core's ``TransformerConfig`` of a training run of ``cfg`` at TP ``tp``."""
     return qwen3_5_config(
         cfg.model.preset,
@@ -231,26 +281,41 @@ def training_transformer_config(cfg: RunConfig, tp: int, *, device: torch.device
         calculate_per_token_loss=True,  # DDP sums gradients; the loss is already per global token
         bias_activation_fusion=cfg.model.fused_swiglu and device.type == "cuda",  # compiled SwiGLU kernels
         gradient_accumulation_fusion=fuse_wgrad,
-        **recompute_config_fields(cfg.recompute.granularity, cfg.recompute.modules,
-                                  skip_unused=cfg.recompute.skip_unused,
-                                  num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
-                                  full_layers=cfg.recompute.full_layers),
+        **recompute_config_fields(
+            cfg.recompute.granularity,
+            cfg.recompute.modules,
+            skip_unused=cfg.recompute.skip_unused,
+            num_layers=qwen3_5_preset(cfg.model.preset).config["num_layers"],
+            full_layers=cfg.recompute.full_layers,
+        ),
     )
 
 
 def model_options(cfg: RunConfig, vocab_size: int) -> Qwen3_5Options:
     """What every module of ``cfg``'s model is told when it is built (kernels, fusions, recompute,
     the MTP layer, LoRA)."""
-    granularity, modules, skip_unused = cfg.recompute.granularity, cfg.recompute.modules, cfg.recompute.skip_unused
+    granularity, modules, skip_unused = (
+        cfg.recompute.granularity,
+        cfg.recompute.modules,
+        cfg.recompute.skip_unused,
+    )
     return Qwen3_5Options.for_preset(
-        cfg.model.preset, vocab_size=vocab_size, gdn=cfg.gdn_options,
-        attention_backend=cfg.model.attention_backend, spec_provider=cfg.model.spec_provider,
+        cfg.model.preset,
+        vocab_size=vocab_size,
+        gdn=cfg.gdn_options,
+        attention_backend=cfg.model.attention_backend,
+        spec_provider=cfg.model.spec_provider,
         contiguous_between_layers=cfg.gdn.contiguous_between_layers,
-        fusion=Fusion(norms=cfg.model.fused_norms, cross_entropy=cfg.model.fused_cross_entropy,
-                      embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation),
+        fusion=Fusion(
+            norms=cfg.model.fused_norms,
+            cross_entropy=cfg.model.fused_cross_entropy,
+            embedding_grad_into_main_grad=cfg.model.fused_grad_accumulation,
+        ),
         recompute_mlp_activation=recomputes(granularity, modules, "mlp_act"),
         recompute_skips_unread_gemm=skip_unused,  # acts under full recompute only
-        mtp=MTPOptions(cfg.model.mtp.num_layers or 0, **mtp_recompute(granularity, modules, skip_unused=skip_unused)),
+        mtp=MTPOptions(
+            cfg.model.mtp.num_layers or 0, **mtp_recompute(granularity, modules, skip_unused=skip_unused)
+        ),
         lora=cfg.lora_options,
     )
 
@@ -263,8 +328,11 @@ def load_base_weights(model, cfg: RunConfig) -> None:
         loaded = load_hf_checkpoint(model, cfg.model.hf_checkpoint)
         mtp_layers = cfg.model.mtp.num_layers or 0
         if mtp_layers and not loaded.mtp_num_layers and dist.get_rank() == 0:
-            logger.warning("model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
-                           "starts from random weights (its loss starts near log(vocabulary))", mtp_layers)
+            logger.warning(
+                "model.mtp.num_layers=%d but model.hf_checkpoint has no MTP layer (mtp.*): the MTP layer "
+                "starts from random weights (its loss starts near log(vocabulary))",
+                mtp_layers,
+            )
     elif cfg.lora_options is not None:
         seed_base_weights(model, cfg.train.seed)
 
@@ -280,13 +348,23 @@ def build_checkpoint_model(manifest: dict[str, Any], parallel: ParallelContext, 
     cfg = run_config_from_dict(manifest["config"])
     saved = manifest["model"]
     dtype = getattr(torch, saved.get("dtype", "float32"))  # the run's parameter dtype
-    tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=parallel.tp, perform_initialization=False,
-                             use_cpu_initialization=device.type == "cpu", params_dtype=dtype,
-                             bf16=dtype == torch.bfloat16)
+    tconfig = qwen3_5_config(
+        cfg.model.preset,
+        tensor_model_parallel_size=parallel.tp,
+        perform_initialization=False,
+        use_cpu_initialization=device.type == "cpu",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+    )
     model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=saved["vocab_size"],
-        gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
-        attention_backend=cfg.model.attention_backend, mtp=MTPOptions(saved.get("mtp_num_layers", 0)),
-        lora=cfg.lora_options, fusion=Fusion(cross_entropy=cfg.model.fused_cross_entropy),
+        cfg.model.preset,
+        tconfig,
+        vocab_size=saved["vocab_size"],
+        gdn=GDNOptions(kernel_backend="torch", training=False),
+        spec_provider=cfg.model.spec_provider,
+        attention_backend=cfg.model.attention_backend,
+        mtp=MTPOptions(saved.get("mtp_num_layers", 0)),
+        lora=cfg.lora_options,
+        fusion=Fusion(cross_entropy=cfg.model.fused_cross_entropy),
     )
     return model.to(device)

@@ -99,11 +99,15 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); "
-                              "the checkpoint is incomplete or corrupt: resume from another one") from e
+        raise CheckpointError(
+            f"checkpoint manifest {path} cannot be read ({type(e).__name__}: {e}); "
+            "the checkpoint is incomplete or corrupt: resume from another one"
+        ) from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "step" not in manifest:
-        raise CheckpointError(f"checkpoint manifest {path} is not a relax-gdn {FORMAT} manifest "
-                              f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        raise CheckpointError(
+            f"checkpoint manifest {path} is not a relax-gdn {FORMAT} manifest "
+            f"(format={manifest.get('format') if isinstance(manifest, dict) else None!r})"
+        )
     return manifest
 
 
@@ -119,16 +123,22 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
     try:
         backend = json.loads(megatron_meta.read_text()).get("sharded_backend")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint file {megatron_meta} cannot be read ({type(e).__name__}: {e}); the "
-                              "checkpoint is corrupt: resume from another one") from e
+        raise CheckpointError(
+            f"checkpoint file {megatron_meta} cannot be read ({type(e).__name__}: {e}); the "
+            "checkpoint is corrupt: resume from another one"
+        ) from e
     if backend != "torch_dist":
-        raise CheckpointError(f"checkpoint file {megatron_meta} names backend {backend!r}, expected 'torch_dist'")
+        raise CheckpointError(
+            f"checkpoint file {megatron_meta} names backend {backend!r}, expected 'torch_dist'"
+        )
     index = directory / ".metadata"
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as e:  # noqa: BLE001 - a pickle of anything: any failure means an unreadable index
-        raise CheckpointError(f"checkpoint index {index} cannot be read ({type(e).__name__}: {e}); the checkpoint "
-                              "is corrupt: resume from another one") from e
+        raise CheckpointError(
+            f"checkpoint index {index} cannot be read ({type(e).__name__}: {e}); the checkpoint "
+            "is corrupt: resume from another one"
+        ) from e
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -137,8 +147,10 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         actual = path.stat().st_size if path.is_file() else None
         if actual is None or actual < size:
             what = "is missing" if actual is None else f"is truncated ({actual} of {size} bytes)"
-            raise CheckpointError(f"checkpoint file {path} {what}; the checkpoint is incomplete or corrupt: "
-                                  "resume from another one")
+            raise CheckpointError(
+                f"checkpoint file {path} {what}; the checkpoint is incomplete or corrupt: "
+                "resume from another one"
+            )
     return manifest
 
 
@@ -167,8 +179,10 @@ def newest_usable_checkpoint(root: Path, notes: list[str]) -> Path | None:
             verify_checkpoint(named)
             return named
         except CheckpointError as e:
-            notes.append(f"{root / LATEST} names {named.name}, which cannot be used: {e}; falling back to the "
-                         f"newest complete checkpoint in {root}")
+            notes.append(
+                f"{root / LATEST} names {named.name}, which cannot be used: {e}; falling back to the "
+                f"newest complete checkpoint in {root}"
+            )
     candidates = [c for c in complete_checkpoints(root) if c != named]
     if named is None and candidates:
         how = "cannot be read" if (root / LATEST).exists() else "is missing"
@@ -192,7 +206,9 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     notes: list[str] = []
     if resume == "auto":
         if root is None:
-            raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
+            raise CheckpointError(
+                "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"
+            )
         _refuse_per_rank_files(root)
         found = newest_usable_checkpoint(root, notes)
         if found is None:
@@ -200,16 +216,20 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
         return found, notes
     path = Path(resume)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume={resume!r} does not exist; give a step_NNNNNN directory, the "
-                              "checkpoint.dir holding them, or auto")
+        raise CheckpointError(
+            f"checkpoint.resume={resume!r} does not exist; give a step_NNNNNN directory, the "
+            "checkpoint.dir holding them, or auto"
+        )
     _refuse_per_rank_files(path)
     if (path / MANIFEST).is_file() or path.name.endswith(PARTIAL_SUFFIX) or step_of(path) is not None:
         verify_checkpoint(path)
         return path, notes
     chosen = read_latest(path) or next(iter(complete_checkpoints(path)), None)
     if chosen is None:
-        raise CheckpointError(f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
-                              f"directory with {MANIFEST}); point it at one or at the directory that contains them")
+        raise CheckpointError(
+            f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
+            f"directory with {MANIFEST}); point it at one or at the directory that contains them"
+        )
     verify_checkpoint(chosen)
     return chosen, notes
 

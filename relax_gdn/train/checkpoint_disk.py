@@ -48,7 +48,9 @@ def estimated_checkpoint_bytes(model: torch.nn.Module, tp: int, on_gpu: bool) ->
     TP: the whole model, or LoRA's adapters) plus their optimizer state (fp32 Adam moments; on GPU
     also the fp32 main params)."""
     per_element = 12 if on_gpu else 8
-    return sum(p.numel() * (p.element_size() + per_element) for p in model.parameters() if p.requires_grad) * tp
+    return (
+        sum(p.numel() * (p.element_size() + per_element) for p in model.parameters() if p.requires_grad) * tp
+    )
 
 
 def checkpoints_held_at_once(checkpoint_cfg, steps: int) -> int:
@@ -76,16 +78,25 @@ def _check_checkpoint_dir_here(root: Path, needed_bytes: int, held: int) -> None
         probe.unlink()
         free = shutil.disk_usage(root).free
         if free < needed_bytes:
-            problem = (f"checkpoint.dir={str(root)!r} has {disk_size(free)} free, a checkpoint needs about "
-                       f"{disk_size(needed_bytes)}: free space there or point checkpoint.dir elsewhere")
+            problem = (
+                f"checkpoint.dir={str(root)!r} has {disk_size(free)} free, a checkpoint needs about "
+                f"{disk_size(needed_bytes)}: free space there or point checkpoint.dir elsewhere"
+            )
         elif free < needed_bytes * held and dist.get_rank() == 0:
-            logger.warning("checkpoint.dir=%r has %s free; this run holds up to %d checkpoints of about %s there at "
-                           "once (checkpoint.keep_last + the one being written): a save may fail for space; lower "
-                           "checkpoint.keep_last or free space", str(root), disk_size(free), held,
-                           disk_size(needed_bytes))
+            logger.warning(
+                "checkpoint.dir=%r has %s free; this run holds up to %d checkpoints of about %s there at "
+                "once (checkpoint.keep_last + the one being written): a save may fail for space; lower "
+                "checkpoint.keep_last or free space",
+                str(root),
+                disk_size(free),
+                held,
+                disk_size(needed_bytes),
+            )
     except OSError as e:
-        problem = (f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
-                   f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere")
+        problem = (
+            f"checkpoint.dir={str(root)!r} cannot be written on rank {dist.get_rank()} "
+            f"({type(e).__name__}: {e.strerror or e}): fix its permissions or point checkpoint.dir elsewhere"
+        )
     if problem is not None:
         raise CheckpointError(problem)
 
@@ -104,7 +115,8 @@ def save_failed(root: Path, final: Path, cause: OSError) -> CheckpointError:
         free = "its free space unknown"
     return CheckpointError(
         f"saving checkpoint {final} failed ({cause}); {free}. The checkpoints saved before it are complete "
-        f"(see {root / LATEST}): free space or fix {root}, then rerun with checkpoint.resume=auto")
+        f"(see {root / LATEST}): free space or fix {root}, then rerun with checkpoint.resume=auto"
+    )
 
 
 def raise_if_disk_problem(root: Path, final: Path, error: BaseException, agreed: bool = True) -> None:
@@ -112,6 +124,7 @@ def raise_if_disk_problem(root: Path, final: Path, error: BaseException, agreed:
     (:func:`disk_cause`), chained to ``error``; return when it did not (the caller re-raises
     ``error``: a bug keeps its traceback). ``agreed``: every rank is here (a collective: a disk
     problem found on any rank stops every rank with one message)."""
+
     def check() -> None:
         cause = disk_cause(error, final.parent)
         if cause is not None:

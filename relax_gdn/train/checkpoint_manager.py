@@ -36,22 +36,26 @@ import torch.distributed as dist
 from relax_gdn.errors import RecipeError
 from relax_gdn.train.agreement import decided_by_rank0
 from relax_gdn.train.checkpoint import read_latest
-from relax_gdn.train.checkpoint_disk import check_checkpoint_dir, checkpoints_held_at_once, estimated_checkpoint_bytes
+from relax_gdn.train.checkpoint_disk import (
+    check_checkpoint_dir,
+    checkpoints_held_at_once,
+    estimated_checkpoint_bytes,
+)
 from relax_gdn.train.checkpoint_state import LoadedCheckpoint, load_checkpoint, state_to_save
 from relax_gdn.train.checkpoint_writer import CheckpointWriter
 from relax_gdn.train.hf_export import export_spec, write_run_export
-from relax_gdn.train.resume import DataKey, Layout, ResumePlan, apply_schedule, lora_manifest, plan_resume, trim_metrics
+from relax_gdn.train.resume import (
+    DataKey,
+    Layout,
+    ResumePlan,
+    apply_schedule,
+    lora_manifest,
+    plan_resume,
+    trim_metrics,
+)
+from relax_gdn.train.state import TrainState
 
 logger = logging.getLogger("relax_gdn.train")
-
-
-@dataclass(frozen=True)
-class TrainState:
-    """The stateful objects of a run that a checkpoint holds (besides the RNGs and the step)."""
-
-    model: torch.nn.Module  # the model itself, not its DDP / bf16 wrappers
-    optimizer: Any  # relax_gdn.train.optimizer: sharded_state_dict, checkpoint_form, main_params
-    scheduler: Any  # Megatron-Core's OptimizerParamScheduler
 
 
 def checkpoint_root(cfg, run_dir: Path | None) -> Path | None:
@@ -69,6 +73,37 @@ class RunFacts:
     vocab_size: int  # the model's (padded) vocabulary
     tokenizer_vocab_size: int  # the tokenizer's: the export trims the padded vocabulary to it
 
+    @classmethod
+    def of(cls, cfg, dims, *, num_samples: int, vocab_size: int, tokenizer_vocab_size: int) -> RunFacts:
+        """The facts of a run of ``cfg`` at the parallel sizes ``dims`` on ``num_samples`` samples."""
+        dynamic = cfg.parallel.dynamic_cp.enabled
+        return cls(
+            layout=Layout(dims.world_size, dims.tp, dims.cp, dynamic, cfg.effective_max_cp),
+            data_key=DataKey(cfg.train.seed, cfg.train.global_batch_size, num_samples),
+            vocab_size=vocab_size,
+            tokenizer_vocab_size=tokenizer_vocab_size,
+        )
+
+
+def run_manifest(cfg, facts: RunFacts, model: torch.nn.Module) -> dict[str, Any]:
+    """What every checkpoint of a run records about it (``relax_gdn.json``), besides the step."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    source = str(Path(cfg.model.hf_checkpoint).absolute()) if cfg.model.hf_checkpoint else None
+    return {
+        "layout": facts.layout.as_dict(),
+        "data": facts.data_key.as_dict(),
+        "config": cfg.to_dict(),
+        "model": {
+            "preset": cfg.model.preset,
+            "vocab_size": facts.vocab_size,
+            "dtype": dtype,
+            "hf_checkpoint": source,  # the export keeps its layout
+            "mtp_num_layers": cfg.model.mtp.num_layers or 0,
+            "lora": lora_manifest(cfg),
+        },
+        "tokenizer": {"vocab_size": facts.tokenizer_vocab_size},
+    }
+
 
 class CheckpointManager:
     """The checkpoints of one run (see the module docstring); every rank makes one and calls it at
@@ -78,14 +113,34 @@ class CheckpointManager:
         cfg: the run's configuration (as built).
         run_dir: the run directory this invocation was given (rank 0's); None: none.
         state: the model, optimizer and schedule, registered once.
-        facts: the layout, data position, vocabulary the checkpoints record.
+        dims, num_samples, vocab_size, tokenizer_vocab_size: the parallel sizes, the training set's
+            size and the vocabularies, which every checkpoint records (:class:`RunFacts`).
         device: this rank's device (async saves need CUDA).
         dp_cp_group: the group the shards of replicated tensors are spread over.
         runtime: the installed :class:`relax_gdn.runtime.Runtime` (the checkpoint writer's queue).
     """
 
-    def __init__(self, cfg, *, run_dir: Path | None, state: TrainState, facts: RunFacts, device: torch.device,
-                 dp_cp_group, runtime):
+    def __init__(
+        self,
+        cfg,
+        *,
+        run_dir: Path | None,
+        state: TrainState,
+        dims,
+        num_samples: int,
+        vocab_size: int,
+        tokenizer_vocab_size: int,
+        device: torch.device,
+        dp_cp_group,
+        runtime,
+    ):
+        facts = RunFacts.of(
+            cfg,
+            dims,
+            num_samples=num_samples,
+            vocab_size=vocab_size,
+            tokenizer_vocab_size=tokenizer_vocab_size,
+        )
         self.cfg, self.state, self.facts = cfg, state, facts
         self.run_dir = run_dir  # a resumed run's: the directory its checkpoint records (resume)
         self.root = checkpoint_root(cfg, run_dir)
@@ -95,39 +150,38 @@ class CheckpointManager:
         self.wandb_run_id: str | None = None  # the resumed run's, until register_wandb_run
         self.saved: list[Path] = []
         self.writer = self._writer(device, dp_cp_group, runtime)
-        self.manifest_base = self._run_manifest()
+        self.manifest_base = run_manifest(cfg, facts, state.model)
 
     def _writer(self, device: torch.device, dp_cp_group, runtime) -> CheckpointWriter | None:
         """The writer when the run saves; checkpoint.dir checked before step 1."""
         cfg, root = self.cfg, self.root
         wants_saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
         if root is None and wants_saves:
-            raise RecipeError("checkpoints requested (checkpoint.every_steps / save_final) but there is neither a "
-                              "run directory nor checkpoint.dir")
+            raise RecipeError(
+                "checkpoints requested (checkpoint.every_steps / save_final) but there is neither a "
+                "run directory nor checkpoint.dir"
+            )
         if root is not None and wants_saves:
-            check_checkpoint_dir(root, estimated_checkpoint_bytes(self.state.model, self.facts.layout.tp,
-                                                                  device.type == "cuda"),
-                                 checkpoints_held_at_once(cfg.checkpoint, cfg.train.steps))
+            check_checkpoint_dir(
+                root,
+                estimated_checkpoint_bytes(self.state.model, self.facts.layout.tp, device.type == "cuda"),
+                checkpoints_held_at_once(cfg.checkpoint, cfg.train.steps),
+            )
         async_save = cfg.checkpoint.async_save and device.type == "cuda"
         if cfg.checkpoint.async_save and not async_save and dist.get_rank() == 0:
-            logger.warning("checkpoint.async_save=true needs CUDA (Megatron-Core's async writer); this CPU run "
-                           "saves inline")
+            logger.warning(
+                "checkpoint.async_save=true needs CUDA (Megatron-Core's async writer); this CPU run "
+                "saves inline"
+            )
         if root is None:
             return None
-        return CheckpointWriter(root, keep_last=cfg.checkpoint.keep_last, dp_cp_group=dp_cp_group,
-                                async_save=async_save, runtime=runtime)
-
-    def _run_manifest(self) -> dict[str, Any]:
-        """What every checkpoint of this run records about it (``relax_gdn.json``)."""
-        cfg, facts = self.cfg, self.facts
-        dtype = str(next(self.state.model.parameters()).dtype).removeprefix("torch.")
-        source = str(Path(cfg.model.hf_checkpoint).absolute()) if cfg.model.hf_checkpoint else None
-        return {"layout": facts.layout.as_dict(), "data": facts.data_key.as_dict(), "config": cfg.to_dict(),
-                "model": {"preset": cfg.model.preset, "vocab_size": facts.vocab_size, "dtype": dtype,
-                          "hf_checkpoint": source,  # the export keeps its layout
-                          "mtp_num_layers": cfg.model.mtp.num_layers or 0,
-                          "lora": lora_manifest(cfg)},
-                "tokenizer": {"vocab_size": facts.tokenizer_vocab_size}}
+        return CheckpointWriter(
+            root,
+            keep_last=cfg.checkpoint.keep_last,
+            dp_cp_group=dp_cp_group,
+            async_save=async_save,
+            runtime=runtime,
+        )
 
     @property
     def export_dir(self) -> Path | None:
@@ -151,8 +205,16 @@ class CheckpointManager:
         Returns the steps already done (0 for a fresh start)."""
         facts = self.facts
         if self.cfg.checkpoint.resume:  # rank 0 chooses and checks the checkpoint; every rank loads that one
-            plan = decided_by_rank0(lambda: plan_resume(self.cfg, self.root, facts.layout, facts.data_key,
-                                                        facts.vocab_size, self.state.optimizer.checkpoint_form))
+            plan = decided_by_rank0(
+                lambda: plan_resume(
+                    self.cfg,
+                    self.root,
+                    facts.layout,
+                    facts.data_key,
+                    facts.vocab_size,
+                    self.state.optimizer.checkpoint_form,
+                )
+            )
             if plan is not None:
                 self._load(plan)
         if dist.get_rank() == 0 and self.resumed is not None and self.run_dir is not None:
@@ -166,8 +228,13 @@ class CheckpointManager:
             self.run_dir = Path(saved_run_dir)
         if self._finished(directory, int(manifest["step"])):
             return
-        loaded = load_checkpoint(directory, manifest, model=self.state.model, optimizer=self.state.optimizer,
-                                 same_layout=plan.same_layout)
+        loaded = load_checkpoint(
+            directory,
+            manifest,
+            model=self.state.model,
+            optimizer=self.state.optimizer,
+            same_layout=plan.same_layout,
+        )
         self.start_step = loaded.step
         if self.complete:  # loaded for the export only: the schedule and the loggers stay as they are
             return
@@ -175,8 +242,12 @@ class CheckpointManager:
         self.resumed = loaded
         self.wandb_run_id = manifest.get("wandb_run_id")
         if dist.get_rank() == 0:
-            logger.info("resumed from step %d (%s)%s", loaded.step, directory,
-                        "" if plan.same_layout else f"; resharded from {manifest.get('layout')} to {plan.layout}")
+            logger.info(
+                "resumed from step %d (%s)%s",
+                loaded.step,
+                directory,
+                "" if plan.same_layout else f"; resharded from {manifest.get('layout')} to {plan.layout}",
+            )
             if self.run_dir is not None:
                 logger.info("continuing run directory %s", self.run_dir)
             if note:
@@ -190,12 +261,20 @@ class CheckpointManager:
             return False
         self.complete, self.start_step = True, step
         # rank 0 looks: whether to load is a collective decision (the load is one)
-        export_missing = (self.cfg.checkpoint.export_hf_final and self.export_dir is not None
-                          and decided_by_rank0(lambda: not self._export_written()))
+        export_missing = (
+            self.cfg.checkpoint.export_hf_final
+            and self.export_dir is not None
+            and decided_by_rank0(lambda: not self._export_written())
+        )
         if dist.get_rank() == 0:
-            logger.info("complete at step %d (%s); %s", step, directory,
-                        f"nothing to train, writing its Hugging Face export to {self.export_dir}" if export_missing
-                        else "nothing to do")
+            logger.info(
+                "complete at step %d (%s); %s",
+                step,
+                directory,
+                f"nothing to train, writing its Hugging Face export to {self.export_dir}"
+                if export_missing
+                else "nothing to do",
+            )
         return not export_missing
 
     def _export_written(self) -> bool:
@@ -219,14 +298,26 @@ class CheckpointManager:
         if nonfinite:
             return None
         every, last = self.cfg.checkpoint.every_steps, step == self.cfg.train.steps
-        if not ((every and step % every == 0) or stop_requested or (last and (every or self.cfg.checkpoint.save_final))):
+        if not (
+            (every and step % every == 0)
+            or stop_requested
+            or (last and (every or self.cfg.checkpoint.save_final))
+        ):
             return None
         state = self.state
-        manifest = {"optimizer": state.optimizer.checkpoint_form, **self.manifest_base,
-                    "wandb_run_id": self.wandb_run_id,
-                    "run_dir": str(self.run_dir.absolute()) if self.run_dir is not None else None}
-        path = self.writer.save(step, manifest=manifest, state=lambda: state_to_save(
-            step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler))
+        manifest = {
+            "optimizer": state.optimizer.checkpoint_form,
+            **self.manifest_base,
+            "wandb_run_id": self.wandb_run_id,
+            "run_dir": str(self.run_dir.absolute()) if self.run_dir is not None else None,
+        }
+        path = self.writer.save(
+            step,
+            manifest=manifest,
+            state=lambda: state_to_save(
+                step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
+            ),
+        )
         self.saved.append(path)
         return path
 
@@ -240,10 +331,17 @@ class CheckpointManager:
         out = self.export_dir
         if out is None:
             if dist.get_rank() == 0:
-                logger.warning("checkpoint.export_hf_final=true but the run has no run directory: not exported")
+                logger.warning(
+                    "checkpoint.export_hf_final=true but the run has no run directory: not exported"
+                )
             return None
         if self.complete and self._export_written():
             return out
-        write_run_export(self.state.model, out, export_spec(self.manifest_base), lora=self.cfg.lora_options,
-                         main_params=self.state.optimizer.main_params)
+        write_run_export(
+            self.state.model,
+            out,
+            export_spec(self.manifest_base),
+            lora=self.cfg.lora_options,
+            main_params=self.state.optimizer.main_params,
+        )
         return out

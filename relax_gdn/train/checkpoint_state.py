@@ -49,8 +49,11 @@ def cuda_rng_sharded(is_loading: bool):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = None if is_loading else {"cuda": torch.cuda.get_rng_state(),
-                                     "tracker": get_cuda_rng_tracker().get_states()}
+    state = (
+        None
+        if is_loading
+        else {"cuda": torch.cuda.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    )
     return ShardedObject("rng_state.cuda", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
@@ -66,8 +69,11 @@ def model_sharded_state_dict(model) -> dict[str, Any]:
     sharded = model.sharded_state_dict()
     if all(p.requires_grad for p in model.parameters()):
         return sharded
-    return {k: v for k, v in sharded.items()
-            if isinstance(getattr(v, "data", None), torch.Tensor) and v.data.requires_grad}
+    return {
+        k: v
+        for k, v in sharded.items()
+        if isinstance(getattr(v, "data", None), torch.Tensor) and v.data.requires_grad
+    }
 
 
 def load_model_state(model, state: dict[str, Any]) -> None:
@@ -80,8 +86,10 @@ def load_model_state(model, state: dict[str, Any]) -> None:
     result = model.load_state_dict(state, strict=False)
     left = [k for k in result.missing_keys if k not in frozen and not k.endswith("_extra_state")]
     if left or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint state does not fit the model: missing {left[:5]}, "
-                           f"unexpected {result.unexpected_keys[:5]}")
+        raise RuntimeError(
+            f"checkpoint state does not fit the model: missing {left[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
 
 
 def state_to_save(step: int, *, model, optimizer, scheduler) -> dict[str, Any]:
@@ -117,18 +125,20 @@ def _load_sharded(request: dict[str, Any], directory: Path, hint: str = "") -> d
     """Megatron-Core's load of ``request`` from ``directory``, a failure named as the checkpoint
     not fitting this model (``hint``: what to check, appended)."""
     from megatron.core import dist_checkpointing
-
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     try:
         return dist_checkpointing.load(request, str(directory))
     except (CheckpointingException, CheckpointException) as e:  # keys, shapes or shardings that do not fit
-        raise CheckpointError(f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
-                              f"{str(e)[:500]}){hint}") from e
+        raise CheckpointError(
+            f"checkpoint {directory} cannot be loaded into this model ({type(e).__name__}: "
+            f"{str(e)[:500]}){hint}"
+        ) from e
 
 
-def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimizer,
-                    same_layout: bool) -> LoadedCheckpoint:
+def load_checkpoint(
+    directory: Path, manifest: dict[str, Any], *, model, optimizer, same_layout: bool
+) -> LoadedCheckpoint:
     """Load ``directory`` (whose manifest the caller has read) into ``model`` and ``optimizer`` (a
     collective) and restore the RNGs; the scheduler state is returned for the caller to apply (a
     changed schedule is its decision). ``same_layout``: the checkpoint was written at this run's
@@ -136,8 +146,10 @@ def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimiz
     (it names damaged files)."""
     model_sd = model_sharded_state_dict(model)
     saved_sharding = (manifest.get("optimizer") or {}).get("sharding")
-    request = {"model": model_sd,
-               "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, sharding=saved_sharding)}
+    request = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, sharding=saved_sharding),
+    }
     if same_layout and torch.cuda.is_available():
         request["rng_cuda"] = cuda_rng_sharded(is_loading=True)
     state = _load_sharded(request, directory, "; check that model.* matches the run that wrote it")
@@ -149,8 +161,9 @@ def load_checkpoint(directory: Path, manifest: dict[str, Any], *, model, optimiz
 
         torch.cuda.set_rng_state(state["rng_cuda"]["cuda"])
         get_cuda_rng_tracker().set_states(state["rng_cuda"]["tracker"])
-    return LoadedCheckpoint(directory=directory, step=int(state["step"]), manifest=manifest,
-                            scheduler_state=state["scheduler"])
+    return LoadedCheckpoint(
+        directory=directory, step=int(state["step"]), manifest=manifest, scheduler_state=state["scheduler"]
+    )
 
 
 def checkpoint_fp32_main_params(directory: Path, manifest: dict[str, Any], model):

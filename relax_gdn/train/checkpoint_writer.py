@@ -54,7 +54,12 @@ class CheckpointWriter:
     installed through ``runtime``, the :class:`relax_gdn.runtime.Runtime`)."""
 
     def __init__(self, root: Path, *, keep_last: int, dp_cp_group, async_save: bool, runtime):
-        self.root, self.keep_last, self.dp_cp_group, self.async_save = root, keep_last, dp_cp_group, async_save
+        self.root, self.keep_last, self.dp_cp_group, self.async_save = (
+            root,
+            keep_last,
+            dp_cp_group,
+            async_save,
+        )
         # (step, seconds the training loop was blocked, seconds until the checkpoint was published)
         self.timings: list[tuple[int, float, float]] = []
         self._queue = None
@@ -70,7 +75,9 @@ class CheckpointWriter:
         and the directory exists; :func:`relax_gdn.train.checkpoint_state.state_to_save`) and
         ``manifest`` (the run's part of ``relax_gdn.json``). Returns where it will be once published."""
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
 
         started = time.perf_counter()
         final = step_dir(self.root, step)
@@ -79,7 +86,9 @@ class CheckpointWriter:
         agree_on_errors(lambda: self._make_partial(partial, final))
         sharded = state()
         # replicated tensors (DP and CP replicas) are written by one rank each, spread over the group
-        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), self.dp_cp_group)
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"), self.dp_cp_group
+        )
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **manifest}
         publish = (partial, final, manifest, started)
         if self._queue is None:
@@ -103,8 +112,9 @@ class CheckpointWriter:
         from megatron.core import dist_checkpointing
 
         partial, final, _, started = publish
-        request = dist_checkpointing.save(sharded, str(partial), strategy, async_sharded_save=True,
-                                          async_strategy="mcore")
+        request = dist_checkpointing.save(
+            sharded, str(partial), strategy, async_sharded_save=True, async_strategy="mcore"
+        )
         request = request._replace(async_fn=dies_with_parent(request.async_fn))  # the forked writer
         blocked = {}  # until the write is handed to the writer process (its time is set below)
         request.add_finalize_fn(lambda: self._publish(*publish, blocked=blocked["s"]))
@@ -145,7 +155,9 @@ class CheckpointWriter:
         if done:
             self._in_flight = None
 
-    def _publish(self, partial: Path, final: Path, manifest: dict[str, Any], started: float, blocked: float) -> None:
+    def _publish(
+        self, partial: Path, final: Path, manifest: dict[str, Any], started: float, blocked: float
+    ) -> None:
         """When every rank's shards are written (a collective): rank 0 writes the manifest, renames
         ``partial`` to ``final``, rewrites ``latest`` and prunes; a file-system failure there is
         one agreed message."""
@@ -154,8 +166,12 @@ class CheckpointWriter:
         total = time.perf_counter() - started
         self.timings.append((int(manifest["step"]), blocked or total, total))
         if dist.get_rank() == 0:
-            logger.info("checkpoint %s saved (%.1f s%s)", final, total,
-                        f", training blocked {blocked:.1f} s" if blocked else "")
+            logger.info(
+                "checkpoint %s saved (%.1f s%s)",
+                final,
+                total,
+                f", training blocked {blocked:.1f} s" if blocked else "",
+            )
 
     def _publish_on_rank0(self, partial: Path, final: Path, manifest: dict[str, Any]) -> None:
         if dist.get_rank() != 0:
@@ -180,5 +196,5 @@ class CheckpointWriter:
         for stale in self.root.glob(f".step_*{PARTIAL_SUFFIX}"):
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last > 0:
-            for old in complete_checkpoints(self.root)[self.keep_last:]:
+            for old in complete_checkpoints(self.root)[self.keep_last :]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.run_stats import cp_size_histogram, steady_records
 from relax_gdn.train.evaluate import EVAL_LOSS
-from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
+from relax_gdn.train.metrics import format_cp_sizes
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -143,10 +144,8 @@ def log_run_start(run_name: str, cfg, dims, *, device, bf16: bool, model, data) 
 
 def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps that measure speed, by the rule the comparison and the W&B summary use
-    (``relax_gdn.compare.stats.warmup_steps``: the first 10 % of the run, at least 3 steps, are
+    (:func:`relax_gdn.run_stats.warmup_steps`: the first 10 % of the run, at least 3 steps, are
     warm-up: kernel autotuning, allocator growth, caches)."""
-    from relax_gdn.compare.stats import steady_records
-
     return steady_records(records)
 
 

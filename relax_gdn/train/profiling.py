@@ -15,7 +15,7 @@ class ProfileWindow:
     inside the window stops the profiler, writing nothing."""
 
     def __init__(self, steps: list[int] | None, trace_dir: Path | None, rank: int, device: torch.device):
-        self.first, self.last = (steps or (0, -1))
+        self.first, self.last = steps or (0, -1)
         self.trace_dir, self.rank, self.device = trace_dir, rank, device
         self._profiler = None
 
@@ -29,7 +29,9 @@ class ProfileWindow:
 
     def before_step(self, step: int) -> None:
         if step == self.first and self.trace_dir is not None:  # (CPU: the Runtime quieted kineto)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            )
             # record_shapes: each host op's input dims / dtypes / strides in the trace, so a long
             # kernel can be traced to the op and shapes that launched it (bench.train_e2e's
             # top_kernels). Host-side metadata only, no device sync; it costs host time in the

@@ -33,25 +33,43 @@ def load_data(cfg: RunConfig, log: bool = True) -> RunData:
     tokenizer = load_tokenizer(None if d.tokenizer in ("embedded", "byte") else d.tokenizer)
     if d.source == "synthetic":
         dataset = synthetic_math_dataset(
-            d.num_samples, tokenizer, seed=cfg.train.seed, max_sample_tokens=cfg.sample_token_limit,
-            max_steps=d.synthetic_max_steps, min_steps=1,
+            d.num_samples,
+            tokenizer,
+            seed=cfg.train.seed,
+            max_sample_tokens=cfg.sample_token_limit,
+            max_steps=d.synthetic_max_steps,
+            min_steps=1,
         )
     else:
         if not d.path or not Path(d.path).exists():
-            raise DataError(f"data.path={d.path!r} does not exist (data.source={d.source}); point it at the data "
-                            "file or directory")
+            raise DataError(
+                f"data.path={d.path!r} does not exist (data.source={d.source}); point it at the data "
+                "file or directory"
+            )
         dataset = load_sft_dataset(
-            d.path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=cfg.sample_token_limit, max_samples=d.num_samples, format=d.source,
-            split=d.split, record_format=d.format,
+            d.path,
+            tokenizer,
+            prompt_field=d.prompt_field,
+            response_field=d.response_field,
+            max_sample_tokens=cfg.sample_token_limit,
+            max_samples=d.num_samples,
+            format=d.source,
+            split=d.split,
+            record_format=d.format,
         )
         if dataset.counts.examples and log:
-            logger.warning("data.path=%s: %s\n  %s", d.path, dataset.counts.summary(),
-                           "\n  ".join(dataset.counts.report_lines()))
+            logger.warning(
+                "data.path=%s: %s\n  %s",
+                d.path,
+                dataset.counts.summary(),
+                "\n  ".join(dataset.counts.report_lines()),
+            )
     dataset, eval_set = split_eval_set(cfg, tokenizer, dataset)
     if len(dataset) < cfg.train.global_batch_size:
-        raise DataError(f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
-                         f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch")
+        raise DataError(
+            f"the data has {len(dataset)} usable samples ({dataset.counts.summary()}), fewer than "
+            f"train.global_batch_size={cfg.train.global_batch_size}: use more data or a smaller batch"
+        )
     check_samples_fit(dataset.samples, cfg)
     if eval_set is not None:
         check_samples_fit(eval_set.samples, cfg)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,17 @@ def how_to_continue(cfg: RunConfig, checkpoint: Path | None) -> str:
     return f"continue with checkpoint.resume={checkpoint}"
 
 
-def report_stop(cfg: RunConfig, step: int, *, code: int, preempted_by: str | None, saved: Path | None,
-                nonfinite: bool, checkpoint: Path | None, is_rank0: bool) -> RunStop:
+def report_stop(
+    cfg: RunConfig,
+    step: int,
+    *,
+    code: int,
+    preempted_by: str | None,
+    saved: Path | None,
+    nonfinite: bool,
+    checkpoint: Path | None,
+    is_rank0: bool,
+) -> RunStop:
     """A rank was asked to stop after ``step`` (all-reduced ``code``: 75 or 130). ``saved``: the
     checkpoint written at the stop; ``checkpoint``: where the run continues from. Logged after the
     background save, so the checkpoint named is complete."""
@@ -60,28 +70,84 @@ def report_stop(cfg: RunConfig, step: int, *, code: int, preempted_by: str | Non
         if saved is not None:
             where = f"checkpoint {saved}"
         elif nonfinite:
-            where = (f"not saved: the step was not finite; the last good checkpoint is {checkpoint}"
-                     if checkpoint else "not saved: the step was not finite, and there is no earlier checkpoint")
+            where = (
+                f"not saved: the step was not finite; the last good checkpoint is {checkpoint}"
+                if checkpoint
+                else "not saved: the step was not finite, and there is no earlier checkpoint"
+            )
         else:
             where = "without a checkpoint (no run directory or checkpoint.dir)"
-        logger.warning("%s after step %d (%s), %s; %s; exiting with %d", what, step, why, where,
-                       how_to_continue(cfg, checkpoint), code)
+        logger.warning(
+            "%s after step %d (%s), %s; %s; exiting with %d",
+            what,
+            step,
+            why,
+            where,
+            how_to_continue(cfg, checkpoint),
+            code,
+        )
     return RunStop(step=step, why=why, exit_code=code, checkpoint=checkpoint)
 
 
-def report_divergence(cfg: RunConfig, step: int, record: dict, *, in_a_row: int, checkpoint: Path | None,
-                      is_rank0: bool) -> RunStop:
+def report_divergence(
+    cfg: RunConfig, step: int, record: dict, *, in_a_row: int, checkpoint: Path | None, is_rank0: bool
+) -> RunStop:
     """``train.on_nonfinite`` ended the run at ``step``: nothing saved from this state; ``checkpoint``
     is the last good one."""
     train = cfg.train
     if is_rank0:
-        rule = ("train.on_nonfinite=stop" if train.on_nonfinite == "stop" else
-                f"{in_a_row} in a row, train.max_nonfinite_steps={train.max_nonfinite_steps}")
-        last = (f"the last good checkpoint is {checkpoint}" if checkpoint is not None
-                else "no checkpoint was saved before it")
-        logger.error("step %d: loss %s, grad norm %s: not finite (%s); its update was not applied and nothing "
-                     "was saved; %s; %s (lower optim.lr, or train.on_nonfinite=skip to step over such "
-                     "batches); exiting with %d", step, record["loss"], record["grad_norm"], rule, last,
-                     how_to_continue(cfg, checkpoint), DIVERGED_EXIT_CODE)
-    return RunStop(step=step, why="a non-finite loss or grad norm", exit_code=DIVERGED_EXIT_CODE,
-                   checkpoint=checkpoint)
+        rule = (
+            "train.on_nonfinite=stop"
+            if train.on_nonfinite == "stop"
+            else f"{in_a_row} in a row, train.max_nonfinite_steps={train.max_nonfinite_steps}"
+        )
+        last = (
+            f"the last good checkpoint is {checkpoint}"
+            if checkpoint is not None
+            else "no checkpoint was saved before it"
+        )
+        logger.error(
+            "step %d: loss %s, grad norm %s: not finite (%s); its update was not applied and nothing "
+            "was saved; %s; %s (lower optim.lr, or train.on_nonfinite=skip to step over such "
+            "batches); exiting with %d",
+            step,
+            record["loss"],
+            record["grad_norm"],
+            rule,
+            last,
+            how_to_continue(cfg, checkpoint),
+            DIVERGED_EXIT_CODE,
+        )
+    return RunStop(
+        step=step, why="a non-finite loss or grad norm", exit_code=DIVERGED_EXIT_CODE, checkpoint=checkpoint
+    )
+
+
+def report_end(
+    cfg: RunConfig,
+    step: int,
+    outcome,
+    saved: Path | None,
+    *,
+    preempted_by: str | None,
+    in_a_row: int,
+    last_checkpoint: Callable[[], Path | None],
+    is_rank0: bool,
+) -> RunStop:
+    """What a run that ended after ``step`` (its :class:`~relax_gdn.train.step.StepOutcome`, the
+    checkpoint ``saved`` then) ended with, said once by rank 0 (after the background save, so the
+    checkpoint named is complete). ``last_checkpoint``: the newest complete one, asked when needed."""
+    if outcome.diverged:
+        return report_divergence(
+            cfg, step, outcome.record, in_a_row=in_a_row, checkpoint=last_checkpoint(), is_rank0=is_rank0
+        )
+    return report_stop(
+        cfg,
+        step,
+        code=outcome.stop_code,
+        preempted_by=preempted_by,
+        saved=saved,
+        nonfinite=outcome.nonfinite,
+        checkpoint=saved if saved is not None else last_checkpoint(),
+        is_rank0=is_rank0,
+    )

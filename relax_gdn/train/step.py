@@ -21,6 +21,7 @@ every rank, read with the step's existing host read: no flag or sync is added fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -33,10 +34,14 @@ import torch.distributed as dist
 from relax_gdn.config import RunConfig
 from relax_gdn.data import Sample, global_batch_at_step
 from relax_gdn.errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relax_gdn.parallel import ParallelContext
+from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.gradient_check import parameters_without_gradient, warn_parameters_without_gradient
 from relax_gdn.train.loss import summed_token_losses, training_objective
 from relax_gdn.train.metrics import HostSyncCounter, MetricsProcessor, OptimizerTimer, StepTimer
 from relax_gdn.train.planner import MicroBatchPlanner, StepPlan
+from relax_gdn.train.run_data import RunData
+from relax_gdn.train.state import TrainState
 from relax_gdn.train.stop import StopRequest
 
 logger = logging.getLogger("relax_gdn.train")
@@ -75,9 +80,12 @@ def all_reduce_step(loss_sums: torch.Tensor, raised: set[StepFlag], tp: int) -> 
     stats = torch.cat((losses / tp, flags))
     dist.all_reduce(stats)
     values = stats.tolist()
-    loss_totals, flag_totals = values[:losses.numel()], values[losses.numel():]
-    return StepTotals(loss_totals[0], frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total),
-                      mtp_loss_sum=loss_totals[1] if len(loss_totals) > 1 else None)
+    loss_totals, flag_totals = values[: losses.numel()], values[losses.numel() :]
+    return StepTotals(
+        loss_totals[0],
+        frozenset(flag for flag, total in zip(StepFlag, flag_totals) if total),
+        mtp_loss_sum=loss_totals[1] if len(loss_totals) > 1 else None,
+    )
 
 
 def stop_exit_code(flags: frozenset[StepFlag]) -> int | None:
@@ -119,9 +127,14 @@ def step_batch(samples: list[Sample], cfg: RunConfig, planner: MicroBatchPlanner
     """Step ``step``'s global batch (a pure function of seed and step, identical on every rank)
     planned into this rank's micro-batches."""
     epoch, batch = global_batch_at_step(samples, cfg.train.global_batch_size, cfg.train.seed, step - 1)
-    return StepBatch(step=step, epoch=epoch, samples=batch, plan=planner.plan(batch),
-                     loss_tokens=sum(s.num_loss_tokens for s in batch),
-                     mtp_loss_tokens=sum(s.num_mtp_loss_tokens for s in batch) if planner.mtp else 0)
+    return StepBatch(
+        step=step,
+        epoch=epoch,
+        samples=batch,
+        plan=planner.plan(batch),
+        loss_tokens=sum(s.num_loss_tokens for s in batch),
+        mtp_loss_tokens=sum(s.num_mtp_loss_tokens for s in batch) if planner.mtp else 0,
+    )
 
 
 @dataclass
@@ -141,24 +154,55 @@ class TrainStep:
 
     Args:
         cfg: the run's configuration (as built).
-        model: what runs forward/backward (on CUDA: wrapped in DDP and the bf16 wrapper).
-        core_model: the model itself (what the gradient check reads).
-        optimizer, scheduler: gradient sync + update (``relax_gdn.train.optimizer``), the LR schedule.
-        planner: this rank's micro-batches of a global batch.
-        metrics: turns the step's measurements into its record.
+        state: the model itself (what the gradient check reads), its optimizer (gradient sync +
+            update, ``relax_gdn.train.optimizer``) and LR schedule.
+        model: what runs forward/backward (on CUDA: ``state.model`` wrapped in DDP and the bf16 wrapper).
+        parallel, device: the run's process groups and this rank's device (this rank's micro-batches
+            of a global batch are planned over them: ``self.planner``).
+        data: the run's tokenizer (its padding id) and training set (the global batches are drawn
+            from its samples).
+        tconfig, vocab_size: the model's TransformerConfig and vocabulary (its FLOPs for the metrics).
         stop: this process's stop requests (raised in the step's all-reduce).
-        samples: the training set's samples (the global batches are drawn from them).
         first_step: the first step this process runs (1, or the step after a resumed checkpoint).
         is_rank0: the rank that logs.
     """
 
-    def __init__(self, *, cfg: RunConfig, model, core_model: torch.nn.Module, optimizer, scheduler,
-                 planner: MicroBatchPlanner, metrics: MetricsProcessor, stop: StopRequest, samples: list[Sample],
-                 first_step: int, is_rank0: bool):
-        self.cfg, self.model, self.core_model = cfg, model, core_model
-        self.optimizer, self.scheduler, self.planner, self.metrics = optimizer, scheduler, planner, metrics
-        self.stop, self.samples, self.first_step, self.is_rank0 = stop, samples, first_step, is_rank0
-        self.device, self.tp = metrics.device, planner.parallel.tp
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        state: TrainState,
+        model,
+        parallel: ParallelContext,
+        device: torch.device,
+        data: RunData,
+        tconfig,
+        vocab_size: int,
+        stop: StopRequest,
+        first_step: int,
+        is_rank0: bool,
+    ):
+        self.cfg, self.model, self.core_model = cfg, model, state.model
+        self.optimizer, self.scheduler = state.optimizer, state.scheduler
+        self.stop, self.samples, self.first_step, self.is_rank0 = (
+            stop,
+            data.dataset.samples,
+            first_step,
+            is_rank0,
+        )
+        self.device, self.tp = device, parallel.tp
+        self.planner = MicroBatchPlanner(
+            parallel,
+            max_tokens_per_gpu=cfg.train.max_tokens_per_gpu,
+            device=device,
+            pad_id=data.tokenizer.pad_id,
+            route_strategy=cfg.gdn.route,
+            mtp=bool(cfg.model.mtp.num_layers),
+        )
+        shape = ModelShape.from_transformer_config(
+            tconfig, vocab_size, mtp_num_layers=cfg.model.mtp.num_layers or 0, lora=cfg.lora_options
+        )
+        self.metrics = MetricsProcessor(shape, parallel.tp * parallel.cp * parallel.dp, device)
         # in forward + backward only (logging.count_host_syncs)
         self.host_syncs = HostSyncCounter(enabled=self.device.type == "cuda" and cfg.logging.count_host_syncs)
         self.nonfinite = NonfiniteCount()
@@ -206,15 +250,23 @@ class TrainStep:
         """Gradient reduction, clipping and the update: (whether it was applied, the grad norm)."""
         return self.optimizer.step()
 
-    def step_record(self, batch: StepBatch, totals: StepTotals, *, lr: float, grad_norm: float | None,
-                    step_time_s: float) -> dict[str, Any]:
+    def step_record(
+        self, batch: StepBatch, totals: StepTotals, *, lr: float, grad_norm: float | None, step_time_s: float
+    ) -> dict[str, Any]:
         """The step's metrics record (metrics.jsonl's schema)."""
         plan = batch.plan
         record = self.metrics.record(
-            step=batch.step, loss=totals.loss_sum / max(batch.loss_tokens, 1), grad_norm=grad_norm, lr=lr,
-            seq_lengths=[len(s) for s in batch.samples], loss_tokens=batch.loss_tokens,
-            padded_tokens=plan.padded_tokens, num_micro_batches=len(plan.micro_batches), epoch=batch.epoch,
-            step_time_s=step_time_s, host_syncs=self.host_syncs.count if self.host_syncs.enabled else None,
+            step=batch.step,
+            loss=totals.loss_sum / max(batch.loss_tokens, 1),
+            grad_norm=grad_norm,
+            lr=lr,
+            seq_lengths=[len(s) for s in batch.samples],
+            loss_tokens=batch.loss_tokens,
+            padded_tokens=plan.padded_tokens,
+            num_micro_batches=len(plan.micro_batches),
+            epoch=batch.epoch,
+            step_time_s=step_time_s,
+            host_syncs=self.host_syncs.count if self.host_syncs.enabled else None,
         ).as_dict()
         if totals.mtp_loss_sum is not None:  # the MTP layer's loss, apart from the LM's (train/loss.py)
             record["mtp_loss"] = totals.mtp_loss_sum / max(batch.mtp_loss_tokens, 1)
@@ -222,21 +274,35 @@ class TrainStep:
             record["cp_sizes"] = plan.cp_size_counts  # micro-batches per CP size, whole step
         return record
 
-    def outcome(self, record: dict[str, Any], totals: StepTotals, *, updated: bool,
-                grad_norm: float | None) -> StepOutcome:
+    def outcome(
+        self, record: dict[str, Any], totals: StepTotals, *, updated: bool, grad_norm: float | None
+    ) -> StepOutcome:
         """The one place a step's outcome is decided. From all-reduced values only (the loss sum,
         the flags, the grad norm the optimizer reduced), so every rank takes the same decision in
         the same step: a stop request, and a loss or grad norm that is not finite (its update was
         not applied; ``train.on_nonfinite`` says whether the run ends here)."""
-        nonfinite = not math.isfinite(totals.loss_sum) or (grad_norm is not None and not math.isfinite(grad_norm))
+        nonfinite = not math.isfinite(totals.loss_sum) or (
+            grad_norm is not None and not math.isfinite(grad_norm)
+        )
         count = self.nonfinite
         count.in_a_row = count.in_a_row + 1 if nonfinite else 0
         count.total += nonfinite
         record["nonfinite"], record["nonfinite_steps"] = nonfinite, count.total
         train = self.cfg.train
         diverged = nonfinite and (train.on_nonfinite == "stop" or count.in_a_row >= train.max_nonfinite_steps)
-        return StepOutcome(record=record, updated=updated and not nonfinite, stop_code=stop_exit_code(totals.flags),
-                           nonfinite=nonfinite, diverged=diverged)
+        return StepOutcome(
+            record=record,
+            updated=updated and not nonfinite,
+            stop_code=stop_exit_code(totals.flags),
+            nonfinite=nonfinite,
+            diverged=diverged,
+        )
+
+    def stop_asked_during_save(self, outcome: StepOutcome) -> StepOutcome:
+        """``outcome`` with the stop a rank was asked for while the step's checkpoint was written
+        (agreed with one more small all-reduce: every rank stops after the same step)."""
+        flags = all_reduce_step(torch.zeros((), device=self.device), raised_flags(self.stop), self.tp).flags
+        return dataclasses.replace(outcome, stop_code=stop_exit_code(flags))
 
     def _check_gradients(self, step: int) -> None:
         """Once per process, after its first step: the trainable parameters its backward left
@@ -250,5 +316,9 @@ class TrainStep:
     def _log_host_syncs(self, step: int) -> None:
         syncs = self.host_syncs
         if syncs.count and self.is_rank0 and step <= self.first_step + 1:  # where (first steps only)
-            logger.info("step %d: %d host syncs in forward+backward, at %s", step, syncs.count,
-                        dict(syncs.locations.most_common(8)))
+            logger.info(
+                "step %d: %d host syncs in forward+backward, at %s",
+                step,
+                syncs.count,
+                dict(syncs.locations.most_common(8)),
+            )
