@@ -78,7 +78,7 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     from relax_gdn.train.checkpoint import read_manifest
     from relax_gdn.train.checkpoint_state import load_checkpoint, state_to_save
     from relax_gdn.train.checkpoint_writer import CheckpointWriter
-    from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
+    from relax_gdn.train.megatron_optimizer import build_megatron_ddp_and_optimizer
 
     torch.set_num_threads(1)
     tconfig = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,

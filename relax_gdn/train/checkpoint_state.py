@@ -113,6 +113,20 @@ def state_to_save(step: int, *, model, optimizer, scheduler) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+def give_unstepped_adam_state(adam: torch.optim.Optimizer) -> None:
+    """Give every parameter of ``adam`` (torch Adam / AdamW) that has no state yet the state of
+    step 0 (zero moments), so a checkpoint load has tensors to fill: an optimizer that has not
+    stepped holds none."""
+    for group in adam.param_groups:
+        for p in group["params"]:
+            if not adam.state.get(p):
+                adam.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+
+
 @dataclass
 class LoadedCheckpoint:
     directory: Path
