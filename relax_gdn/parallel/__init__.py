@@ -3,6 +3,7 @@ made once at start-up) and the per-micro-batch CP group decision."""
 
 from relax_gdn.parallel.context import ParallelContext
 from relax_gdn.parallel.cp_group import CPGroup, resolve_cp_group
+from relax_gdn.parallel.default_group import init_distributed, launcher_rank, launcher_world_size
 from relax_gdn.parallel.dynamic_cp import (
     DynamicCPGroups,
     DynamicCPPlan,
@@ -11,7 +12,6 @@ from relax_gdn.parallel.dynamic_cp import (
     plan_dynamic_cp,
     plan_dynamic_cp_over_dp,
 )
-from relax_gdn.parallel.process_group import init_distributed, launcher_rank, launcher_world_size
 
 __all__ = [
     "CPGroup",
