@@ -8,7 +8,7 @@ PYTHON ?= python3.12
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast test-gpu gpu-check gpu-check-train bench-routes clean
+.PHONY: setup run lint test test-fast test-gpu gpu-check gpu-check-train bench-routes clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), f"need Python >= 3.12, got {sys.version}"'
@@ -31,10 +31,17 @@ run: setup
 	@$(PY) train.py --check --world-size $(RUN_NPROC) $(RUN_ARGS) $(ARGS)
 	$(PY) -m relax_gdn.launch --standalone --nproc-per-node $(RUN_NPROC) train.py $(RUN_ARGS) $(ARGS)
 
+# The pinned ruff (the `test` extra): lint rules and the formatter's layout, pyproject.toml's
+# [tool.ruff]. Part of `make test`, so CI runs it.
+LINT_PATHS := relax_gdn tests train.py hydra_plugins
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
 # Two pytest-xdist workers: the slow cases mostly wait on their child processes, and each worker
 # keeps its own gloo pools (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup

@@ -167,18 +167,19 @@ def main(hydra_cfg: DictConfig) -> float | None:
     # Megatron-Core / FLA / torch extensions are imported (they warn on import) and undone after.
     from relax_gdn.runtime import Runtime
 
-    with Runtime(silence_warnings=not hydra_cfg.logging.show_third_party_warnings):
-        return _train(hydra_cfg, rank, run_dir, hydra_files)
+    with Runtime(silence_warnings=not hydra_cfg.logging.show_third_party_warnings) as runtime:
+        return _train(hydra_cfg, rank, run_dir, hydra_files, runtime)
 
 
-def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path]) -> float | None:
+def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path],
+           runtime) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     on_continue = partial(continue_job_log, run_dir) if run_dir is not None else None
     try:
-        result = run_training(run_config_from_hydra(hydra_cfg), run_dir, on_continue=on_continue)
+        result = run_training(run_config_from_hydra(hydra_cfg), run_dir, runtime=runtime, on_continue=on_continue)
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)

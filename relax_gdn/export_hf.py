@@ -40,14 +40,15 @@ RECORDED = "recorded"  # --like's default: the checkpoint the run started from, 
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
-                      like: str | Path | None = RECORDED, adapter: bool = False):
+                      like: str | Path | None = RECORDED, adapter: bool = False, *, runtime):
     """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
     :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
     keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
     layout only): "float32" or "bfloat16" instead of the dtype the run trained in; ``adapter``: a
     LoRA checkpoint's adapters as a PEFT adapter directory (an
-    :class:`~relax_gdn.model.hf_checkpoint.peft.AdapterReport`). Without CUDA it needs an installed
-    :class:`relax_gdn.runtime.Runtime` (``main`` installs one)."""
+    :class:`~relax_gdn.model.hf_checkpoint.peft.AdapterReport`). ``runtime``: the installed
+    :class:`relax_gdn.runtime.Runtime` (``main`` installs one; without CUDA it applied Megatron-Core's
+    CPU shims)."""
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.train.checkpoint import read_manifest, resolve_resume
     from relax_gdn.train.hf_export import export_spec
@@ -70,7 +71,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
             raise RecipeError(f"--dtype {dtype} applies to the text layout; an export in the layout of "
                               f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
                               "layout)")
-    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, adapter)
+    device = _prepare_device(runtime)
+    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, device,
+                   adapter=adapter)
 
 
 def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
@@ -91,33 +94,31 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
     drop_in_origins(source, preset_dims(model["preset"], vocab, model.get("mtp_num_layers", 0)))
 
 
-def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool = False):
+def _export(directory: Path, manifest: dict, cfg, out: Path, spec, device: torch.device, *, adapter: bool):
     """Build the run's model at TP 1, CP 1, load the checkpoint's weights (a LoRA run's: its base,
     then its adapters), write the export."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, load_model_weights
+    from relax_gdn.parallel import ParallelContext, init_distributed
+    from relax_gdn.train.build import build_checkpoint_model
+    from relax_gdn.train.checkpoint_state import checkpoint_fp32_main_params, load_model_weights
     from relax_gdn.train.hf_export import write_hf_export
-    from relax_gdn.train.loop import init_distributed
 
-    device = _prepare_device()
     created = init_distributed(device)
     try:
-        parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+        parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
         if device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(cfg.train.seed)  # the RNG tracker Megatron-Core's layers fork
-        model = _build_model(cfg, manifest, device)
+        model = build_checkpoint_model(manifest, parallel, device)
         if cfg.lora_options is not None:
             return _export_lora(directory, manifest, cfg, model, out, spec, adapter=adapter)
         load_model_weights(directory, model)
         main_params = checkpoint_fp32_main_params(directory, manifest, model)
         return write_hf_export(model, out, spec, main_params=main_params)
     finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -125,9 +126,9 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, adapter: bool
 def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *, adapter: bool):
     """A LoRA checkpoint: the base its manifest names (the HF directory, or ``--like`` where it
     moved), its adapters, then the merged model or (``adapter``) the PEFT adapter directory."""
-    from relax_gdn.train.checkpoint import load_model_weights
+    from relax_gdn.train.checkpoint_state import load_model_weights
     from relax_gdn.train.hf_export import write_adapter_export, write_merged_lora_export
-    from relax_gdn.train.loop import load_base_weights
+    from relax_gdn.train.build import load_base_weights
 
     base = manifest["model"]["lora"]["base"].get("hf_checkpoint")
     if base is not None:
@@ -142,7 +143,7 @@ def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *
     return write_merged_lora_export(model, out, spec)
 
 
-def _prepare_device() -> torch.device:
+def _prepare_device(runtime) -> torch.device:
     """The GPU where CUDA is visible: Megatron-Core creates GDN parameters on
     ``torch.cuda.current_device()`` and forks its CUDA RNG tracker whenever a GPU is visible, and
     the CPU shims that redirect both must not hide a GPU. The CPU otherwise (``CUDA_VISIBLE_DEVICES=``
@@ -151,30 +152,8 @@ def _prepare_device() -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         return device
-    from relax_gdn.runtime import require_runtime
-
-    require_runtime("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
+    runtime.require("exporting a checkpoint on a machine without CUDA", cpu_shims=True)
     return torch.device("cpu")
-
-
-def _build_model(cfg, manifest: dict, device: torch.device):
-    from relax_gdn.gdn.options import GDNOptions
-    from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.model.fusion import Fusion
-    from relax_gdn.model.mtp import MTPOptions
-
-    # the run's parameter dtype; no random initialisation: every weight comes from the checkpoint
-    dtype = getattr(torch, manifest["model"].get("dtype", "float32"))
-    tconfig = qwen3_5_config(cfg.model.preset, tensor_model_parallel_size=1, perform_initialization=False,
-                             use_cpu_initialization=device.type == "cpu", params_dtype=dtype,
-                             bf16=dtype == torch.bfloat16)
-    model = build_qwen3_5_preset_model(
-        cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
-        gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider=cfg.model.spec_provider,
-        attention_backend=cfg.model.attention_backend, mtp=MTPOptions(manifest["model"].get("mtp_num_layers", 0)),
-        lora=cfg.lora_options, fusion=Fusion(cross_entropy=cfg.model.fused_cross_entropy),
-    )
-    return model.to(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     from relax_gdn.runtime import Runtime
 
     try:
-        with Runtime():
-            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter)
+        with Runtime() as runtime:
+            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter,
+                                       runtime=runtime)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

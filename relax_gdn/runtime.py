@@ -3,13 +3,15 @@
 Library code (model building, the GDN kernels, the training loop) changes nothing outside the
 objects it builds. What the process itself needs is done here, once, by the entry point
 (``train.py``, ``python -m relax_gdn.export_hf``, every ``python -m relax_gdn.bench.*``), and
-undone by :meth:`Runtime.close`::
+undone by :meth:`Runtime.close`. The entry point hands its Runtime to what needs it::
 
-    with Runtime():
-        run_training(cfg, run_dir)
+    with Runtime() as runtime:
+        run_training(cfg, run_dir, runtime=runtime)
 
 A :class:`Runtime` owns, in the order it installs them:
 
+* the environment variables it is given (``environ``: read by a library when it imports, such as
+  FLA's ``FLA_TILELANG``), first;
 * the filters for third-party notices known to be harmless (:mod:`relax_gdn.known_warnings`),
   first, so they are in place before Megatron-Core, FLA or torch's extension loader import;
 * on a machine without CUDA, Megatron-Core's CPU shims (:mod:`relax_gdn.compat.cpu`:
@@ -24,21 +26,24 @@ A :class:`Runtime` owns, in the order it installs them:
   (:meth:`Runtime.checkpoint_write_results`, :mod:`relax_gdn.compat.write_results`);
 * the process-wide changes a run can only make once it knows its device and configuration
   (Megatron-Core's fused wgrad GEMM, torch's deterministic algorithms): made by the run, handed
-  over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`.
+  over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`;
+* what a tool or benchmark asks for: transformers' Qwen3.5 on its pure-torch kernels
+  (:meth:`Runtime.use_torch_kernels_in_transformers`), a module attribute set for the process
+  (:meth:`Runtime.replace_attribute`: the precision benchmark's FLA guard and dynamo switch).
 
-Code that needs one of these asks for it (:func:`require_runtime`) and fails with a message that
-says what to install, instead of patching the process itself. One Runtime is installed at a time.
+Code that needs one of these is handed the Runtime and asks it (:meth:`Runtime.require` says what
+is missing), instead of patching the process itself. One Runtime is installed at a time.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-
-_current: Runtime | None = None  # the installed Runtime, so library code can check for it
+from typing import Any, ClassVar
 
 SignalHandler = Callable[[int, FrameType | None], object]
 
@@ -55,11 +60,17 @@ class Runtime:
             FLA is installed.
         sync_debug_mode: torch's CUDA sync debug mode for the run (``"warn"``, ``"error"``); None
             leaves torch's. CUDA only.
+        environ: environment variables set before anything else (and put back by :meth:`close`).
     """
 
+    # Two Runtimes at once would undo each other's changes out of order: the installed one, if any.
+    _installed: ClassVar[Runtime | None] = None
+
     def __init__(self, *, silence_warnings: bool = True, cpu_shims: bool | None = None,
-                 fla: bool | None = None, sync_debug_mode: str | None = None) -> None:
+                 fla: bool | None = None, sync_debug_mode: str | None = None,
+                 environ: dict[str, str] | None = None) -> None:
         self.silence_warnings = silence_warnings
+        self.environ = dict(environ or {})
         self._cpu_shims, self._fla = cpu_shims, fla
         self.sync_debug_mode = sync_debug_mode
         self._undo: list[Callable[[], None]] = []
@@ -74,13 +85,14 @@ class Runtime:
     def install(self) -> Runtime:
         """Make the changes (see the class docstring); returns ``self``. Refused while another
         Runtime is installed."""
-        global _current
         if self.installed:
             raise RuntimeError("this Runtime is already installed")
-        if _current is not None:
+        if Runtime._installed is not None:
             raise RuntimeError("another relax_gdn Runtime is installed in this process; close it first")
-        _current, self.installed = self, True
+        Runtime._installed, self.installed = self, True
         try:
+            for name, value in self.environ.items():
+                self._set_environ(name, value)
             if self.silence_warnings:
                 from relax_gdn.known_warnings import silence_known_warnings
 
@@ -128,14 +140,13 @@ class Runtime:
     def close(self) -> None:
         """Undo everything :meth:`install` and :meth:`handle_signal` did, newest first; a closed
         Runtime does nothing more (a second close is a no-op)."""
-        global _current
         for signum in list(self._signals):
             self.restore_signal(signum)
         while self._undo:
             self._undo.pop()()
         self._write_results = None
-        if _current is self:
-            _current = None
+        if Runtime._installed is self:
+            Runtime._installed = None
         self.installed = False
 
     def __enter__(self) -> Runtime:
@@ -143,6 +154,24 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def require(self, what: str, *, cpu_shims: bool = False) -> Runtime:
+        """This Runtime, for ``what`` (a phrase naming the caller); raises ``RuntimeError`` saying
+        how to install it when it is not installed, or when it lacks the CPU shims and
+        ``cpu_shims`` is asked for."""
+        if not self.installed:
+            raise RuntimeError(
+                f"{what} needs the process set up by relax_gdn.runtime.Runtime, and the Runtime it was given "
+                "is not installed: wrap the call in `with Runtime() as runtime: ...` and pass that runtime "
+                "(train.py, export_hf and the benchmarks do; tests use the `runtime` fixture)"
+            )
+        if cpu_shims and not self.cpu_shims:
+            raise RuntimeError(
+                f"{what} needs Megatron-Core's CPU shims, which the installed Runtime did not apply (it "
+                "applies them only where CUDA is not available): run on a machine without CUDA, or on CUDA "
+                "with train.device=auto"
+            )
+        return self
 
     # ------------------------------------------------------------------ changes made by the run
 
@@ -164,6 +193,35 @@ class Runtime:
                                      torch.is_deterministic_algorithms_warn_only_enabled())
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
         self.adopt(lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only_before))
+
+    def replace_attribute(self, owner: Any, name: str, value: Any) -> None:
+        """``setattr(owner, name, value)`` (a module's or a config object's attribute) until
+        :meth:`close`, which puts the previous value back."""
+        if not self.installed:
+            raise RuntimeError("Runtime.replace_attribute needs an installed Runtime")
+        before = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, before))
+
+    def use_torch_kernels_in_transformers(self) -> None:
+        """transformers' Qwen3.5 on its own pure-torch GDN and conv kernels until :meth:`close`
+        (:func:`relax_gdn.model.hf_checkpoint.use_torch_kernels_in_transformers`: CPU inference of
+        an export, exact comparisons)."""
+        from relax_gdn.compat.transformers_kernels import use_torch_kernels_in_transformers
+
+        self.adopt(use_torch_kernels_in_transformers())
+
+    def _set_environ(self, name: str, value: str) -> None:
+        before = os.environ.get(name)
+        os.environ[name] = value
+
+        def restore() -> None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+        self._undo.append(restore)
 
     # ------------------------------------------------------------------ checkpoint writer
 
@@ -206,29 +264,4 @@ class Runtime:
             signal.signal(signum, self._signals.pop(signum))
 
 
-def current_runtime() -> Runtime | None:
-    """The installed Runtime, or None."""
-    return _current
-
-
-def require_runtime(what: str, *, cpu_shims: bool = False) -> Runtime:
-    """The installed Runtime, for ``what`` (a phrase naming the caller); raises ``RuntimeError``
-    saying how to install one when there is none, or when it lacks the CPU shims and
-    ``cpu_shims`` is asked for."""
-    runtime = _current
-    if runtime is None:
-        raise RuntimeError(
-            f"{what} needs the process set up by relax_gdn.runtime.Runtime, and none is installed: wrap "
-            "the call in `with Runtime(): ...` (train.py, export_hf and the benchmarks do; tests use the "
-            "`runtime` fixture)"
-        )
-    if cpu_shims and not runtime.cpu_shims:
-        raise RuntimeError(
-            f"{what} needs Megatron-Core's CPU shims, which the installed Runtime did not apply (it "
-            "applies them only where CUDA is not available): run on a machine without CUDA, or on CUDA "
-            "with train.device=auto"
-        )
-    return runtime
-
-
-__all__ = ["Runtime", "current_runtime", "require_runtime"]
+__all__ = ["Runtime"]

@@ -140,14 +140,30 @@ def _dump_stacks_and_exit_after_env_limit() -> None:
         faulthandler.dump_traceback_later(float(os.environ["RELAX_GDN_HANG_DUMP_S"]), exit=True)
 
 
+_job_runtime = None  # the Runtime of the job this rank runs (runtime=True), for job_runtime()
+
+
+def job_runtime():
+    """The installed :class:`relax_gdn.runtime.Runtime` of the job this rank runs, to hand to what
+    needs one (``run_training(..., runtime=job_runtime())``), as an entry point hands its own."""
+    if _job_runtime is None:
+        raise RuntimeError("job_runtime(): this job runs without a Runtime (runtime=False) or outside a job")
+    return _job_runtime
+
+
 def _in_runtime(fn: Callable, args: tuple, runtime: bool) -> Any:
     """``fn(*args)`` inside an installed Runtime (closed after it), or bare."""
+    global _job_runtime
     if not runtime:
         return fn(*args)
     from relax_gdn.runtime import Runtime
 
-    with Runtime():
-        return fn(*args)
+    with Runtime() as installed:
+        _job_runtime = installed
+        try:
+            return fn(*args)
+        finally:
+            _job_runtime = None
 
 
 def _worker(

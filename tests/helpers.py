@@ -71,16 +71,16 @@ def train_py(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = ()
     )
 
 
-def train_records_in_this_process(**overrides) -> list[dict]:
+def train_records_in_this_process(runtime, **overrides) -> list[dict]:
     """Two steps of the tiny model on 16 short samples (``run_training`` here, no process group
-    started): the records."""
-    from relax_gdn.train.loop import run_training
+    started, in the installed ``runtime``): the records."""
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
         "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
     })
-    return run_training(cfg, None).records
+    return run_training(cfg, None, runtime=runtime).records
 
 
 def relative_error(a, b) -> float:
@@ -107,19 +107,21 @@ def as_ddp_parameter(weight, start: float):
     return weight
 
 
-def force_transformers_pure_torch() -> None:
+def force_transformers_pure_torch():
     """transformers binds qwen3_5's conv / gated-delta-rule handles to FLA (Triton, GPU only) at
     import when ``fla`` is installed; the wrappers keep the pure-torch function as ``__wrapped__``,
-    which ``use_torch_kernels_in_transformers`` binds instead."""
+    which ``use_torch_kernels_in_transformers`` binds instead, as a user's script does (for the
+    process: the callers compare transformers' torch path only). Returns what binds FLA's back."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
     from relax_gdn.model import hf_checkpoint as hfc
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
 
-    hfc.use_torch_kernels_in_transformers()
+    bind_back = hfc.use_torch_kernels_in_transformers()
     for name in KERNEL_HANDLES:
         torch_fn = getattr(modeling, name)
         assert torch_fn.__module__ == modeling.__name__ and not hasattr(torch_fn, "__wrapped__"), name
+    return bind_back
 
 
 # the layouts the resharding tests save and resume at (2 processes)

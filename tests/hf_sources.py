@@ -150,20 +150,19 @@ def export_cli(*args: str) -> tuple[int, str, str]:
 def run_weights_in_hf_names(checkpoint: Path, source: hfc.HFCheckpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's weights (loaded into a fresh model) in HF names and the source's dtypes, by
     the plain state-dict conversion: independent of the export's gathering and sharding."""
-    from megatron.core import parallel_state
-
-    from relax_gdn.config import run_config_from_dict
-    from relax_gdn.export_hf import _build_model
     from relax_gdn.model.hf_checkpoint.convert import model_tensors
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+    from relax_gdn.parallel import ParallelContext
+    from relax_gdn.train.build import build_checkpoint_model
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     manifest = read_manifest(checkpoint)
-    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
+        model = build_checkpoint_model(manifest, parallel, torch.device("cpu"))
         load_model_weights(checkpoint, model)
     finally:
-        parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
     dims = hfc.dims_from_model(model, vocab_size=320)
     text = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()}, dims)
     by_text = source.by_text_name()

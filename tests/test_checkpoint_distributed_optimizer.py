@@ -1,7 +1,7 @@
 """Megatron-Core's distributed optimizer resumes exactly (CPU, one gloo process, a fresh one per case).
 
 The GPU path (Megatron-Core DDP + DistributedOptimizer: bf16 params, fp32 main params, torch Adam
-without Transformer Engine or Apex) saved and loaded with the project's own ``Saver`` and
+without Transformer Engine or Apex) saved and loaded with the project's own ``CheckpointWriter`` and
 ``load_checkpoint``, in both ``checkpoint.optimizer_sharding`` forms, on a small module with a
 frozen weight beside the ones that train (LoRA's shape: the frozen one has no DDP buffer, no
 optimizer state and is not in the checkpoint). A run resumed from its step-2 checkpoint repeats
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
@@ -75,8 +75,10 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     from megatron.core.transformer.module import MegatronModule
 
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.checkpoint import Saver, load_checkpoint, read_manifest
-    from relax_gdn.train.optimizer import build_megatron_ddp_and_optimizer
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_checkpoint, state_to_save
+    from relax_gdn.train.checkpoint_writer import CheckpointWriter
+    from relax_gdn.train.megatron_optimizer import build_megatron_ddp_and_optimizer
 
     torch.set_num_threads(1)
     tconfig = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
@@ -103,7 +105,7 @@ def _resume_case(sharding: str, tmp: str) -> dict:
             return {f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=0)
                     for n, p in self.named_parameters()}
 
-    class Schedule:  # what Saver.save asks of the LR scheduler
+    class Schedule:  # what a checkpoint asks of the LR scheduler
         def state_dict(self):
             return {}
 
@@ -133,13 +135,16 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
-            saver = Saver(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD)
+            writer = CheckpointWriter(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD, async_save=False,
+                                      runtime=job_runtime())
             model, optimizer = build()
             full, saved = [], None
             for i in range(4):
                 full.append(step(model, optimizer, i))
                 if i == 1:
-                    saved = saver.save(2, model=model, optimizer=optimizer, scheduler=Schedule(), manifest={})
+                    saved = writer.save(2, manifest={"optimizer": optimizer.checkpoint_form},
+                                        state=lambda: state_to_save(2, model=model, optimizer=optimizer,
+                                                                    scheduler=Schedule()))
             model, optimizer = build()
             loaded = load_checkpoint(saved, read_manifest(saved), model=model, optimizer=optimizer,
                                      same_layout=True)

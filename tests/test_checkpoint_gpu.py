@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,10 +30,10 @@ def _overrides(**extra) -> dict:
 
 def _save_then_resume(tmp: str, save_cp: int, resume_cp: int, sharding: str, async_save: bool) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(**extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), None)
+        return run_training(RunConfig().with_overrides(_overrides(**extra)), None, runtime=job_runtime())
 
     tmp = Path(tmp)
     full = run(**{"parallel.cp": save_cp, "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.every_steps": 2,

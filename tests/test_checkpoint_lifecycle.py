@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import JobResults, child_env
+from tests.distributed import JobResults, child_env, job_runtime
 from tests.helpers import TYPO_MESSAGE
 from tests.helpers import small_config as _cfg
 from tests.processes import ChildLines, output_lines
@@ -56,10 +56,10 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
     torch.set_num_threads(1)  # as the runs it is compared with
     from relax_gdn.runtime import Runtime
     from relax_gdn.train import checkpoint, loggers
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.train_with_faults import on_checkpoint_write
 
-    Runtime().install()  # set up like an entry point's process; the kill ends it
+    runtime = Runtime().install()  # set up like an entry point's process; the kill ends it
     if kill_point == "after_step":
         log = loggers.RunLoggers.log
 
@@ -81,25 +81,25 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
 
         checkpoint.os.replace = replace_then_kill
     case_dir = Path(case_dir)
-    run_training(_lifecycle_cfg(case_dir), case_dir / "run")
+    run_training(_lifecycle_cfg(case_dir), case_dir / "run", runtime=runtime)
     raise AssertionError("the run was not killed")
 
 
 def _uninterrupted_run(tmp: str) -> dict:
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
-    run_training(_lifecycle_cfg(tmp / "uninterrupted"), tmp / "uninterrupted" / "run")
+    run_training(_lifecycle_cfg(tmp / "uninterrupted"), tmp / "uninterrupted" / "run", runtime=job_runtime())
     return {"uninterrupted": _metrics(tmp / "uninterrupted" / "run")}
 
 
 def _finish_run(tmp: str, case: str) -> dict:
     """A killed run again with the same command (resume=auto)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
-    result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir")
+    result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir", runtime=job_runtime())
     return {case: dict(before=before, start=result.start_step, run_dir=str(result.run_dir),
                        metrics=_metrics(tmp / case / "run"),
                        after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()))}
@@ -186,7 +186,7 @@ def _auto_resume_cases(tmp: str) -> dict:
     import torch
 
     from relax_gdn.errors import RecipeError
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -206,14 +206,16 @@ def _auto_resume_cases(tmp: str) -> dict:
     (tmp / "wandb").mkdir()
     wandb = dict(mode="offline", project="relax-gdn-test", entity=None, group=None, tags=[], name=None)
 
-    first = run_training(_lifecycle_cfg(tmp, train__steps=4, optim__decay_steps=6, logging__wandb=wandb), tmp / "run")
+    first = run_training(_lifecycle_cfg(tmp, train__steps=4, optim__decay_steps=6, logging__wandb=wandb),
+                         tmp / "run", runtime=job_runtime())
     out["fresh_note"] = [m for m in messages if "starting fresh" in m]
     out["first_id"] = first.wandb_dir
     # damage the newest checkpoint (step 4): resume=auto falls back to step 2, saying so
     shard = next((tmp / "checkpoints" / "step_000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     messages.clear()
-    second = run_training(_lifecycle_cfg(tmp, optim__decay_steps=6, logging__wandb=wandb), tmp / "other_run")
+    second = run_training(_lifecycle_cfg(tmp, optim__decay_steps=6, logging__wandb=wandb), tmp / "other_run",
+                          runtime=job_runtime())
     out["fallback_notes"] = [m for m in messages if "falling back" in m]
     out["resumed_notes"] = [m for m in messages if m.startswith("resumed from step")]
     out["second_start"], out["second_wandb_dir"] = second.start_step, second.wandb_dir
@@ -222,13 +224,14 @@ def _auto_resume_cases(tmp: str) -> dict:
     # a changed schedule (train.steps decides decay_steps here) is refused, or applied on request
     longer = _lifecycle_cfg(tmp, train__steps=8)
     try:
-        run_training(longer, tmp / "run")
+        run_training(longer, tmp / "run", runtime=job_runtime())
         out["refused"] = None
     except RecipeError as e:
         out["refused"] = str(e)
     messages.clear()
     applied = run_training(_lifecycle_cfg(tmp, train__steps=8, optim__reset_schedule_on_resume=True,
-                                          checkpoint__export_hf_final=True), tmp / "run")
+                                          checkpoint__export_hf_final=True), tmp / "run",
+                                          runtime=job_runtime())
     out["applied"] = (applied.start_step, [m for m in messages if "schedule changed" in m],
                       [r["lr"] for r in applied.records])
     out["export_files"] = sorted(p.name for p in (tmp / "run" / "hf").iterdir())
@@ -246,7 +249,7 @@ def _full_disk(tmp: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from relax_gdn.errors import RecipeError
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     out = {}
@@ -259,7 +262,7 @@ def _full_disk(tmp: str) -> dict:
 
     FileSystemWriterAsync.write_preloaded_data = staticmethod(no_space_at_step_4)
     try:
-        run_training(_lifecycle_cfg(tmp / "full_disk"), tmp / "full_disk" / "run")
+        run_training(_lifecycle_cfg(tmp / "full_disk"), tmp / "full_disk" / "run", runtime=job_runtime())
         out["save_failed"] = None
     except RecipeError as e:
         out["save_failed"] = str(e)
@@ -317,7 +320,7 @@ def test_failed_save_names_the_checkpoint_and_keeps_the_previous_one(auto_resume
                                                    (4, 1, 100, 2)])
 def test_checkpoints_held_at_once(every, keep, steps, held):
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.lifecycle import checkpoints_held_at_once
+    from relax_gdn.train.checkpoint_disk import checkpoints_held_at_once
 
     cfg = RunConfig().with_overrides({"checkpoint.every_steps": every, "checkpoint.keep_last": keep})
     assert checkpoints_held_at_once(cfg.checkpoint, steps) == held
@@ -412,7 +415,7 @@ def test_optimizer_state_of_another_kind_exits_2_naming_the_fix(saved_checkpoint
 @pytest.mark.parametrize("sharding,saved_tp,tp,refused", [
     ("dp_reshardable", 2, 1, True), ("dp_reshardable", 1, 1, False), ("fully_reshardable", 2, 1, False)])
 def test_dp_reshardable_optimizer_state_is_refused_at_another_tp(sharding, saved_tp, tp, refused):
-    from relax_gdn.train.checkpoint import optimizer_reshard_problem
+    from relax_gdn.train.resume import optimizer_reshard_problem
 
     manifest = {"optimizer": {"kind": "megatron", "sharding": sharding},
                 "layout": {"world_size": 2, "tp": saved_tp, "cp": 2 // saved_tp, "dynamic_cp": False, "max_cp": 1}}

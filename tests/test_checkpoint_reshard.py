@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import child_env, computed_once
+from tests.distributed import child_env, computed_once, job_runtime
 from tests.helpers import EQ_TOL, reshard_run_config, step_values
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +34,10 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
     per pool rank and (layout, mode)."""
 
     def make():
-        from relax_gdn.train.loop import run_training
+        from relax_gdn.train import run_training
 
         run = run_training(reshard_run_config(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
-                                    checkpoint__every_steps=2), None)
+                                    checkpoint__every_steps=2), None, runtime=job_runtime())
         return [step_values(r) for r in run.records], str(run.checkpoints[0])
 
     return computed_once(("reshard", tmp, layout, mode), make)
@@ -46,11 +46,12 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
 def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
     """The checkpoint written at ``source`` resumed at ``target`` in ``mode`` (the pool of 2).
     Mode-independent sources (CP 1 runs no GDN CP path) are written once, by chunkwise."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     source_key = (source, mode if source == "cp2" else "chunkwise")
     reference, saved = _uninterrupted(tmp, *source_key)
-    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None)
+    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None,
+                           runtime=job_runtime())
     return {"resumed": (source_key, resumed.start_step, [step_values(r) for r in resumed.records]),
             "reference": reference}
 
@@ -68,7 +69,8 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.train.checkpoint import load_model_weights, read_manifest
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     torch.set_num_threads(1)
     manifest = read_manifest(checkpoint)

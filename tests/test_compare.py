@@ -15,6 +15,7 @@ import pytest
 from relax_gdn.compare import compare_runs, find_runs, run_summary, warmup_steps
 from relax_gdn.compare.runs import Run, load_bench_json, records_from_wandb_history, run_from_wandb
 from relax_gdn.compare.stats import median_ci, steady_records
+from tests.distributed import job_runtime
 from tests.helpers import small_config as _cfg
 
 STEPS = 8
@@ -25,7 +26,7 @@ def _runs(tmp: str) -> dict:
 
     import torch
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -42,7 +43,7 @@ def _runs(tmp: str) -> dict:
         "lr": _cfg(**base, optim__lr=1e-2),
     }
     for name, cfg in runs.items():
-        run_training(cfg, tmp / "runs" / name)
+        run_training(cfg, tmp / "runs" / name, runtime=job_runtime())
     return {"wandb_runs": sorted(str(p) for p in (tmp / "wandb").rglob("offline-run-*"))}
 
 

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from relax_gdn.train.console import ConsoleProgress, print_run_summary, run_summary, steady_state
-from relax_gdn.train.loop import TrainResult
+from relax_gdn.train.run_result import TrainResult
 
 # What the third-party notices look like: warnings.warn lines (with the library's file path) and
 # the log lines relax_gdn.known_warnings names.

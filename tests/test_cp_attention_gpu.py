@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -263,7 +263,7 @@ FA4_LOSS_TOL, FA4_GRAD_NORM_TOL = 1e-3, 1e-2
 
 def _reduced_9b_first_step(backend: str) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "model.preset": "qwen3_5_9b_reduced", "model.attention_backend": backend, "train.device": "cuda",
@@ -272,7 +272,7 @@ def _reduced_9b_first_step(backend: str) -> dict:
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
         "logging.jsonl": False,
     })
-    return run_training(cfg, None).records[0]
+    return run_training(cfg, None, runtime=job_runtime()).records[0]
 
 
 def _fa4_and_varlen_steps() -> dict:

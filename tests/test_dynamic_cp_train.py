@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import JobResults
+from tests.distributed import JobResults, job_runtime
 from tests.helpers import EQ_TOL
 from tests.helpers import GDN_MODES as MODES
 from tests.helpers import small_config as _cfg
@@ -25,9 +25,10 @@ def _mixed(mode: str, dynamic: bool):
 
 def _static_and_dynamic(mode: str) -> dict:
     """Step 1 at static CP 4 and at dynamic CP <= 4 on the same samples (the pool of 4)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
-    return {mode: (run_training(_mixed(mode, False), None).records, run_training(_mixed(mode, True), None).records)}
+    return {mode: tuple(run_training(_mixed(mode, dynamic), None, runtime=job_runtime()).records
+                        for dynamic in (False, True))}
 
 
 def _s4_preset() -> dict:
@@ -36,7 +37,7 @@ def _s4_preset() -> dict:
 
     from relax_gdn.config import run_config_from_dict
     from relax_gdn.config.hydra_io import register_schema
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import ROOT
 
     conf_dir = str(ROOT / "conf")
@@ -47,7 +48,8 @@ def _s4_preset() -> dict:
             "train.steps=2", "train.global_batch_size=8", "train.max_tokens_per_gpu=256", "train.device=cpu",
             "train.precision=fp32", "data.max_sample_tokens=1024", "logging.wandb.mode=disabled", "logging.jsonl=false",
         ])
-    return {"s4": run_training(run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None).records}
+    return {"s4": run_training(run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None,
+                               runtime=job_runtime()).records}
 
 
 @pytest.fixture(scope="module")

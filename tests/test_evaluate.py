@@ -13,6 +13,7 @@ import pytest
 from relax_gdn.config import ConfigError, validate
 from relax_gdn.data import ByteChatTokenizer, synthetic_math_dataset
 from relax_gdn.train.evaluate import EVAL_LOSS, holdout_indices, split_eval_set
+from tests.distributed import job_runtime
 from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
 from tests.helpers import config_with as _cfg
 from tests.helpers import messages_config as messages_cfg
@@ -55,18 +56,18 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
     """Loss per loss token of every record in ``eval_path`` under the checkpoint's weights, one
     sample at a time: logits from the model, log-softmax and the mask applied here."""
     import torch
-    from megatron.core import parallel_state
 
-    from relax_gdn.config import ParallelDims
     from relax_gdn.data import make_micro_batch
     from relax_gdn.data.tokenizer import load_tokenizer
-    from relax_gdn.train.checkpoint import load_model_weights
-    from relax_gdn.train.loop import _build_model, _vocab_size
+    from relax_gdn.parallel import ParallelContext
+    from relax_gdn.train.build import build
+    from relax_gdn.train.checkpoint_state import load_model_weights
 
     tokenizer = load_tokenizer(None)
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        _, model = _build_model(cfg, ParallelDims(1, 1, 1), torch.device("cpu"), False, _vocab_size(cfg, tokenizer, 1))
+        model = build(cfg, parallel, tokenizer_vocab_size=tokenizer.vocab_size, device=torch.device("cpu"), bf16=False,
+                      runtime=None).model
         load_model_weights(checkpoint, model)
         model.eval()
         total, tokens = 0.0, 0
@@ -83,7 +84,7 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
             tokens += int(weights.sum())
         return total / tokens, tokens
     finally:
-        parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
 
 
 def _sample(ids, mask):
@@ -97,7 +98,7 @@ def _single_process_eval(tmp: str) -> dict:
 
     import torch
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -110,9 +111,10 @@ def _single_process_eval(tmp: str) -> dict:
                        train__steps=3, checkpoint__dir=str(tmp / "ckpt"), checkpoint__save_final=True,
                        logging__jsonl=True, logging__wandb=dict(mode="offline", project="relax-gdn-test",
                                                                 entity=None, group=None, tags=[], name=None))
-    result = run_training(cfg, tmp / "run")
+    result = run_training(cfg, tmp / "run", runtime=job_runtime())
     without_eval = run_training(cfg.with_overrides({"eval.every_steps": 0, "checkpoint.save_final": False,
-                                                    "logging.wandb.mode": "disabled"}), None)
+                                                    "logging.wandb.mode": "disabled"}), None,
+                                                    runtime=job_runtime())
     hand = _hand_eval_loss(cfg, Path(result.checkpoints[-1]), eval_path)
     jsonl = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     from tests.wandb_records import offline_run_records

@@ -462,14 +462,14 @@ def test_lora_base_weights_are_cast_once(gloo, recipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run(tmp: Path | None = None, **overrides):
-    from relax_gdn.train.loop import run_training
+def _run(runtime, tmp: Path | None = None, **overrides):
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "train.steps": 3, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
         "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
     })
-    return run_training(cfg, tmp)
+    return run_training(cfg, tmp, runtime=runtime)
 
 
 @pytest.mark.slow
@@ -477,9 +477,9 @@ def test_short_runs_per_recipe_follow_bf16(runtime):
     """Three steps of the tiny model with its MTP layer, in fp32 and in each recipe (emulated): finite,
     within FP8's rounding of fp32 at every step, every planned layer run (the MTP layer's too)."""
     mtp = {"model.mtp.num_layers": 1}
-    plain = _run(**mtp).records
+    plain = _run(runtime, **mtp).records
     for recipe in RECIPES:
-        result = _run(**mtp, **{"model.fp8.recipe": recipe})
+        result = _run(runtime, **mtp, **{"model.fp8.recipe": recipe})
         assert result.fp8 == f"FP8 ({recipe}): 21 of 22 linear layers ran forward, input-gradient and " \
                              "weight-gradient GEMMs in FP8", result.fp8
         for got, want in zip(result.records, plain):
@@ -494,11 +494,11 @@ def test_resume_switches_fp8_on_and_off(runtime, tmp_path):
     resumes without it, each continuing at the next step with a loss next to the uninterrupted run's."""
     schedule = {"optim.decay_steps": 4}  # the 4-step run's schedule, saved at step 2 and resumed
     ckpt = {"checkpoint.every_steps": 2, "train.steps": 2, **schedule}
-    whole = _run(**{"train.steps": 4, **schedule}).records
+    whole = _run(runtime, **{"train.steps": 4, **schedule}).records
     for first, then in ((None, "tensorwise"), ("rowwise", None)):
         name = f"{first}_to_{then}"
-        saved = _run(tmp_path / name, **ckpt, **{"model.fp8.recipe": first})
-        resumed = _run(tmp_path / f"{name}_resumed", **schedule, **{"train.steps": 4, "model.fp8.recipe": then,
+        saved = _run(runtime, tmp_path / name, **ckpt, **{"model.fp8.recipe": first})
+        resumed = _run(runtime, tmp_path / f"{name}_resumed", **schedule, **{"train.steps": 4, "model.fp8.recipe": then,
                                                          "checkpoint.resume": str(saved.checkpoints[-1])})
         assert resumed.start_step == 2 and [r["step"] for r in resumed.records] == [3, 4]
         assert (resumed.fp8 is not None) == (then is not None)

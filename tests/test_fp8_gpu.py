@@ -96,9 +96,9 @@ def test_fp8_linear_has_no_host_sync(recipe):
     assert count_host_syncs(step) == 0
 
 
-def _train_reduced(**overrides) -> list[dict]:
+def _train_reduced(runtime, **overrides) -> tuple[list[dict], str | None]:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
@@ -107,7 +107,7 @@ def _train_reduced(**overrides) -> list[dict]:
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
         "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
     })
-    result = run_training(cfg, None)
+    result = run_training(cfg, None, runtime=runtime)
     return result.records, result.fp8
 
 
@@ -115,15 +115,15 @@ def _train_reduced(**overrides) -> list[dict]:
 def bf16_reduced_9b():
     from relax_gdn.runtime import Runtime
 
-    with Runtime():
-        return _train_reduced()[0]
+    with Runtime() as runtime:
+        return _train_reduced(runtime)[0]
 
 
 @pytest.mark.parametrize("recipe,recompute", [*((r, "selective") for r in RECIPES), ("tensorwise", "full")])
 def test_reduced_9b_trains_in_fp8_like_bf16(bf16_reduced_9b, runtime, recipe, recompute):
     """Selective recompute in every recipe, full recompute in tensorwise (its skipped fc2 GEMM and the
     recomputed forward's casts), against bf16."""
-    records, ran = _train_reduced(**{"model.fp8.recipe": recipe, "recompute.granularity": recompute})
+    records, ran = _train_reduced(runtime, **{"model.fp8.recipe": recipe, "recompute.granularity": recompute})
     assert "planned but never called" not in ran and ran.startswith(f"FP8 ({recipe}): 16 of 17"), ran
     for got, want in zip(records, bf16_reduced_9b):
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_TOL), (recipe, recompute)

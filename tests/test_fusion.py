@@ -7,6 +7,8 @@ fused norm rounds 1 + w to bf16 once, the plain path keeps it fp32)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,11 +84,11 @@ def test_weighted_linear_cross_entropy_sum_matches_full_logits(chunk):
                     want) < FP32_TOL
 
 
-def test_out_of_memory_in_the_compiled_loss_is_no_failed_compile(monkeypatch):
+def test_out_of_memory_in_the_compiled_loss_is_no_failed_compile():
     """A chunk's compiled kernel that runs out of memory raises that error and stays compiled: the
     eager fallback (for a torch whose compiler fails) holds several fp32 copies of the chunk's logits
     at once, so falling back on an out-of-memory error would make every later step use more."""
-    monkeypatch.setattr(fusion, "_compiled", {})
+    kernels = fusion.ChunkKernels()
     calls = []
 
     def chunk_kernel(logits):
@@ -95,9 +97,31 @@ def test_out_of_memory_in_the_compiled_loss_is_no_failed_compile(monkeypatch):
 
     for _ in range(2):
         with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 972.00 MiB"):
-            fusion._compiled_call(chunk_kernel, torch.ones(4, 8))
-        assert fusion._compiled[chunk_kernel] is not chunk_kernel  # still the compiled form
+            kernels.call_compiled(chunk_kernel, torch.ones(4, 8))
+        assert kernels.compiled(chunk_kernel)  # still the compiled form
     assert len(calls) >= 2
+
+
+def test_a_failed_compile_turns_eager_for_its_model_only(caplog):
+    """A compiled chunk kernel that fails (as a torch whose compiler is broken does) runs eager from
+    then on, said once, in the model whose kernels it is; another model of the process keeps its
+    compiled form (no process-wide switch)."""
+    first, second = fusion.ChunkKernels(), fusion.ChunkKernels()
+    calls = []
+
+    def chunk_kernel(logits):
+        calls.append(logits.shape)
+        if len(calls) == 1:  # the compiled form's run fails; the eager one works
+            raise RuntimeError("inductor: no working C++ compiler")
+        return logits * 2
+
+    with caplog.at_level(logging.WARNING, logger=fusion.logger.name):
+        assert torch.equal(first.call_compiled(chunk_kernel, torch.ones(4, 8)), torch.full((4, 8), 2.0))
+        assert torch.equal(first.call_compiled(chunk_kernel, torch.ones(4, 8)), torch.full((4, 8), 2.0))
+    assert not first.compiled(chunk_kernel) and second.compiled(chunk_kernel)
+    assert [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()] == [
+        "torch.compile failed for the chunked cross-entropy (RuntimeError: inductor: no working C++ compiler); "
+        "running it eager, with several fp32 copies of each chunk's logits more than the memory model counts"]
 
 
 def test_chunk_tokens_bound_the_logits():
@@ -146,8 +170,8 @@ def test_a_module_built_with_a_setting_keeps_it(monkeypatch):
 def test_tiny_model_trains_the_same_with_fusion_on_and_off(runtime):
     """Loss of both steps (the second after an update) and the grad norms agree: the fused norms
     and the chunked loss compute the plain path's function and gradients inside the real model."""
-    fused = _train(**{"model.fused_norms": True, "model.fused_cross_entropy": True})
-    plain = _train(**{"model.fused_norms": False, "model.fused_cross_entropy": False})
+    fused = _train(runtime, **{"model.fused_norms": True, "model.fused_cross_entropy": True})
+    plain = _train(runtime, **{"model.fused_norms": False, "model.fused_cross_entropy": False})
     for f, p in zip(fused, plain):
         assert f["loss"] == pytest.approx(p["loss"], rel=FP32_TOL)
         assert f["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-4)

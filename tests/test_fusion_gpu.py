@@ -149,9 +149,9 @@ def test_embedding_gradient_into_main_grad_cuda_bf16():
     assert count_host_syncs(embed) == 0
 
 
-def _train_reduced(**overrides):
+def _train_reduced(runtime, **overrides):
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides({
         "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
@@ -160,16 +160,16 @@ def _train_reduced(**overrides):
         "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
         "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
     })
-    return run_training(cfg, None).records
+    return run_training(cfg, None, runtime=runtime).records
 
 
 def test_tiny_model_embedding_gradient_through_ddp(runtime):
     """Megatron-Core's DDP and distributed optimizer on one GPU, the tiny model: with the embedding's
     gradient added into its main grad (and the fused wgrad GEMMs) the first step's grad norm and
     the losses after two Adam updates match DDP's own adds (a lost or doubled add shows)."""
-    plain = _train_reduced(**{"model.preset": "qwen3_5_tiny", "model.fused_grad_accumulation": False,
+    plain = _train_reduced(runtime, **{"model.preset": "qwen3_5_tiny", "model.fused_grad_accumulation": False,
                               "optim.lr": 1e-3, "train.steps": 3})
-    fused = _train_reduced(**{"model.preset": "qwen3_5_tiny", "optim.lr": 1e-3, "train.steps": 3})
+    fused = _train_reduced(runtime, **{"model.preset": "qwen3_5_tiny", "optim.lr": 1e-3, "train.steps": 3})
     assert fused[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=5e-3)
     for got, want in zip(fused, plain):
         assert got["loss"] == pytest.approx(want["loss"], rel=5e-3)
@@ -177,11 +177,11 @@ def test_tiny_model_embedding_gradient_through_ddp(runtime):
 
 
 def test_reduced_9b_fused_and_selective_match_plain(runtime):
-    plain = _train_reduced(**{"model.fused_norms": False, "model.fused_cross_entropy": False,
+    plain = _train_reduced(runtime, **{"model.fused_norms": False, "model.fused_cross_entropy": False,
                               "model.fused_swiglu": False, "model.fused_grad_accumulation": False})
-    fused = _train_reduced()
-    selective = _train_reduced(**{"recompute.granularity": "selective"})
-    full = _train_reduced(**{"recompute.granularity": "full"})  # skip_unused: last layer kept, fc2 GEMM skipped
+    fused = _train_reduced(runtime)
+    selective = _train_reduced(runtime, **{"recompute.granularity": "selective"})
+    full = _train_reduced(runtime, **{"recompute.granularity": "full"})  # skip_unused: last layer kept, fc2 GEMM skipped
     for runs in (fused, selective, full):
         for got, want in zip(runs, plain):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)

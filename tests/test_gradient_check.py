@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed import job_runtime
 from tests.helpers import small_config
 
 
@@ -20,10 +21,12 @@ def _first_step(cut: str, overrides: dict) -> dict:
     import torch.distributed as dist
 
     from relax_gdn.train.gradient_check import parameters_without_gradient
-    from relax_gdn.train.loop import Trainer, validate
+    from relax_gdn.config import validate
+    from relax_gdn.train.loop import Trainer
 
     cfg = small_config(train__steps=2, **overrides)
-    trainer = Trainer(cfg, None, dims=validate(cfg, dist.get_world_size()), device=torch.device("cpu"), bf16=False)
+    trainer = Trainer(cfg, None, dims=validate(cfg, dist.get_world_size()), device=torch.device("cpu"), bf16=False,
+                      runtime=job_runtime())
     logged: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())

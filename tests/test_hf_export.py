@@ -237,12 +237,13 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
     Megatron-Core's own save): the drop-in export writes the float32 source tensors from them."""
     from dataclasses import replace
 
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from relax_gdn.config import run_config_from_dict
-    from relax_gdn.export_hf import _build_model
-    from relax_gdn.train.checkpoint import checkpoint_fp32_main_params, read_manifest
+    from relax_gdn.parallel import ParallelContext
+    from relax_gdn.train.build import build_checkpoint_model
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.checkpoint_state import checkpoint_fp32_main_params
 
     manifest = read_manifest(checkpoint)
     manifest = {
@@ -250,9 +251,9 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
         "model": {**manifest["model"], "dtype": "bfloat16"},
         "optimizer": {"kind": "megatron", "sharding": "fully_reshardable"},
     }
-    parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
+    parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        model = _build_model(run_config_from_dict(manifest["config"]), manifest, torch.device("cpu"))
+        model = build_checkpoint_model(manifest, parallel, torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():
             for param in model.parameters():
@@ -265,7 +266,7 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
                 key = f"optimizer.state.param.{sharded.key}"
                 state[key] = replace(sharded, key=key, data=main[name].clone(), dtype=torch.float32)
         (tmp / "fp32_ckpt").mkdir()
-        # with the common (non-sharded) state the Saver writes beside the tensors: a load returns it too
+        # with the common (non-sharded) state the checkpoint writer puts beside the tensors: a load returns it too
         dist_checkpointing.save(
             {"model": model.sharded_state_dict(), "optimizer": {"kind": "megatron", "optimizer": state},
              "scheduler": {"num_steps": 3}, "step": 3},
@@ -275,7 +276,7 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
         report = hfc.save_drop_in_checkpoint(model, tmp / "fp32_export", source_dir, main_params=loader)
         plain = hfc.save_drop_in_checkpoint(model, tmp / "bf16_export", source_dir)
     finally:
-        parallel_state.destroy_model_parallel()
+        ParallelContext.destroy()
     written, rounded = (
         hfc.read_hf_state_dict(tmp / "fp32_export"),
         hfc.read_hf_state_dict(tmp / "bf16_export"),
@@ -301,7 +302,7 @@ def _drop_in_cases(tmp: str) -> dict:
     an entry point does, while ``python -m relax_gdn.export_hf`` (``_cli``) installs its own."""
     from relax_gdn.config import RunConfig
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
     torch.set_num_threads(1)
@@ -326,8 +327,8 @@ def _drop_in_cases(tmp: str) -> dict:
             "checkpoint.export_hf_final": True,
         }
     )
-    with Runtime():
-        run_training(cfg, tmp / "run")
+    with Runtime() as runtime:
+        run_training(cfg, tmp / "run", runtime=runtime)
     r: dict = {"cli": export_cli(str(tmp / "ckpt"), str(export))}
     tampered = tmp / "tampered"
     shutil.copytree(source_dir, tampered)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from relax_gdn.model import hf_checkpoint as hfc
-from tests.distributed import child_env, run_distributed
+from tests.distributed import child_env, job_runtime, run_distributed
 from tests.helpers import export_summary_line
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,9 +73,10 @@ def _overrides(**extra) -> dict:
 
 def _train(run_dir: str | None, extra: dict) -> int:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
-    return len(run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir).records)
+    return len(run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir,
+                            runtime=job_runtime()).records)
 
 
 def _export(checkpoint: Path, out: Path, *args: str) -> str:

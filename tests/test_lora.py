@@ -38,6 +38,7 @@ import torch
 
 from relax_gdn.config import ConfigError, RunConfig, validate
 from relax_gdn.model.lora_options import LORA_GROUPS, LORA_MODULES, resolve_targets
+from tests.distributed import job_runtime
 
 
 def _cfg(**dotted) -> RunConfig:
@@ -254,7 +255,7 @@ def test_a_drop_in_export_copies_what_lora_left_unchanged():
 
 
 def test_a_lora_checkpoint_continues_only_into_its_own_model(tmp_path):
-    from relax_gdn.train.lifecycle import lora_manifest, lora_resume_problem
+    from relax_gdn.train.resume import lora_manifest, lora_resume_problem
 
     cfg = _cfg(model__lora__rank=8)
     mine = lora_manifest(cfg)
@@ -800,7 +801,7 @@ def _lora_resume_cases(tmp: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemReader
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import step_values
 
     torch.set_num_threads(1)
@@ -809,23 +810,25 @@ def _lora_resume_cases(tmp: str) -> dict:
     saved = {}
     for layout in ("cp2", "tp2"):  # 4 steps, the checkpoint of step 2 kept
         run = run_training(_lora_run_cfg(layout, 4, checkpoint__dir=str(tmp / layout), checkpoint__every_steps=2),
-                           None)
+                           None, runtime=job_runtime())
         out["reference"][layout] = [step_values(r) for r in run.records]
         saved[layout] = run.checkpoints[0]
     for source, target in RESUME_PAIRS:
-        resumed = run_training(_lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None)
+        resumed = run_training(_lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None,
+                               runtime=job_runtime())
         out["resumed"][(source, target)] = (resumed.start_step, [step_values(r) for r in resumed.records])
     # checkpoint.resume=auto: a run stopped after step 2 continues where it stopped
     auto = _lora_run_cfg("cp2", 4, checkpoint__dir=str(tmp / "auto"), checkpoint__resume="auto")
-    run_training(_lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True), None)
-    resumed = run_training(auto, None)
+    run_training(_lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True),
+                 None, runtime=job_runtime())
+    resumed = run_training(auto, None, runtime=job_runtime())
     out["auto"] = (resumed.start_step, [step_values(r) for r in resumed.records])
     meta = FileSystemReader(str(saved["cp2"])).read_metadata()
     out["keys"] = sorted(meta.state_dict_metadata)
     out["bytes"] = sum(p.stat().st_size for p in Path(saved["cp2"]).glob("*.distcp"))
     # a full fine-tuning run may not continue a LoRA checkpoint
     try:
-        run_training(_run_cfg_full(checkpoint__resume=str(saved["cp2"])), None)
+        run_training(_run_cfg_full(checkpoint__resume=str(saved["cp2"])), None, runtime=job_runtime())
         out["full_from_lora"] = None
     except Exception as e:  # noqa: BLE001 - the RecipeError's message is asserted in the parent
         out["full_from_lora"] = f"{type(e).__name__}: {e}"
@@ -888,7 +891,7 @@ def _vlm_run_cases(tmp: str) -> dict:
     from relax_gdn.export_hf import main as export_main
     from relax_gdn.model import hf_checkpoint as hfc
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
     from tests.hf_sources import files_of
@@ -902,8 +905,8 @@ def _vlm_run_cases(tmp: str) -> dict:
                train__global_batch_size=4, train__max_tokens_per_gpu=1024, data__max_sample_tokens=512,
                data__synthetic_max_steps=1, data__num_samples=32, optim__warmup_steps=1, logging__console=False,
                checkpoint__dir=str(ckpt), checkpoint__save_final=True, checkpoint__export_hf_final=True)
-    with Runtime():  # the run as train.py has it; the CLI below installs its own, as an entry point does
-        run_training(cfg, run_dir)
+    with Runtime() as runtime:  # the run as train.py has it; the CLI below installs its own, as entry points do
+        run_training(cfg, run_dir, runtime=runtime)
     r = {"cli_merged": export_main([str(ckpt), str(tmp / "merged")]),
          "cli_adapter": export_main([str(ckpt), str(tmp / "adapter"), "--adapter"])}
     r["cli_equal"] = (files_of(tmp / "merged") == files_of(run_dir / "hf"),

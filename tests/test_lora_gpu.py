@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 from tests.helpers import checkpoint_model_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,12 +32,13 @@ def _gpu_lora_cases(tmp: str) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import Trainer, run_training
+    from relax_gdn.train import run_training
+    from relax_gdn.train.loop import Trainer
 
     tmp = Path(tmp)
 
     def run(run_dir=None, **extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir)
+        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir, runtime=job_runtime())
 
     out = {}
     for sharding in ("dp_reshardable", "fully_reshardable"):
@@ -52,9 +53,10 @@ def _gpu_lora_cases(tmp: str) -> dict:
                          "export": str(tmp / f"full_{sharding}" / "hf")}
     # the DDP buffers and optimizer of a LoRA model: adapters only
     cfg = RunConfig().with_overrides(_overrides())
-    import relax_gdn.train.loop as loop
+    from relax_gdn.config import validate
 
-    trainer = Trainer(cfg, None, dims=loop.validate(cfg, 1), device=torch.device("cuda", 0), bf16=True)
+    trainer = Trainer(cfg, None, dims=validate(cfg, 1), device=torch.device("cuda", 0), bf16=True,
+                      runtime=job_runtime())
     try:
         trainer.setup()
         model = trainer.core_model

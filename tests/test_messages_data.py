@@ -13,6 +13,7 @@ import pytest
 
 from relax_gdn.data import ByteChatTokenizer, load_sft_dataset, load_tokenizer
 from relax_gdn.errors import DataError, RecipeError
+from tests.distributed import job_runtime
 from tests.helpers import MESSAGES_EXAMPLE as EXAMPLE
 from tests.helpers import messages_config as messages_cfg
 
@@ -222,12 +223,13 @@ def test_the_example_chat_file_loads():
 def _two_process_messages_cases() -> dict:
     import torch
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     # a quarter of the conversations held out and evaluated after every step
     cfg = dict(eval__every_steps=1, eval__holdout_fraction=0.25)
-    return {f"cp{cp}": run_training(messages_cfg(parallel__cp=cp, **cfg), None).records for cp in (1, 2)}
+    return {f"cp{cp}": run_training(messages_cfg(parallel__cp=cp, **cfg), None,
+                                    runtime=job_runtime()).records for cp in (1, 2)}
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ import torch
 from relax_gdn.config import ConfigError, RunConfig, validate
 from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
+from tests.distributed import job_runtime
 from tests.helpers import export_summary_line
 from tests.model_harness import GRAD_TOL, LOSS_TOL
 from tests.model_harness import tolerance as _tolerance
@@ -200,7 +201,7 @@ def test_mtp_configuration_rules_and_defaults():
 def test_null_num_layers_is_what_the_checkpoint_holds(tmp_path):
     from safetensors.torch import save_file
 
-    from relax_gdn.train.loop import resolve_mtp_layers
+    from relax_gdn.train.build import resolve_mtp_layers
 
     def checkpoint(name, tensors):
         (tmp_path / name).mkdir()
@@ -464,7 +465,7 @@ def _parity_cases() -> dict:
 def _training_runs() -> dict:
     """Step 1 of the same global batch at DP 4, DP 2 x CP 2 (chunkwise) and CP 4 (all_gather, full
     recompute): the logged LM and MTP losses and the gradient norm (the objective's) agree."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import small_config as _cfg
 
     runs = {"dp4": {}, "cp2": {"parallel__cp": 2},
@@ -473,7 +474,8 @@ def _training_runs() -> dict:
     for name, fields in runs.items():
         cfg = _cfg(train__steps=1, train__global_batch_size=8, logging__jsonl=False, data__synthetic_max_steps=1,
                    model__mtp__num_layers=1, model__mtp__loss_weight=0.3, **fields)
-        out[name] = [{k: r.get(k) for k in ("loss", "mtp_loss", "grad_norm")} for r in run_training(cfg, None).records]
+        records = run_training(cfg, None, runtime=job_runtime()).records
+        out[name] = [{k: r.get(k) for k in ("loss", "mtp_loss", "grad_norm")} for r in records]
     return out
 
 
@@ -570,7 +572,7 @@ def _export_cases(tmp: str) -> dict:
     and the library calls around it run inside one each."""
     from relax_gdn.config.hydra_io import load_run_config
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
     from tests.hf_sources import make_vlm_source
     from tests.hf_sources import export_cli, run_weights_in_hf_names
@@ -585,8 +587,8 @@ def _export_cases(tmp: str) -> dict:
         "data.synthetic_max_steps": 1, "data.num_samples": 32, "optim.warmup_steps": 1, "logging.console": False,
         "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.save_final": True,
     })  # model.mtp.num_layers left null: the source's MTP layer is trained
-    with Runtime():
-        result = run_training(cfg, tmp / "run")
+    with Runtime() as runtime:
+        result = run_training(cfg, tmp / "run", runtime=runtime)
     out = {"records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
            "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers}
     out["cli"] = export_cli(str(tmp / "ckpt"), str(export))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -29,10 +29,11 @@ def _overrides(**extra) -> dict:
 
 def _gpu_cases() -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(**extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), None).records
+        return run_training(RunConfig().with_overrides(_overrides(**extra)), None,
+                            runtime=job_runtime()).records
 
     plain = {f"model.fused_{k}": False for k in ("norms", "cross_entropy", "swiglu", "grad_accumulation")}
     return {"mtp": run(), "no_mtp": run(**{"model.mtp.num_layers": 0}), "plain": run(**{**plain, "train.steps": 1})}

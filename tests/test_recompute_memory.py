@@ -24,11 +24,11 @@ def _shape(preset: str, vocab: int | None = None) -> ModelShape:
 
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_selective_recompute_matches_no_recompute(runtime):
-    none = _train(**{"recompute.granularity": "none"})
+    none = _train(runtime, **{"recompute.granularity": "none"})
     for overrides in ({"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
                       {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
                       {"recompute.granularity": "mixed", "recompute.full_layers": 2}):
-        selective = _train(**overrides)
+        selective = _train(runtime, **overrides)
         for s, n in zip(selective, none):
             assert s["loss"] == pytest.approx(n["loss"], rel=1e-6)
             assert s["grad_norm"] == pytest.approx(n["grad_norm"], rel=1e-5)
@@ -65,7 +65,7 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
     from megatron.core import parallel_state
 
     from relax_gdn.model import qwen3_5_preset
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel import init_distributed
 
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
@@ -123,7 +123,7 @@ def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.model.recompute import apply_mixed_recompute
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel import init_distributed
 
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
@@ -238,15 +238,15 @@ def test_refusal_names_only_settings_that_fit(monkeypatch):
 
     from relax_gdn.config import ParallelDims, RunConfig
     from relax_gdn.errors import MemoryFitError
-    from relax_gdn.train import loop
+    from relax_gdn.train import build
 
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda device: int(H200_GIB * GIB))
+    monkeypatch.setattr(build, "device_memory_bytes", lambda device: int(H200_GIB * GIB))
     dims = ParallelDims(1, 1, 1)
     for asked, tokens in (("selective", 32768), ("none", 16384), ("full", 1 << 19)):
         cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": tokens,
                                           "recompute.granularity": asked, "optim.name": "none"})
         with pytest.raises(MemoryFitError) as caught:
-            loop.check_memory_fits(cfg, dims, torch.device("cpu"), True, 248_832, log=False)
+            build.check_memory_fits(cfg, dims, torch.device("cpu"), True, 248_832, log=False)
         error = caught.value
         assert error.estimate_gib["total"] > error.capacity_gib == pytest.approx(H200_GIB, abs=0.01)
         assert error.fits and not any(f.startswith(f"recompute.granularity={asked} (") for f in error.fits)
@@ -263,9 +263,9 @@ def test_refusal_names_only_settings_that_fit(monkeypatch):
     # what resolve_full_layers picks for mixed at 64k passes the check
     cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": 65536,
                                       "recompute.granularity": "mixed", "optim.name": "none"})
-    resolved = loop.resolve_full_layers(cfg, dims, torch.device("cpu"), True, 248_832)
+    resolved = build.resolve_full_layers(cfg, dims, torch.device("cpu"), True, 248_832)
     assert 0 < resolved.recompute.full_layers < 32
-    loop.check_memory_fits(resolved, dims, torch.device("cpu"), True, 248_832, log=False)
+    build.check_memory_fits(resolved, dims, torch.device("cpu"), True, 248_832, log=False)
 
 
 def test_full_layers_is_checked():
@@ -290,7 +290,7 @@ def test_parameter_count_matches_the_built_model(runtime):
     from megatron.core import parallel_state
 
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel import init_distributed
 
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)

@@ -43,7 +43,7 @@ from relax_gdn.errors import (
     PREEMPTED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
 )
-from tests.distributed import child_env, run_distributed
+from tests.distributed import child_env, job_runtime, run_distributed
 from tests.processes import alive, descendants, output_lines, wait_until
 from tests.helpers import small_config as _cfg
 
@@ -120,7 +120,7 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
     overrides for a GPU run (Megatron-Core's DDP and optimizer instead of the CPU path's)."""
     import torch
 
-    from relax_gdn.train import loop
+    from relax_gdn.train import loop, run_training
     from relax_gdn.train.console import run_summary
     from tests.train_with_faults import nan_loss
 
@@ -139,9 +139,10 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
     for name, most in (("skips", 3), ("stops", 2)):
         sums.clear()
         tmp_dir = Path(tmp) / name
-        result = loop.run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
-                                        checkpoint__every_steps=1, checkpoint__keep_last=0,
-                                        checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run")
+        result = run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
+                                   checkpoint__every_steps=1, checkpoint__keep_last=0,
+                                   checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run",
+                              runtime=job_runtime())
         out[name] = dict(records=result.records, weights=dict(sums), nonfinite=result.nonfinite_steps,
                          stop=None if result.stop is None else (result.stop.step, result.stop.exit_code),
                          saved=sorted(p.name for p in (tmp_dir / "ckpt").iterdir()),
@@ -342,7 +343,7 @@ def _listings_differ(tmp: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
@@ -350,14 +351,14 @@ def _listings_differ(tmp: str) -> dict:
                checkpoint__keep_last=0, checkpoint__dir=str(tmp / "ckpt"), checkpoint__resume="auto")
     first = _cfg(train__steps=4, parallel__cp=2, optim__decay_steps=6, checkpoint__every_steps=2,
                  checkpoint__dir=str(tmp / "ckpt"))
-    run_training(first, None)
+    run_training(first, None, runtime=job_runtime())
     if dist.get_rank() == 1:
         iterdir, read_text = pathlib.Path.iterdir, pathlib.Path.read_text
         pathlib.Path.iterdir = lambda self: (p for p in iterdir(self) if p.name != "step_000004")
         pathlib.Path.read_text = lambda self, *a, **k: ("step_000002\n" if self.name == "latest"
                                                         else read_text(self, *a, **k))
     seen = sorted(p.name for p in (tmp / "ckpt").iterdir())
-    resumed = run_training(cfg, None)
+    resumed = run_training(cfg, None, runtime=job_runtime())
     return {"seen": seen, "start": resumed.start_step, "losses": [r["loss"] for r in resumed.records]}
 
 

@@ -1,5 +1,5 @@
 """relax_gdn.runtime.Runtime: it makes every process-wide change of a run, and close() leaves the
-process exactly as it found it; library code asks for it instead of patching the process."""
+process exactly as it found it; library code is handed it and asks it instead of patching the process."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def _process_state() -> dict:
     from megatron.core.tensor_parallel import random as mcore_random
     from torch import _dynamo
 
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
     from relax_gdn.known_warnings import KNOWN_LOG_LINES
 
+    modeling = _transformers_modeling()  # first: its import adds warning filters of its own
     state = {
         "torch.cuda.current_device": torch.cuda.current_device,
         "dynamo.disable": _dynamo.config.disable,
@@ -34,13 +36,24 @@ def _process_state() -> dict:
         "checkpoint staging": FileSystemWriterAsync.__dict__["preload_tensors"],
         "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
                                      torch.is_deterministic_algorithms_warn_only_enabled()),
+        "transformers kernels": tuple(getattr(modeling, name) for name in KERNEL_HANDLES),
     }
     if importlib.util.find_spec("fla") is not None:
         from relax_gdn.gdn.fla_cp_summaries import _BWD_NAME, _FWD_NAME, _PATCHED_MODULE
 
         chunk = importlib.import_module(_PATCHED_MODULE)
         state["FLA pre-processing"] = (getattr(chunk, _FWD_NAME), getattr(chunk, _BWD_NAME))
+        state["FLA Hopper guard"] = importlib.import_module(FLA_GUARD_MODULE).TRITON_ABOVE_3_7_1
     return state
+
+
+FLA_GUARD_MODULE = "fla.ops.common.chunk_o"  # the guard relax_gdn.bench.gdn_precision sets through its Runtime
+
+
+def _transformers_modeling():
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    return modeling
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are for machines without CUDA")
@@ -49,17 +62,22 @@ def test_close_leaves_the_process_as_it_was():
     from torch import _dynamo
 
     from relax_gdn.gdn import fla_cp_summaries
-    from relax_gdn.runtime import Runtime, current_runtime
+    from relax_gdn.runtime import Runtime
 
     before = _process_state()
     calls = []
+    has_fla = importlib.util.find_spec("fla") is not None
     # fla=True on CPU too: the FLA patch is plain Python, so its install and removal are checked here
-    runtime = Runtime(fla=importlib.util.find_spec("fla") is not None).install()
+    runtime = Runtime(fla=has_fla, environ={"FLA_TILELANG": "0"}).install()
     try:
         runtime.use_deterministic_algorithms(warn_only=True)  # what train.deterministic asks for
         runtime.adopt(None)  # a change a run did not need to make: nothing to undo
+        runtime.use_torch_kernels_in_transformers()  # what a CPU comparison with transformers asks for
+        if has_fla:  # what relax_gdn.bench.gdn_precision --triton-dqkwg asks for
+            runtime.replace_attribute(importlib.import_module(FLA_GUARD_MODULE), "TRITON_ABOVE_3_7_1",
+                                      not before["FLA Hopper guard"])
         during = _process_state()
-        assert current_runtime() is runtime and runtime.cpu_shims
+        assert runtime.installed and runtime.cpu_shims and os.environ["FLA_TILELANG"] == "0"
         assert torch.cuda.current_device() == "cpu" and _dynamo.config.disable
         # what Megatron-Core decorates with torch.compile once this is installed stays the function itself
         assert torch.compile(_process_state) is _process_state
@@ -68,7 +86,12 @@ def test_close_leaves_the_process_as_it_was():
         expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
                     "cuda rng state functions", "checkpoint staging", "deterministic algorithms"}
         expected |= {"dynamo.disable"} if not before["dynamo.disable"] else set()
-        expected |= {"FLA pre-processing"} if "FLA pre-processing" in before else set()
+        expected |= {"FLA pre-processing", "FLA Hopper guard"} if has_fla else set()
+        # bound to FLA's kernels when transformers imported with fla importable (not when a test
+        # of this process bound them for good before)
+        if any(hasattr(handle, "__wrapped__") for handle in before["transformers kernels"]):
+            expected.add("transformers kernels")
+        assert all(not hasattr(h, "__wrapped__") for h in during["transformers kernels"])
         assert changed == expected, changed ^ expected
         if "FLA pre-processing" in before:
             assert fla_cp_summaries.installed()
@@ -84,36 +107,36 @@ def test_close_leaves_the_process_as_it_was():
         runtime.close()
     after = _process_state()
     assert {k: after[k] for k in before if after[k] != before[k]} == {}
-    assert current_runtime() is None
+    assert not runtime.installed
+    Runtime(silence_warnings=False, cpu_shims=False, fla=False).install().close()  # none left installed
     runtime.close()  # a second close does nothing
     assert _process_state() == before
 
 
 def test_library_code_asks_for_a_runtime_instead_of_patching(tmp_path):
-    """Training on CPU without a Runtime is refused with a message that says what to install, and
-    nothing of the process has changed."""
+    """Training on CPU with a Runtime that is not installed is refused with a message that says what
+    to install, and nothing of the process has changed."""
     from relax_gdn.config import RunConfig
-    from relax_gdn.runtime import current_runtime, require_runtime
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.runtime import Runtime
+    from relax_gdn.train import run_training
 
-    assert current_runtime() is None
     before = torch.cuda.current_device
     cfg = RunConfig().with_overrides({"train.steps": 1, "train.device": "cpu", "logging.console": False})
     with pytest.raises(RuntimeError, match=r"training on CPU needs .*relax_gdn\.runtime\.Runtime.*with Runtime\(\)"):
-        run_training(cfg, tmp_path / "run")
+        run_training(cfg, tmp_path / "run", runtime=Runtime())
     assert torch.cuda.current_device is before and not (tmp_path / "run").exists()
     with pytest.raises(RuntimeError, match="export"):
-        require_runtime("export")
+        Runtime().require("export")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are for machines without CUDA")
 def test_a_runtime_without_the_cpu_shims_is_refused_where_they_are_needed():
-    from relax_gdn.runtime import Runtime, require_runtime
+    from relax_gdn.runtime import Runtime
 
     with Runtime(cpu_shims=False, silence_warnings=False) as bare:
         assert not bare.cpu_shims
         with pytest.raises(RuntimeError, match="CPU shims"):
-            require_runtime("training on CPU", cpu_shims=True)
-        assert require_runtime("reading a config") is bare
+            bare.require("training on CPU", cpu_shims=True)
+        assert bare.require("reading a config") is bare
     with Runtime() as shimmed:
-        assert require_runtime("training on CPU", cpu_shims=True) is shimmed
+        assert shimmed.require("training on CPU", cpu_shims=True) is shimmed

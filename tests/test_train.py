@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from relax_gdn.config import ConfigError, RunConfig
-from tests.distributed import JobResults
+from tests.distributed import JobResults, job_runtime
 from tests.helpers import EQ_TOL
 from tests.helpers import GDN_MODES as MODES
 from tests.helpers import small_config as _cfg
@@ -38,7 +38,7 @@ def _demo(tmp: str) -> dict:
     """The demo: 20 steps, JSONL, W&B offline into a temporary directory (no network)."""
     import os
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
@@ -47,7 +47,7 @@ def _demo(tmp: str) -> dict:
     demo = _cfg(train__steps=20, optim__warmup_steps=2,
                 logging__wandb=dict(mode="offline", project="relax-gdn-test", entity=None, group=None,
                                     tags=["test"], name=None))
-    result = run_training(demo, tmp / "demo")
+    result = run_training(demo, tmp / "demo", runtime=job_runtime())
     return {"demo": result.records, "demo_files": sorted(p.name for p in (tmp / "demo").iterdir()),
             "wandb_runs": sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))}
 
@@ -58,7 +58,7 @@ def _wandb_broken(tmp: str) -> dict:
 
     import wandb
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     out = {}
 
@@ -71,7 +71,8 @@ def _wandb_broken(tmp: str) -> dict:
             warnings.simplefilter("always")
             failing = _cfg(train__steps=2, logging__wandb=dict(mode="online", project="p", entity=None, group=None,
                                                                  tags=[], name=None))
-            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken").records
+            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken",
+                                               runtime=job_runtime()).records
         out["wandb_warnings"] = [str(w.message) for w in caught if "W&B" in str(w.message)]
     finally:
         wandb.init = original
@@ -80,18 +81,19 @@ def _wandb_broken(tmp: str) -> dict:
 
 def _cp1_reference() -> dict:
     """The CP = 1 reference of the equality test."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
-    return {"cp1": run_training(_equality_cfg(1), None).records}
+    return {"cp1": run_training(_equality_cfg(1), None, runtime=job_runtime()).records}
 
 
 def _resume(tmp: str) -> dict:
     """4 steps with a checkpoint at 2; then from step 2 to 4."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
-    full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full")
-    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed")
+    full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full", runtime=job_runtime())
+    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed",
+                           runtime=job_runtime())
     return {"full": full.records, "checkpoints": [str(p) for p in full.checkpoints], "resumed": resumed.records,
             "resumed_start": resumed.start_step}
 
@@ -103,7 +105,7 @@ def _preempted(tmp: str) -> dict:
     import signal
 
     from relax_gdn.train import loggers as loggers_module
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     tmp = Path(tmp)
     original_log = loggers_module.RunLoggers.log
@@ -115,10 +117,11 @@ def _preempted(tmp: str) -> dict:
 
     loggers_module.RunLoggers.log = log_then_signal
     try:
-        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted")
+        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted",
+                                 runtime=job_runtime())
     finally:
         loggers_module.RunLoggers.log = original_log
-    return {"preempted": (preempted.preempted_at, [Path(p).name for p in preempted.checkpoints],
+    return {"preempted": (preempted.stop.step, [Path(p).name for p in preempted.checkpoints],
                           len(preempted.records)),
             "traces": sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())}
 
@@ -126,7 +129,7 @@ def _preempted(tmp: str) -> dict:
 def _two_process_step(case: str) -> dict:
     """Step 1 on 2 processes: CP 2 in each GDN mode (and chunkwise with prebuilt routes), CP 1 (DP
     2), or dynamic CP <= 2 (samples up to 256 tokens on one rank, longer ones on both)."""
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     if case in MODES:
         cfg = _equality_cfg(2, case)
@@ -138,16 +141,17 @@ def _two_process_step(case: str) -> dict:
         assert case == "dynamic", case
         cfg = _cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
                    parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False)
-    return {case: run_training(cfg, None).records}
+    return {case: run_training(cfg, None, runtime=job_runtime()).records}
 
 
 def _cp2_demo(tmp: str) -> dict:
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
-    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir).records}
+    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir,
+                                     runtime=job_runtime()).records}
 
 
 def _step_totals() -> dict:
@@ -155,7 +159,7 @@ def _step_totals() -> dict:
     import torch
     import torch.distributed as dist
 
-    from relax_gdn.train.loop import StepFlag, all_reduce_step
+    from relax_gdn.train.step import StepFlag, all_reduce_step
 
     loss = torch.tensor(float(dist.get_rank() + 1))
     totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
@@ -298,34 +302,38 @@ def test_resume_repeats_the_uninterrupted_run(single):
 
 
 def test_missing_data_file_fails_before_anything_is_written(tmp_path):
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.runtime import Runtime
+    from relax_gdn.train import run_training
 
     run_dir = tmp_path / "run"
     cfg = _cfg(data__source="jsonl", data__path=str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ConfigError, match="data.path="):
-        run_training(cfg, run_dir)
+    with pytest.raises(ConfigError, match="data.path="):  # before the Runtime (never installed) is asked
+        run_training(cfg, run_dir, runtime=Runtime())
     assert not run_dir.exists()
 
 
 def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n{\"question\": \"no prompt field\"}\n")
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="no usable record"):
-        run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir)
+        run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir, runtime=runtime)
     assert not run_dir.exists()
 
 
 def test_impossible_config_fails_before_anything_is_written(tmp_path):
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.runtime import Runtime
+    from relax_gdn.train import run_training
 
     run_dir = tmp_path / "run"
+    never_installed = Runtime()  # the config is refused before the Runtime is asked for anything
     with pytest.raises(ConfigError, match=r"world size 1 is not divisible by parallel.tp x parallel.cp"):
-        run_training(_cfg(parallel__cp=2), run_dir)
+        run_training(_cfg(parallel__cp=2), run_dir, runtime=never_installed)
     with pytest.raises(ConfigError, match="parallel.sp=true needs parallel.tp > 1") as info:
-        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir)
+        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir,
+                     runtime=never_installed)
     assert "data.num_samples=3 is below train.global_batch_size=7" in str(info.value)  # all at once
     assert not run_dir.exists()
 
@@ -376,7 +384,7 @@ def test_wandb_log_failure_warns_once_and_training_logging_goes_on(tmp_path, mon
 
 def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
     from relax_gdn.data import Sample
-    from relax_gdn.train.loop import check_samples_fit
+    from relax_gdn.train.run_data import check_samples_fit
 
     cfg = _cfg(parallel__cp=2, train__max_tokens_per_gpu=256)
     check_samples_fit([Sample([1] * 512, [True] * 512, 0)], cfg)  # 512 = 256 x 2: fits exactly
@@ -385,8 +393,9 @@ def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
 
 
 def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
+    from relax_gdn.run_stats import cp_size_histogram
     from relax_gdn.train.console import step_line
-    from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
+    from relax_gdn.train.metrics import format_cp_sizes
 
     records = [{"step": 1, "cp_sizes": {"2": 2, "1": 4}}, {"step": 2, "cp_sizes": {"4": 1, "2": 3}}, {"step": 3}]
     assert cp_size_histogram(records) == {"1": 4, "2": 5, "4": 1}

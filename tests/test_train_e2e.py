@@ -254,7 +254,7 @@ def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monke
     table and the JSON as refused, with the estimate and what fits, and the next variants run;
     ``recompute=mixed`` without a layer count takes the memory model's choice."""
     from relax_gdn.model import qwen3_5_config
-    from relax_gdn.train import loop
+    from relax_gdn.train import build
     from relax_gdn.train.flops import ModelShape
     from relax_gdn.train.memory import estimate_memory
 
@@ -262,7 +262,7 @@ def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monke
     settings = dict(tokens_per_gpu=256, bf16=False, optimizer="adam")
     full, selective = (estimate_memory(shape, recompute=r, **settings).total for r in ("full", "selective"))
     assert full < selective
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda device: (full + selective) / 2)
+    monkeypatch.setattr(build, "device_memory_bytes", lambda device: (full + selective) / 2)
     out = tmp_path / "e2e.json"
     train_e2e.main([
         "--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "2", "--skip", "1", "--global-batch-size", "4",

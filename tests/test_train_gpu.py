@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import job_runtime, run_distributed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,10 +36,10 @@ def _overrides(**extra) -> dict:
 
 def _gpu_cases(tmp: str) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import run_training
+    from relax_gdn.train import run_training
 
     def run(run_dir=None, **extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir)
+        return run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir, runtime=job_runtime())
 
     out = {}
     for mode in MODES:

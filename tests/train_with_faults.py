@@ -76,33 +76,33 @@ def save_error(step: str, kind: str) -> None:
 
 def data_error(rank: str) -> None:
     from relax_gdn.errors import DataError
-    from relax_gdn.train import loop
+    from relax_gdn.train import run_data
 
-    load = loop.load_data
+    load = run_data.load_data
 
-    def load_or_fail(cfg):
+    def load_or_fail(cfg, log=True):
         if RANK == int(rank):
             raise DataError(f"data.path: the data file is not visible on this node (rank {rank})")
-        return load(cfg)
+        return load(cfg, log=log)
 
-    loop.load_data = load_or_fail
+    run_data.load_data = load_or_fail
 
 
 def nan_loss(*steps: str) -> None:
-    from relax_gdn.train import loop
+    from relax_gdn.train.step import TrainStep
 
-    forward_backward = loop.Trainer._forward_backward
+    forward_backward = TrainStep.forward_backward
 
-    def nan_at_step(self, plan, *token_counts):
-        if self.stop.step not in {int(s) for s in steps}:
-            return forward_backward(self, plan, *token_counts)
+    def nan_at_step(self, batch):
+        if batch.step not in {int(s) for s in steps}:
+            return forward_backward(self, batch)
         hook = self.model.register_forward_hook(lambda module, args, out: out * float("nan"))
         try:
-            return forward_backward(self, plan, *token_counts)
+            return forward_backward(self, batch)
         finally:
             hook.remove()
 
-    loop.Trainer._forward_backward = nan_at_step
+    TrainStep.forward_backward = nan_at_step
 
 
 FAULTS = {"stuck": stuck, "pause_save": pause_save, "save_error": save_error, "data_error": data_error,

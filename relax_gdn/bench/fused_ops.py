@@ -59,14 +59,13 @@ def main() -> None:
 
 
 def _measure_all(args) -> None:
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from relax_gdn.model import fusion
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel import ParallelContext, init_distributed
 
     init_distributed(torch.device("cuda", 0))  # the plain loss asks for its (one-rank) TP group
-    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
 
     torch.manual_seed(0)
     dev, bf16, n = torch.device("cuda"), torch.bfloat16, args.tokens
@@ -130,6 +129,7 @@ def _measure_all(args) -> None:
     head = (0.02 * torch.randn(vocab, 4096, device=dev, dtype=bf16)).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device=dev)
     weights = torch.rand(n, device=dev)  # a loss mask / token count as the loop's upstream gradient
+    kernels = fusion.ChunkKernels()  # compiled once, as a model's loss keeps them
 
     def plain_ce():
         logits = (h @ head.t()).unsqueeze(1)  # [s, b, V] like the output layer
@@ -137,11 +137,11 @@ def _measure_all(args) -> None:
 
     _measure("lm_head + CE: plain (Megatron vocab-parallel)", _fwd_bwd(plain_ce, [h, head], weights), rows)
     _measure("lm_head + CE: chunked linear_cross_entropy",
-             _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels), [h, head], weights), rows)
+             _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels, kernels=kernels), [h, head], weights), rows)
     mask = (weights > 0.3).float()  # the training loss: the masked sum, gradients formed in forward
     _measure("lm_head + CE: plain, masked sum", _fwd_bwd(lambda: (plain_ce().float() * mask).sum(), [h, head]), rows)
     _measure("lm_head + CE: chunked weighted_linear_cross_entropy_sum",
-             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask), [h, head]), rows)
+             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask, kernels=kernels), [h, head]), rows)
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError:

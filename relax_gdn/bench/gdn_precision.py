@@ -61,31 +61,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--triton-dqkwg", action="store_true", help="FLA's Triton chunk_bwd_dqkwg, not TileLang's")
     args = parser.parse_args()
-    if args.triton_dqkwg:
-        if "fla" in sys.modules:
-            raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
-        os.environ["FLA_TILELANG"] = "0"  # FLA decides once per process which backends it may use
-        import fla.ops.common.chunk_o as fla_chunk_o
-
-        fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # FLA's Hopper guard, see the module docstring
+    if args.triton_dqkwg and "fla" in sys.modules:
+        raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
     from relax_gdn.runtime import Runtime
 
-    with Runtime():  # after FLA's backend choice above: the Runtime imports FLA on CUDA
+    # FLA decides once per process, when it imports, which backends it may use: the Runtime sets
+    # FLA_TILELANG before it imports FLA (on CUDA), and puts everything below back when it closes
+    with Runtime(environ={"FLA_TILELANG": "0"} if args.triton_dqkwg else None) as runtime:
+        if args.triton_dqkwg:
+            import fla.ops.common.chunk_o as fla_chunk_o
+
+            runtime.replace_attribute(fla_chunk_o, "TRITON_ABOVE_3_7_1", True)  # FLA's Hopper guard, see above
+        if torch.cuda.is_available():
+            # Megatron-Core's jit_fuser (torch.compile) cannot compile the gated norm in fp64
+            runtime.replace_attribute(torch._dynamo.config, "disable", True)
         _measure(args)
 
 
 def _measure(args) -> None:
+    from relax_gdn.parallel import init_distributed
+
     cpu = not torch.cuda.is_available()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
-    if cpu:
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(0)
-        device = torch.device("cuda", 0)
-        # Megatron-Core's jit_fuser (torch.compile) cannot compile the gated norm in fp64
-        torch._dynamo.config.disable = True
+    device = torch.device("cpu") if cpu else torch.device("cuda", 0)
+    created = init_distributed(device)  # one process: an in-process store, no port
+    if not cpu:
         from megatron.core.tensor_parallel import random as mcore_random
 
         mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
@@ -146,8 +145,9 @@ def _measure(args) -> None:
         errors = {k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in REPORTED}
         print(f"  {label:<30}" + "".join(f"{errors[k]:>16.2e}" for k in REPORTED), flush=True)
         print("json " + json.dumps({"variant": label, **errors}), flush=True)
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()  # installs the Runtime itself, after the FLA backend choice that must precede FLA's import
+    main()  # installs the Runtime itself, with the FLA backend choice that must precede FLA's import

@@ -252,6 +252,7 @@ class Bench:
     vocab: int
     batches: Batches
     base: RunConfig  # what every relax-gdn row starts from
+    runtime: object  # the process's relax_gdn.runtime.Runtime (the relax-gdn rows run in it)
 
 
 def run_hf(bench: Bench, name: str, settings: HFSettings, *, lora, optimizer: str, steps: int) -> dict:
@@ -272,7 +273,7 @@ def run_relax(bench: Bench, row: Row, workload_keys: dict, optimizer: str) -> di
                                       optimizer=optimizer)
     variant_args = argparse.Namespace(optimizer=optimizer, profile=False, skip=bench.args.skip, trace_dir=None)
     data = (train_e2e.VocabularyOnly(bench.vocab), bench.batches.dataset())
-    entry = train_e2e.run_variant(row.spec, cfg, variant_args, 1, bench.device, data=data)
+    entry = train_e2e.run_variant(row.spec, cfg, variant_args, 1, bench.device, data=data, runtime=bench.runtime)
     entry |= {"side": "relax", "config": overrides}
     error = entry["summary"].get("error")
     if error and (oom := out_of_memory(error)):
@@ -645,7 +646,7 @@ def _run(args, rows: list[Row], checkpoint: Path, device: torch.device, runtime)
     samples = length_matched_samples(count, vocab_size=vocab, seed=args.seed, profile=profile, lengths=[length] * count,
                                      eos_id=1)
     bench = Bench(args, device, dtype, checkpoint, vocab, Batches(samples, args.docs_per_step, args.seed),
-                  base_config(args, str(checkpoint), device))
+                  base_config(args, str(checkpoint), device), runtime)
     result = {"meta": {
         "command": "python -m relax_gdn.bench.peers " + " ".join(args.argv), "preset": args.preset,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "versions": _versions(),

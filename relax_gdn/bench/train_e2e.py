@@ -444,12 +444,10 @@ def summarize(records: list[dict], skip: int, world: int) -> dict:
 
 def _memory_estimate(cfg, world: int, bf16: bool, vocab_size: int, optimizer: str):
     from relax_gdn.config import ParallelDims
-    from relax_gdn.train.loop import memory_inputs
-    from relax_gdn.train.memory import estimate_memory
+    from relax_gdn.train.build import memory_estimate
 
     dims = ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp)
-    shape, settings = memory_inputs(cfg, dims, bf16, vocab_size)
-    return estimate_memory(shape, **{**settings, "optimizer": optimizer})
+    return memory_estimate(cfg, dims, bf16=bf16, vocab_size=vocab_size, optimizer=optimizer)
 
 
 def _unprofiled_step_s(records: list[dict], summary: dict) -> float | None:
@@ -482,16 +480,17 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
     return round(left, 3)
 
 
-def run_variant(name: str, cfg, args, world: int, device: torch.device, data=None) -> dict:
+def run_variant(name: str, cfg, args, world: int, device: torch.device, data=None, *, runtime) -> dict:
     """One variant: ``run_training`` of ``cfg`` on the benchmark's samples (``data``: a prepared
-    ``(tokenizer, SFTDataset)`` pair instead, as ``bench.peers`` gives), summarised; a refusal
-    by the memory model or a failure while it runs is reported in the summary, not raised."""
+    ``(tokenizer, SFTDataset)`` pair instead, as ``bench.peers`` gives) in ``runtime``, summarised; a
+    refusal by the memory model or a failure while it runs is reported in the summary, not raised."""
     from relax_gdn.model import qwen3_5_preset
-    from relax_gdn.train.loop import _vocab_size, run_training
+    from relax_gdn.train.build import padded_vocab_size
+    from relax_gdn.train import run_training
     from relax_gdn.train.memory import GIB
 
     vocab = qwen3_5_preset(cfg.model.preset).vocab_size
-    padded_vocab = _vocab_size(cfg, VocabularyOnly(vocab), cfg.parallel.tp)
+    padded_vocab = padded_vocab_size(cfg, vocab, cfg.parallel.tp)
     bf16 = device.type == "cuda"
     optimizer, why = args.optimizer, "requested"
     if optimizer == "auto":
@@ -506,7 +505,7 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
     capacity = cfg.train.max_tokens_per_gpu * cfg.parallel.cp
     cfg = cfg.with_overrides({"optim.name": optimizer, "data.max_sample_tokens": capacity})
     from relax_gdn.config import ParallelDims
-    from relax_gdn.train.loop import resolve_full_layers
+    from relax_gdn.train.build import resolve_full_layers
 
     # recompute.full_layers=null: the memory model's choice, here as in the loop (same GPU)
     cfg = resolve_full_layers(cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab)
@@ -526,7 +525,7 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
             cfg = cfg.with_overrides({"train.steps": steps + 1, "logging.profile_steps": [steps + 1, steps + 1]})
             run_dir = Path(tmp) / name.replace("/", "_")
         try:
-            result = run_training(cfg, run_dir, data=data)
+            result = run_training(cfg, run_dir, runtime=runtime, data=data)
         except MemoryFitError as e:  # refused before anything was built: report it, go on
             entry |= {"records": [], "summary": {
                 "refused": str(e), "memory_estimate_gib": e.estimate_gib, "capacity_gib": e.capacity_gib,
@@ -703,13 +702,14 @@ def main(argv: list[str] | None = None) -> dict:
     from relax_gdn.runtime import Runtime
 
     # after the checks above: installing touches CUDA, and a refused run must not pay for it
-    with Runtime():  # every process-wide change of the benchmark, undone when it ends
-        return _run(args, variants)
+    with Runtime() as runtime:  # every process-wide change of the benchmark, undone when it ends
+        return _run(args, variants, runtime)
 
 
-def _run(args, variants: list[str]) -> dict:
+def _run(args, variants: list[str], runtime) -> dict:
     from relax_gdn.config import RunConfig
-    from relax_gdn.train.loop import init_distributed, select_device
+    from relax_gdn.parallel import init_distributed
+    from relax_gdn.train.build import select_device
 
     base = RunConfig().with_overrides({
         "model.preset": args.preset, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
@@ -738,14 +738,14 @@ def _run(args, variants: list[str]) -> dict:
             steps = warm_up_steps or ({"train.steps": args.steps + 1} if profiled_variant(variant) else {})
             warm_up = run_variant(f"{variant} (warm-up pass)",
                                   base.with_overrides({**variant_overrides(variant, world), **steps}),
-                                  untimed, world, device)
+                                  untimed, world, device, runtime=runtime)
             passes.append({"variant": variant, "steps": len(warm_up["records"]),
                            "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused")})
         result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
     for variant in variants:
         overrides = variant_overrides(variant, world)
         variant_args = args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
-        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device)
+        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device, runtime=runtime)
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:

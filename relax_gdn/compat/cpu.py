@@ -13,15 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-_applied = False
+_applied = False  # one owner (the Runtime): shims applied twice would be undone out of order
 # torch reads TORCH_COMPILE_DISABLE when torch._dynamo.config imports, TORCHDYNAMO_DISABLE at each
 # torch.compile call
 DYNAMO_OFF_ENV = ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE")
-
-
-def cpu_shims_applied() -> bool:
-    """Whether the shims are in place in this process."""
-    return _applied
 
 
 def apply_cpu_shims() -> Callable[[], None]:

@@ -147,7 +147,7 @@ def _choices(cfg: RunConfig) -> list[str]:
 
 def _mtp(cfg: RunConfig) -> list[str]:
     """``model.mtp.*``: 0, 1 (Qwen3.5's one MTP layer) or null (as ``model.hf_checkpoint`` has, resolved
-    before the model is built: ``relax_gdn.train.loop.resolve_mtp_layers``, which validates again),
+    before the model is built: ``relax_gdn.train.build.resolve_mtp_layers``, which validates again),
     a positive loss weight, and the local specs."""
     mtp, problems = cfg.model.mtp, []
     layers = mtp.num_layers

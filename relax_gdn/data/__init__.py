@@ -31,7 +31,6 @@ from relax_gdn.data.sources import (
     SOURCE_FORMATS,
     load_sft_dataset,
     read_located_records,
-    read_records,
     tokenize_records,
 )
 from relax_gdn.data.synthetic import (
@@ -70,7 +69,6 @@ __all__ = [
     "padded_length",
     "plan_micro_batches",
     "read_located_records",
-    "read_records",
     "synthetic_math_dataset",
     "synthetic_math_records",
     "tokenize_records",

@@ -171,13 +171,6 @@ def read_located_records(path: str | os.PathLike, *, fields: tuple[str, str], fo
     raise DataError(f"unknown data source format {format!r}: use one of {SOURCE_FORMATS}")
 
 
-def read_records(path: str | os.PathLike, *, fields: tuple[str, str], format: str | None = None,
-                 split: str = "train") -> Iterator[object]:
-    """The records of :func:`read_located_records` alone (prompt/response sources)."""
-    return (record for _, _, record in read_located_records(path, fields=fields, format=format, split=split,
-                                                             record_format="prompt_response"))
-
-
 def _check_max_sample_tokens(max_sample_tokens: int | None) -> None:
     if max_sample_tokens is None:
         return

@@ -133,9 +133,6 @@ def per_micro_batch(
     return value
 
 
-_warned_missing_prebuild = False
-
-
 def get_route(
     packed_seq_params: PackedSeqParams,
     cu_seqlens: torch.Tensor,
@@ -153,7 +150,6 @@ def get_route(
     stored it (``prebuild_routes``); a stored route that does not match the request is rebuilt,
     never used. Either way the answer is the same route; only who pays for building differs.
     """
-    global _warned_missing_prebuild
     _check_strategy(strategy)
     device = torch.device(device) if device is not None else cu_seqlens.device
     routes = getattr(packed_seq_params, _ROUTES_ATTR, None)
@@ -164,8 +160,7 @@ def get_route(
     cached = routes.get(key)
     if cached is not None and _route_matches(cached, cu_seqlens, cp_size, cp_rank, source, target, device):
         return cached.oriented(source, target)
-    if strategy == "prebuild" and not _warned_missing_prebuild:
-        _warned_missing_prebuild = True
+    if strategy == "prebuild":  # no flag of ours: the default warning filter says each distinct one once
         warnings.warn(
             "gdn.route=prebuild but this micro-batch carries no matching prebuilt route "
             f"({source}->{target}, cp_size={cp_size}, cp_rank={cp_rank}); building it in the layer. "

@@ -19,7 +19,9 @@ from relax_gdn.choices import SWAP_TRANSPORTS, choice_problem
 from relax_gdn.layout.peer_memory import exchange_through_peer_memory, group_is_on_this_host
 from relax_gdn.layout.route import Route, copy_rows, put_rows, take_rows
 
-_on_one_host: dict[str, bool] = {}  # group name -> every rank on this host (auto's choice)
+# group name -> every rank on this host (auto's choice): a fact of the machines, not of a model or
+# run, asked once per group instead of at every swap
+_on_one_host: dict[str, bool] = {}
 
 
 def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup, transport: str) -> bool:

@@ -56,6 +56,8 @@ from relax_gdn.layout.partition import CuSeqlens
 from relax_gdn.layout.route import expand_runs, upload_rows
 from relax_gdn.model.attention_kernels import (
     KERNELS,
+    DenseIndex,
+    VarlenSegments,
     build_flex_block_mask,
     choose_backend,
     varlen_unsupported_reason,
@@ -72,28 +74,6 @@ _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 # ---------------------------------------------------------------------------------------------
 # The per-micro-batch plan (host integer work, uploaded once)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DenseIndex:
-    """What the dense (``sdpa``) kernel masks with: key ``j`` is visible to query ``i`` iff
-    ``q_start[i] <= k_pos[j] <= q_pos[i]`` (same document, not in the future)."""
-
-    q_pos: torch.Tensor  # [T/W] global position of each local query
-    q_start: torch.Tensor  # [T/W] global start of its document
-    k_pos: torch.Tensor  # [T] global position of each gathered (rank-major) key
-
-
-@dataclass(frozen=True)
-class VarlenSegments:
-    """What the ``varlen`` kernel runs: segment ``s`` has queries ``cu_q[s]:cu_q[s+1]`` (local
-    rows) and keys ``cu_k[s]:cu_k[s+1]`` of ``gathered.index_select(0, key_rows)``."""
-
-    cu_q: torch.Tensor  # int32 [S+1]
-    cu_k: torch.Tensor  # int32 [S+1]
-    key_rows: torch.Tensor | None  # None: the (un-gathered, W = 1) keys are the segments as they are
-    max_q: int
-    max_k: int
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,7 +35,8 @@ import importlib.util
 import inspect
 import math
 import warnings
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -43,13 +44,46 @@ import torch.nn.functional as F
 
 from relax_gdn.choices import ATTENTION_BACKENDS
 
-if TYPE_CHECKING:  # the plan imports this module
-    from relax_gdn.model.attention import ZigzagAttentionPlan
-
 try:  # torch >= 2.9; its signature differs between versions: see varlen_unsupported_reason
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
+
+@dataclass(frozen=True)
+class DenseIndex:
+    """What the dense (``sdpa``) kernel masks with: key ``j`` is visible to query ``i`` iff
+    ``q_start[i] <= k_pos[j] <= q_pos[i]`` (same document, not in the future)."""
+
+    q_pos: torch.Tensor  # [T/W] global position of each local query
+    q_start: torch.Tensor  # [T/W] global start of its document
+    k_pos: torch.Tensor  # [T] global position of each gathered (rank-major) key
+
+
+@dataclass(frozen=True)
+class VarlenSegments:
+    """What the ``varlen`` kernel runs: segment ``s`` has queries ``cu_q[s]:cu_q[s+1]`` (local
+    rows) and keys ``cu_k[s]:cu_k[s+1]`` of ``gathered.index_select(0, key_rows)``."""
+
+    cu_q: torch.Tensor  # int32 [S+1]
+    cu_k: torch.Tensor  # int32 [S+1]
+    key_rows: torch.Tensor | None  # None: the (un-gathered, W = 1) keys are the segments as they are
+    max_q: int
+    max_k: int
+
+
+class AttentionPlan(Protocol):
+    """What a kernel reads of one micro-batch's plan (built, cached and uploaded by
+    :class:`relax_gdn.model.attention.ZigzagAttentionPlan`)."""
+
+    @property
+    def dense(self) -> DenseIndex: ...
+
+    @property
+    def varlen(self) -> VarlenSegments: ...
+
+    @property
+    def flex_block_mask(self): ...
+
 
 # What ``auto`` runs where it can (CUDA, its dtype and head-dim rules), chosen by measurement: the
 # fastest exact kernel at the 9B's shapes (``python -m relax_gdn.bench.attention``,
@@ -172,7 +206,7 @@ def choose_backend(backend: str, query: torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def dense_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+def dense_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.Tensor:
     index = plan.dense
     k_pos = index.k_pos[None, :]
     mask = (k_pos >= index.q_start[:, None]) & (k_pos <= index.q_pos[:, None])  # [T/W, T]
@@ -187,7 +221,7 @@ def dense_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) ->
     return out[0].transpose(0, 1)  # [T/W, Hq, D]
 
 
-def _segment_keys(k_all, v_all, plan: ZigzagAttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment_keys(k_all, v_all, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values laid out as the varlen segments read them."""
     rows = plan.varlen.key_rows
     if rows is None:
@@ -195,7 +229,7 @@ def _segment_keys(k_all, v_all, plan: ZigzagAttentionPlan) -> tuple[torch.Tensor
     return k_all.index_select(0, rows), v_all.index_select(0, rows)
 
 
-def varlen_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+def varlen_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.Tensor:
     seg = plan.varlen
     k, v = _segment_keys(k_all, v_all, plan)
     q = q.contiguous()
@@ -226,7 +260,7 @@ def _fa4_varlen():
     return flash_attn_varlen_func
 
 
-def fa4_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+def fa4_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.Tensor:
     seg = plan.varlen
     k, v = _segment_keys(k_all, v_all, plan)
     out = _fa4_varlen()(
@@ -274,7 +308,7 @@ def flex_block_classes(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray
 def build_flex_block_mask(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray, index,
                           device: torch.device, block: int = FLEX_BLOCK):
     """FlexAttention ``BlockMask`` for the plan's visibility rule; ``index`` holds the same three
-    arrays on ``device`` (:class:`~relax_gdn.model.attention.DenseIndex`), which the mask reads."""
+    arrays on ``device`` (:class:`DenseIndex`), which the mask reads."""
     from torch.nn.attention.flex_attention import BlockMask
 
     q_pos_d, q_start_d, k_pos_d = index.q_pos, index.q_start, index.k_pos
@@ -301,7 +335,7 @@ def _flex_kernel(device_type: str):
     return flex_attention  # the unfused eager path: the CPU reference
 
 
-def flex_attention(q, k_all, v_all, plan: ZigzagAttentionPlan, scale: float) -> torch.Tensor:
+def flex_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.Tensor:
     eager = q.device.type != "cuda"
     with warnings.catch_warnings(), torch._dynamo.config.patch(disable=False) if eager else contextlib.nullcontext():
         # the eager path is chosen on purpose off CUDA; torch warns that it is unfused. It still

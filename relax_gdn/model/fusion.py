@@ -178,44 +178,53 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: to
     return ((lse - picked) * weights).sum(), grad.to(logits.dtype)
 
 
-_compiled: dict = {}
+class ChunkKernels:
+    """The element-wise functions of one model's chunked loss, each compiled into one fused kernel
+    per chunk on CUDA (one pass over the chunk's logits instead of several eager fp32 ones) on first
+    use, or eager for good once compiling it failed (logged once). The fallback belongs to the model
+    that owns this object (:class:`~relax_gdn.model.qwen3_5.Qwen3_5Model`): another model in the
+    process keeps its compiled forms. Running out of memory is no failed compile: it propagates and
+    the compiled form stays. Else one micro-batch too large for the GPU would switch every later step
+    to the eager path, whose fp32 temporaries hold several more copies of the chunk's logits at once
+    (docs/benchmarks.md, "Figures behind code comments")."""
+
+    def __init__(self) -> None:
+        self._forms: dict = {}  # fn -> its compiled form, or fn itself once compiling it failed
+
+    def compiled(self, fn) -> bool:
+        """Whether ``fn`` runs (or will run, before its first call) through a compiled form."""
+        return self._forms.get(fn) is not fn
+
+    def __call__(self, fn, *args):
+        """``fn(*args)``: compiled on CUDA tensors, eager elsewhere."""
+        if not args[0].is_cuda:
+            return fn(*args)
+        return self.call_compiled(fn, *args)
+
+    def call_compiled(self, fn, *args):
+        """``fn(*args)`` through its compiled form (made on first use), or eager once compiling failed."""
+        compiled = self._forms.get(fn)
+        if compiled is None:
+            compiled = self._forms[fn] = torch.compile(fn, dynamic=True)
+        if compiled is fn:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
+            logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager, "
+                           "with several fp32 copies of each chunk's logits more than the memory model counts",
+                           type(e).__name__, e)
+            self._forms[fn] = fn
+            return fn(*args)
 
 
-def _chunk_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_token_loss(kernels: ChunkKernels, logits: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's fp32 log-sum-exp per row and per-token cross-entropy ``lse - logit[label]``."""
-    lse = _elementwise(_chunk_lse, logits)
+    lse = kernels(_chunk_lse, logits)
     return lse, lse - logits.gather(1, labels[:, None]).squeeze(1).float()
-
-
-def _elementwise(fn, *args):
-    """``fn(*args)`` compiled into one fused kernel per chunk on CUDA (one pass over the chunk's
-    logits instead of several eager fp32 ones, :func:`_compiled_call`); eager elsewhere."""
-    if not args[0].is_cuda:
-        return fn(*args)
-    return _compiled_call(fn, *args)
-
-
-def _compiled_call(fn, *args):
-    """``fn(*args)`` through its compiled form (made on first use), or eager for good once compiling
-    it failed (logged once). Running out of memory is no failed compile: it propagates and the
-    compiled form stays. Else one micro-batch too large for the GPU would switch every later step of
-    the process to the eager path, whose fp32 temporaries hold several more copies of the chunk's
-    logits at once (docs/benchmarks.md, "Figures behind code comments")."""
-    compiled = _compiled.get(fn)
-    if compiled is None:
-        compiled = _compiled[fn] = torch.compile(fn, dynamic=True)
-    if compiled is fn:
-        return fn(*args)
-    try:
-        return compiled(*args)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
-        logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager, "
-                       "with several fp32 copies of each chunk's logits more than the memory model counts",
-                       type(e).__name__, e)
-        _compiled[fn] = fn
-        return fn(*args)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -225,17 +234,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     The element-wise work on a chunk is one compiled kernel each way. No host syncs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int):
+    def forward(ctx, hidden, weight, labels, chunk: int, kernels: ChunkKernels):
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(loss)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = hidden[start:end] @ weight.t()
-            lse[start:end], loss[start:end] = _chunk_token_loss(logits, labels[start:end])
+            lse[start:end], loss[start:end] = _chunk_token_loss(kernels, logits, labels[start:end])
             del logits
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.kernels = chunk, kernels
         return loss
 
     @staticmethod
@@ -249,13 +258,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:end]
             logits = h @ weight.t()
-            grad_logits = _elementwise(_chunk_grad, logits, lse[start:end], labels[start:end], grad_loss[start:end])
+            grad_logits = ctx.kernels(_chunk_grad, logits, lse[start:end], labels[start:end], grad_loss[start:end])
             del logits
             if want_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if want_weight:
                 grad_weight.addmm_(grad_logits.t(), h)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 class _WeightedLinearCrossEntropySum(torch.autograd.Function):
@@ -267,7 +276,8 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
     No host syncs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk: int, want_hidden: bool, want_weight: bool):
+    def forward(ctx, hidden, weight, labels, weights, chunk: int, want_hidden: bool, want_weight: bool,
+                kernels: ChunkKernels):
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -278,9 +288,9 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
             h = hidden[start:end]
             logits = h @ weight.t()
             if not (want_hidden or want_weight):
-                total += (_chunk_token_loss(logits, labels[start:end])[1] * weights[start:end]).sum()
+                total += (_chunk_token_loss(kernels, logits, labels[start:end])[1] * weights[start:end]).sum()
                 continue
-            loss_sum, grad_logits = _elementwise(_chunk_loss_and_grad, logits, labels[start:end], weights[start:end])
+            loss_sum, grad_logits = kernels(_chunk_loss_and_grad, logits, labels[start:end], weights[start:end])
             total += loss_sum
             del logits
             if want_hidden:
@@ -299,46 +309,53 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
             grad_hidden.mul_(scale)
         if grad_weight is not None:
             grad_weight.mul_(scale)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def weighted_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                      token_weights: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+                                      token_weights: torch.Tensor, chunk_tokens: int | None = None,
+                                      kernels: ChunkKernels | None = None) -> torch.Tensor:
     """``Σ token_weights · cross-entropy`` of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]``
     (an fp32 scalar: the loop's masked loss sum), never holding more than one chunk's logits and
     forming each chunk's logits once (:class:`_WeightedLinearCrossEntropySum`). Same value as
-    ``(F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none") * token_weights).sum()``."""
+    ``(F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none") * token_weights).sum()``.
+    ``kernels``: the model's compiled chunk functions (:class:`ChunkKernels`; None: this call's own)."""
     chunk = chunk_tokens or cross_entropy_chunk_tokens(weight.shape[0])
     grad = torch.is_grad_enabled()
     return _WeightedLinearCrossEntropySum.apply(hidden, weight, labels.long(), token_weights, chunk,
-                                                grad and hidden.requires_grad, grad and weight.requires_grad)
+                                                grad and hidden.requires_grad, grad and weight.requires_grad,
+                                                kernels or ChunkKernels())
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: int | None = None) -> torch.Tensor:
+                         chunk_tokens: int | None = None, kernels: ChunkKernels | None = None) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]`` (fp32
     ``[N]``), never holding more than one chunk's logits. Same value as
-    ``F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none")``."""
+    ``F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none")``. ``kernels``: as for
+    :func:`weighted_linear_cross_entropy_sum`."""
     chunk = chunk_tokens or cross_entropy_chunk_tokens(weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, labels.long(), chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, labels.long(), chunk, kernels or ChunkKernels())
 
 
 def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, loss_mask=None,
-                      **unused) -> torch.Tensor:
+                      kernels: ChunkKernels | None = None, **unused) -> torch.Tensor:
     """A Megatron-Core ``GPTModel`` ``output_processor``: the output layer and the loss in one
     chunked pass (``hidden_states [s, b, h]``, ``labels [b, s]``). Returns ``Σ loss · loss_mask``
     (an fp32 scalar, :func:`weighted_linear_cross_entropy_sum`) when given ``loss_mask [b, s]``,
-    else the per-token loss ``[b, s]`` like ``compute_language_model_loss``."""
+    else the per-token loss ``[b, s]`` like ``compute_language_model_loss``. ``kernels``: the
+    model's compiled chunk functions (:class:`ChunkKernels`)."""
     weight = output_weight if output_weight is not None else output_layer.weight
     s, b, h = hidden_states.shape
     hidden, flat_labels = hidden_states.reshape(s * b, h), labels.t().reshape(s * b)
     if loss_mask is not None:
-        return weighted_linear_cross_entropy_sum(hidden, weight, flat_labels, loss_mask.t().reshape(s * b))
-    loss = linear_cross_entropy(hidden, weight, flat_labels)
+        return weighted_linear_cross_entropy_sum(hidden, weight, flat_labels, loss_mask.t().reshape(s * b),
+                                                 kernels=kernels)
+    loss = linear_cross_entropy(hidden, weight, flat_labels, kernels=kernels)
     return loss.view(s, b).t()
 
 
 __all__ = [
+    "ChunkKernels",
     "Fusion",
     "cross_entropy_chunk_tokens",
     "embedding_into_main_grad",

@@ -54,7 +54,7 @@ from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS, ModelAtt
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec, with_standard_strides
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.model.fusion import (
-    Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
+    ChunkKernels, Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
 )
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.fp8.options import FP8Options
@@ -472,6 +472,7 @@ class Qwen3_5Model(GPTModel):
             cp_group=pg_collection.cp,
         )
         self.fusion = fusion
+        self.loss_kernels = ChunkKernels()  # the fused loss's compiled kernels (an eager fallback stays here)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         if kwargs.get("inference_context") is not None:
@@ -521,7 +522,7 @@ class Qwen3_5Model(GPTModel):
         if (self.fusion.cross_entropy and kwargs.get("labels") is not None
                 and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
                 and self.pg_collection.tp.size() == 1):
-            kwargs["output_processor"] = fused_output_loss
+            kwargs["output_processor"] = functools.partial(fused_output_loss, kernels=self.loss_kernels)
             return super()._postprocess(hidden_states, *args, **kwargs)
         out = super()._postprocess(hidden_states, *args, **kwargs)
         return out if loss_mask is None else (out.float() * loss_mask).sum()

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.model.fp8.plan import fp8_plan_of
+from relax_gdn.run_stats import cp_size_histogram, steady_records
 from relax_gdn.train.evaluate import EVAL_LOSS
-from relax_gdn.train.metrics import cp_size_histogram, format_cp_sizes
+from relax_gdn.train.metrics import format_cp_sizes
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -125,12 +127,30 @@ def _log_through(console) -> list[tuple[logging.StreamHandler, Any]]:
     return moved
 
 
+def log_run_start(run_name: str, cfg, dims, *, device, bf16: bool, model, data) -> None:
+    """The run's first lines (rank 0): ``run_name``, the layout, device, precision, parameters (and how many
+    train, with LoRA) and samples; the evaluation when there is one."""
+    dataset, eval_set = data.dataset, data.eval_set
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = f"{n_params:,} params/rank" + (f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else "")
+    run_logger = logging.getLogger("relax_gdn.train")
+    run_logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
+                    run_name, dims.world_size, dims.dp, dims.cp, dims.tp, device,
+                    "bf16" if bf16 else "fp32", params, len(dataset), dataset.counts.summary())
+    fp8_plan = fp8_plan_of(model)
+    if fp8_plan is not None:
+        emulated = " (emulated on CPU: the same casts, the GEMMs in fp32)" if str(device).startswith("cpu") else ""
+        run_logger.info("%s%s", fp8_plan.startup_line(), emulated)
+    if eval_set is not None and cfg.eval.every_steps:
+        run_logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
+                        len(eval_set.samples), eval_set.source)
+
+
 def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps that measure speed, by the rule the comparison and the W&B summary use
-    (``relax_gdn.compare.stats.warmup_steps``: the first 10 % of the run, at least 3 steps, are
+    (:func:`relax_gdn.run_stats.warmup_steps`: the first 10 % of the run, at least 3 steps, are
     warm-up: kernel autotuning, allocator growth, caches)."""
-    from relax_gdn.compare.stats import steady_records
-
     return steady_records(records)
 
 
@@ -140,7 +160,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def run_summary(result) -> list[tuple[str, str]]:
-    """(label, value) rows describing a finished :class:`~relax_gdn.train.loop.TrainResult`."""
+    """(label, value) rows describing a finished :class:`~relax_gdn.train.run_result.TrainResult`."""
     records = result.records
     if not records:
         return [("steps", "none run")]
@@ -175,8 +195,6 @@ def run_summary(result) -> list[tuple[str, str]]:
     stop = getattr(result, "stop", None)
     if stop is not None:
         rows.append(("stopped", f"after step {stop.step} ({stop.why}; exit code {stop.exit_code})"))
-    elif result.preempted_at is not None:
-        rows.append(("stopped", f"after step {result.preempted_at} (SIGTERM/SIGUSR1)"))
     run_dir = result.run_dir
     rows.append(("run directory", str(run_dir) if run_dir is not None else "- (none written)"))
     if run_dir is not None and (Path(run_dir) / "metrics.jsonl").exists():

@@ -20,12 +20,15 @@ alone as a PEFT adapter directory for the base (:func:`write_adapter_export`).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from relax_gdn.data.tokenizer import BYTE_TOKENIZER_NAMES, ByteChatTokenizer
 from relax_gdn.errors import RecipeError
@@ -35,6 +38,8 @@ from relax_gdn.model.hf_checkpoint import (
     save_drop_in_checkpoint,
     save_hf_checkpoint,
 )
+
+logger = logging.getLogger("relax_gdn.train")
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -126,6 +131,40 @@ def write_adapter_export(model, out: Path, spec: HFExportSpec, dropout: float = 
                           "Hugging Face model holds, so a PEFT adapter has nothing to load onto: export the merged "
                           "model instead (without --adapter)")
     return save_peft_adapter(model, out, spec.like, dropout=dropout, writer=writer)
+
+
+def write_run_export(model, out: Path, spec: HFExportSpec, *, lora, main_params: MainParams | None) -> None:
+    """``checkpoint.export_hf_final``: the run's export into ``out`` (a collective), logged by the
+    writing rank. A LoRA run (``lora``: its ``LoRAOptions``) writes the merged model there, and on a
+    Hugging Face base first its PEFT adapters into ``hf_adapter`` beside it. Each directory is
+    renamed into place once whole."""
+    if lora is None:
+        _log_export(_written_whole(out, lambda d: write_hf_export(model, d, spec, main_params=main_params)))
+        return
+    if spec.like is not None:  # the adapters for the HF base, then (which takes them out) merged
+        _log_export(_written_whole(out.with_name("hf_adapter"),
+                                   lambda d: write_adapter_export(model, d, spec, dropout=lora.dropout)))
+    _log_export(_written_whole(out, lambda d: write_merged_lora_export(model, d, spec)))
+
+
+def _log_export(report) -> None:
+    if report is not None:
+        for line in ["Hugging Face export:", *report.lines()]:
+            logger.info("%s", line)
+
+
+def _written_whole(out: Path, write: Callable[[Path], Any]):
+    """``write(directory)`` into a directory beside ``out``, renamed to ``out`` once whole: a
+    directory named ``out`` is always a complete export. Its report (None on ranks that do not write)."""
+    partial = out.with_name(f".{out.name}.partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    report = write(partial)
+    if report is not None:  # the writing rank
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        report.out = out
+    return report
 
 
 def _write_tokenizer(out: Path, tokenizer: str | None) -> tuple[bool, str]:

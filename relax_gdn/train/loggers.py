@@ -105,10 +105,6 @@ class WandbLogger:
         self.run = None
 
     @property
-    def active(self) -> bool:
-        return self.run is not None
-
-    @property
     def run_id(self) -> str | None:
         return None if self.run is None else getattr(self.run, "id", None)
 
@@ -129,11 +125,11 @@ class WandbLogger:
 
     def close(self) -> None:
         """Write the run's summary (steady-state medians, peak memory, total tokens, CP-size
-        histogram: the comparison's statistics, ``relax_gdn.compare.run_summary``) and finish."""
+        histogram: the comparison's statistics, :func:`relax_gdn.run_stats.run_summary`) and finish."""
         if self.run is None:
             return
         try:
-            from relax_gdn.compare import run_summary
+            from relax_gdn.run_stats import run_summary
 
             self.run.summary.update(run_summary(self._records))
             self.run.finish()
@@ -175,3 +171,22 @@ class RunLoggers:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def start_run_loggers(cfg, run_dir: Path | None, *, dims, device, bf16: bool, vocab_size: int, dataset,
+                      is_rank0: bool, start_step: int, append: bool, wandb_run_id: str | None) -> RunLoggers:
+    """A run's loggers (console, JSONL, W&B; rank 0), after rank 0 wrote ``config.yaml`` into
+    ``run_dir``; what the run decided beyond its config (``dims``, ``device``, ``bf16``, the
+    vocabulary, the data's size and skips) is logged with it as ``derived``. ``append``: a resumed
+    run continues its metrics and W&B run (``wandb_run_id``)."""
+    from relax_gdn.config.hydra_io import save_run_config
+
+    derived = {"world_size": dims.world_size, "dp": dims.dp, "device": str(device), "bf16": bf16,
+               "vocab_size": vocab_size, "run_name": default_run_name(cfg), "tags": run_tags(cfg),
+               "num_samples": len(dataset), "data_skips": dataset.counts.as_dict()}
+    if is_rank0 and run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, run_dir)
+    config_dict = {**cfg.to_dict(), "derived": derived}
+    return RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step,
+                             append=append, wandb_run_id=wandb_run_id)

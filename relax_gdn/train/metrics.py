@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from relax_gdn.compare.stats import cp_size_histogram  # noqa: F401 - one definition, shared with the comparison
 from relax_gdn.train.flops import ModelShape, peak_tflops, step_flops
 
 REQUIRED_RECORD_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu")

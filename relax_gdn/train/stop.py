@@ -46,10 +46,6 @@ class StopRequest:
                            if runtime.handle_signal(signum, self._handler(signum))]
 
     @property
-    def requested(self) -> bool:
-        return self.preempted_by is not None or self.interrupted
-
-    @property
     def exit_code(self) -> int:
         """75 when a preemption signal asked (a job script requeues it), else 130 (Ctrl-C)."""
         return PREEMPTED_EXIT_CODE if self.preempted_by is not None else INTERRUPTED_EXIT_CODE

@@ -224,7 +224,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         if need_weight:
             total = _gather_sequence(input, group) if ctx.sequence_parallel else input
             x = total.reshape(-1, total.shape[-1])
-            grad_weight = _grad_weight(impl, casts.get("cols"), g8, g_hp, x, weight, ctx.main_grad, x_amax)
+            grad_weight = _grad_weight(impl, casts.get("cols"), g8, g_hp, x, weight, main_grad=ctx.main_grad,
+                                       x_amax=x_amax)
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, None, None
@@ -269,7 +270,7 @@ def _grad_input(impl: FP8LinearImpl, g8: FP8Data, g_hp: torch.Tensor | None, wei
 
 
 def _grad_weight(impl: FP8LinearImpl, g_t8: FP8Data | None, g8: torch.Tensor, g_hp: torch.Tensor | None,
-                 x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor | None, x_amax) -> torch.Tensor:
+                 x: torch.Tensor, weight: torch.Tensor, *, main_grad: torch.Tensor | None, x_amax) -> torch.Tensor:
     """The weight gradient (FP8 from ``g_t8``, the output gradient's transposed cast, or in high
     precision from ``g8`` where the recipe says so; the bf16 rows from ``g_hp``), added into ``main_grad``
     when given (then Megatron-Core's placeholder is returned), else returned in the weight's dtype."""

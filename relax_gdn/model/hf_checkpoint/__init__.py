@@ -17,10 +17,12 @@ Three steps, each usable alone:
    :func:`tensor_origins` deciding).
 
 :mod:`.source` reads a checkpoint directory's layout from its headers (:class:`HFCheckpoint`) and
-decides the vocabulary of a run started from one (:func:`run_vocab_size`); :mod:`.transformers_kernels`
-keeps transformers' Qwen3.5 on its pure-torch kernels where FLA's Triton ones cannot run.
+decides the vocabulary of a run started from one (:func:`run_vocab_size`);
+:func:`use_torch_kernels_in_transformers` (:mod:`relax_gdn.compat.transformers_kernels`) keeps
+transformers' Qwen3.5 on its pure-torch kernels where FLA's Triton ones cannot run.
 """
 
+from relax_gdn.compat.transformers_kernels import use_torch_kernels_in_transformers
 from relax_gdn.model.hf_checkpoint.convert import (
     CheckpointMismatchError,
     hf_text_name,
@@ -61,7 +63,6 @@ from relax_gdn.model.hf_checkpoint.plan import (
     unshard_from_tp,
 )
 from relax_gdn.model.hf_checkpoint.source import HFCheckpoint, preset_dims, run_vocab_size
-from relax_gdn.model.hf_checkpoint.transformers_kernels import use_torch_kernels_in_transformers
 
 __all__ = [
     "HF_NORM_CONVENTIONS",

@@ -6,11 +6,14 @@ once, when ``modeling_qwen3_5`` is imported; no config field or ``from_pretraine
 chooses otherwise. Triton needs a GPU, so on a CPU ``model(...)`` and ``generate()`` fail with
 ``RuntimeError: 0 active drivers``. Each handle keeps transformers' own pure-torch function as
 ``__wrapped__``: :func:`use_torch_kernels_in_transformers` binds the module's names to those,
-whatever was imported before. (Without relax_gdn at hand: ``sys.modules["fla"] = None`` before
+whatever was imported before, and returns the function that binds them back (a process that
+installs a :class:`relax_gdn.runtime.Runtime` asks it instead, which binds them back when it closes). (Without relax_gdn at hand: ``sys.modules["fla"] = None`` before
 transformers loads the model has transformers pick its torch path itself.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 # the module-level names modeling_qwen3_5's GatedDeltaNet calls
 KERNEL_HANDLES = (
@@ -21,12 +24,13 @@ KERNEL_HANDLES = (
 )
 
 
-def use_torch_kernels_in_transformers() -> list[str]:
+def use_torch_kernels_in_transformers() -> Callable[[], None]:
     """Bind transformers' Qwen3.5 GDN and conv kernels to its pure-torch functions (for CPU
-    inference, or exact comparisons). Returns the names that pointed elsewhere (FLA's kernels)."""
+    inference, or exact comparisons). Returns the function that binds back what they pointed to
+    (:meth:`relax_gdn.runtime.Runtime.use_torch_kernels_in_transformers` calls it at close)."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    rebound = []
+    rebound = {}
     for name in KERNEL_HANDLES:
         handle = getattr(modeling, name)
         torch_fn = getattr(handle, "__wrapped__", handle)
@@ -37,5 +41,10 @@ def use_torch_kernels_in_transformers() -> list[str]:
             )
         if handle is not torch_fn:
             setattr(modeling, name, torch_fn)
-            rebound.append(name)
-    return rebound
+            rebound[name] = handle
+
+    def bind_back() -> None:
+        for name, handle in rebound.items():
+            setattr(modeling, name, handle)
+
+    return bind_back
