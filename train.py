@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from relax_gdn.errors import (
     record_exit_code,
     report_user_error,
 )
+from relax_gdn.launch import AT_ONCE_SIGNAL, LAUNCHED_ENV
 
 log = logging.getLogger("train")
 
@@ -167,11 +169,11 @@ def main(hydra_cfg: DictConfig) -> float | None:
     # Megatron-Core / FLA / torch extensions are imported (they warn on import) and undone after.
     from relax_gdn.runtime import Runtime
 
-    with Runtime(silence_warnings=not hydra_cfg.logging.show_third_party_warnings):
-        return _train(hydra_cfg, rank, run_dir, hydra_files)
+    with Runtime(silence_warnings=not hydra_cfg.logging.show_third_party_warnings) as runtime:
+        return _train(hydra_cfg, rank, run_dir, hydra_files, runtime)
 
 
-def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path]) -> float | None:
+def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path], runtime) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.loop import run_training
@@ -182,7 +184,7 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
-        report_user_error(e)
+        report_user_error(e, runtime)
     if result.stop is not None:  # a stop signal or a divergence: the loop said which, once
         record_exit_code(result.stop.exit_code)
         raise SystemExit(result.stop.exit_code)
@@ -194,7 +196,10 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
 
 
 def interrupted_outside_training() -> None:
-    """Ctrl-C where the training loop does not handle it (Hydra's start, the imports): one line, exit 130."""
+    """Ctrl-C where the training loop does not handle it (Hydra's start, the imports): one line, exit 130.
+    A further Ctrl-C (or relax_gdn.launch's copy of this one) is ignored from here on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(AT_ONCE_SIGNAL, signal.SIG_IGN)
     if RANK == 0:
         sys.stderr.write("relax-gdn: Ctrl-C outside the training steps: stopped, nothing to save\n")
     record_exit_code(INTERRUPTED_EXIT_CODE)
@@ -202,6 +207,8 @@ def interrupted_outside_training() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get(LAUNCHED_ENV) == "1":  # relax_gdn.launch's second Ctrl-C: as a Ctrl-C until training
+        signal.signal(AT_ONCE_SIGNAL, signal.default_int_handler)
     try:
         if sys.argv[1:2] == ["--check"]:
             check_only(sys.argv[2:])

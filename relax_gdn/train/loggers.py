@@ -75,17 +75,21 @@ class JsonlLogger:
 
 class WandbLogger:
     """W&B in ``online``/``offline`` mode; every call is guarded: a failure warns ONCE and turns W&B
-    off, training goes on."""
+    off, training goes on. An offline run prints one line at the end, where the run is and how to
+    upload it, instead of W&B's own start lines and history / summary tables
+    (``logging.show_third_party_warnings=true`` shows those)."""
 
     def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any], run_id: str | None = None):
         self.run = None
         self._failed = False
         self._records: list[dict[str, Any]] = []  # for the end-of-run summary
         w = cfg.logging.wandb
+        self._one_line = w.mode == "offline" and not cfg.logging.show_third_party_warnings
         try:
             import wandb
 
             self.run = wandb.init(
+                settings=wandb.Settings(silent=True) if self._one_line else None,
                 project=w.project, entity=w.entity, group=w.group or f"{cfg.model.preset}",
                 name=w.name or default_run_name(cfg), job_type=w.job_type, tags=run_tags(cfg), config=config_dict,
                 mode=w.mode,
@@ -136,9 +140,13 @@ class WandbLogger:
             from relax_gdn.compare import run_summary
 
             self.run.summary.update(run_summary(self._records))
+            sync_dir = getattr(self.run.settings, "sync_dir", None)
             self.run.finish()
         except Exception as e:  # noqa: BLE001
             self._fail("finish", e)
+            return
+        if self._one_line and sync_dir:
+            logger.info("W&B offline run %s; upload it with: wandb sync %s", sync_dir, sync_dir)
 
 
 class RunLoggers:

@@ -92,7 +92,7 @@ from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.evaluate import EvalSet, Evaluator, split_eval_set
 from relax_gdn.train.flops import ModelShape
 from relax_gdn.train.gradient_check import parameters_without_gradient, warn_parameters_without_gradient
-from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle
+from relax_gdn.train.lifecycle import DataKey, Layout, RunLifecycle, checkpoint_root
 from relax_gdn.train.loggers import RunLoggers, default_run_name, run_tags
 from relax_gdn.train.loss import summed_token_losses, training_objective
 from relax_gdn.train.memory import GIB, estimate_memory, fewest_full_layers, settings_that_fit
@@ -589,8 +589,8 @@ class Trainer:
         groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoint
         and run directory, loggers, planner, evaluator, metrics, the step watchdog."""
         cfg, device = self.cfg, self.device
-        saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
-        self.stop = StopRequest(require_runtime("stop signals"), rank=int(os.environ.get("RANK", "0")), saves=saves)
+        self.stop = StopRequest(require_runtime("stop signals"), rank=int(os.environ.get("RANK", "0")),
+                                checkpoints=checkpoint_root(cfg, self.run_dir), resume=cfg.checkpoint.resume)
         self._init_process_groups()
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data))
         self._build_model_and_optimizer()
