@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import socket
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,17 +57,28 @@ def json_value(value: Any) -> Any:
     return value
 
 
+def where_and_when() -> dict[str, Any]:
+    """When a step ended and on what machine, how busy (the fields of :data:`MACHINE_FIELDS`): what
+    ``relax_gdn.compare`` needs to tell runs that shared a machine, at once or one after another
+    on a loaded one, whose tok/s then measure the machine as much as the code."""
+    return {"time": time.time(), "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "load_1m": round(os.getloadavg()[0], 2)}
+
+
+MACHINE_FIELDS = ("time", "host", "cpus", "load_1m")
+
+
 class JsonlLogger:
     """``metrics.jsonl`` in the run directory: one JSON object per step, flushed each line. A step
     whose loss or grad norm is not finite carries ``"nonfinite": true`` and those values as strings
-    (:func:`json_value`)."""
+    (:func:`json_value`). Each line also says when the step ended and where (:func:`where_and_when`)."""
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        clean = {k: json_value(v) for k, v in record.items()}
+        clean = {k: json_value(v) for k, v in {**record, **where_and_when()}.items()}
         self._file.write(json.dumps(clean, sort_keys=False, allow_nan=False) + "\n")
         self._file.flush()
 
