@@ -41,7 +41,7 @@ from relax_gdn.choices import (
     WANDB_MODES,
     choice_problem,
 )
-from relax_gdn.config.schema import RunConfig
+from relax_gdn.config.schema import LoRAConfig, RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
 from relax_gdn.model.lora_options import lora_problems
@@ -135,9 +135,11 @@ def _choices(cfg: RunConfig) -> list[str]:
         problems.append(f"recompute.modules has {unknown_modules}, not among {list(RECOMPUTE_MODULES)}")
     problems += _full_layers(cfg)
     problems += _mtp(cfg)
-    lora = cfg.model.lora
+    lora, lora_defaults = cfg.model.lora, LoRAConfig()
     problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
-                              fused_cross_entropy=m.fused_cross_entropy)
+                              fused_cross_entropy=m.fused_cross_entropy,
+                              set_without_rank=[k for k in ("targets", "alpha", "dropout")
+                                                if getattr(lora, k) != getattr(lora_defaults, k)])
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
