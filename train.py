@@ -100,7 +100,8 @@ def memory_verdict(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
     check_memory_fits(cfg, dims, device, bf16, vocab, log=False)
     shape, settings = memory_inputs(cfg, dims, bf16, vocab)
     whole = f" ({cfg.recompute.full_layers} layers whole)" if cfg.recompute.granularity == "mixed" else ""
-    return f"memory: {estimate_memory(shape, **settings).summary()} with recompute {cfg.recompute.granularity}{whole}"
+    estimate = estimate_memory(shape, **settings).summary()
+    return f"memory: {estimate} with recompute {cfg.recompute.granularity}{whole}"
 
 
 def check_report(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
@@ -215,7 +216,8 @@ def main(hydra_cfg: DictConfig) -> float | None:
         return _train(hydra_cfg, rank, run_dir, hydra_files, runtime)
 
 
-def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path], runtime) -> float | None:
+def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path],
+           runtime) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
     from relax_gdn.train.console import print_run_summary
     from relax_gdn.train.loop import run_training

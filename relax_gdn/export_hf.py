@@ -3,8 +3,9 @@
 CHECKPOINT is a ``step_NNNNNN`` directory, the checkpoint directory holding them (the one ``latest``
 names) or a run directory (its checkpoints); OUT a new or empty directory, or with ``--overwrite``
 one whose content the export replaces, whole: it is written beside OUT and renamed to it once
-complete, and checked before anything is built (:mod:`relax_gdn.export_target`). Whatever TP / CP / dynamic CP wrote it, the model is rebuilt from the run's config
-stored in the checkpoint at TP 1, CP 1 in this one process (on the GPU where CUDA is visible, as
+complete, and checked before anything is built (:mod:`relax_gdn.export_target`). Whatever TP /
+CP / dynamic CP wrote it, the model is rebuilt from the run's config stored in the checkpoint at
+TP 1, CP 1 in this one process (on the GPU where CUDA is visible, as
 in training; on the CPU otherwise) and its weights are loaded through Megatron-Core's distributed
 checkpointing. OUT receives, when the run started from ``model.hf_checkpoint=DIR`` (recorded in
 the checkpoint; ``--like`` overrides), a drop-in replacement of DIR: its layout, architecture,
@@ -202,8 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT",
                         help="the Hugging Face directory to write: new or empty (see --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace what OUT holds, whole: the export is written beside OUT and renamed to it "
-                             "once complete")
+                        help="replace what OUT holds, whole: the export is written beside OUT and renamed "
+                             "to it once complete")
     parser.add_argument("--like", default=RECORDED, metavar="DIR",
                         help="keep the layout of this HF checkpoint (default: the one the run started from, "
                              "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM")

@@ -67,18 +67,23 @@ def resolve_checkpoint(arg: str) -> Path:
         chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
         if chosen is None:
             where = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""
-            raise RecipeError(f"CHECKPOINT {arg} holds no complete checkpoint (a step_NNNNNN directory with "
-                              f"{MANIFEST}){where}: {_WHAT}")
+            raise RecipeError(
+                f"CHECKPOINT {arg} holds no complete checkpoint (a step_NNNNNN directory with "
+                f"{MANIFEST}){where}: {_WHAT}"
+            )
     try:
         verify_checkpoint(chosen)
     except CheckpointError as e:  # its advice is training's (resume from another): the export's instead
         reason = str(e).removesuffix(": resume from another one")
-        raise RecipeError(f"CHECKPOINT {arg}: {reason}: export another one (an earlier step_NNNNNN beside it)") from e
+        raise RecipeError(
+            f"CHECKPOINT {arg}: {reason}: export another one (an earlier step_NNNNNN beside it)"
+        ) from e
     return chosen
 
 
-def estimated_bytes(directory: Path, manifest: dict, *, like: Path | None, dtype_bytes: int | None,
-                    adapter: bool) -> int | None:
+def estimated_bytes(
+    directory: Path, manifest: dict, *, like: Path | None, dtype_bytes: int | None, adapter: bool
+) -> int | None:
     """About what the export of checkpoint ``directory`` writes: in the layout of ``like`` that
     checkpoint's weight files; the adapters, or the text layout, the checkpoint's tensors of the
     model (its optimizer state aside) at ``dtype_bytes`` each (None: the run's dtype). None when
@@ -112,15 +117,21 @@ class ExportTarget:
         """Check OUT (module docstring) and make the empty directory the export is written into."""
         out = Path(out).absolute()
         if out.exists() and not out.is_dir():
-            raise RecipeError(f"OUT {out} is a file: give the path of a directory (made if it does not exist)")
+            raise RecipeError(
+                f"OUT {out} is a file: give the path of a directory (made if it does not exist)"
+            )
         entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
         if entries and not overwrite:
             shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-            raise RecipeError(f"OUT {out} is not empty ({shown}): an export goes into a new or empty directory; "
-                              "give another OUT, or add --overwrite to replace what is there")
+            raise RecipeError(
+                f"OUT {out} is not empty ({shown}): an export goes into a new or empty directory; "
+                "give another OUT, or add --overwrite to replace what is there"
+            )
         existing = next(p for p in out.parents if p.exists())
         if not existing.is_dir():
-            raise RecipeError(f"OUT {out} cannot be made: {existing} is a file: give a path under a directory")
+            raise RecipeError(
+                f"OUT {out} cannot be made: {existing} is a file: give a path under a directory"
+            )
         partial = out.parent / f".{out.name}.partial"
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,13 +141,17 @@ class ExportTarget:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise RecipeError(f"OUT {out} cannot be written ({e.strerror or e}: {e.filename or out.parent}): give "
-                              "a directory you can write to") from e
+            raise RecipeError(
+                f"OUT {out} cannot be written ({e.strerror or e}: {e.filename or out.parent}): give "
+                "a directory you can write to"
+            ) from e
         free = shutil.disk_usage(partial).free
         if needed_bytes is not None and needed_bytes > free:
             partial.rmdir()
-            raise RecipeError(f"OUT {out}: the export needs about {disk_size(needed_bytes)} and its file system has "
-                              f"{disk_size(free)} free: free space there, or give an OUT on another file system")
+            raise RecipeError(
+                f"OUT {out}: the export needs about {disk_size(needed_bytes)} and its file system has "
+                f"{disk_size(free)} free: free space there, or give an OUT on another file system"
+            )
         return cls(out=out, partial=partial, replaces=bool(entries))
 
     def commit(self) -> None:

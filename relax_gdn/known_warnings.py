@@ -50,18 +50,19 @@ KNOWN_WARNINGS = (
                  "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and "
                  "FLA's CP helpers still call the old names, which do the same thing",
                  FutureWarning),
-    KnownWarning(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load "
-                 r"in a single process",
+    KnownWarning(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+                 r"load in a single process",
                  "torch's distributed checkpoint reader in a process without a process group (the export, a "
-                 "one-process run resuming): reading the whole checkpoint in this process is what it asks for"),
+                 "one-process run resuming): reading the whole checkpoint in this process is what it asks "
+                 "for"),
     KnownWarning(r"The argument order of load has been changed",
                  "torch's distributed checkpoint notice to callers that pass load's arguments by position, "
                  "which Megatron-Core 0.19.2 does; its arguments are the right ones"),
-    KnownWarning(r"If you are using transformer_engine as the transformer implementation, the core_attn is from "
-                 r"transformer_engine",
+    KnownWarning(r"If you are using transformer_engine as the transformer implementation, the core_attn is "
+                 r"from transformer_engine",
                  "Megatron-Core's TransformerConfig says it whenever recompute names core_attn; the recipe's "
-                 "attention core is its own (relax_gdn.model.attention), never Transformer Engine's fused one "
-                 "under selective or mixed recompute"),
+                 "attention core is its own (relax_gdn.model.attention), never Transformer Engine's fused "
+                 "one under selective or mixed recompute"),
     KnownWarning(r"MimoModelConfig is experimental",
                  "printed when Megatron-Core's multimodal package is imported; the recipe does not use MIMO"),
     KnownWarning(r"Synchronization debug mode is a prototype feature",
@@ -93,8 +94,8 @@ KNOWN_LOG_LINES = (
     KnownLogLine("megatron.core.optimizer_param_scheduler", r"> learning rate decay style",
                  "an info line per run; the schedule is in config.yaml (optim.schedule)"),
     KnownLogLine("megatron.core.optimizer_param_scheduler", r" > (using checkpoint value|overriding)",
-                 "one line per schedule value when a run resumes; the recipe compares the saved schedule with "
-                 "the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)"),
+                 "one line per schedule value when a run resumes; the recipe compares the saved schedule "
+                 "with the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)"),
     KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
                  r"Using Megatron-FSDP without Transformer Engine",
                  "printed on import; Megatron-FSDP is not used"),

@@ -190,8 +190,8 @@ class SweepProgress:
     def tally(jobs: Sequence[dict[str, Any]]) -> str:
         counts = job_counts(jobs)
         refused = f" ({counts['refused']} refused)" if counts["refused"] else ""
-        stopped = "".join(f", {counts[status]} {status.replace('_', ' ')}" for status in ("stopped", "not_run")
-                          if counts[status])
+        stopped = "".join(f", {counts[status]} {status.replace('_', ' ')}"
+                          for status in ("stopped", "not_run") if counts[status])
         return (f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}"
                 f"{stopped}, {counts['submitted']} waiting (of {len(jobs)})")
 

@@ -33,8 +33,8 @@ MESSAGES_EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
 TRAIN_PY_TIMEOUT_S = 300
 # A third-party notice in a command's output: a warnings.warn line (its library's file path), or a
 # log line relax_gdn.known_warnings names.
-THIRD_PARTY_NOTICE = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style|"
-                                r"checkpoint value|gpuGetDeviceCount|USDT:|^wandb: ")
+THIRD_PARTY_NOTICE = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|"
+                                r"decay style|checkpoint value|gpuGetDeviceCount|USDT:|^wandb: ")
 
 
 def config_with(**dotted) -> RunConfig:

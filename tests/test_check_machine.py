@@ -31,18 +31,24 @@ def test_the_default_runs_on_any_machine():
         assert _problems(machine) == []
 
 
-@pytest.mark.parametrize("key,value,needs", [
-    ("model.attention_backend", "fa4", "needs a CUDA GPU of SM 9.x-11.x"),
-    ("model.attention_backend", "varlen", "needs CUDA and bf16"),
-    ("model.attention_backend", "flex", "FlexAttention has no backward on CPU"),
-    ("gdn.kernel_backend", "fla", "needs CUDA: use gdn.kernel_backend=auto"),
-    ("checkpoint.async_save", True, "needs CUDA (Megatron-Core's async writer): set it false here"),
-    ("train.precision", "bf16", "needs CUDA (a CPU run trains in fp32)"),
-    ("train.device", "cuda", "CUDA is not available here: use train.device=auto or cpu"),
-])
+@pytest.mark.parametrize(
+    "key,value,needs",
+    [
+        ("model.attention_backend", "fa4", "needs a CUDA GPU of SM 9.x-11.x"),
+        ("model.attention_backend", "varlen", "needs CUDA and bf16"),
+        ("model.attention_backend", "flex", "FlexAttention has no backward on CPU"),
+        ("gdn.kernel_backend", "fla", "needs CUDA: use gdn.kernel_backend=auto"),
+        ("checkpoint.async_save", True, "needs CUDA (Megatron-Core's async writer): set it false here"),
+        ("train.precision", "bf16", "needs CUDA (a CPU run trains in fp32)"),
+        ("train.device", "cuda", "CUDA is not available here: use train.device=auto or cpu"),
+    ],
+)
 def test_cuda_only_choices_are_refused_on_cpu_and_pass_on_a_gpu(key, value, needs):
     (problem,) = _problems(CPU, **{key: value})
-    assert problem.startswith(f"{key}={str(value).lower() if isinstance(value, bool) else value}") and needs in problem
+    assert (
+        problem.startswith(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+        and needs in problem
+    )
     assert _problems(H200, **{key: value}) == []
     if key != "train.device":  # the same on a GPU machine told to train on its CPU
         assert _problems(H200, **{key: value, "train.device": "cpu"}) == [problem]
@@ -57,8 +63,10 @@ def test_gpu_generations_and_packages_a_backend_needs():
     assert "FLA's kernels are not installed" in no_fla
     (no_te,) = _problems(BARE_H200, **{"model.spec_provider": "te"})
     assert no_te.startswith("model.spec_provider=te needs Transformer Engine")
-    assert "needs CUDA and bf16" in _problems(H200, **{"model.attention_backend": "varlen",
-                                                       "train.precision": "fp32"})[0]
+    assert (
+        "needs CUDA and bf16"
+        in _problems(H200, **{"model.attention_backend": "varlen", "train.precision": "fp32"})[0]
+    )
 
 
 def test_the_fa4_generations_are_the_kernels_own():
@@ -68,8 +76,14 @@ def test_the_fa4_generations_are_the_kernels_own():
 
 
 def _train_py(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 CUDA_ONLY = ("model.attention_backend=fa4", "gdn.kernel_backend=fla", "checkpoint.async_save=true")
@@ -78,7 +92,9 @@ CUDA_ONLY = ("model.attention_backend=fa4", "gdn.kernel_backend=fla", "checkpoin
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without CUDA")
 @pytest.mark.parametrize("check", [True, False], ids=["--check", "train.py"])
 def test_cuda_only_choices_are_one_message_and_exit_2_before_anything_is_written(tmp_path, check):
-    args = ("--check", "--world-size", "2", "parallel.cp=2") if check else (f"hydra.run.dir={tmp_path / 'run'}",)
+    args = (
+        ("--check", "--world-size", "2", "parallel.cp=2") if check else (f"hydra.run.dir={tmp_path / 'run'}",)
+    )
     done = _train_py(tmp_path, *args, *CUDA_ONLY)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
@@ -92,6 +108,8 @@ def test_cuda_only_choices_are_one_message_and_exit_2_before_anything_is_written
 def test_a_check_that_passes_says_what_it_checked_in_one_line(tmp_path):
     done = _train_py(tmp_path, "--check", "--world-size", "2", "parallel.cp=2", "recompute.granularity=mixed")
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    assert done.stdout == ("train.py --check: ok for 2 processes (dp 1 x cp 2 x tp 1) on this machine's CPU (no "
-                           "CUDA); memory: CPU run, not modelled; recompute mixed: no layer whole on CPU\n")
+    assert done.stdout == (
+        "train.py --check: ok for 2 processes (dp 1 x cp 2 x tp 1) on this machine's CPU (no "
+        "CUDA); memory: CPU run, not modelled; recompute mixed: no layer whole on CPU\n"
+    )
     assert list(tmp_path.iterdir()) == []

@@ -25,10 +25,20 @@ from tests.helpers import THIRD_PARTY_NOTICE
 from tests.hf_sources import export_cli
 
 EXPORT_LIMIT_S = 300
-EXPORT_FILES = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json"]
-EARLIER = {"adapter_config.json": "{}", "adapter_model.safetensors": "old", "tokenizer.model": "old",
-           "model-00001-of-00002.safetensors": "old"}  # what an earlier export (merged or adapter) left
+EXPORT_FILES = [
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+EARLIER = {
+    "adapter_config.json": "{}",
+    "adapter_model.safetensors": "old",
+    "tokenizer.model": "old",
+    "model-00001-of-00002.safetensors": "old",
+}  # what an earlier export (merged or adapter) left
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +49,14 @@ def run_dir(short_train_py) -> Path:
 
 
 def _export(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax_gdn.export_hf", *map(str, args)], cwd=tmp_path,
-                          env=child_env(), capture_output=True, text=True, timeout=EXPORT_LIMIT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "relax_gdn.export_hf", *map(str, args)],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=EXPORT_LIMIT_S,
+    )
 
 
 def _beside(out: Path) -> list[str]:
@@ -48,16 +64,20 @@ def _beside(out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_export_replaces_an_earlier_export_only_with_overwrite_and_says_nothing_third_party(run_dir, tmp_path):
+def test_export_replaces_an_earlier_export_only_with_overwrite_and_says_nothing_third_party(
+    run_dir, tmp_path
+):
     out = tmp_path / "hf"
     out.mkdir()
     for name, text in EARLIER.items():
         (out / name).write_text(text)
     refused = _export(tmp_path, run_dir, out)
     assert refused.returncode == 2 and refused.stdout == "", refused.stderr[-3000:]
-    assert refused.stderr == (f"error: OUT {out} is not empty (adapter_config.json, adapter_model.safetensors, "
-                              "model-00001-of-00002.safetensors, tokenizer.model): an export goes into a new or "
-                              "empty directory; give another OUT, or add --overwrite to replace what is there\n")
+    assert refused.stderr == (
+        f"error: OUT {out} is not empty (adapter_config.json, adapter_model.safetensors, "
+        "model-00001-of-00002.safetensors, tokenizer.model): an export goes into a new or "
+        "empty directory; give another OUT, or add --overwrite to replace what is there\n"
+    )
     assert {p.name: p.read_text() for p in out.iterdir()} == EARLIER and _beside(out) == []
     done = _export(tmp_path, run_dir, out, "--overwrite")  # a run directory as CHECKPOINT
     text = done.stdout + done.stderr
@@ -73,28 +93,40 @@ def test_export_replaces_an_earlier_export_only_with_overwrite_and_says_nothing_
 def test_checkpoint_may_be_a_run_a_checkpoint_or_a_step_directory(run_dir, tmp_path, given):
     """The argument is resolved before anything is built: OUT is a file here, so the export stops
     right after CHECKPOINT was found (its message is OUT's, not CHECKPOINT's)."""
-    checkpoint = {"run": run_dir, "checkpoints": run_dir / "checkpoints",
-                  "step": run_dir / "checkpoints" / "step_000003"}[given]
+    checkpoint = {
+        "run": run_dir,
+        "checkpoints": run_dir / "checkpoints",
+        "step": run_dir / "checkpoints" / "step_000003",
+    }[given]
     out = tmp_path / "a_file"
     out.write_text("")
     rc, stdout, stderr = export_cli(str(checkpoint), str(out))
-    assert (rc, stdout) == (2, "") and stderr == (f"error: OUT {out} is a file: give the path of a directory "
-                                                  "(made if it does not exist)\n"), stderr
+    assert (rc, stdout) == (2, "") and stderr == (
+        f"error: OUT {out} is a file: give the path of a directory (made if it does not exist)\n"
+    ), stderr
 
 
 @pytest.mark.slow
 def test_a_checkpoint_argument_that_is_none_of_those_names_checkpoint(run_dir, tmp_path):
-    what = "give a step_NNNNNN checkpoint directory, the checkpoint directory holding them, or a run directory"
+    what = (
+        "give a step_NNNNNN checkpoint directory, the checkpoint directory holding them, or a run directory"
+    )
     missing, empty, damaged = tmp_path / "missing", tmp_path / "empty", tmp_path / "damaged" / "step_000003"
     empty.mkdir()
     shutil.copytree(run_dir / "checkpoints" / "step_000003", damaged)
     (damaged / "relax_gdn.json").write_text("{")
     for checkpoint, said in [
-            (missing, f"error: CHECKPOINT {missing} does not exist: {what}"),
-            (empty, f"error: CHECKPOINT {empty} holds no complete checkpoint (a step_NNNNNN directory with "
-                    f"relax_gdn.json): {what}"),
-            (damaged, f"error: CHECKPOINT {damaged}: checkpoint manifest {damaged / 'relax_gdn.json'} cannot be "
-                      "read")]:
+        (missing, f"error: CHECKPOINT {missing} does not exist: {what}"),
+        (
+            empty,
+            f"error: CHECKPOINT {empty} holds no complete checkpoint (a step_NNNNNN directory with "
+            f"relax_gdn.json): {what}",
+        ),
+        (
+            damaged,
+            f"error: CHECKPOINT {damaged}: checkpoint manifest {damaged / 'relax_gdn.json'} cannot be read",
+        ),
+    ]:
         rc, stdout, stderr = export_cli(str(checkpoint), str(tmp_path / "out"))
         assert rc == 2 and stdout == "" and stderr.startswith(said) and stderr.count("\n") == 1, stderr
         assert "checkpoint.resume" not in stderr and "resume from" not in stderr, stderr
@@ -105,23 +137,38 @@ def test_a_checkpoint_argument_that_is_none_of_those_names_checkpoint(run_dir, t
 def test_an_out_that_cannot_be_written_or_has_no_room_is_refused_before_anything_is_built(run_dir, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    cases = [(a_file / "hf", (), f"error: OUT {a_file / 'hf'} cannot be made: {a_file} is a file: give a path "
-                                 "under a directory\n")]
+    cases = [
+        (
+            a_file / "hf",
+            (),
+            f"error: OUT {a_file / 'hf'} cannot be made: {a_file} is a file: give a path under a directory\n",
+        )
+    ]
     if os.geteuid() != 0:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o555)
-        cases.append((locked / "hf", (), f"error: OUT {locked / 'hf'} cannot be written (Permission denied: "))
+        cases.append(
+            (locked / "hf", (), f"error: OUT {locked / 'hf'} cannot be written (Permission denied: ")
+        )
     else:  # root writes into any directory, not into sysfs
         sysfs = Path("/sys/relax_gdn_export_test/hf")
-        cases.append((sysfs, (), f"error: OUT {sysfs} cannot be written (Operation not permitted: {sysfs.parent}): "
-                                 "give a directory you can write to\n"))
+        cases.append(
+            (
+                sysfs,
+                (),
+                f"error: OUT {sysfs} cannot be written (Operation not permitted: {sysfs.parent}): "
+                "give a directory you can write to\n",
+            )
+        )
     # a --like checkpoint whose weights (sparse: nothing on disk) outweigh the free space
     like = tmp_path / "like"
     like.mkdir()
     free = shutil.disk_usage(tmp_path).free
     (like / "model.safetensors").touch()
     os.truncate(like / "model.safetensors", free + 2**30)
-    cases.append((tmp_path / "hf", ("--like", str(like)), f"error: OUT {tmp_path / 'hf'}: the export needs about "))
+    cases.append(
+        (tmp_path / "hf", ("--like", str(like)), f"error: OUT {tmp_path / 'hf'}: the export needs about ")
+    )
     for out, args, said in cases:
         rc, stdout, stderr = export_cli(str(run_dir), str(out), *args)
         assert rc == 2 and stdout == "" and stderr.startswith(said) and stderr.count("\n") == 1, stderr

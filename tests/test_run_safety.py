@@ -46,6 +46,7 @@ from relax_gdn.errors import (
 )
 from tests.distributed import child_env, run_distributed
 from tests.processes import alive, descendants, output_lines, wait_until
+from tests.helpers import THIRD_PARTY_NOTICE
 from tests.helpers import small_config as _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -564,6 +565,9 @@ def test_a_signal_during_a_save_lets_it_finish_then_exits_75_and_resume_continue
                            text=True, timeout=RUN_LIMIT_S)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step 4 ({ckpt / 'step_000004'})" in again.stdout + again.stderr
+    # the resume reads the checkpoint without a third-party notice (relax_gdn.known_warnings)
+    said = (again.stdout + again.stderr).splitlines()
+    assert [line for line in said if THIRD_PARTY_NOTICE.search(line)] == []
     assert [r["step"] for r in _metrics(tmp_path / "run")] == list(range(1, 7))
 
 
@@ -609,9 +613,9 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
     text = "".join(lines)
     assert job.wait(timeout=60) == INTERRUPTED_EXIT_CODE, text[-3000:]
     partial = ckpt / ".step_000003.partial"
-    assert (f"relax-gdn: second Ctrl-C: stopped at once during step 3; saved: no checkpoint, nothing to continue "
-            f"from; not saved: steps 1-3, the checkpoint being written ({partial}, incomplete: never read, removed "
-            "by the next save)\n") in text, text[-3000:]
+    assert (f"relax-gdn: second Ctrl-C: stopped at once during step 3; saved: no checkpoint, nothing to "
+            f"continue from; not saved: steps 1-3, the checkpoint being written ({partial}, incomplete: "
+            "never read, removed by the next save)\n") in text, text[-3000:]
     assert "Traceback" not in text and not (ckpt / "latest").exists()  # the paused save never completed
     assert partial.is_dir()
 

@@ -46,8 +46,8 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert done.returncode == 1, log[-4000:]  # one failed job
     assert "1 of 3 jobs failed" in log
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
-    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1, "stopped": 0, "not_run": 0,
-                                  "refused": 1}
+    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1, "stopped": 0,
+                                  "not_run": 0, "refused": 1}
     assert manifest["varying_keys"] == ["gdn.cp_mode"] and manifest["world_size_per_job"] == 2
     ok, ok2, refused = manifest["jobs"]
     assert [j["variant"] for j in manifest["jobs"]] == [f"gdn.cp_mode={m}" for m in ("headwise", "chunkwise",
@@ -110,7 +110,8 @@ def test_ctrl_c_stops_the_running_job_after_a_checkpoint_and_the_others_are_not_
     try:
         lines.wait_for(r"job #0 started")
         metrics = sweep_dir / "0" / "metrics.jsonl"
-        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 600, "job #0's first step")
+        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 600,
+                   "job #0's first step")
         below = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=300) == 130
@@ -120,8 +121,9 @@ def test_ctrl_c_stops_the_running_job_after_a_checkpoint_and_the_others_are_not_
             proc.wait(timeout=60)
     log = lines.all()
     assert "Traceback" not in log, log[-4000:]
-    assert log.strip().splitlines()[-1].endswith(f"sweep stopped by Ctrl-C: 1 stopped, 2 not run; sweep.json in "
-                                                 f"{sweep_dir}"), log[-3000:]
+    last = log.strip().splitlines()[-1]
+    said = f"sweep stopped by Ctrl-C: 1 stopped, 2 not run; sweep.json in {sweep_dir}"
+    assert last.endswith(said), log[-3000:]
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     assert [(j["status"], j.get("rc")) for j in manifest["jobs"]] == [("stopped", 130), ("not_run", None),
                                                                       ("not_run", None)], manifest["jobs"]

@@ -179,36 +179,41 @@ class _SweepLauncher(BaseSubmititLauncher):
                 error = ret._return_value
                 result = JobFailure(1, "".join(traceback.format_exception(error))[-4000:])
         except SystemExit as e:  # train.py's refusal of a config or data (exit code 2) or any other exit
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if code == 0:
-                result = JobReturn(status=JobStatus.COMPLETED)
-            elif code == PREEMPTED_EXIT_CODE and self._requeues():
-                if rank == 0:
-                    entry = manifest.update_job(job_num, status="submitted", ended=None,
-                                                requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
-                    log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
-                                job_num, entry["requeues"])
-                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
-                # leave no result behind (submitit would report the job done): the requeued job writes it
-                raise SystemExit(code) from None
-            elif code == INTERRUPTED_EXIT_CODE:
-                result = JobFailure(code, f"stopped by Ctrl-C; the task logs in {job_env.paths.folder} say after "
-                                          "which step and with which checkpoint")
-            elif e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
-                result = JobFailure(code, str(e.__context__))
-            else:
-                result = JobFailure(code, f"exited with code {code}; the task logs in {job_env.paths.folder} say why")
+            result = self._exit_result(e, rank, manifest, job_num, job_env.paths.folder)
         except KeyboardInterrupt:  # a Ctrl-C before train.py handles it (imports, start-up): nothing trained
             result = JobFailure(INTERRUPTED_EXIT_CODE, "stopped by Ctrl-C before its training steps")
         except BaseException as e:  # noqa: BLE001 - reported in the manifest, the sweep goes on
             result = JobFailure(1, "".join(traceback.format_exception(e))[-4000:])
         if rank == 0:
             if isinstance(result, JobFailure):
-                manifest.update_job(job_num, status=_failed_or_stopped(result.rc), rc=result.rc, error=result.error,
-                                    ended=time.time())
+                manifest.update_job(job_num, status=_failed_or_stopped(result.rc), rc=result.rc,
+                                    error=result.error, ended=time.time())
             else:
                 manifest.update_job(job_num, status="ok", rc=0, ended=time.time())
         return result
+
+    def _exit_result(self, e: SystemExit, rank: int, manifest, job_num: int,
+                     logs) -> Union[JobReturn, JobFailure]:
+        """What a task that ended with ``SystemExit`` returns: a preempted job that requeues (SLURM)
+        leaves nothing (exits again), a Ctrl-C's 130 is a stop, any other code a failure."""
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 0:
+            return JobReturn(status=JobStatus.COMPLETED)
+        if code == PREEMPTED_EXIT_CODE and self._requeues():
+            if rank == 0:
+                entry = manifest.update_job(job_num, status="submitted", ended=None,
+                                            requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
+                log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
+                            job_num, entry["requeues"])
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+            # leave no result behind (submitit would report the job done): the requeued job writes it
+            raise SystemExit(code) from None
+        if code == INTERRUPTED_EXIT_CODE:
+            return JobFailure(code, f"stopped by Ctrl-C; the task logs in {logs} say after which step and "
+                                    "with which checkpoint")
+        if e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
+            return JobFailure(code, str(e.__context__))
+        return JobFailure(code, f"exited with code {code}; the task logs in {logs} say why")
 
     # ---- in the launching process ----------------------------------------------------------------
 
@@ -432,13 +437,14 @@ class _SweepLauncher(BaseSubmititLauncher):
     @staticmethod
     def _stopped_at_once(num: int, manifest) -> None:
         manifest.update_job(num, status="stopped", rc=INTERRUPTED_EXIT_CODE, ended=time.time(),
-                            error="stopped at once by a second Ctrl-C (nothing saved since its last checkpoint)")
+                            error="stopped at once by a second Ctrl-C (nothing saved since its last "
+                                  "checkpoint)")
 
     def _end_interrupted(self, manifest, sweep_dir: Path) -> None:
         """One line saying what each job became, then exit 130."""
         counts = job_counts(manifest.jobs())
-        parts = [f"{counts[status]} {status.replace('_', ' ')}" for status in ("stopped", "not_run", "ok", "failed")
-                 if counts[status]]
+        parts = [f"{counts[status]} {status.replace('_', ' ')}"
+                 for status in ("stopped", "not_run", "ok", "failed") if counts[status]]
         log.warning("sweep stopped by Ctrl-C: %s; sweep.json in %s", ", ".join(parts), sweep_dir)
         raise SystemExit(INTERRUPTED_EXIT_CODE)
 
@@ -459,8 +465,8 @@ class _SweepLauncher(BaseSubmititLauncher):
         if failures:
             first = failures[0]
             ended = manifest.read_job(num).get("ended") or time.time()  # rank 0's, when it wrote one
-            manifest.update_job(num, status=_failed_or_stopped(first.rc), rc=first.rc, error=first.error, ended=ended,
-                                failed_tasks=len(failures), tasks=len(outcomes))
+            manifest.update_job(num, status=_failed_or_stopped(first.rc), rc=first.rc, error=first.error,
+                                ended=ended, failed_tasks=len(failures), tasks=len(outcomes))
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(first)))
         manifest.update_job(num, status="ok", rc=0)
         return outcomes[0]

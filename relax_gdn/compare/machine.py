@@ -30,8 +30,11 @@ def _number(value: Any) -> bool:
 
 def _windows(run: Run, steady: Steady) -> list[tuple[float, float]]:
     """The steady-state steps as (start, end) wall-clock intervals."""
-    return [(r["time"] - r["step_time_s"], r["time"]) for r in steady(run.records)
-            if _number(r.get("time")) and _number(r.get("step_time_s"))]
+    return [
+        (r["time"] - r["step_time_s"], r["time"])
+        for r in steady(run.records)
+        if _number(r.get("time")) and _number(r.get("step_time_s"))
+    ]
 
 
 def _host(run: Run) -> str | None:
@@ -42,7 +45,10 @@ def _host(run: Run) -> str | None:
 def _overlapping_steps(a: Run, b: Run, steady: Steady) -> int:
     """How many of ``a``'s steady-state steps overlap a steady-state step of ``b`` in time."""
     theirs = _windows(b, steady)
-    return sum(any(start < end_b and start_b < end for start_b, end_b in theirs) for start, end in _windows(a, steady))
+    return sum(
+        any(start < end_b and start_b < end for start_b, end_b in theirs)
+        for start, end in _windows(a, steady)
+    )
 
 
 def shared_machine(runs: list[Run], baseline: list[Run], steady: Steady) -> dict[str, Any] | None:
@@ -55,8 +61,15 @@ def shared_machine(runs: list[Run], baseline: list[Run], steady: Steady) -> dict
                 continue
             steps = _overlapping_steps(a, b, steady)
             if steps:
-                return {"kind": "overlap", "host": _host(a), "cpus": _cpus(a), "run": a.name, "baseline_run": b.name,
-                        "steps": steps, "of": len(_windows(a, steady))}
+                return {
+                    "kind": "overlap",
+                    "host": _host(a),
+                    "cpus": _cpus(a),
+                    "run": a.name,
+                    "baseline_run": b.name,
+                    "steps": steps,
+                    "of": len(_windows(a, steady)),
+                }
     hosts = {_host(run) for run in runs + baseline}
     if len(hosts) != 1 or None in hosts:
         return None
@@ -82,8 +95,13 @@ def caution(found: dict[str, Any] | None) -> str | None:
     if found is None:
         return None
     if found["kind"] == "overlap":
-        return (f"run {found['run']} and the baseline's run {found['baseline_run']} ran at the same time on {found['host']} "
-                f"({found['steps']} of {found['of']} steady-state steps overlapped), sharing its {found['cpus']} "
-                "CPUs: the tok/s ratio measures that sharing as much as the code")
-    return (f"the runs ran one after another on {found['host']} at a load of up to {found['load']:.1f} on "
-            f"{found['cpus']} CPUs: the tok/s ratio measures what else ran there as much as the code")
+        return (
+            f"run {found['run']} and the baseline's run {found['baseline_run']} ran at the same time on "
+            f"{found['host']} "
+            f"({found['steps']} of {found['of']} steady-state steps overlapped), sharing its {found['cpus']} "
+            "CPUs: the tok/s ratio measures that sharing as much as the code"
+        )
+    return (
+        f"the runs ran one after another on {found['host']} at a load of up to {found['load']:.1f} on "
+        f"{found['cpus']} CPUs: the tok/s ratio measures what else ran there as much as the code"
+    )

@@ -66,11 +66,15 @@ def _device_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     if cfg.train.device == "cuda" and not machine.cuda:
         problems.append("train.device=cuda but CUDA is not available here: use train.device=auto or cpu")
     if cfg.train.precision == "bf16" and not _on_cuda(cfg, machine):
-        problems.append("train.precision=bf16 needs CUDA (a CPU run trains in fp32): use train.precision=auto or "
-                        "fp32 here")
+        problems.append(
+            "train.precision=bf16 needs CUDA (a CPU run trains in fp32): use train.precision=auto or "
+            "fp32 here"
+        )
     if cfg.checkpoint.async_save and not _on_cuda(cfg, machine):
-        problems.append("checkpoint.async_save=true needs CUDA (Megatron-Core's async writer): set it false here, "
-                        "saves are then written while training waits")
+        problems.append(
+            "checkpoint.async_save=true needs CUDA (Megatron-Core's async writer): set it false here, "
+            "saves are then written while training waits"
+        )
     return problems
 
 
@@ -80,11 +84,16 @@ def _attention_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     fix = "use model.attention_backend=auto (the SDPA reference here)"
     if backend == "fa4":
         if not cuda:
-            return [f"{key} (FlashAttention-4) needs a CUDA GPU of SM {FA4_SM_MAJORS[0]}.x-{FA4_SM_MAJORS[-1]}.x and "
-                    f"this run has none: {fix}"]
+            return [
+                f"{key} (FlashAttention-4) needs a CUDA GPU of SM {FA4_SM_MAJORS[0]}.x-"
+                f"{FA4_SM_MAJORS[-1]}.x and "
+                f"this run has none: {fix}"
+            ]
         if machine.gpu is not None and machine.gpu[1] not in FA4_SM_MAJORS:
-            return [f"{key} (FlashAttention-4) runs on SM {FA4_SM_MAJORS[0]}.x-{FA4_SM_MAJORS[-1]}.x, this GPU "
-                    f"({machine.gpu[0]}) is SM {machine.gpu[1]}.x: use model.attention_backend=auto"]
+            return [
+                f"{key} (FlashAttention-4) runs on SM {FA4_SM_MAJORS[0]}.x-{FA4_SM_MAJORS[-1]}.x, this GPU "
+                f"({machine.gpu[0]}) is SM {machine.gpu[1]}.x: use model.attention_backend=auto"
+            ]
         if not machine.installed("flash_attn"):
             return [f"{key}: flash-attn-4 is not installed: {FA4_INSTALL}"]
     if backend == "varlen" and not (cuda and cfg.train.precision != "fp32"):
@@ -93,8 +102,10 @@ def _attention_problems(cfg: RunConfig, machine: Machine) -> list[str]:
         return [f"{key}: FlexAttention has no backward on CPU: {fix}"]
     if (backend == "te" or cfg.model.spec_provider == "te") and not machine.installed("transformer_engine"):
         which = key if backend == "te" else "model.spec_provider=te"
-        return [f"{which} needs Transformer Engine, which is not installed here: use model.spec_provider=auto "
-                "and model.attention_backend=auto"]
+        return [
+            f"{which} needs Transformer Engine, which is not installed here: use model.spec_provider=auto "
+            "and model.attention_backend=auto"
+        ]
     return []
 
 
@@ -102,10 +113,14 @@ def _gdn_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     if cfg.gdn.kernel_backend != "fla":
         return []
     if not _on_cuda(cfg, machine):
-        return ["gdn.kernel_backend=fla (FLA's Triton kernels) needs CUDA: use gdn.kernel_backend=auto (FLA on "
-                "CUDA, the pure-torch reference here) or torch"]
+        return [
+            "gdn.kernel_backend=fla (FLA's Triton kernels) needs CUDA: use gdn.kernel_backend=auto (FLA on "
+            "CUDA, the pure-torch reference here) or torch"
+        ]
     if not machine.installed("fla"):
-        return ["gdn.kernel_backend=fla: FLA's kernels are not installed (fla-core, pinned in pyproject.toml)"]
+        return [
+            "gdn.kernel_backend=fla: FLA's kernels are not installed (fla-core, pinned in pyproject.toml)"
+        ]
     return []
 
 

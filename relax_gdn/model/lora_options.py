@@ -126,9 +126,9 @@ def lora_problems(rank, alpha, dropout, targets, *, spec_provider: str, fused_cr
         if not set_without_rank:
             return []
         given = ", ".join(f"model.lora.{key}" for key in set_without_rank)
-        return [f"{given} set but model.lora.rank is 0 (no LoRA: the whole model would train and {given} would "
-                "do nothing): set model.lora.rank (e.g. 16) to train adapters, or leave model.lora.* out to train "
-                "the whole model"]
+        return [f"{given} set but model.lora.rank is 0 (no LoRA: the whole model would train and {given} "
+                "would do nothing): set model.lora.rank (e.g. 16) to train adapters, or leave model.lora.* "
+                "out to train the whole model"]
     problems = []
     if alpha is not None and not (_number(alpha) and alpha > 0):
         problems.append(f"model.lora.alpha={alpha!r} must be a number > 0 (the adapters are scaled by alpha / rank) "

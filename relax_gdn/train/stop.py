@@ -79,8 +79,10 @@ class StopRequest:
         now = time.monotonic()
         if self._first_sigint is None:
             self._first_sigint, self.interrupted = now, True
-            then = ", then saving a checkpoint" if self.checkpoints is not None else " (nothing is saved: no checkpoint directory)"
-            self._say(f"Ctrl-C: stopping after the step in progress{then}; Ctrl-C again stops at once without saving it")
+            then = (", then saving a checkpoint" if self.checkpoints is not None
+                    else " (nothing is saved: no checkpoint directory)")
+            self._say(f"Ctrl-C: stopping after the step in progress{then}; Ctrl-C again stops at once "
+                      "without saving it")
         elif not self._launched and now - self._first_sigint > self._echo_s:
             self._on_at_once(signum, frame)
 
@@ -124,6 +126,6 @@ def saved_state(checkpoints: Path | None, step: int | None, resume: str | None) 
         lost.append(f"step {step}" if step == saved_step + 1 else f"steps {saved_step + 1}-{step}")
     cut = sorted(p.name for p in checkpoints.glob(".step_*.partial")) if checkpoints.is_dir() else []
     if cut:
-        lost.append(f"the checkpoint being written ({checkpoints / cut[-1]}, incomplete: never read, removed by "
-                    "the next save)")
+        lost.append(f"the checkpoint being written ({checkpoints / cut[-1]}, incomplete: never read, removed "
+                    "by the next save)")
     return saved + (f"; not saved: {', '.join(lost)}" if lost else "")
