@@ -71,9 +71,9 @@ def test_export_replaces_an_earlier_export_only_with_overwrite_and_says_nothing_
     out.mkdir()
     for name, text in EARLIER.items():
         (out / name).write_text(text)
-    refused = _export(tmp_path, run_dir, out)
-    assert refused.returncode == 2 and refused.stdout == "", refused.stderr[-3000:]
-    assert refused.stderr == (
+    rc, stdout, stderr = export_cli(str(run_dir), str(out))  # in this process: refused before any build
+    assert rc == 2 and stdout == "", stderr[-3000:]
+    assert stderr == (
         f"error: OUT {out} is not empty (adapter_config.json, adapter_model.safetensors, "
         "model-00001-of-00002.safetensors, tokenizer.model): an export goes into a new or "
         "empty directory; give another OUT, or add --overwrite to replace what is there\n"
