@@ -9,9 +9,12 @@ and validated before Hydra creates the run directory and before torch or Megatro
 imported (about a second), and a problem found later in setup (a data file that cannot be used)
 removes the run directory Hydra made for the attempt.
 
-``python train.py --check [--world-size N] [overrides]`` does only that check, for a run of N
-processes, and exits (0, or 2 with the message): what a launcher runs once before it starts
-workers (``make run``, ``slurm/train.sbatch``).
+The check also refuses what this machine cannot run (CUDA-only choices on a CPU machine, a GPU
+generation or package a backend needs: ``relax_gdn.config.machine``), importing torch only once
+the configuration is valid. ``python train.py --check [--world-size N] [overrides]`` does only
+that check, for a run of N processes, and exits: 0 with one line saying what it checked (the
+world size, this machine, the memory model's verdict), or 2 with the message. A launcher runs it
+once before it starts workers (``make run``, ``slurm/train.sbatch``).
 """
 
 from __future__ import annotations
@@ -20,21 +23,25 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 from omegaconf import DictConfig
 
-from relax_gdn.config import validate
+from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
+from relax_gdn.config.machine import Machine, check_machine
 from relax_gdn.errors import (
     INTERRUPTED_EXIT_CODE,
     RecipeError,
     record_exit_code,
     report_user_error,
 )
+from relax_gdn.launch import AT_ONCE_SIGNAL, LAUNCHED_ENV
 
 log = logging.getLogger("train")
 
@@ -50,9 +57,10 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
 register_schema()
 
 
-def check_command_line(overrides: list[str], world_size: int | None = None) -> None:
+def check_command_line(overrides: list[str], world_size: int | None = None, *, report: bool = False) -> None:
     """Compose and validate what Hydra is about to run (for ``world_size`` processes; None: torchrun's
-    ``WORLD_SIZE``, else 1); a problem exits here with status 2.
+    ``WORLD_SIZE``, else 1), then what this machine can run (``relax_gdn.config.machine``); a problem
+    exits here with status 2. ``report``: print the line :func:`check_report` says (``--check``).
 
     Flags (``--multirun``, ``--cfg``, ``--help``, ...) are left to Hydra: each job then validates
     in :func:`main` and removes its run directory when it fails."""
@@ -61,15 +69,52 @@ def check_command_line(overrides: list[str], world_size: int | None = None) -> N
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate(compose_run_config(CONF_DIR, overrides), world_size)
+        cfg = compose_run_config(CONF_DIR, overrides)
+        dims = validate(cfg, world_size)
+        machine = Machine.here(gpu_details=report)  # torch imported once the configuration is valid
+        check_machine(cfg, machine)
+        if report:
+            print(check_report(cfg, dims, machine))
     except RecipeError as e:
         report_user_error(e)
 
 
+def memory_verdict(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
+    """The memory model's word on ``cfg`` for ``machine``'s first GPU; raises ``MemoryFitError``
+    (as the training loop would after its start-up) where it will not fit. A CPU run has no GPU
+    memory to model, and ``recompute=mixed`` without ``recompute.full_layers`` then recomputes no
+    layer whole: that choice is the GPU's."""
+    if not machine.cuda or cfg.train.device == "cpu":
+        mixed = cfg.recompute.granularity == "mixed" and cfg.recompute.full_layers is None
+        return "memory: CPU run, not modelled" + ("; recompute mixed: no layer whole on CPU" if mixed else "")
+    import torch
+
+    from relax_gdn.model.presets import PRESETS
+    from relax_gdn.train.loop import _vocab_size, check_memory_fits, memory_inputs, resolve_full_layers
+    from relax_gdn.train.memory import estimate_memory
+
+    device, bf16 = torch.device("cuda", 0), cfg.train.precision != "fp32"
+    # the preset's vocabulary stands for the tokenizer's, padded as the run pads it
+    vocab = _vocab_size(cfg, SimpleNamespace(vocab_size=PRESETS[cfg.model.preset].vocab_size), dims.tp)
+    cfg = resolve_full_layers(cfg, dims, device, bf16, vocab)
+    check_memory_fits(cfg, dims, device, bf16, vocab, log=False)
+    shape, settings = memory_inputs(cfg, dims, bf16, vocab)
+    whole = f" ({cfg.recompute.full_layers} layers whole)" if cfg.recompute.granularity == "mixed" else ""
+    estimate = estimate_memory(shape, **settings).summary()
+    return f"memory: {estimate} with recompute {cfg.recompute.granularity}{whole}"
+
+
+def check_report(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
+    """The line ``--check`` prints for a run it accepts: what it checked."""
+    processes = f"{dims.world_size} process{'es' if dims.world_size > 1 else ''}"
+    return (f"train.py --check: ok for {processes} (dp {dims.dp} x cp {dims.cp} x tp {dims.tp}) on this "
+            f"machine's {machine.describe()}; {memory_verdict(cfg, dims, machine)}")
+
+
 def check_only(argv: list[str]) -> None:
     """``python train.py --check [--world-size N] [overrides]``: :func:`check_command_line` for a run
-    of N processes, then exit 0 (or 2 with the message). Runs nothing, writes nothing, imports no
-    torch: launchers call it once before they start workers."""
+    of N processes, then exit 0 with one line saying what was checked (or 2 with the message). Runs
+    nothing and writes nothing: launchers call it once before they start workers."""
     parser = argparse.ArgumentParser(
         prog="python train.py --check",
         description="Compose and validate a run's overrides, as train.py would, without running anything.")
@@ -77,7 +122,7 @@ def check_only(argv: list[str]) -> None:
                         help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to train.py")
     args = parser.parse_args(argv)
-    check_command_line(args.overrides, world_size=args.world_size)
+    check_command_line(args.overrides, world_size=args.world_size, report=True)
     raise SystemExit(0)
 
 
@@ -183,7 +228,7 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)
-        report_user_error(e)
+        report_user_error(e, runtime)
     if result.stop is not None:  # a stop signal or a divergence: the loop said which, once
         record_exit_code(result.stop.exit_code)
         raise SystemExit(result.stop.exit_code)
@@ -195,7 +240,10 @@ def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: 
 
 
 def interrupted_outside_training() -> None:
-    """Ctrl-C where the training loop does not handle it (Hydra's start, the imports): one line, exit 130."""
+    """Ctrl-C where the training loop does not handle it (Hydra's start, the imports): one line, exit 130.
+    A further Ctrl-C (or relax_gdn.launch's copy of this one) is ignored from here on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(AT_ONCE_SIGNAL, signal.SIG_IGN)
     if RANK == 0:
         sys.stderr.write("relax-gdn: Ctrl-C outside the training steps: stopped, nothing to save\n")
     record_exit_code(INTERRUPTED_EXIT_CODE)
@@ -203,6 +251,8 @@ def interrupted_outside_training() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get(LAUNCHED_ENV) == "1":  # relax_gdn.launch's second Ctrl-C: as a Ctrl-C until training
+        signal.signal(AT_ONCE_SIGNAL, signal.default_int_handler)
     try:
         if sys.argv[1:2] == ["--check"]:
             check_only(sys.argv[2:])

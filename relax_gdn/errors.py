@@ -25,10 +25,11 @@ Exit codes (docs/checkpoints.md has the table users read; each code is defined h
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:  # for the annotation only: the Runtime sits below this leaf module
+    from relax_gdn.runtime import Runtime
 
 USER_ERROR_EXIT_CODE = 2  # the exit code of every RecipeError (argparse uses 2 for usage errors too)
 DIVERGED_EXIT_CODE = 3  # train.on_nonfinite ended the run: retrying the same command diverges again
@@ -117,22 +118,24 @@ def record_exit_code(code: int) -> None:
         print(f"warning: cannot write the exit code to {EXIT_CODE_FILE_ENV}={path} ({e})", file=sys.stderr)
 
 
-def report_user_error(error: RecipeError) -> NoReturn:
+def report_user_error(error: RecipeError, runtime: Runtime | None = None) -> NoReturn:
     """Print ``error`` as one message on stderr and exit with :data:`USER_ERROR_EXIT_CODE`.
 
     Under torchrun only rank 0 speaks for an error every rank has (one every rank hits alike, or
     one the ranks agreed on); the others exit once rank 0 has reported it, so torchrun never stops
-    rank 0 before it printed. Other errors are printed by each rank that hits them, prefixed with
-    its rank. ``HYDRA_FULL_ERROR=1`` re-raises instead, traceback included."""
+    rank 0 before it printed. torchrun stops a rank still waiting with SIGTERM once rank 0 has
+    exited: with the process's ``runtime`` (:class:`relax_gdn.runtime.Runtime`) the rank then exits
+    with the same code, quietly; without one it ends by the signal (which ``relax_gdn.launch``
+    does not count against the workers' code). Other errors are printed by each rank that hits
+    them, prefixed with its rank. ``HYDRA_FULL_ERROR=1`` re-raises instead, traceback included."""
     if os.environ.get(SHOW_TRACEBACK_ENV) == "1":
         raise error
     rank = int(os.environ.get("RANK", "0"))
     shared = error.same_on_every_rank or error.agreed
     record_exit_code(USER_ERROR_EXIT_CODE)
     if rank != 0 and shared:
-        # torchrun stops this rank (SIGTERM) once rank 0 exits: it then exits with the same code, quietly
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _exit_quietly)
+        if runtime is not None:
+            runtime.exit_quietly_on_sigterm(USER_ERROR_EXIT_CODE)
         if _wait_for_rank0_report():
             raise SystemExit(USER_ERROR_EXIT_CODE)
     origin = error.found_on_rank if error.agreed else rank
@@ -182,6 +185,3 @@ def _wait_for_rank0_report() -> bool:
         return False
     return True
 
-
-def _exit_quietly(signum, frame) -> NoReturn:
-    raise SystemExit(USER_ERROR_EXIT_CODE)

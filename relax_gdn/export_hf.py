@@ -1,8 +1,11 @@
 """``python -m relax_gdn.export_hf CHECKPOINT OUT``: a training checkpoint as a Hugging Face directory.
 
-CHECKPOINT is a ``step_NNNNNN`` directory or the ``checkpoint.dir`` holding them (its newest
-complete one). Whatever TP / CP / dynamic CP wrote it, the model is rebuilt from the run's config
-stored in the checkpoint at TP 1, CP 1 in this one process (on the GPU where CUDA is visible, as
+CHECKPOINT is a ``step_NNNNNN`` directory, the checkpoint directory holding them (the one ``latest``
+names) or a run directory (its checkpoints); OUT a new or empty directory, or with ``--overwrite``
+one whose content the export replaces, whole: it is written beside OUT and renamed to it once
+complete, and checked before anything is built (:mod:`relax_gdn.export_target`). Whatever TP /
+CP / dynamic CP wrote it, the model is rebuilt from the run's config stored in the checkpoint at
+TP 1, CP 1 in this one process (on the GPU where CUDA is visible, as
 in training; on the CPU otherwise) and its weights are loaded through Megatron-Core's distributed
 checkpointing. OUT receives, when the run started from ``model.hf_checkpoint=DIR`` (recorded in
 the checkpoint; ``--like`` overrides), a drop-in replacement of DIR: its layout, architecture,
@@ -156,12 +159,31 @@ def _prepare_device(runtime) -> torch.device:
     return torch.device("cpu")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _prepare(args: argparse.Namespace, like: str | None):
+    """CHECKPOINT resolved and OUT checked (``relax_gdn.export_target``), before anything is built."""
+    from relax_gdn.export_target import ExportTarget, estimated_bytes, resolve_checkpoint
+    from relax_gdn.train.checkpoint import read_manifest
+    from relax_gdn.train.hf_export import export_spec
+
+    directory = resolve_checkpoint(args.checkpoint)
+    manifest = read_manifest(directory)
+    spec = export_spec(manifest, like=like if like == RECORDED or like is None else Path(like))
+    needed = estimated_bytes(directory, manifest, like=spec.like, adapter=args.adapter,
+                             dtype_bytes=DTYPES[args.dtype].itemsize if args.dtype else None)
+    return directory, ExportTarget.prepare(args.out, overwrite=args.overwrite, needed_bytes=needed)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m relax_gdn.export_hf",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint",
-                        help="a step_NNNNNN checkpoint directory, or the checkpoint.dir holding them")
-    parser.add_argument("out", help="the Hugging Face directory to write")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a step_NNNNNN checkpoint directory, the checkpoint directory holding them (its "
+                             "newest), or a run directory (its checkpoints)")
+    parser.add_argument("out", metavar="OUT",
+                        help="the Hugging Face directory to write: new or empty (see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what OUT holds, whole: the export is written beside OUT and renamed "
+                             "to it once complete")
     parser.add_argument("--like", default=RECORDED, metavar="DIR",
                         help="keep the layout of this HF checkpoint (default: the one the run started from, "
                              "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM")
@@ -170,18 +192,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA checkpoint: write its adapters as a PEFT adapter directory for the base model "
                              "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # what the export did is its report, printed below; the build's info lines are training's
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     like = None if args.like == "none" else args.like
     from relax_gdn.runtime import Runtime
 
+    target = None
     try:
         with Runtime() as runtime:
-            report = export_checkpoint(args.checkpoint, args.out, args.dtype, like, adapter=args.adapter,
+            directory, target = _prepare(args, like)
+            report = export_checkpoint(directory, target.partial, args.dtype, like, adapter=args.adapter,
                                        runtime=runtime)
-    except RecipeError as e:
+    except BaseException as e:
+        if target is not None:
+            target.discard()
+        if not isinstance(e, RecipeError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    target.commit()
+    report.out = target.out
     print("\n".join(report.lines()))
     if args.adapter:
         print(f"load it with peft.PeftModel.from_pretrained(<the base model>, {str(report.out)!r}) (docs/lora.md)")

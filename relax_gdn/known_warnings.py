@@ -7,7 +7,10 @@ entry point installs it, and undoes it on close; ``logging.show_third_party_warn
 skips it and shows them all.
 
 Each entry names what it silences and why that is harmless for this recipe. Filters match the
-start of one message, so any other warning from the same library still shows.
+start of one message, so any other warning from the same library still shows. This is the one list:
+``train.py`` (a run, a resumed run), ``python -m relax_gdn.export_hf`` and every benchmark install
+it through their Runtime, ``python -m relax_gdn.compare`` for the time it runs
+(:func:`silence_known_warnings`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class KnownWarning:
     message: str  # regular expression matched against the START of the message
     why: str  # why silencing it hides nothing a user must act on
     category: type[Warning] = UserWarning
+    # regular expression matched against the START of the module that warns (for a SyntaxWarning
+    # raised while Python compiles a file: its path without ".py"); empty: any module
+    module: str = ""
 
 
 # ``warnings.warn`` notices.
@@ -44,6 +50,28 @@ KNOWN_WARNINGS = (
                  "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and "
                  "FLA's CP helpers still call the old names, which do the same thing",
                  FutureWarning),
+    KnownWarning(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+                 r"load in a single process",
+                 "torch's distributed checkpoint reader in a process without a process group (the export, a "
+                 "one-process run resuming): reading the whole checkpoint in this process is what it asks "
+                 "for"),
+    KnownWarning(r"The argument order of load has been changed",
+                 "torch's distributed checkpoint notice to callers that pass load's arguments by position, "
+                 "which Megatron-Core 0.19.2 does; its arguments are the right ones"),
+    KnownWarning(r"If you are using transformer_engine as the transformer implementation, the core_attn is "
+                 r"from transformer_engine",
+                 "Megatron-Core's TransformerConfig says it whenever recompute names core_attn; the recipe's "
+                 "attention core is its own (relax_gdn.model.attention), never Transformer Engine's fused "
+                 "one under selective or mixed recompute"),
+    KnownWarning(r"MimoModelConfig is experimental",
+                 "printed when Megatron-Core's multimodal package is imported; the recipe does not use MIMO"),
+    KnownWarning(r"Synchronization debug mode is a prototype feature",
+                 "torch's note when CUDA sync debug mode is set (logging.count_host_syncs, the benchmarks' "
+                 "host-sync counts): the recipe counts the syncs it asks about and says where"),
+    KnownWarning(r"invalid escape sequence",
+                 "Python compiling Megatron-Core 0.19.2's sources on their first import (a docstring's "
+                 r"'\-'): a note for Megatron-Core's authors, about text, not behaviour",
+                 SyntaxWarning, module=r".*megatron[/\\]core"),
 )
 
 
@@ -65,6 +93,9 @@ KNOWN_LOG_LINES = (
                  "included; its successor (nvidia-resiliency-ext) is not a dependency of this recipe"),
     KnownLogLine("megatron.core.optimizer_param_scheduler", r"> learning rate decay style",
                  "an info line per run; the schedule is in config.yaml (optim.schedule)"),
+    KnownLogLine("megatron.core.optimizer_param_scheduler", r" > (using checkpoint value|overriding)",
+                 "one line per schedule value when a run resumes; the recipe compares the saved schedule "
+                 "with the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)"),
     KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
                  r"Using Megatron-FSDP without Transformer Engine",
                  "printed on import; Megatron-FSDP is not used"),
@@ -91,7 +122,7 @@ def silence_known_warnings() -> Callable[[], None]:
     filters as they were, with any added since kept in front; the log filters taken off)."""
     before = list(warnings.filters)
     for known in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=known.message, category=known.category)
+        warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
     ours = list(warnings.filters)
     log_filters = []
     for known in KNOWN_LOG_LINES:

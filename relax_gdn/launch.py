@@ -11,6 +11,20 @@ torchrun stopped with SIGTERM after that first failure aside), exits with that c
 torchrun's report: the workers have said why. Any other failure (a traceback's exit 1, a worker
 killed by a signal, workers that disagree) keeps torchrun's report and its exit code 1.
 
+Ctrl-C is counted here, not by torchrun (which would pass it on to the workers as a second SIGINT,
+kill them 30 s later whatever they were writing, and end with a traceback). A terminal's Ctrl-C
+reaches the launcher and every worker; ``kill -INT`` of the launcher reaches it alone. So each
+press is passed on to the workers (:data:`LAUNCHED_ENV` tells them who counts):
+
+* the first as SIGINT: each worker finishes its step, the run saves its checkpoint and every
+  worker exits 130 (:mod:`relax_gdn.train.stop`); the launcher then exits 130 too, with no report;
+* the second as :data:`AT_ONCE_SIGNAL`: each worker stops at once (rank 0 says what is saved and
+  what is not); a worker still running :data:`AT_ONCE_GRACE_S` later (stopped, or in a state
+  where not even its signal thread runs) is killed, and so is every process below the workers;
+  the launcher exits 130.
+
+A Ctrl-C before any worker started ends the launcher at once with one line.
+
 ``make run`` and ``slurm/train.sbatch`` start their workers through it; a bare ``torchrun`` runs
 the same workers and ends with torchrun's own report and exit code.
 """
@@ -18,9 +32,22 @@ the same workers and ends with torchrun's own report and exit code.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from relax_gdn.errors import INTERRUPTED_EXIT_CODE
+
+# In the workers' environment: "1" when this launcher counts the presses of Ctrl-C (relax_gdn.train.stop)
+LAUNCHED_ENV = "RELAX_GDN_LAUNCHED"
+AT_ONCE_SIGNAL = signal.SIGUSR2  # the second Ctrl-C as the launcher passes it on: stop at once
+AT_ONCE_GRACE_S = 10.0  # a worker that has not stopped this long after AT_ONCE_SIGNAL is killed
+# torchrun's --signals-to-handle (the signals it stops its workers on) as its environment default,
+# given here without SIGINT, which the launcher handles
+_TORCHRUN_SIGNALS_ENV = "PET_SIGNALS_TO_HANDLE"
+_TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
 
 # torchrun's log lines about a failed worker, restated by its report: held back until the launcher
 # knows whether the exit was one the workers explained (dropped) or not (emitted as they were)
@@ -71,7 +98,101 @@ class _WorkerExitLines(logging.Filter):
             self._releasing = False
 
 
+class _CtrlC:
+    """The launcher's SIGINT handler: counts the presses and passes them on (module docstring)."""
+
+    def __init__(self) -> None:
+        self.presses = 0
+
+    def __call__(self, signum, frame) -> None:
+        import psutil
+
+        self.presses += 1
+        workers = psutil.Process().children()
+        if not workers:
+            raise KeyboardInterrupt  # no worker yet: nothing ran
+        if self.presses == 1:
+            for worker in workers:
+                _signal(worker, signal.SIGINT)
+            return
+        _stop_at_once(workers)
+        raise SystemExit(INTERRUPTED_EXIT_CODE)
+
+
+def _signal(process, signum: int) -> None:
+    import psutil
+
+    try:
+        process.send_signal(signum)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _rank(process) -> int:
+    import psutil
+
+    try:
+        return int(process.environ().get("RANK", "0"))
+    except (psutil.Error, ValueError):
+        return 0
+
+
+def _stop_at_once(workers: list) -> None:
+    """:data:`AT_ONCE_SIGNAL` to every worker; what is still running after the grace, and every
+    process below the workers (a checkpoint writer), is killed."""
+    import psutil
+
+    tree = list(workers)
+    for worker in workers:
+        try:
+            tree += worker.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    ranks = {worker.pid: _rank(worker) for worker in workers}  # read while they run
+    for worker in workers:
+        _signal(worker, AT_ONCE_SIGNAL)
+    _, running = psutil.wait_procs(workers, timeout=AT_ONCE_GRACE_S)
+    for process in tree:
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=5.0)
+    if running:
+        named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})"
+                          for p in sorted(running, key=lambda p: ranks[p.pid]))
+        sys.stderr.write(f"relax-gdn: second Ctrl-C: killed {named}, not stopped {AT_ONCE_GRACE_S:.0f} s "
+                         "after being asked\n")
+
+
+@contextmanager
+def _ctrl_c_counted_here() -> Iterator[None]:
+    """SIGINT handled by :class:`_CtrlC` (not torchrun) and :data:`LAUNCHED_ENV` set for the workers,
+    both undone after."""
+    saved_env = {name: os.environ.get(name) for name in (LAUNCHED_ENV, _TORCHRUN_SIGNALS_ENV)}
+    torchruns = os.environ.get(_TORCHRUN_SIGNALS_ENV, _TORCHRUN_SIGNALS).split(",")
+    os.environ[_TORCHRUN_SIGNALS_ENV] = ",".join(name for name in torchruns if name.strip() != "SIGINT")
+    os.environ[LAUNCHED_ENV] = "1"
+    previous = signal.signal(signal.SIGINT, _CtrlC())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv: list[str] | None = None) -> None:
+    try:
+        with _ctrl_c_counted_here():
+            _torchrun(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("relax-gdn: Ctrl-C before the workers started: stopped, nothing ran\n")
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+
+
+def _torchrun(argv: list[str]) -> None:
+    """torchrun, ending with the failed workers' agreed exit code without its report."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -79,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = _WorkerExitLines(logger)
     logger.addFilter(lines)
     try:
-        torchrun(sys.argv[1:] if argv is None else argv)
+        torchrun(argv)
     except ChildFailedError as e:
         code = agreed_exit_code(failure.exitcode for failure in e.failures.values())
         if code is None:

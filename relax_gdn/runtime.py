@@ -21,7 +21,10 @@ A :class:`Runtime` owns, in the order it installs them:
   :mod:`relax_gdn.gdn.fla_tuning`) and the CP pre-processing that skips unread transition
   summaries for the layers that ask for it (:mod:`relax_gdn.gdn.fla_cp_summaries`);
 * torch's CUDA sync debug mode, when one is asked for;
-* the signal handlers other components ask it for (:meth:`Runtime.handle_signal`);
+* the signal handlers other components ask it for (:meth:`Runtime.handle_signal`), and the thread
+  that runs those that must act the moment their signal arrives (a stop at once), whatever the main
+  thread is blocked in; the handler that ends a rank quietly once rank 0 has reported an error
+  every rank hit (:meth:`Runtime.exit_quietly_on_sigterm`, :func:`relax_gdn.errors.report_user_error`);
 * the queue Megatron-Core's checkpoint writer reports through, one that dies with this process
   (:meth:`Runtime.checkpoint_write_results`, :mod:`relax_gdn.compat.write_results`);
 * the process-wide changes a run can only make once it knows its device and configuration
@@ -75,6 +78,7 @@ class Runtime:
         self.sync_debug_mode = sync_debug_mode
         self._undo: list[Callable[[], None]] = []
         self._signals: dict[int, object] = {}
+        self._signal_thread: _SignalThread | None = None  # made by the first on_arrival handler
         self._write_results: tuple[bool, Callable[[], None]] | None = None  # (background, undo)
         self.installed = False
         self.cpu_shims = False  # resolved by install
@@ -142,6 +146,9 @@ class Runtime:
         Runtime does nothing more (a second close is a no-op)."""
         for signum in list(self._signals):
             self.restore_signal(signum)
+        if self._signal_thread is not None:
+            self._signal_thread.close()
+            self._signal_thread = None
         while self._undo:
             self._undo.pop()()
         self._write_results = None
@@ -246,14 +253,26 @@ class Runtime:
 
     # ------------------------------------------------------------------ signals
 
-    def handle_signal(self, signum: int, handler: SignalHandler) -> bool:
+    def handle_signal(self, signum: int, handler: SignalHandler, *, on_arrival: bool = False) -> bool:
         """Install ``handler`` for ``signum`` until :meth:`restore_signal` or :meth:`close`, which
         put back the handler it replaced. Python takes signal handlers in the main thread only:
-        elsewhere nothing is installed and False is returned (the caller then gets no signal)."""
+        elsewhere nothing is installed and False is returned (the caller then gets no signal).
+
+        Python runs a handler in the main thread once it is back in Python, which a thread inside a
+        collective or a CUDA wait may never be. ``on_arrival``: ``handler`` runs on the Runtime's
+        signal thread as the signal arrives, whatever the main thread does (it only has a blocking
+        call interrupted); a process forked from this one does not report its signals here."""
         if not self.installed:
             raise RuntimeError("Runtime.handle_signal needs an installed Runtime")
         if threading.current_thread() is not threading.main_thread():
             return False
+        if on_arrival:
+            if self._signal_thread is None:
+                self._signal_thread = _SignalThread()
+            self._signal_thread.handlers[signum] = handler
+            handler = _noted_by_the_signal_thread
+        elif self._signal_thread is not None:
+            self._signal_thread.handlers.pop(signum, None)
         previous = signal.signal(signum, handler)
         self._signals.setdefault(signum, previous)  # handled twice: close restores the original
         return True
@@ -262,6 +281,63 @@ class Runtime:
         """Put back the handler ``signum`` had before :meth:`handle_signal` (nothing if none was set)."""
         if signum in self._signals:
             signal.signal(signum, self._signals.pop(signum))
+        if self._signal_thread is not None:
+            self._signal_thread.handlers.pop(signum, None)
+
+    def exit_quietly_on_sigterm(self, code: int) -> None:
+        """Until :meth:`close`, SIGTERM ends this process with ``code`` and no traceback: what a rank
+        waiting for rank 0 to report an error sets, as torchrun stops it with SIGTERM once rank 0
+        has exited (:func:`relax_gdn.errors.report_user_error`)."""
+
+        def exit_quietly(signum, frame):
+            raise SystemExit(code)
+
+        self.handle_signal(signal.SIGTERM, exit_quietly)
+
+
+def _noted_by_the_signal_thread(signum: int, frame: FrameType | None) -> None:
+    """The main thread's handler of a signal the signal thread handles: nothing more to do."""
+
+
+class _SignalThread:
+    """Runs handlers as their signals arrive: CPython's C-level handler writes each signal's number
+    to the wakeup fd (``signal.set_wakeup_fd``), whichever thread the OS delivered it to, and this
+    thread reads them. ``handlers``: signal number -> handler, called with ``(signum, None)``."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[int, SignalHandler] = {}
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._closed = False
+        # a forked child (a checkpoint writer) would write its own signals into this pipe
+        os.register_at_fork(after_in_child=self._forget_in_child)
+        self._thread = threading.Thread(target=self._serve, name="relax-gdn-signals", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while chunk := os.read(self._read, 64):  # empty: the write end is closed
+            for signum in chunk:
+                handler = self.handlers.get(signum)
+                if handler is not None:
+                    handler(signum, None)
+
+    def _forget_in_child(self) -> None:
+        if not self._closed:
+            self._closed = True
+            signal.set_wakeup_fd(-1)
+            os.close(self._read)
+            os.close(self._write)
+
+    def close(self) -> None:
+        """Give the wakeup fd back and end the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._write)
+        self._thread.join(timeout=10)
+        os.close(self._read)
 
 
 __all__ = ["Runtime"]

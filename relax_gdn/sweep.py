@@ -26,7 +26,9 @@ from typing import Any
 MANIFEST_NAME = "sweep.json"
 JOB_FILES_DIR = ".jobs"
 MANIFEST_VERSION = 1
-STATUSES = ("submitted", "running", "ok", "failed")
+# a job stopped by Ctrl-C (after its checkpoint, or at once) is "stopped", one the sweep never
+# started after a Ctrl-C "not_run": neither is a failure
+STATUSES = ("submitted", "running", "ok", "failed", "stopped", "not_run")
 # Keys that make a job a repeat, not a different variant (W&B job_type, compare's grouping).
 REPEAT_KEYS = ("train.seed",)
 MAX_JOB_TYPE_CHARS = 64  # W&B's limit
@@ -188,8 +190,10 @@ class SweepProgress:
     def tally(jobs: Sequence[dict[str, Any]]) -> str:
         counts = job_counts(jobs)
         refused = f" ({counts['refused']} refused)" if counts["refused"] else ""
-        return (f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}, "
-                f"{counts['submitted']} waiting (of {len(jobs)})")
+        stopped = "".join(f", {counts[status]} {status.replace('_', ' ')}"
+                          for status in ("stopped", "not_run") if counts[status])
+        return (f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}"
+                f"{stopped}, {counts['submitted']} waiting (of {len(jobs)})")
 
     @staticmethod
     def _job_lines(job: dict[str, Any]) -> list[tuple[str, str]]:
@@ -207,6 +211,11 @@ class SweepProgress:
         if status == "failed":
             return [("ERROR", f"job #{num} failed (exit {job.get('rc')}{took}): {run_dir}: "
                               f"{_one_line(job.get('error'))}")]
+        if status == "stopped":
+            return [("WARNING", f"job #{num} stopped by Ctrl-C (exit {job.get('rc')}{took}): {run_dir}: "
+                                f"{_one_line(job.get('error'))}")]
+        if status == "not_run":
+            return [("WARNING", f"job #{num} not run: the sweep was stopped by Ctrl-C before it started")]
         if status == "submitted" and job.get("requeues"):
             return [("WARNING", f"job #{num} requeued after a checkpoint ({job['requeues']}): {run_dir}")]
         return []

@@ -76,7 +76,7 @@ def gloo_once(gloo):
 # cost more than its training): name -> overrides.
 SHORT_TRAIN_PY_RUNS = {
     "3 steps": ("train.steps=3", "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-                "run_name=entry-test", "logging.profile_steps=[2,2]"),
+                "run_name=entry-test", "logging.profile_steps=[2,2]", "checkpoint.save_final=true"),
     "1 step, third-party notices": ("train.steps=1", "train.global_batch_size=4", "data.num_samples=64",
                                     "data.synthetic_max_steps=1", "logging.show_third_party_warnings=true"),
 }

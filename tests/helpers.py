@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,10 @@ EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples
 MESSAGES_EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
 # a child's whole run, start-up included, on a loaded 2-core machine
 TRAIN_PY_TIMEOUT_S = 300
+# A third-party notice in a command's output: a warnings.warn line (its library's file path), or a
+# log line relax_gdn.known_warnings names.
+THIRD_PARTY_NOTICE = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|"
+                                r"decay style|checkpoint value|gpuGetDeviceCount|USDT:|^wandb: ")
 
 
 def config_with(**dotted) -> RunConfig:

@@ -92,8 +92,10 @@ def test_every_lora_rule_names_its_key():
     assert "model.fused_cross_entropy=false" in head
     validate(_cfg(model__lora__rank=4, model__lora__targets=["output", "embedding"],
                   model__fused_cross_entropy=False), 1)
-    # rank 0 switches LoRA off: its other keys are not checked
-    validate(_cfg(model__lora__rank=0, model__lora__targets=[], model__spec_provider="te"), 1)
+    # rank 0 switches LoRA off: the rules of LoRA's other keys do not apply, but setting them is
+    # refused (they would do nothing; tests/test_lora_options.py)
+    validate(_cfg(model__lora__rank=0, model__spec_provider="te"), 1)
+    assert "model.lora.targets set but model.lora.rank is 0" in _problems(_cfg(model__lora__targets=[]))
 
 
 def test_a_lora_run_takes_the_presets_lora_rate():

@@ -8,10 +8,18 @@ import importlib.util
 import logging
 import os
 import signal
+import threading
 import warnings
 
 import pytest
 import torch
+
+
+def _wakeup_fd() -> int:
+    fd = signal.set_wakeup_fd(-1)
+    if fd != -1:
+        signal.set_wakeup_fd(fd)
+    return fd
 
 
 def _process_state() -> dict:
@@ -30,7 +38,10 @@ def _process_state() -> dict:
         "environ": dict(os.environ),
         "warning filters": list(warnings.filters),
         "log filters": {k.logger: list(logging.getLogger(k.logger).filters) for k in KNOWN_LOG_LINES},
-        "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)},
+        "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT,
+                                                             signal.SIGUSR2)},
+        "signal wakeup fd": _wakeup_fd(),
+        "threads": sorted(t.name for t in threading.enumerate()),
         "rng tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
         "cuda rng state functions": (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state),
         "checkpoint staging": FileSystemWriterAsync.__dict__["preload_tensors"],
@@ -82,7 +93,7 @@ def test_close_leaves_the_process_as_it_was():
         # what Megatron-Core decorates with torch.compile once this is installed stays the function itself
         assert torch.compile(_process_state) is _process_state
         assert mcore_random._get_cuda_rng_state() is None
-        changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers"}
+        changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers", "threads"}
         expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
                     "cuda rng state functions", "checkpoint staging", "deterministic algorithms"}
         expected |= {"dynamo.disable"} if not before["dynamo.disable"] else set()
@@ -101,6 +112,13 @@ def test_close_leaves_the_process_as_it_was():
         assert calls == [signal.SIGUSR1]
         runtime.restore_signal(signal.SIGTERM)  # given back early, as a component that is done does
         assert signal.getsignal(signal.SIGTERM) == before["signal handlers"][signal.SIGTERM]
+        # a stop at once (relax_gdn.train.stop) and a rank waiting for rank 0's report (relax_gdn.errors)
+        assert runtime.handle_signal(signal.SIGUSR2, lambda signum, frame: None, on_arrival=True)
+        runtime.exit_quietly_on_sigterm(2)
+        with pytest.raises(SystemExit) as exited:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.value.code == 2 and _wakeup_fd() != -1
+        assert "relax-gdn-signals" in _process_state()["threads"]
         with pytest.raises(RuntimeError, match="another relax_gdn Runtime"):
             Runtime().install()  # one owner at a time
     finally:
@@ -111,6 +129,33 @@ def test_close_leaves_the_process_as_it_was():
     Runtime(silence_warnings=False, cpu_shims=False, fla=False).install().close()  # none left installed
     runtime.close()  # a second close does nothing
     assert _process_state() == before
+
+
+def test_a_handler_on_arrival_runs_on_the_signal_thread_and_a_forked_child_does_not_report_there():
+    """What a stop at once needs: its handler runs as the signal arrives, on the Runtime's thread,
+    not when the main thread is next in Python; a process forked from this one (a checkpoint
+    writer) that gets the terminal's signal does not run this process's handler."""
+    from relax_gdn.runtime import Runtime
+
+    ran = []
+    arrived = threading.Event()
+
+    def handler(signum, frame):
+        ran.append((signum, threading.current_thread().name))
+        arrived.set()
+
+    with Runtime(silence_warnings=False, cpu_shims=False, fla=False) as runtime:
+        runtime.handle_signal(signal.SIGUSR2, handler, on_arrival=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process with threads
+            child = os.fork()
+        if child == 0:
+            os.kill(os.getpid(), signal.SIGUSR2)  # handled there by a main-thread handler that does nothing
+            os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0  # had it reported its signal here, that would come first
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert arrived.wait(timeout=60), "the handler did not run"
+    assert ran == [(signal.SIGUSR2, "relax-gdn-signals")]  # close() joined the thread: all it read, once
 
 
 def test_library_code_asks_for_a_runtime_instead_of_patching(tmp_path):

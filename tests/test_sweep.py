@@ -22,7 +22,7 @@ import pytest
 from relax_gdn.sweep import (SweepManifest, SweepProgress, gpu_slots, variant_label, varying_keys, visible_gpu_ids,
                              wandb_run_id)
 from tests.distributed import child_env
-from tests.processes import ChildLines
+from tests.processes import ChildLines, alive, descendants, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.steps=4", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=64",
@@ -46,7 +46,8 @@ def test_local_sweep_runs_each_job_as_a_process_group_and_survives_a_refused_job
     assert done.returncode == 1, log[-4000:]  # one failed job
     assert "1 of 3 jobs failed" in log
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
-    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1, "refused": 1}
+    assert manifest["counts"] == {"submitted": 0, "running": 0, "ok": 2, "failed": 1, "stopped": 0,
+                                  "not_run": 0, "refused": 1}
     assert manifest["varying_keys"] == ["gdn.cp_mode"] and manifest["world_size_per_job"] == 2
     ok, ok2, refused = manifest["jobs"]
     assert [j["variant"] for j in manifest["jobs"]] == [f"gdn.cp_mode={m}" for m in ("headwise", "chunkwise",
@@ -95,6 +96,45 @@ def test_compare_reads_the_sweep(sweep, tmp_path):
     assert "gdn.cp_mode=chunkwise" in (out / "summary.md").read_text()
 
 
+def test_ctrl_c_stops_the_running_job_after_a_checkpoint_and_the_others_are_not_run(tmp_path):
+    """Three one-process jobs one after another; Ctrl-C (SIGINT to the sweep's process group, as a
+    terminal sends it) while the first trains: it stops after a checkpoint (its job controller does
+    not kill it), the two others are recorded as not run, the sweep ends with one line, exit 130."""
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "-m", "hydra/launcher=local", "train.seed=1,2,3",
+         f"hydra.sweep.dir={sweep_dir}", *TINY, "train.steps=40", "optim.decay_steps=40"],
+        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    lines = ChildLines(proc, timeout_s=900)
+    try:
+        lines.wait_for(r"job #0 started")
+        metrics = sweep_dir / "0" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 600,
+                   "job #0's first step")
+        below = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=300) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    log = lines.all()
+    assert "Traceback" not in log, log[-4000:]
+    last = log.strip().splitlines()[-1]
+    said = f"sweep stopped by Ctrl-C: 1 stopped, 2 not run; sweep.json in {sweep_dir}"
+    assert last.endswith(said), log[-3000:]
+    manifest = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [(j["status"], j.get("rc")) for j in manifest["jobs"]] == [("stopped", 130), ("not_run", None),
+                                                                      ("not_run", None)], manifest["jobs"]
+    assert manifest["counts"]["failed"] == 0 and manifest["counts"]["stopped"] == 1
+    checkpoints = sweep_dir / "0" / "checkpoints"
+    saved = (checkpoints / "latest").read_text().strip()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert saved == f"step_{steps[-1]:06d}" and steps[-1] < 40  # stopped after the step it was in, saved
+    assert not (sweep_dir / "1").exists() and not alive(below)
+
+
 def _write_when_read(fifo: Path, text: str, timeout: float) -> None:
     writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
     writer.start()
@@ -125,7 +165,8 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
         # printed after sweep.json was rewritten: the running job is there, the sweep is not finished
         manifest = json.loads((sweep_dir / "sweep.json").read_text())
         assert manifest["jobs"][1]["status"] == "running" and "finished" not in manifest, manifest
-        assert manifest["counts"] == {"submitted": 0, "running": 1, "ok": 0, "failed": 1, "refused": 0}
+        assert manifest["counts"] == {"submitted": 0, "running": 1, "ok": 0, "failed": 1, "stopped": 0,
+                                      "not_run": 0, "refused": 0}
         slow = lines.wait_for(r"job #1 has run")
         assert re.search(r"has run \d+:\d\d:\d\d, \d+\.\dx the median \d+:\d\d:\d\d of the 1 finished job\(s\): "
                          + re.escape(str(sweep_dir / "1")) + r"; its output: .*\.submitit/\d+/\d+_0_log\.out", slow), slow

@@ -27,10 +27,12 @@ Hydra only instantiates launchers defined under ``hydra_plugins``, hence this pa
 import copy
 import logging
 import os
+import signal
 import socket
 import subprocess
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -42,8 +44,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
-from relax_gdn.errors import PREEMPTED_EXIT_CODE
-from relax_gdn.sweep import SLOW_JOB_FACTOR
+from relax_gdn.errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relax_gdn.sweep import SLOW_JOB_FACTOR, job_counts
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,24 @@ log = logging.getLogger(__name__)
 # step watchdog's thread: the job fails with 124 and is not requeued from here.)
 MAX_FAILED_EXIT_CODE = 125  # exit codes above are the shell's (126: not executable, 128+n: signal n)
 POLL_SECONDS = 1.0
+AT_ONCE_WAIT_S = 30.0  # after a second Ctrl-C, how long the jobs it stopped at once are waited for
+
+
+@contextmanager
+def _submitting():
+    """SIGINT ignored while a job is submitted: the process submitit starts to run a local job (its
+    controller) inherits that, so a Ctrl-C does not make it kill the job's tasks a second later,
+    mid-checkpoint; each task takes SIGINT back (``_SweepLauncher.__call__``)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _failed_or_stopped(rc: int) -> str:
+    """A job's status for an exit code that is not 0: ``stopped`` for Ctrl-C's 130, else ``failed``."""
+    return "stopped" if rc == INTERRUPTED_EXIT_CODE else "failed"
 
 
 @dataclass
@@ -115,6 +135,7 @@ class JobFailure:
 
 class _SweepLauncher(BaseSubmititLauncher):
     _EXECUTOR = "abstract"
+    _COUNTS_CTRL_C = False  # the jobs get the terminal's Ctrl-C (local): see _counting_ctrl_c
 
     # ---- inside a job (every task) ---------------------------------------------------------------
 
@@ -124,6 +145,9 @@ class _SweepLauncher(BaseSubmititLauncher):
 
         from relax_gdn.sweep import SweepManifest, export_torch_distributed_env, wandb_run_id
 
+        # the job controller started with SIGINT ignored (``_submitting``), and so did this task: a
+        # Ctrl-C is one here again, for train.py's stop handling
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         job_env = submitit.JobEnvironment()
         dist_env = export_torch_distributed_env(single_host=self._EXECUTOR == "local")
         rank = int(dist_env["RANK"])
@@ -155,30 +179,41 @@ class _SweepLauncher(BaseSubmititLauncher):
                 error = ret._return_value
                 result = JobFailure(1, "".join(traceback.format_exception(error))[-4000:])
         except SystemExit as e:  # train.py's refusal of a config or data (exit code 2) or any other exit
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if code == 0:
-                result = JobReturn(status=JobStatus.COMPLETED)
-            elif code == PREEMPTED_EXIT_CODE and self._requeues():
-                if rank == 0:
-                    entry = manifest.update_job(job_num, status="submitted", ended=None,
-                                                requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
-                    log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
-                                job_num, entry["requeues"])
-                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
-                # leave no result behind (submitit would report the job done): the requeued job writes it
-                raise SystemExit(code) from None
-            elif e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
-                result = JobFailure(code, str(e.__context__))
-            else:
-                result = JobFailure(code, f"exited with code {code}; the task logs in {job_env.paths.folder} say why")
+            result = self._exit_result(e, rank, manifest, job_num, job_env.paths.folder)
+        except KeyboardInterrupt:  # a Ctrl-C before train.py handles it (imports, start-up): nothing trained
+            result = JobFailure(INTERRUPTED_EXIT_CODE, "stopped by Ctrl-C before its training steps")
         except BaseException as e:  # noqa: BLE001 - reported in the manifest, the sweep goes on
             result = JobFailure(1, "".join(traceback.format_exception(e))[-4000:])
         if rank == 0:
             if isinstance(result, JobFailure):
-                manifest.update_job(job_num, status="failed", rc=result.rc, error=result.error, ended=time.time())
+                manifest.update_job(job_num, status=_failed_or_stopped(result.rc), rc=result.rc,
+                                    error=result.error, ended=time.time())
             else:
                 manifest.update_job(job_num, status="ok", rc=0, ended=time.time())
         return result
+
+    def _exit_result(self, e: SystemExit, rank: int, manifest, job_num: int,
+                     logs) -> Union[JobReturn, JobFailure]:
+        """What a task that ended with ``SystemExit`` returns: a preempted job that requeues (SLURM)
+        leaves nothing (exits again), a Ctrl-C's 130 is a stop, any other code a failure."""
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 0:
+            return JobReturn(status=JobStatus.COMPLETED)
+        if code == PREEMPTED_EXIT_CODE and self._requeues():
+            if rank == 0:
+                entry = manifest.update_job(job_num, status="submitted", ended=None,
+                                            requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
+                log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
+                            job_num, entry["requeues"])
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+            # leave no result behind (submitit would report the job done): the requeued job writes it
+            raise SystemExit(code) from None
+        if code == INTERRUPTED_EXIT_CODE:
+            return JobFailure(code, f"stopped by Ctrl-C; the task logs in {logs} say after which step and "
+                                    "with which checkpoint")
+        if e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
+            return JobFailure(code, str(e.__context__))
+        return JobFailure(code, f"exited with code {code}; the task logs in {logs} say why")
 
     # ---- in the launching process ----------------------------------------------------------------
 
@@ -299,6 +334,8 @@ class _SweepLauncher(BaseSubmititLauncher):
         entries = [manifest.read_job(initial_job_idx + i) for i in range(len(job_overrides))]
         failed = [e for e in entries if e.get("status") != "ok"]
         manifest.merge(finished=time.time())
+        if getattr(self, "_ctrl_c", 0):
+            self._end_interrupted(manifest, sweep_dir)
         if failed:
             which = ", ".join(f"#{e['num']} (exit {e.get('rc')})" for e in failed)
             log.error("%d of %d jobs failed: %s; sweep.json in %s says why", len(failed), len(entries), which,
@@ -314,7 +351,10 @@ class _SweepLauncher(BaseSubmititLauncher):
 
     def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
         """Submit ``jobs`` (one per free slot, or all at once as a job array) and wait for every
-        one, recording each result as it arrives."""
+        one, recording each result as it arrives. A Ctrl-C (the terminal's reaches the running
+        jobs too, which stop after a checkpoint) ends the submitting: the jobs not started are
+        recorded as not run, and the running ones are waited for; a second Ctrl-C (which stops them
+        at once) ends the waiting within :data:`AT_ONCE_WAIT_S`."""
         if not jobs:
             return {}
         executor = self._executor()
@@ -326,7 +366,7 @@ class _SweepLauncher(BaseSubmititLauncher):
         def submit(batch, slot=None):
             if slot is not None:
                 executor.update_parameters(**slots[slot])
-            with executor.batch():  # a job array on SLURM
+            with _submitting(), executor.batch():  # a job array on SLURM
                 submitted = [executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
                              for num, ov in batch]
             for (num, _), job in zip(batch, submitted):
@@ -335,22 +375,78 @@ class _SweepLauncher(BaseSubmititLauncher):
             manifest.merge()
             self._report(manifest)
 
-        if slots is None:
-            submit(pending)
-            pending = []
-        while pending or running:
-            while pending and free:
-                submit([pending.pop(0)], free.pop(0))
-            for num, (job, slot) in list(running.items()):
-                if job.done():
-                    results[num] = self._collect(num, job, manifest)
-                    del running[num]
-                    if slot is not None:
-                        free.append(slot)
-            self._report(manifest)
-            if running:
-                time.sleep(POLL_SECONDS)
+        with self._counting_ctrl_c():
+            if slots is None:
+                submit(pending)
+                pending = []
+            while (pending or running) and not self._given_up(running, manifest):
+                if self._ctrl_c and pending:
+                    self._not_run([num for num, _ in pending], manifest)
+                    pending = []
+                while pending and free:
+                    submit([pending.pop(0)], free.pop(0))
+                for num, (job, slot) in list(running.items()):
+                    if job.done():
+                        results[num] = self._collect(num, job, manifest)
+                        del running[num]
+                        if slot is not None:
+                            free.append(slot)
+                self._report(manifest)
+                if running:
+                    time.sleep(POLL_SECONDS)
         return results
+
+    # ---- Ctrl-C ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _counting_ctrl_c(self):
+        """While jobs are submitted and waited for, SIGINT counts presses (``_ctrl_c``) instead of
+        raising wherever the launcher is (a half-written sweep.json); put back after. Only where
+        the jobs run on this machine, in the terminal's process group (``_COUNTS_CTRL_C``): a
+        Ctrl-C of a SLURM sweep's launcher ends the launcher, its jobs run on."""
+        self._ctrl_c, self._second_ctrl_c_at = 0, None
+        if not self._COUNTS_CTRL_C:
+            yield
+            return
+
+        def pressed(signum, frame):
+            self._ctrl_c += 1
+            if self._ctrl_c == 2:
+                self._second_ctrl_c_at = time.monotonic()
+
+        previous = signal.signal(signal.SIGINT, pressed)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _not_run(self, nums: List[int], manifest) -> None:
+        for num in nums:
+            manifest.update_job(num, status="not_run", rc=None, error="the sweep was stopped by Ctrl-C first")
+        manifest.merge()
+
+    def _given_up(self, running: Dict[int, Any], manifest) -> bool:
+        """After a second Ctrl-C: whether the jobs still running are no longer waited for (past
+        :data:`AT_ONCE_WAIT_S`); they are then recorded as stopped at once."""
+        if self._second_ctrl_c_at is None or time.monotonic() - self._second_ctrl_c_at < AT_ONCE_WAIT_S:
+            return False
+        for num in running:
+            self._stopped_at_once(num, manifest)
+        return True
+
+    @staticmethod
+    def _stopped_at_once(num: int, manifest) -> None:
+        manifest.update_job(num, status="stopped", rc=INTERRUPTED_EXIT_CODE, ended=time.time(),
+                            error="stopped at once by a second Ctrl-C (nothing saved since its last "
+                                  "checkpoint)")
+
+    def _end_interrupted(self, manifest, sweep_dir: Path) -> None:
+        """One line saying what each job became, then exit 130."""
+        counts = job_counts(manifest.jobs())
+        parts = [f"{counts[status]} {status.replace('_', ' ')}"
+                 for status in ("stopped", "not_run", "ok", "failed") if counts[status]]
+        log.warning("sweep stopped by Ctrl-C: %s; sweep.json in %s", ", ".join(parts), sweep_dir)
+        raise SystemExit(INTERRUPTED_EXIT_CODE)
 
     def _collect(self, num: int, job, manifest) -> JobReturn:
         """The launcher's final word on a job: every task's result, or submitit's error (a task
@@ -358,6 +454,9 @@ class _SweepLauncher(BaseSubmititLauncher):
         try:
             outcomes = job.results()
         except Exception as e:  # noqa: BLE001 - the job is failed; the sweep goes on
+            if self._ctrl_c:  # its tasks stopped at once on a second Ctrl-C, leaving no result
+                self._stopped_at_once(num, manifest)
+                return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("stopped by Ctrl-C"))
             error = str(e).strip()[-4000:]
             manifest.update_job(num, status="failed", rc=manifest.read_job(num).get("rc") or 1, error=error,
                                 ended=time.time())
@@ -366,8 +465,8 @@ class _SweepLauncher(BaseSubmititLauncher):
         if failures:
             first = failures[0]
             ended = manifest.read_job(num).get("ended") or time.time()  # rank 0's, when it wrote one
-            manifest.update_job(num, status="failed", rc=first.rc, error=first.error, ended=ended,
-                                failed_tasks=len(failures), tasks=len(outcomes))
+            manifest.update_job(num, status=_failed_or_stopped(first.rc), rc=first.rc, error=first.error,
+                                ended=ended, failed_tasks=len(failures), tasks=len(outcomes))
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(first)))
         manifest.update_job(num, status="ok", rc=0)
         return outcomes[0]
@@ -391,6 +490,7 @@ class LocalSweepLauncher(_SweepLauncher):
     """``hydra/launcher=local``: jobs as process groups on this machine (submitit's local executor)."""
 
     _EXECUTOR = "local"
+    _COUNTS_CTRL_C = True
 
     def _world_size(self) -> int:
         return int(self.params.get("tasks_per_node", 1))  # one host

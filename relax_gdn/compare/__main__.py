@@ -17,6 +17,7 @@ from pathlib import Path
 
 from relax_gdn.compare.runs import CompareInputError
 from relax_gdn.errors import USER_ERROR_EXIT_CODE, RecipeError
+from relax_gdn.known_warnings import silence_known_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +49,16 @@ def default_out_dir(paths: list[str], group: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """The command; the recipe's known third-party notices are silenced while it runs (one list,
+    :mod:`relax_gdn.known_warnings`, as for training, the export and the benchmarks)."""
+    undo = silence_known_warnings()
+    try:
+        return _main(parse_args(argv))
+    finally:
+        undo()
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.wandb_report:
             from relax_gdn.compare.wandb_report import report_spec, save_report

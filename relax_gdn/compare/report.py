@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from relax_gdn.compare.machine import caution
 from relax_gdn.compare.runs import Run
 from relax_gdn.compare.stats import METRIC_LABELS, group_variants, variant_curves
 
@@ -90,7 +91,9 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     for c in summary["comparisons"]:
         named = (("loss", "loss curve"), ("grad_norm", "grad-norm curve"), ("mtp_loss", "MTP-loss curve"))
         curves = [_curve_text(name, c[key]) for key, name in named if key != "mtp_loss" or c[key].get("steps")]
-        lines.append(f"{c['variant']} vs {c['baseline']}: " + "; ".join([_throughput_text(c["throughput"]), *curves]))
+        shared = caution(c.get("shared_machine"))
+        throughput = _throughput_text(c["throughput"]) + (f" (**caution**: {shared})" if shared else "")
+        lines.append(f"{c['variant']} vs {c['baseline']}: " + "; ".join([throughput, *curves]))
     return lines
 
 

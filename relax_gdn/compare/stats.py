@@ -23,6 +23,9 @@ Rules (docs/compare.md repeats them):
   floating-point reductions from counting when the A/A runs are bit-identical). One number over
   all steps: a per-step test would flag noise at the steps where two repeats happen to cross.
   Without a variant of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
+* **Shared machine.** A comparison whose runs overlapped in time on one host, or ran one after
+  another on a host loaded far above its cores, says so beside its tok/s verdict
+  (:mod:`relax_gdn.compare.machine`).
 * **Diverged runs.** A run with a step whose loss or grad norm was not finite
   (:func:`~relax_gdn.compare.runs.nonfinite_steps`) is *diverged*, and so is its variant. Its
   non-finite values are left out of every statistic, the run is left out of the A/A noise floor
@@ -40,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from relax_gdn.compare.machine import shared_machine
 from relax_gdn.compare.runs import CompareInputError, Run, is_nonfinite, nonfinite_steps
 from relax_gdn.run_stats import (
     BOOTSTRAP_RESAMPLES,
@@ -302,6 +306,7 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
         comparisons.append({
             "variant": variant.label, "baseline": base.label, "diverged": _diverged(variant) or _diverged(base),
             "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
+            "shared_machine": shared_machine(variant.runs, base.runs, steady_records),
             **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
         })
     noise_out = {k: v for k, v in noise.items() if k != "curve_variance"}

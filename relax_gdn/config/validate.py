@@ -41,7 +41,7 @@ from relax_gdn.choices import (
     WANDB_MODES,
     choice_problem,
 )
-from relax_gdn.config.schema import RunConfig
+from relax_gdn.config.schema import LoRAConfig, RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
 from relax_gdn.model.fp8.options import fp8_problems
@@ -137,9 +137,11 @@ def _choices(cfg: RunConfig) -> list[str]:
     problems += _full_layers(cfg)
     problems += _mtp(cfg)
     problems += _fp8(cfg)
-    lora = cfg.model.lora
+    lora, lora_defaults = cfg.model.lora, LoRAConfig()
     problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
-                              fused_cross_entropy=m.fused_cross_entropy)
+                              fused_cross_entropy=m.fused_cross_entropy,
+                              set_without_rank=[k for k in ("targets", "alpha", "dropout")
+                                                if getattr(lora, k) != getattr(lora_defaults, k)])
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
         problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
     return problems + gdn_option_problems(cfg.gdn_options)
@@ -171,8 +173,8 @@ def _mtp(cfg: RunConfig) -> list[str]:
 
 
 def _fp8(cfg: RunConfig) -> list[str]:
-    """``model.fp8.*`` (relax_gdn.model.fp8.options), against this machine's GPU where the run is on
-    CUDA: FP8 tensor cores are compute capability 8.9 and newer."""
+    """``model.fp8.*`` (relax_gdn.model.fp8.options); the GPU's FP8 tensor cores are a machine rule
+    (relax_gdn.config.machine)."""
     fp8 = cfg.model.fp8
     if fp8.recipe is None:
         return []
@@ -180,17 +182,7 @@ def _fp8(cfg: RunConfig) -> list[str]:
         return [f"model.fp8.bf16_modules={fp8.bf16_modules!r} must be a list of module-name patterns "
                 "(e.g. [output_layer, 'decoder.layers.0.*'])"]
     return fp8_problems(fp8.recipe, fp8.bf16_modules, spec_provider=cfg.model.spec_provider,
-                        fused_cross_entropy=cfg.model.fused_cross_entropy, cuda_capability=_run_gpu_capability(cfg))
-
-
-def _run_gpu_capability(cfg: RunConfig) -> tuple[int, int] | None:
-    """The compute capability of the GPU this run would use (None: it runs on the CPU). Imports
-    torch, so only rules that depend on the GPU ask."""
-    if cfg.train.device == "cpu":
-        return None
-    import torch
-
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+                        fused_cross_entropy=cfg.model.fused_cross_entropy)
 
 
 def _full_layers(cfg: RunConfig) -> list[str]:

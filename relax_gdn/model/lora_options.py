@@ -15,6 +15,7 @@ Torch-free, so configuration checks import it without Megatron-Core.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from relax_gdn.choices import LORA_TARGETS
@@ -112,13 +113,22 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def lora_problems(rank, alpha, dropout, targets, *, spec_provider: str, fused_cross_entropy: bool) -> list[str]:
+def lora_problems(rank, alpha, dropout, targets, *, spec_provider: str, fused_cross_entropy: bool,
+                  set_without_rank: Sequence[str] = ()) -> list[str]:
     """Every rule ``model.lora`` (``rank``, ``alpha``, ``dropout``, ``targets``) breaks, alone or
-    with the model settings LoRA depends on (``model.spec_provider``, ``model.fused_cross_entropy``)."""
+    with the model settings LoRA depends on (``model.spec_provider``, ``model.fused_cross_entropy``).
+    ``set_without_rank``: the other ``model.lora`` keys the configuration sets away from their
+    defaults; with rank 0 they would change nothing (the whole model trains), which is refused
+    rather than ignored: the user meant LoRA and forgot its rank."""
     if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0):
         return [f"model.lora.rank={rank!r} must be an integer >= 0 (0: no LoRA, the whole model trains)"]
     if rank == 0:
-        return []
+        if not set_without_rank:
+            return []
+        given = ", ".join(f"model.lora.{key}" for key in set_without_rank)
+        return [f"{given} set but model.lora.rank is 0 (no LoRA: the whole model would train and {given} "
+                "would do nothing): set model.lora.rank (e.g. 16) to train adapters, or leave model.lora.* "
+                "out to train the whole model"]
     problems = []
     if alpha is not None and not (_number(alpha) and alpha > 0):
         problems.append(f"model.lora.alpha={alpha!r} must be a number > 0 (the adapters are scaled by alpha / rank) "

@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import socket
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,17 +57,28 @@ def json_value(value: Any) -> Any:
     return value
 
 
+def where_and_when() -> dict[str, Any]:
+    """When a step ended and on what machine, how busy (the fields of :data:`MACHINE_FIELDS`): what
+    ``relax_gdn.compare`` needs to tell runs that shared a machine, at once or one after another
+    on a loaded one, whose tok/s then measure the machine as much as the code."""
+    return {"time": time.time(), "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "load_1m": round(os.getloadavg()[0], 2)}
+
+
+MACHINE_FIELDS = ("time", "host", "cpus", "load_1m")
+
+
 class JsonlLogger:
     """``metrics.jsonl`` in the run directory: one JSON object per step, flushed each line. A step
     whose loss or grad norm is not finite carries ``"nonfinite": true`` and those values as strings
-    (:func:`json_value`)."""
+    (:func:`json_value`). Each line also says when the step ended and where (:func:`where_and_when`)."""
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        clean = {k: json_value(v) for k, v in record.items()}
+        clean = {k: json_value(v) for k, v in {**record, **where_and_when()}.items()}
         self._file.write(json.dumps(clean, sort_keys=False, allow_nan=False) + "\n")
         self._file.flush()
 
@@ -75,17 +88,21 @@ class JsonlLogger:
 
 class WandbLogger:
     """W&B in ``online``/``offline`` mode; every call is guarded: a failure warns ONCE and turns W&B
-    off, training goes on."""
+    off, training goes on. An offline run prints one line at the end, where the run is and how to
+    upload it, instead of W&B's own start lines and history / summary tables
+    (``logging.show_third_party_warnings=true`` shows those)."""
 
     def __init__(self, cfg, run_dir: Path, config_dict: dict[str, Any], run_id: str | None = None):
         self.run = None
         self._failed = False
         self._records: list[dict[str, Any]] = []  # for the end-of-run summary
         w = cfg.logging.wandb
+        self._one_line = w.mode == "offline" and not cfg.logging.show_third_party_warnings
         try:
             import wandb
 
             self.run = wandb.init(
+                settings=wandb.Settings(silent=True) if self._one_line else None,
                 project=w.project, entity=w.entity, group=w.group or f"{cfg.model.preset}",
                 name=w.name or default_run_name(cfg), job_type=w.job_type, tags=run_tags(cfg), config=config_dict,
                 mode=w.mode,
@@ -132,9 +149,13 @@ class WandbLogger:
             from relax_gdn.run_stats import run_summary
 
             self.run.summary.update(run_summary(self._records))
+            sync_dir = getattr(self.run.settings, "sync_dir", None)
             self.run.finish()
         except Exception as e:  # noqa: BLE001
             self._fail("finish", e)
+            return
+        if self._one_line and sync_dir:
+            logger.info("W&B offline run %s; upload it with: wandb sync %s", sync_dir, sync_dir)
 
 
 class RunLoggers:

@@ -34,7 +34,7 @@ from relax_gdn.parallel import ParallelContext, launcher_rank
 from relax_gdn.runtime import Runtime
 from relax_gdn.train.agreement import agree_on_errors
 from relax_gdn.train.build import build
-from relax_gdn.train.checkpoint_manager import CheckpointManager
+from relax_gdn.train.checkpoint_manager import CheckpointManager, checkpoint_root
 from relax_gdn.train.console import log_run_start
 from relax_gdn.train.evaluate import Evaluator
 from relax_gdn.train.loggers import RunLoggers, default_run_name, start_run_loggers
@@ -97,8 +97,8 @@ class Trainer:
         groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoints,
         resume and the run directory, loggers, the step (planner, metrics), evaluator, watchdog."""
         cfg = self.cfg
-        saves = bool(cfg.checkpoint.every_steps or cfg.checkpoint.save_final)
-        self.stop = StopRequest(self.runtime, rank=launcher_rank(), saves=saves)
+        self.stop = StopRequest(self.runtime, rank=launcher_rank(), checkpoints=checkpoint_root(cfg, self.run_dir),
+                                resume=cfg.checkpoint.resume)
         self.parallel, self.created_group = start_process_groups(cfg, self.dims, self.device, self.runtime)
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0

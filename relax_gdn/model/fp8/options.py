@@ -62,12 +62,21 @@ class FP8Options:
         return TORCHAO_RECIPES[self.recipe]
 
 
-def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], *, spec_provider: str,
-                 fused_cross_entropy: bool, cuda_capability: tuple[int, int] | None) -> list[str]:
-    """Why ``model.fp8`` cannot run as set (empty when it can; nothing to say without a recipe).
+def fp8_gpu_problem(recipe: str | None, cuda_capability: tuple[int, int] | None) -> str | None:
+    """Why a GPU of compute capability ``cuda_capability`` cannot run ``recipe`` (None: it can, or the
+    run is on CPU, where the recipe runs as an exact emulation: the same scales and casts, the GEMM
+    in fp32)."""
+    if recipe is None or cuda_capability is None or tuple(cuda_capability) >= MIN_CUDA_CAPABILITY:
+        return None
+    major, minor = cuda_capability
+    return (f"model.fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+            f"newer); this GPU is {major}.{minor}: set model.fp8.recipe=null")
 
-    ``cuda_capability``: the GPU's compute capability when the run is on CUDA, None on CPU (where the
-    recipe runs as an exact emulation: the same scales and casts, the GEMM in fp32)."""
+
+def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], *, spec_provider: str,
+                 fused_cross_entropy: bool, cuda_capability: tuple[int, int] | None = None) -> list[str]:
+    """Why ``model.fp8`` cannot run as set (empty when it can; nothing to say without a recipe);
+    ``cuda_capability``: the GPU's when known (:func:`fp8_gpu_problem`)."""
     if recipe is None:
         return []
     if problem := choice_problem("model.fp8.recipe", recipe, FP8_RECIPES):
@@ -76,10 +85,8 @@ def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], 
     if spec_provider == "te":
         problems.append("model.fp8.recipe needs the local specs (Megatron-Core's own linears); with "
                         "model.spec_provider=te use Transformer Engine's FP8 instead, or model.spec_provider=local")
-    if cuda_capability is not None and tuple(cuda_capability) < MIN_CUDA_CAPABILITY:
-        major, minor = cuda_capability
-        problems.append(f"model.fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, "
-                        f"Hopper or newer); this GPU is {major}.{minor}: set model.fp8.recipe=null")
+    if gpu := fp8_gpu_problem(recipe, cuda_capability):
+        problems.append(gpu)
     if OUTPUT_LAYER not in bf16_modules and fused_cross_entropy:
         problems.append("model.fp8.bf16_modules leaves out output_layer, but model.fused_cross_entropy=true "
                         "computes the output layer inside the chunked loss, never through the layer: add "
@@ -87,4 +94,4 @@ def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], 
     return problems
 
 
-__all__ = ["FP8Options", "MIN_CUDA_CAPABILITY", "TORCHAO_RECIPES", "fp8_problems"]
+__all__ = ["FP8Options", "MIN_CUDA_CAPABILITY", "TORCHAO_RECIPES", "fp8_gpu_problem", "fp8_problems"]
