@@ -51,8 +51,12 @@ RANK = int(os.environ.get("RANK", "0"))
 # Only global rank 0 writes the run directory: other torchrun ranks tell Hydra to write no
 # .hydra/ files and no job log (they learn rank 0's run directory from it after init).
 if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
-    sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-                 "hydra.run.dir=."]
+    sys.argv += [
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+        "hydra.run.dir=.",
+    ]
 
 register_schema()
 
@@ -107,8 +111,10 @@ def memory_verdict(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
 def check_report(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
     """The line ``--check`` prints for a run it accepts: what it checked."""
     processes = f"{dims.world_size} process{'es' if dims.world_size > 1 else ''}"
-    return (f"train.py --check: ok for {processes} (dp {dims.dp} x cp {dims.cp} x tp {dims.tp}) on this "
-            f"machine's {machine.describe()}; {memory_verdict(cfg, dims, machine)}")
+    return (
+        f"train.py --check: ok for {processes} (dp {dims.dp} x cp {dims.cp} x tp {dims.tp}) on this "
+        f"machine's {machine.describe()}; {memory_verdict(cfg, dims, machine)}"
+    )
 
 
 def check_only(argv: list[str]) -> None:
@@ -117,9 +123,15 @@ def check_only(argv: list[str]) -> None:
     nothing and writes nothing: launchers call it once before they start workers."""
     parser = argparse.ArgumentParser(
         prog="python train.py --check",
-        description="Compose and validate a run's overrides, as train.py would, without running anything.")
-    parser.add_argument("--world-size", type=int, default=1, metavar="N",
-                        help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)")
+        description="Compose and validate a run's overrides, as train.py would, without running anything.",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to train.py")
     args = parser.parse_args(argv)
     check_command_line(args.overrides, world_size=args.world_size, report=True)
@@ -137,12 +149,15 @@ def refuse_multirun_under_torchrun(argv: list[str]) -> None:
     group the other ranks are not in. Sweeps start their own process groups: exit 2 here."""
     multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=MULTIRUN") for a in argv)
     if multirun and ("TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ):
-        report_user_error(MultirunUnderTorchrun(
-            "train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
-            "sweep with python; each job gets its own process group:\n"
-            "  python train.py -m hydra/launcher=local hydra.launcher.tasks_per_node=N <overrides>   # this machine\n"
-            "  python train.py -m hydra/launcher=slurm <overrides>                                   # SLURM\n"
-            "(docs/sweeps.md)"))
+        report_user_error(
+            MultirunUnderTorchrun(
+                "train.py -m (a sweep) cannot run under torchrun: every rank would run every job. Start the "
+                "sweep with python; each job gets its own process group:\n"
+                "  python train.py -m hydra/launcher=local hydra.launcher.tasks_per_node=N <overrides>   # this machine\n"
+                "  python train.py -m hydra/launcher=slurm <overrides>                                   # SLURM\n"
+                "(docs/sweeps.md)"
+            )
+        )
 
 
 def _hydra_files_only(run_dir: Path | None) -> list[Path]:
@@ -216,15 +231,18 @@ def main(hydra_cfg: DictConfig) -> float | None:
         return _train(hydra_cfg, rank, run_dir, hydra_files, runtime)
 
 
-def _train(hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path],
-           runtime) -> float | None:
+def _train(
+    hydra_cfg: DictConfig, rank: int, run_dir: Path | None, hydra_files: list[Path], runtime
+) -> float | None:
     # imported here, after check_command_line: torch and Megatron-Core take seconds to import
-    from relax_gdn.train.console import print_run_summary
     from relax_gdn.train import run_training
+    from relax_gdn.train.console import print_run_summary
 
     on_continue = partial(continue_job_log, run_dir) if run_dir is not None else None
     try:
-        result = run_training(run_config_from_hydra(hydra_cfg), run_dir, runtime=runtime, on_continue=on_continue)
+        result = run_training(
+            run_config_from_hydra(hydra_cfg), run_dir, runtime=runtime, on_continue=on_continue
+        )
     except RecipeError as e:  # the user's to fix: the message names it, a traceback would bury it
         if run_dir is not None:
             _remove_attempt(run_dir, hydra_files)

@@ -11,8 +11,12 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 CPMode = Literal["headwise", "chunkwise", "all_gather"]
-RouteStrategy = Literal["lazy_cache", "prebuild"]  # zigzag<->contiguous routes: built on first use / by the data side
-SwapTransport = Literal["auto", "all_to_all", "peer_memory"]  # auto: peer_memory when the CP group is on one host
+RouteStrategy = Literal[
+    "lazy_cache", "prebuild"
+]  # zigzag<->contiguous routes: built on first use / by the data side
+SwapTransport = Literal[
+    "auto", "all_to_all", "peer_memory"
+]  # auto: peer_memory when the CP group is on one host
 KernelBackend = Literal["auto", "fla", "torch"]  # auto: FLA on CUDA, the pure-torch reference elsewhere
 ModelPreset = Literal["qwen3_5_9b", "qwen3_5_9b_reduced", "qwen3_5_tiny"]
 SpecProvider = Literal["auto", "local", "te"]  # auto: Transformer Engine specs where it imports
@@ -24,7 +28,9 @@ RecomputeGranularity = Literal["full", "mixed", "selective", "none"]
 # what recompute.granularity=selective recomputes (relax_gdn.model.recompute says what each is)
 RecomputeModule = Literal["core_attn", "mlp_act", "gdn_core"]
 DataSource = Literal["synthetic", "jsonl", "parquet", "hf_disk"]
-RecordFormat = Literal["auto", "messages", "prompt_response"]  # auto: a `messages` field -> messages, per file
+RecordFormat = Literal[
+    "auto", "messages", "prompt_response"
+]  # auto: a `messages` field -> messages, per file
 Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 on CUDA, fp32 on CPU
 Device = Literal["auto", "cuda", "cpu"]
 # none: gradients computed and reduced (DDP), no update and no optimizer state: benchmarks of models
@@ -41,10 +47,32 @@ FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 # model.lora.targets: Hugging Face module names (what PEFT's target_modules say) and named groups of
 # them (relax_gdn.model.lora_options.LORA_GROUPS says what each group holds)
 LoRATarget = Literal[
-    "all_linear", "gdn", "attention", "mlp",
-    "gdn_in_proj", "gdn_out_proj", "attention_qkv", "attention_o", "mlp_fc1", "mlp_fc2", "embedding", "output",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-    "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head",
+    "all_linear",
+    "gdn",
+    "attention",
+    "mlp",
+    "gdn_in_proj",
+    "gdn_out_proj",
+    "attention_qkv",
+    "attention_o",
+    "mlp_fc1",
+    "mlp_fc2",
+    "embedding",
+    "output",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "embed_tokens",
+    "lm_head",
 ]
 
 CP_MODES: tuple[str, ...] = get_args(CPMode)

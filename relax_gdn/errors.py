@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:  # for the annotation only: the Runtime sits below this leaf module
-    from relax_gdn.runtime import Runtime
+from typing import NoReturn
 
 USER_ERROR_EXIT_CODE = 2  # the exit code of every RecipeError (argparse uses 2 for usage errors too)
 DIVERGED_EXIT_CODE = 3  # train.on_nonfinite ended the run: retrying the same command diverges again
@@ -72,8 +69,10 @@ class ConfigError(RecipeError, ValueError):
         if len(self.problems) == 1:
             super().__init__(f"configuration problem: {self.problems[0]}")
         else:
-            super().__init__(f"{len(self.problems)} configuration problems:\n"
-                             + "\n".join(f"  - {p}" for p in self.problems))
+            super().__init__(
+                f"{len(self.problems)} configuration problems:\n"
+                + "\n".join(f"  - {p}" for p in self.problems)
+            )
 
     def __reduce__(self):  # pickled whole (multiprocessing), not rebuilt from the message
         return type(self), (self.problems,)
@@ -118,7 +117,7 @@ def record_exit_code(code: int) -> None:
         print(f"warning: cannot write the exit code to {EXIT_CODE_FILE_ENV}={path} ({e})", file=sys.stderr)
 
 
-def report_user_error(error: RecipeError, runtime: Runtime | None = None) -> NoReturn:
+def report_user_error(error: RecipeError, runtime=None) -> NoReturn:
     """Print ``error`` as one message on stderr and exit with :data:`USER_ERROR_EXIT_CODE`.
 
     Under torchrun only rank 0 speaks for an error every rank has (one every rank hits alike, or
@@ -156,8 +155,12 @@ def _launcher_store(timeout_s: float):
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
     except (RuntimeError, ValueError):  # torch reports a store it cannot reach as RuntimeError
         return None
 
@@ -184,4 +187,3 @@ def _wait_for_rank0_report() -> bool:
     except RuntimeError:  # torch's store timeout (DistStoreError is a RuntimeError)
         return False
     return True
-

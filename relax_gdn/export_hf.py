@@ -42,8 +42,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RECORDED = "recorded"  # --like's default: the checkpoint the run started from, as its manifest records
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None = None,
-                      like: str | Path | None = RECORDED, adapter: bool = False, *, runtime):
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    like: str | Path | None = RECORDED,
+    adapter: bool = False,
+    *,
+    runtime,
+):
     """Write the model of ``checkpoint`` to ``out`` as an HF directory; returns the
     :class:`~relax_gdn.model.hf_checkpoint.ExportReport`. ``like``: the checkpoint whose layout to
     keep (default: the one the run started from, if any; None: the text layout); ``dtype`` (text
@@ -58,25 +65,41 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
 
     directory, _ = resolve_resume(str(checkpoint), None)  # verified: damage is reported before any build
     manifest = read_manifest(directory)
-    spec = export_spec(manifest, like=like if like == RECORDED or like is None else Path(like),
-                       dtype=DTYPES[dtype] if dtype else None)
+    spec = export_spec(
+        manifest,
+        like=like if like == RECORDED or like is None else Path(like),
+        dtype=DTYPES[dtype] if dtype else None,
+    )
     lora = manifest["model"].get("lora")
     if adapter and not lora:
-        raise RecipeError(f"--adapter exports LoRA adapters, and checkpoint {directory} is a full fine-tuning one "
-                          "(no model.lora): export it without --adapter")
+        raise RecipeError(
+            f"--adapter exports LoRA adapters, and checkpoint {directory} is a full fine-tuning one "
+            "(no model.lora): export it without --adapter"
+        )
     if adapter and "hf_checkpoint" not in lora["base"]:
-        raise RecipeError(f"checkpoint {directory} trained LoRA adapters on the preset's seeded base "
-                          f"({lora['base']}), which no Hugging Face model holds, so a PEFT adapter has nothing to "
-                          "load onto: export the merged model instead (without --adapter)")
+        raise RecipeError(
+            f"checkpoint {directory} trained LoRA adapters on the preset's seeded base "
+            f"({lora['base']}), which no Hugging Face model holds, so a PEFT adapter has nothing to "
+            "load onto: export the merged model instead (without --adapter)"
+        )
     if spec.like is not None:
         _check_source(spec.like, manifest, recorded=like == RECORDED)
         if dtype:
-            raise RecipeError(f"--dtype {dtype} applies to the text layout; an export in the layout of "
-                              f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
-                              "layout)")
+            raise RecipeError(
+                f"--dtype {dtype} applies to the text layout; an export in the layout of "
+                f"{spec.like} keeps each tensor's dtype there (add --like none for the text "
+                "layout)"
+            )
     device = _prepare_device(runtime)
-    return _export(directory, manifest, run_config_from_dict(manifest["config"]), Path(out), spec, device,
-                   adapter=adapter)
+    return _export(
+        directory,
+        manifest,
+        run_config_from_dict(manifest["config"]),
+        Path(out),
+        spec,
+        device,
+        adapter=adapter,
+    )
 
 
 def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
@@ -84,15 +107,20 @@ def _check_source(like: Path, manifest: dict, recorded: bool) -> None:
     (:func:`~relax_gdn.model.hf_checkpoint.drop_in_origins` on the preset's sizes raises the refusal)."""
     from relax_gdn.model.hf_checkpoint import HFCheckpoint, dims_from_hf_config, drop_in_origins, preset_dims
 
-    where = ("the checkpoint the run started from (model.hf_checkpoint, recorded in its manifest)" if recorded
-             else "--like")
+    where = (
+        "the checkpoint the run started from (model.hf_checkpoint, recorded in its manifest)"
+        if recorded
+        else "--like"
+    )
     try:
         source = HFCheckpoint.read(like)
         vocab = dims_from_hf_config(source.config or like).vocab_size
     except (FileNotFoundError, NotADirectoryError, KeyError, ValueError) as e:  # ValueError: not Qwen3.5
-        raise RecipeError(f"{where} is {like}, which cannot be read ({e}); the export keeps its layout "
-                          "and copies its vision tower and MTP tensors: pass --like <a copy of it>, or "
-                          "--like none for the text layout without them") from e
+        raise RecipeError(
+            f"{where} is {like}, which cannot be read ({e}); the export keeps its layout "
+            "and copies its vision tower and MTP tensors: pass --like <a copy of it>, or "
+            "--like none for the text layout without them"
+        ) from e
     model = manifest["model"]
     drop_in_origins(source, preset_dims(model["preset"], vocab, model.get("mtp_num_layers", 0)))
 
@@ -129,20 +157,24 @@ def _export(directory: Path, manifest: dict, cfg, out: Path, spec, device: torch
 def _export_lora(directory: Path, manifest: dict, cfg, model, out: Path, spec, *, adapter: bool):
     """A LoRA checkpoint: the base its manifest names (the HF directory, or ``--like`` where it
     moved), its adapters, then the merged model or (``adapter``) the PEFT adapter directory."""
+    from relax_gdn.train.build import load_base_weights
     from relax_gdn.train.checkpoint_state import load_model_weights
     from relax_gdn.train.hf_export import write_adapter_export, write_merged_lora_export
-    from relax_gdn.train.build import load_base_weights
 
     base = manifest["model"]["lora"]["base"].get("hf_checkpoint")
     if base is not None:
         base = str(spec.like) if spec.like is not None else base
         if not Path(base).is_dir():
-            raise RecipeError(f"the LoRA checkpoint's base {base} (the model.hf_checkpoint it trained on) is not a "
-                              "directory here: pass --like <a copy of it>")
+            raise RecipeError(
+                f"the LoRA checkpoint's base {base} (the model.hf_checkpoint it trained on) is not a "
+                "directory here: pass --like <a copy of it>"
+            )
     load_base_weights(model, replace(cfg, model=replace(cfg.model, hf_checkpoint=base)))
     load_model_weights(directory, model)
     if adapter:  # (an adapter needs an HF base: export_checkpoint refused one without)
-        return write_adapter_export(model, out, replace(spec, like=Path(base)), dropout=cfg.lora_options.dropout)
+        return write_adapter_export(
+            model, out, replace(spec, like=Path(base)), dropout=cfg.lora_options.dropout
+        )
     return write_merged_lora_export(model, out, spec)
 
 
@@ -168,30 +200,54 @@ def _prepare(args: argparse.Namespace, like: str | None):
     directory = resolve_checkpoint(args.checkpoint)
     manifest = read_manifest(directory)
     spec = export_spec(manifest, like=like if like == RECORDED or like is None else Path(like))
-    needed = estimated_bytes(directory, manifest, like=spec.like, adapter=args.adapter,
-                             dtype_bytes=DTYPES[args.dtype].itemsize if args.dtype else None)
+    needed = estimated_bytes(
+        directory,
+        manifest,
+        like=spec.like,
+        adapter=args.adapter,
+        dtype_bytes=DTYPES[args.dtype].itemsize if args.dtype else None,
+    )
     return directory, ExportTarget.prepare(args.out, overwrite=args.overwrite, needed_bytes=needed)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m relax_gdn.export_hf",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", metavar="CHECKPOINT",
-                        help="a step_NNNNNN checkpoint directory, the checkpoint directory holding them (its "
-                             "newest), or a run directory (its checkpoints)")
-    parser.add_argument("out", metavar="OUT",
-                        help="the Hugging Face directory to write: new or empty (see --overwrite)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace what OUT holds, whole: the export is written beside OUT and renamed "
-                             "to it once complete")
-    parser.add_argument("--like", default=RECORDED, metavar="DIR",
-                        help="keep the layout of this HF checkpoint (default: the one the run started from, "
-                             "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="text layout: the weights' dtype (default: the dtype the run trained in)")
-    parser.add_argument("--adapter", action="store_true",
-                        help="a LoRA checkpoint: write its adapters as a PEFT adapter directory for the base model "
-                             "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_gdn.export_hf", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a step_NNNNNN checkpoint directory, the checkpoint directory holding them (its "
+        "newest), or a run directory (its checkpoints)",
+    )
+    parser.add_argument(
+        "out", metavar="OUT", help="the Hugging Face directory to write: new or empty (see --overwrite)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what OUT holds, whole: the export is written beside OUT and renamed "
+        "to it once complete",
+    )
+    parser.add_argument(
+        "--like",
+        default=RECORDED,
+        metavar="DIR",
+        help="keep the layout of this HF checkpoint (default: the one the run started from, "
+        "model.hf_checkpoint, if any); 'none': the text layout Qwen3_5ForCausalLM",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="text layout: the weights' dtype (default: the dtype the run trained in)",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters as a PEFT adapter directory for the base model "
+        "(adapter_config.json, adapter_model.safetensors) instead of the merged model",
+    )
     return parser
 
 
@@ -206,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Runtime() as runtime:
             directory, target = _prepare(args, like)
-            report = export_checkpoint(directory, target.partial, args.dtype, like, adapter=args.adapter,
-                                       runtime=runtime)
+            report = export_checkpoint(
+                directory, target.partial, args.dtype, like, adapter=args.adapter, runtime=runtime
+            )
     except BaseException as e:
         if target is not None:
             target.discard()
@@ -219,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     report.out = target.out
     print("\n".join(report.lines()))
     if args.adapter:
-        print(f"load it with peft.PeftModel.from_pretrained(<the base model>, {str(report.out)!r}) (docs/lora.md)")
+        print(
+            f"load it with peft.PeftModel.from_pretrained(<the base model>, {str(report.out)!r}) (docs/lora.md)"
+        )
     else:
-        print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r}) "
-              "(docs/checkpoints.md, 'Using an export')")
+        print(
+            f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r}) "
+            "(docs/checkpoints.md, 'Using an export')"
+        )
     return 0
 
 

@@ -35,43 +35,68 @@ class KnownWarning:
 
 # ``warnings.warn`` notices.
 KNOWN_WARNINGS = (
-    KnownWarning(r"Transformer Engine and Apex are not installed",
-                 "Megatron-Core's optimizer/grad-clip/FSDP fall back to torch kernels; the recipe uses "
-                 "those on purpose where TE/Apex are absent (CPU, images without TE)"),
-    KnownWarning(r"Apex is not installed\. Falling back to Torch Norm",
-                 "the local spec uses torch's LayerNorm/RMSNorm, the intended norm without Apex"),
-    KnownWarning(r"absl\.logging is not installed",
-                 "Megatron-Core's process-grid helper then logs through the standard logging module"),
-    KnownWarning(r"Triton is not supported on current platform",
-                 "FLA on a machine without a GPU; the recipe's CPU path uses its own pure-torch kernels"),
-    KnownWarning(r"full scope is deprecated\. Use empty cuda_graph_modules",
-                 "raised by Megatron-Core's own TransformerConfig defaults; CUDA graphs are not used"),
-    KnownWarning(r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-                 "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and "
-                 "FLA's CP helpers still call the old names, which do the same thing",
-                 FutureWarning),
-    KnownWarning(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
-                 r"load in a single process",
-                 "torch's distributed checkpoint reader in a process without a process group (the export, a "
-                 "one-process run resuming): reading the whole checkpoint in this process is what it asks "
-                 "for"),
-    KnownWarning(r"The argument order of load has been changed",
-                 "torch's distributed checkpoint notice to callers that pass load's arguments by position, "
-                 "which Megatron-Core 0.19.2 does; its arguments are the right ones"),
-    KnownWarning(r"If you are using transformer_engine as the transformer implementation, the core_attn is "
-                 r"from transformer_engine",
-                 "Megatron-Core's TransformerConfig says it whenever recompute names core_attn; the recipe's "
-                 "attention core is its own (relax_gdn.model.attention), never Transformer Engine's fused "
-                 "one under selective or mixed recompute"),
-    KnownWarning(r"MimoModelConfig is experimental",
-                 "printed when Megatron-Core's multimodal package is imported; the recipe does not use MIMO"),
-    KnownWarning(r"Synchronization debug mode is a prototype feature",
-                 "torch's note when CUDA sync debug mode is set (logging.count_host_syncs, the benchmarks' "
-                 "host-sync counts): the recipe counts the syncs it asks about and says where"),
-    KnownWarning(r"invalid escape sequence",
-                 "Python compiling Megatron-Core 0.19.2's sources on their first import (a docstring's "
-                 r"'\-'): a note for Megatron-Core's authors, about text, not behaviour",
-                 SyntaxWarning, module=r".*megatron[/\\]core"),
+    KnownWarning(
+        r"Transformer Engine and Apex are not installed",
+        "Megatron-Core's optimizer/grad-clip/FSDP fall back to torch kernels; the recipe uses "
+        "those on purpose where TE/Apex are absent (CPU, images without TE)",
+    ),
+    KnownWarning(
+        r"Apex is not installed\. Falling back to Torch Norm",
+        "the local spec uses torch's LayerNorm/RMSNorm, the intended norm without Apex",
+    ),
+    KnownWarning(
+        r"absl\.logging is not installed",
+        "Megatron-Core's process-grid helper then logs through the standard logging module",
+    ),
+    KnownWarning(
+        r"Triton is not supported on current platform",
+        "FLA on a machine without a GPU; the recipe's CPU path uses its own pure-torch kernels",
+    ),
+    KnownWarning(
+        r"full scope is deprecated\. Use empty cuda_graph_modules",
+        "raised by Megatron-Core's own TransformerConfig defaults; CUDA graphs are not used",
+    ),
+    KnownWarning(
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        "torch 2.14 renamed these collectives; Megatron-Core (TP/SP mappings, DDP buffers) and "
+        "FLA's CP helpers still call the old names, which do the same thing",
+        FutureWarning,
+    ),
+    KnownWarning(
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+        r"load in a single process",
+        "torch's distributed checkpoint reader in a process without a process group (the export, a "
+        "one-process run resuming): reading the whole checkpoint in this process is what it asks "
+        "for",
+    ),
+    KnownWarning(
+        r"The argument order of load has been changed",
+        "torch's distributed checkpoint notice to callers that pass load's arguments by position, "
+        "which Megatron-Core 0.19.2 does; its arguments are the right ones",
+    ),
+    KnownWarning(
+        r"If you are using transformer_engine as the transformer implementation, the core_attn is "
+        r"from transformer_engine",
+        "Megatron-Core's TransformerConfig says it whenever recompute names core_attn; the recipe's "
+        "attention core is its own (relax_gdn.model.attention), never Transformer Engine's fused "
+        "one under selective or mixed recompute",
+    ),
+    KnownWarning(
+        r"MimoModelConfig is experimental",
+        "printed when Megatron-Core's multimodal package is imported; the recipe does not use MIMO",
+    ),
+    KnownWarning(
+        r"Synchronization debug mode is a prototype feature",
+        "torch's note when CUDA sync debug mode is set (logging.count_host_syncs, the benchmarks' "
+        "host-sync counts): the recipe counts the syncs it asks about and says where",
+    ),
+    KnownWarning(
+        r"invalid escape sequence",
+        "Python compiling Megatron-Core 0.19.2's sources on their first import (a docstring's "
+        r"'\-'): a note for Megatron-Core's authors, about text, not behaviour",
+        SyntaxWarning,
+        module=r".*megatron[/\\]core",
+    ),
 )
 
 
@@ -83,28 +108,49 @@ class KnownLogLine:
 
 
 KNOWN_LOG_LINES = (
-    KnownLogLine("torch.utils.cpp_extension", r"No CUDA runtime is found",
-                 "torch's extension loader on a machine without a GPU; no extension is compiled"),
-    KnownLogLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
-                 "Qwen3.5 is assembled on GPTModel's blocks with its own GDN/attention specs; "
-                 "Megatron-Core's HybridModel migration notice does not apply to this recipe"),
-    KnownLogLine("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
-                 "Megatron-Core 0.19.2 logs it at every save that names its own writer, inline saves "
-                 "included; its successor (nvidia-resiliency-ext) is not a dependency of this recipe"),
-    KnownLogLine("megatron.core.optimizer_param_scheduler", r"> learning rate decay style",
-                 "an info line per run; the schedule is in config.yaml (optim.schedule)"),
-    KnownLogLine("megatron.core.optimizer_param_scheduler", r" > (using checkpoint value|overriding)",
-                 "one line per schedule value when a run resumes; the recipe compares the saved schedule "
-                 "with the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)"),
-    KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
-                 r"Using Megatron-FSDP without Transformer Engine",
-                 "printed on import; Megatron-FSDP is not used"),
-    KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
-                 r"Detected Megatron Core, using Megatron-FSDP with Megatron",
-                 "printed on import; Megatron-FSDP is not used"),
-    KnownLogLine("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-                 r"Detected Megatron Core, using Megatron-FSDP with Megatron",
-                 "printed on import; Megatron-FSDP is not used"),
+    KnownLogLine(
+        "torch.utils.cpp_extension",
+        r"No CUDA runtime is found",
+        "torch's extension loader on a machine without a GPU; no extension is compiled",
+    ),
+    KnownLogLine(
+        "megatron.core.models.gpt.gpt_model",
+        r"GPTModel IS DEPRECATED",
+        "Qwen3.5 is assembled on GPTModel's blocks with its own GDN/attention specs; "
+        "Megatron-Core's HybridModel migration notice does not apply to this recipe",
+    ),
+    KnownLogLine(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        r"MCore's async save is deprecated",
+        "Megatron-Core 0.19.2 logs it at every save that names its own writer, inline saves "
+        "included; its successor (nvidia-resiliency-ext) is not a dependency of this recipe",
+    ),
+    KnownLogLine(
+        "megatron.core.optimizer_param_scheduler",
+        r"> learning rate decay style",
+        "an info line per run; the schedule is in config.yaml (optim.schedule)",
+    ),
+    KnownLogLine(
+        "megatron.core.optimizer_param_scheduler",
+        r" > (using checkpoint value|overriding)",
+        "one line per schedule value when a run resumes; the recipe compares the saved schedule "
+        "with the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)",
+    ),
+    KnownLogLine(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
+        r"Using Megatron-FSDP without Transformer Engine",
+        "printed on import; Megatron-FSDP is not used",
+    ),
+    KnownLogLine(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+        r"Detected Megatron Core, using Megatron-FSDP with Megatron",
+        "printed on import; Megatron-FSDP is not used",
+    ),
+    KnownLogLine(
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+        r"Detected Megatron Core, using Megatron-FSDP with Megatron",
+        "printed on import; Megatron-FSDP is not used",
+    ),
 )
 
 

@@ -156,10 +156,13 @@ def _stop_at_once(workers: list) -> None:
         _signal(process, signal.SIGKILL)
     psutil.wait_procs(tree, timeout=5.0)
     if running:
-        named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})"
-                          for p in sorted(running, key=lambda p: ranks[p.pid]))
-        sys.stderr.write(f"relax-gdn: second Ctrl-C: killed {named}, not stopped {AT_ONCE_GRACE_S:.0f} s "
-                         "after being asked\n")
+        named = ", ".join(
+            f"rank {ranks[p.pid]} (pid {p.pid})" for p in sorted(running, key=lambda p: ranks[p.pid])
+        )
+        sys.stderr.write(
+            f"relax-gdn: second Ctrl-C: killed {named}, not stopped {AT_ONCE_GRACE_S:.0f} s "
+            "after being asked\n"
+        )
 
 
 @contextmanager

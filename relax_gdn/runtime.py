@@ -69,9 +69,15 @@ class Runtime:
     # Two Runtimes at once would undo each other's changes out of order: the installed one, if any.
     _installed: ClassVar[Runtime | None] = None
 
-    def __init__(self, *, silence_warnings: bool = True, cpu_shims: bool | None = None,
-                 fla: bool | None = None, sync_debug_mode: str | None = None,
-                 environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        silence_warnings: bool = True,
+        cpu_shims: bool | None = None,
+        fla: bool | None = None,
+        sync_debug_mode: str | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> None:
         self.silence_warnings = silence_warnings
         self.environ = dict(environ or {})
         self._cpu_shims, self._fla = cpu_shims, fla
@@ -196,8 +202,10 @@ class Runtime:
         torch's previous setting back (``train.deterministic``)."""
         import torch
 
-        enabled, warn_only_before = (torch.are_deterministic_algorithms_enabled(),
-                                     torch.is_deterministic_algorithms_warn_only_enabled())
+        enabled, warn_only_before = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
         self.adopt(lambda: torch.use_deterministic_algorithms(enabled, warn_only=warn_only_before))
 

@@ -126,9 +126,14 @@ class SweepManifest:
         previous = json.loads(self.path.read_text()) if self.path.exists() else {}
         jobs = self.jobs() if jobs is None else list(jobs)
         counts = job_counts(jobs)
-        manifest = {"version": MANIFEST_VERSION, "sweep_dir": str(self.sweep_dir),
-                    **{k: v for k, v in previous.items() if k not in ("version", "sweep_dir", "jobs", "counts")},
-                    **sweep_fields, "counts": counts, "jobs": jobs}
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "sweep_dir": str(self.sweep_dir),
+            **{k: v for k, v in previous.items() if k not in ("version", "sweep_dir", "jobs", "counts")},
+            **sweep_fields,
+            "counts": counts,
+            "jobs": jobs,
+        }
         atomic_write_json(self.path, manifest)
         return manifest
 
@@ -151,7 +156,7 @@ def _one_line(error: str | None) -> str:
     joined (a recipe error: its headline first, then the problems or the records it names)."""
     lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
     text = lines[-1] if lines and "Traceback (most recent call last)" in error else " ".join(lines)
-    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def _duration(job: dict[str, Any]) -> float | None:
@@ -190,17 +195,26 @@ class SweepProgress:
     def tally(jobs: Sequence[dict[str, Any]]) -> str:
         counts = job_counts(jobs)
         refused = f" ({counts['refused']} refused)" if counts["refused"] else ""
-        stopped = "".join(f", {counts[status]} {status.replace('_', ' ')}"
-                          for status in ("stopped", "not_run") if counts[status])
-        return (f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}"
-                f"{stopped}, {counts['submitted']} waiting (of {len(jobs)})")
+        stopped = "".join(
+            f", {counts[status]} {status.replace('_', ' ')}"
+            for status in ("stopped", "not_run")
+            if counts[status]
+        )
+        return (
+            f"sweep: {counts['running']} running, {counts['ok']} ok, {counts['failed']} failed{refused}"
+            f"{stopped}, {counts['submitted']} waiting (of {len(jobs)})"
+        )
 
     @staticmethod
     def _job_lines(job: dict[str, Any]) -> list[tuple[str, str]]:
         num, status, run_dir = job["num"], job.get("status"), job.get("run_dir")
         if job.get("refused"):
-            return [("ERROR", f"job #{num} refused (exit {job.get('rc')}), not run: "
-                              f"{_one_line(job.get('error'))}")]
+            return [
+                (
+                    "ERROR",
+                    f"job #{num} refused (exit {job.get('rc')}), not run: {_one_line(job.get('error'))}",
+                )
+            ]
         if status == "running":
             where = f" on {job['host']}" if job.get("host") else ""
             return [("INFO", f"job #{num} started{where} ({job.get('variant')}): {run_dir}")]
@@ -209,11 +223,21 @@ class SweepProgress:
         if status == "ok":
             return [("INFO", f"job #{num} ok (exit 0{took}): {run_dir}")]
         if status == "failed":
-            return [("ERROR", f"job #{num} failed (exit {job.get('rc')}{took}): {run_dir}: "
-                              f"{_one_line(job.get('error'))}")]
+            return [
+                (
+                    "ERROR",
+                    f"job #{num} failed (exit {job.get('rc')}{took}): {run_dir}: "
+                    f"{_one_line(job.get('error'))}",
+                )
+            ]
         if status == "stopped":
-            return [("WARNING", f"job #{num} stopped by Ctrl-C (exit {job.get('rc')}{took}): {run_dir}: "
-                                f"{_one_line(job.get('error'))}")]
+            return [
+                (
+                    "WARNING",
+                    f"job #{num} stopped by Ctrl-C (exit {job.get('rc')}{took}): {run_dir}: "
+                    f"{_one_line(job.get('error'))}",
+                )
+            ]
         if status == "not_run":
             return [("WARNING", f"job #{num} not run: the sweep was stopped by Ctrl-C before it started")]
         if status == "submitted" and job.get("requeues"):
@@ -233,9 +257,14 @@ class SweepProgress:
             if elapsed > self.slow_factor * typical:
                 self._named_slow.add(job["num"])
                 log = f"; its output: {job['log']}" if job.get("log") else ""
-                lines.append(("WARNING", f"job #{job['num']} has run {_clock(elapsed)}, {elapsed / typical:.1f}x "
-                                         f"the median {_clock(median)} of the {len(durations)} finished "
-                                         f"job(s): {job.get('run_dir')}{log}"))
+                lines.append(
+                    (
+                        "WARNING",
+                        f"job #{job['num']} has run {_clock(elapsed)}, {elapsed / typical:.1f}x "
+                        f"the median {_clock(median)} of the {len(durations)} finished "
+                        f"job(s): {job.get('run_dir')}{log}",
+                    )
+                )
         return lines
 
 
@@ -256,10 +285,12 @@ def gpu_slots(visible: Sequence[int], per_job: int, parallel_jobs: int) -> list[
     if per_job == 0:
         return [()] * parallel_jobs
     if per_job > len(visible):
-        raise ValueError(f"a job needs {per_job} GPUs (hydra.launcher.gpus_per_node, default tasks_per_node) "
-                         f"but {len(visible)} are visible ({list(visible)})")
+        raise ValueError(
+            f"a job needs {per_job} GPUs (hydra.launcher.gpus_per_node, default tasks_per_node) "
+            f"but {len(visible)} are visible ({list(visible)})"
+        )
     n = min(parallel_jobs, len(visible) // per_job)
-    return [tuple(visible[k * per_job:(k + 1) * per_job]) for k in range(n)]
+    return [tuple(visible[k * per_job : (k + 1) * per_job]) for k in range(n)]
 
 
 def export_torch_distributed_env(single_host: bool) -> dict[str, str]:
@@ -274,5 +305,7 @@ def export_torch_distributed_env(single_host: bool) -> dict[str, str]:
     if single_host:  # the local executor: loopback, not whatever the hostname resolves to
         env.master_addr = "127.0.0.1"
     env.export(set_cuda_visible_devices=False, overwrite=True)
-    return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                       "MASTER_PORT")}
+    return {
+        k: os.environ[k]
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }

@@ -22,7 +22,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROCESS_FIXTURES = frozenset({"gloo", "gloo_once", "short_train_py"})
 # What starts a process when a test, one of its fixtures, or a tests/ function they call uses it:
 # names as written in the code (also in function-local imports) and the modules behind them.
-PROCESS_NAMES = frozenset({"subprocess", "Popen", "multiprocessing", "run_distributed", "RankPool", "RankPools"})
+PROCESS_NAMES = frozenset(
+    {"subprocess", "Popen", "multiprocessing", "run_distributed", "RankPool", "RankPools"}
+)
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "pty")
 
 
@@ -75,10 +77,22 @@ def gloo_once(gloo):
 # Short ``python train.py`` runs as a user starts them, each read by several tests (a child's imports
 # cost more than its training): name -> overrides.
 SHORT_TRAIN_PY_RUNS = {
-    "3 steps": ("train.steps=3", "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-                "run_name=entry-test", "logging.profile_steps=[2,2]", "checkpoint.save_final=true"),
-    "1 step, third-party notices": ("train.steps=1", "train.global_batch_size=4", "data.num_samples=64",
-                                    "data.synthetic_max_steps=1", "logging.show_third_party_warnings=true"),
+    "3 steps": (
+        "train.steps=3",
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        "run_name=entry-test",
+        "logging.profile_steps=[2,2]",
+        "checkpoint.save_final=true",
+    ),
+    "1 step, third-party notices": (
+        "train.steps=1",
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        "logging.show_third_party_warnings=true",
+    ),
 }
 
 
@@ -153,7 +167,7 @@ def starts_process(item: pytest.Item) -> bool:
         return True
     functions = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
-    for definitions in (info.name2fixturedefs.values() if info else ()):
+    for definitions in info.name2fixturedefs.values() if info else ():
         functions.extend(d.func for d in definitions)
     return any(isinstance(f, types.FunctionType) and _reaches(f) for f in functions)
 

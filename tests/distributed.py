@@ -51,8 +51,15 @@ _STACK_DUMP_GRACE_S = 3.0
 
 
 # what a launcher around pytest (torchrun, SLURM, HYDRA_FULL_ERROR for tracebacks) may have set
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                       "HYDRA_FULL_ERROR")
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "HYDRA_FULL_ERROR",
+)
 
 
 # What every CPU rank imports anyway, imported once per pytest process by the fork server the
@@ -167,7 +174,14 @@ def _in_runtime(fn: Callable, args: tuple, runtime: bool) -> Any:
 
 
 def _worker(
-    rank: int, world_size: int, run_dir: str, backend: str, timeout_s: float, runtime: bool, fn: Callable, args: tuple
+    rank: int,
+    world_size: int,
+    run_dir: str,
+    backend: str,
+    timeout_s: float,
+    runtime: bool,
+    fn: Callable,
+    args: tuple,
 ) -> None:
     run = Path(run_dir)
     _dump_stacks_and_exit_after_env_limit()
@@ -213,8 +227,9 @@ def _stacks_of(run: Path, procs: list, ranks: list[int]) -> str:
     for r in alive:
         os.kill(procs[r].pid, _STACKS_SIGNAL)
     deadline = time.monotonic() + _STACK_DUMP_GRACE_S
-    while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size > before[r]
-                                                  for r, p in files.items()):
+    while time.monotonic() < deadline and not all(
+        p.exists() and p.stat().st_size > before[r] for r, p in files.items()
+    ):
         time.sleep(0.1)  # polling for the files the signal handlers write, not timing anything
 
     def text(r: int) -> str:
@@ -228,8 +243,10 @@ def _stacks_of(run: Path, procs: list, ranks: list[int]) -> str:
 
 
 def _past_limit(timeout_s: float, stacks: str) -> str:
-    return (f"distributed run passed its {timeout_s:.0f} s limit (RELAX_GDN_TEST_TIMEOUT_S); "
-            f"stacks of the ranks still running:\n{stacks}")
+    return (
+        f"distributed run passed its {timeout_s:.0f} s limit (RELAX_GDN_TEST_TIMEOUT_S); "
+        f"stacks of the ranks still running:\n{stacks}"
+    )
 
 
 def _join(run: Path, procs: list, timeout_s: float) -> str | None:
@@ -252,7 +269,11 @@ def _join(run: Path, procs: list, timeout_s: float) -> str | None:
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout_s: float | None = None,
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float | None = None,
     runtime: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ranks ``0..world_size-1`` of fresh processes with the default process
@@ -267,7 +288,9 @@ def run_distributed(
     with tempfile.TemporaryDirectory(prefix="relax-gdn-ranks-") as run_dir:
         run = Path(run_dir)
         procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, runtime, fn, args))
+            ctx.Process(
+                target=_worker, args=(rank, world_size, run_dir, backend, timeout_s, runtime, fn, args)
+            )
             for rank in range(world_size)
         ]
         try:
@@ -338,8 +361,10 @@ def _left_behind(groups_before: set) -> str | None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-        return ("the job left Megatron-Core's model-parallel state initialised: call "
-                "parallel_state.destroy_model_parallel() in a `finally`")
+        return (
+            "the job left Megatron-Core's model-parallel state initialised: call "
+            "parallel_state.destroy_model_parallel() in a `finally`"
+        )
     return None
 
 
@@ -437,14 +462,18 @@ class RankPool:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             # not daemonic: a rank starts children of its own (Megatron-Core's checkpoint writer)
-            proc = ctx.Process(target=_pool_worker,
-                               args=(rank, self.world_size, self._run_dir.name, self.backend, DEFAULT_TIMEOUT_S, child))
+            proc = ctx.Process(
+                target=_pool_worker,
+                args=(rank, self.world_size, self._run_dir.name, self.backend, DEFAULT_TIMEOUT_S, child),
+            )
             proc.start()
             child.close()  # the parent's copy: a rank that dies then reads as end of file
             self._procs.append(proc)
             self._conns.append(parent)
 
-    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, runtime: bool = True) -> list[Any]:
+    def run(
+        self, fn: Callable, *args: Any, timeout_s: float | None = None, runtime: bool = True
+    ) -> list[Any]:
         """Like ``run_distributed(fn, world_size, *args)`` on this pool's ranks."""
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         message = pickle.dumps((fn, args, runtime))  # an unpicklable job fails here, before any rank sees it
@@ -469,9 +498,11 @@ class RankPool:
         # ranks whose counts drift apart would name their next groups differently; the failure
         # closes the pool, so the next job starts on fresh ranks
         if failure is None and len({made for _, made in results}) > 1:
-            failure = ("the job's ranks made different numbers of process groups "
-                       f"({[made for _, made in results]} by rank): every rank must make every group, in "
-                       "the same order (torch names groups by that count)")
+            failure = (
+                "the job's ranks made different numbers of process groups "
+                f"({[made for _, made in results]} by rank): every rank must make every group, in "
+                "the same order (torch names groups by that count)"
+            )
         if failure is not None:
             self.close()
             raise AssertionError(failure)
@@ -493,7 +524,9 @@ class RankPool:
                     status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     self._procs[rank].join(_STACK_DUMP_GRACE_S)
-                    sections.append(f"--- rank {rank} {_how_it_ended(self._procs[rank])} without a result ---")
+                    sections.append(
+                        f"--- rank {rank} {_how_it_ended(self._procs[rank])} without a result ---"
+                    )
                     continue
                 if status == "ok":
                     results[rank] = value
@@ -504,7 +537,9 @@ class RankPool:
                 if conn in waiting and not conn.poll():
                     del waiting[conn]
                     self._procs[rank].join()
-                    sections.append(f"--- rank {rank} {_how_it_ended(self._procs[rank])} without a result ---")
+                    sections.append(
+                        f"--- rank {rank} {_how_it_ended(self._procs[rank])} without a result ---"
+                    )
         if not sections:
             return None, results
         others = sorted(waiting.values())
@@ -554,8 +589,9 @@ class RankPools:
         self.backend = backend
         self._pools: dict[int, RankPool] = {}
 
-    def run(self, fn: Callable, world_size: int, *args: Any, timeout_s: float | None = None,
-            runtime: bool = True) -> list[Any]:
+    def run(
+        self, fn: Callable, world_size: int, *args: Any, timeout_s: float | None = None, runtime: bool = True
+    ) -> list[Any]:
         """``fn(*args)`` on every rank of the pool of ``world_size`` (inside a Runtime unless
         ``runtime=False``); each rank's result."""
         pool = self._pools.setdefault(world_size, RankPool(world_size, self.backend))

@@ -21,11 +21,22 @@ PACKED = [0, 24, 24, 88, 96, 160]
 
 def tiny_config(**overrides) -> TransformerConfig:
     kwargs = dict(
-        num_layers=1, hidden_size=32, num_attention_heads=4, linear_num_key_heads=4,
-        linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, normalization="RMSNorm", use_cpu_initialization=True,
-        activation_func=F.silu, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        activation_func=F.silu,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -47,12 +58,20 @@ def build_gdn(config, cp_group, tp_group, cp_mode="chunkwise", hidden_layout="zi
     return build_module(spec, config=config, layer_number=1, pg_collection=pgs)
 
 
-def packed_params(cu: list[int], device, cp_group=None, local_cp_size=None, host_copy=True) -> PackedSeqParams:
+def packed_params(
+    cu: list[int], device, cp_group=None, local_cp_size=None, host_copy=True
+) -> PackedSeqParams:
     t = torch.tensor(cu, dtype=torch.int32, device=device)
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t,
-        max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])), max_seqlen_kv=max(b - a for a, b in zip(cu, cu[1:])),
-        cp_group=cp_group, local_cp_size=local_cp_size,
+        qkv_format="thd",
+        cu_seqlens_q=t,
+        cu_seqlens_kv=t,
+        cu_seqlens_q_padded=t,
+        cu_seqlens_kv_padded=t,
+        max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+        max_seqlen_kv=max(b - a for a, b in zip(cu, cu[1:])),
+        cp_group=cp_group,
+        local_cp_size=local_cp_size,
     )
     if host_copy:
         attach_host_cu_seqlens(psp, t, cu)
@@ -119,7 +138,9 @@ HIDDEN = 256
 def paired(got, other) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, this run's tensor, the other run's) for the output, the input grad and every
     parameter grad of two ``cp_run`` results."""
-    return [("out", got[0], other[0]), ("dx", got[1], other[1])] + [(k, got[2][k], other[2][k]) for k in other[2]]
+    return [("out", got[0], other[0]), ("dx", got[1], other[1])] + [
+        (k, got[2][k], other[2][k]) for k in other[2]
+    ]
 
 
 def as_fp32(run):
@@ -150,8 +171,13 @@ def nine_b_heads(dtype: torch.dtype):
     mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     single = self_group()
     dims = dict(
-        hidden_size=HIDDEN, num_attention_heads=16, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, use_cpu_initialization=False,
+        hidden_size=HIDDEN,
+        num_attention_heads=16,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        use_cpu_initialization=False,
     )
     reference = build_gdn(tiny_config(**dims), single, single, kernel_backend="torch").to(device)
     with torch.no_grad():
@@ -162,7 +188,9 @@ def nine_b_heads(dtype: torch.dtype):
 
     def fla_layer(mode: str = "chunkwise", **options):
         layer = build_gdn(config, world, single, mode, kernel_backend="fla", **options).to(device)
-        layer.load_state_dict({k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()})
+        layer.load_state_dict(
+            {k: v.to(dtype) if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
+        )
         return layer
 
     return device, single, reference, fla_layer

@@ -20,8 +20,10 @@ def _typo_message() -> str:
     from relax_gdn.config.schema import TrainConfig
 
     keys = ", ".join(f.name for f in fields(TrainConfig))
-    return (f"error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; its keys "
-            f"are {keys} (relax_gdn/config/schema.py)")
+    return (
+        f"error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; its keys "
+        f"are {keys} (relax_gdn/config/schema.py)"
+    )
 
 
 # What train.py prints for the typo ``train.stepz=3``: the one message, the keys in schema order.
@@ -33,8 +35,10 @@ MESSAGES_EXAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
 TRAIN_PY_TIMEOUT_S = 300
 # A third-party notice in a command's output: a warnings.warn line (its library's file path), or a
 # log line relax_gdn.known_warnings names.
-THIRD_PARTY_NOTICE = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|"
-                                r"decay style|checkpoint value|gpuGetDeviceCount|USDT:|^wandb: ")
+THIRD_PARTY_NOTICE = re.compile(
+    r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|"
+    r"decay style|checkpoint value|gpuGetDeviceCount|USDT:|^wandb: "
+)
 
 
 def config_with(**dotted) -> RunConfig:
@@ -45,9 +49,14 @@ def config_with(**dotted) -> RunConfig:
 def small_config(**dotted) -> RunConfig:
     """A small demo config (short synthetic problems, small batches) with ``a__b=value`` overrides."""
     base = dict(
-        train__steps=4, train__global_batch_size=8, train__max_tokens_per_gpu=1024,
-        data__max_sample_tokens=512, data__synthetic_max_steps=2, data__num_samples=256,
-        optim__warmup_steps=1, logging__console=False,
+        train__steps=4,
+        train__global_batch_size=8,
+        train__max_tokens_per_gpu=1024,
+        data__max_sample_tokens=512,
+        data__synthetic_max_steps=2,
+        data__num_samples=256,
+        optim__warmup_steps=1,
+        logging__console=False,
     )
     return config_with(**{**base, **dotted})
 
@@ -59,20 +68,37 @@ def step_fields(record: dict) -> dict:
 
 def messages_config(**dotted) -> RunConfig:
     """The small config on the example chat file (``messages`` format)."""
-    base = dict(train__steps=2, train__global_batch_size=8, train__max_tokens_per_gpu=1024, optim__warmup_steps=1,
-                data__source="jsonl", data__path=str(MESSAGES_EXAMPLE), data__format="messages",
-                logging__console=False, logging__jsonl=False)
+    base = dict(
+        train__steps=2,
+        train__global_batch_size=8,
+        train__max_tokens_per_gpu=1024,
+        optim__warmup_steps=1,
+        data__source="jsonl",
+        data__path=str(MESSAGES_EXAMPLE),
+        data__format="messages",
+        logging__console=False,
+        logging__jsonl=False,
+    )
     return config_with(**{**base, **dotted})
 
 
-def train_py(tmp_path: Path, *overrides: str, python_flags: tuple[str, ...] = (),
-             env: dict[str, str] | None = None, run_dir: bool = True) -> subprocess.CompletedProcess:
+def train_py(
+    tmp_path: Path,
+    *overrides: str,
+    python_flags: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    run_dir: bool = True,
+) -> subprocess.CompletedProcess:
     """``python train.py`` in ``tmp_path``; ``run_dir``: pin Hydra's run directory to tmp_path/run
     (False: Hydra's default outputs/runs/<date>/<time>/ under tmp_path)."""
     pinned = [f"hydra.run.dir={tmp_path / 'run'}"] if run_dir else []
     return subprocess.run(
         [sys.executable, *python_flags, str(ROOT / "train.py"), *pinned, *overrides],
-        cwd=tmp_path, env=child_env(env), capture_output=True, text=True, timeout=TRAIN_PY_TIMEOUT_S,
+        cwd=tmp_path,
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=TRAIN_PY_TIMEOUT_S,
     )
 
 
@@ -81,10 +107,18 @@ def train_records_in_this_process(runtime, **overrides) -> list[dict]:
     started, in the installed ``runtime``): the records."""
     from relax_gdn.train import run_training
 
-    cfg = RunConfig().with_overrides({
-        "train.steps": 2, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
-        "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
-    })
+    cfg = RunConfig().with_overrides(
+        {
+            "train.steps": 2,
+            "train.global_batch_size": 4,
+            "data.num_samples": 16,
+            "data.max_sample_tokens": 512,
+            "optim.warmup_steps": 1,
+            "logging.console": False,
+            "logging.jsonl": False,
+            **overrides,
+        }
+    )
     return run_training(cfg, None, runtime=runtime).records
 
 
@@ -134,16 +168,23 @@ RESHARD_LAYOUTS = {
     "cp2": dict(parallel__cp=2),
     "cp1": dict(parallel__cp=1),  # two processes: DP 2
     "tp2": dict(parallel__tp=2),
-    "dynamic": dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=2), train__max_tokens_per_gpu=256),
+    "dynamic": dict(
+        parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=2), train__max_tokens_per_gpu=256
+    ),
 }
 
 
 def reshard_run_config(layout: str, mode: str, steps: int, **dotted):
     """A small run at one of :data:`RESHARD_LAYOUTS` in GDN ``mode``, ``steps`` long."""
     # decay_steps fixed: a 2-step run that saves and its 4-step continuation share one schedule
-    return small_config(train__steps=steps, optim__decay_steps=4, gdn__cp_mode=mode,
-                        recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False,
-                        **{**RESHARD_LAYOUTS[layout], **dotted})
+    return small_config(
+        train__steps=steps,
+        optim__decay_steps=4,
+        gdn__cp_mode=mode,
+        recompute__granularity="full" if mode == "all_gather" else "none",
+        logging__jsonl=False,
+        **{**RESHARD_LAYOUTS[layout], **dotted},
+    )
 
 
 def step_values(record: dict) -> dict:

@@ -36,8 +36,18 @@ def batch(vocab: int, seed: int = 0):
     return tokens, labels, positions
 
 
-def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=True, fusion=None, fp8=None,
-          lora=None, **options):
+def build(
+    config,
+    tp,
+    cp,
+    single,
+    mode="chunkwise",
+    contiguous_between_layers=True,
+    fusion=None,
+    fp8=None,
+    lora=None,
+    **options,
+):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from relax_gdn.gdn.options import GDNOptions
@@ -46,9 +56,15 @@ def build(config, tp, cp, single, mode="chunkwise", contiguous_between_layers=Tr
 
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
-        "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
-        attention_backend="sdpa", contiguous_between_layers=contiguous_between_layers, fusion=fusion or Fusion(),
-        fp8=fp8, lora=lora,
+        "qwen3_5_tiny",
+        config,
+        pg_collection=pgs,
+        gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **options),
+        attention_backend="sdpa",
+        contiguous_between_layers=contiguous_between_layers,
+        fusion=fusion or Fusion(),
+        fp8=fp8,
+        lora=lora,
     )
 
 
@@ -63,7 +79,9 @@ def loss_and_grads(model, tokens, labels, positions, cu, ids=None, cp_group=None
     psp = packed_params(cu, "cpu", **dynamic)
     loss = model(tokens, positions, None, labels=labels, packed_seq_params=psp)
     loss.sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}  # frozen: none
+    grads = {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }  # frozen: none
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
 
@@ -105,7 +123,9 @@ def _max_difference(one: tuple, other: tuple) -> float:
     return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in pairs)
 
 
-def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torch.dtype, options: dict) -> dict:
+def interleaved_options_case(
+    preset: str, vocab: int, cu: list[int], dtype: torch.dtype, options: dict
+) -> dict:
     """In a CP group of every rank (gloo: CPU, nccl: this rank's GPU): build one model per entry of
     ``options`` (name -> ``Qwen3_5Options`` fields; exactly two) with the same weights and full
     recompute, run each alone (forward + backward), then both interleaved. Returns per model the
@@ -128,11 +148,20 @@ def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torc
         mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
     single = self_group()
     pgs = ProcessGroupCollection(tp=single, cp=world, pp=single, embd=single)
-    config = qwen3_5_config(preset, use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                            **FULL_RECOMPUTE)
+    config = qwen3_5_config(
+        preset,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        **FULL_RECOMPUTE,
+    )
     torch.manual_seed(0)  # the same weights on every rank
-    models = {name: build_qwen3_5_preset_model(preset, config, pg_collection=pgs, vocab_size=vocab, **fields).to(device)
-              for name, fields in options.items()}
+    models = {
+        name: build_qwen3_5_preset_model(preset, config, pg_collection=pgs, vocab_size=vocab, **fields).to(
+            device
+        )
+        for name, fields in options.items()
+    }
     first, second = models.values()
     with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
         for p in first.parameters():
@@ -146,7 +175,14 @@ def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torc
     mask = (torch.arange(cu[-1]) % 3 != 0)[ids].float()[None].to(device)  # some tokens carry no loss
 
     def forward(model):
-        return model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(cu, device))
+        return model(
+            tokens,
+            positions,
+            None,
+            labels=labels,
+            loss_mask=mask,
+            packed_seq_params=packed_params(cu, device),
+        )
 
     def taken(model, loss) -> tuple:
         grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
@@ -161,8 +197,9 @@ def interleaved_options_case(preset: str, vocab: int, cu: list[int], dtype: torc
 
     layer_calls = dict.fromkeys(models, 0)
     for name, model in models.items():
-        model.decoder.layers[0].register_forward_pre_hook(lambda *_, name=name: layer_calls.__setitem__(
-            name, layer_calls[name] + 1))
+        model.decoder.layers[0].register_forward_pre_hook(
+            lambda *_, name=name: layer_calls.__setitem__(name, layer_calls[name] + 1)
+        )
     losses = {name: forward(model) for name, model in models.items()}  # a, then b
     in_forward = dict(layer_calls)
     interleaved = {}

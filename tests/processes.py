@@ -29,8 +29,11 @@ def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:
             if not selector.select(max(0.0, deadline - time.monotonic())):
                 kill_tree(process.pid)
                 process.wait(timeout=60)
-                raise AssertionError(f"child {process.args!r} still writing after {timeout_s:.0f} s; its output:\n"
-                                     + "".join(seen)[-4000:] + pending)
+                raise AssertionError(
+                    f"child {process.args!r} still writing after {timeout_s:.0f} s; its output:\n"
+                    + "".join(seen)[-4000:]
+                    + pending
+                )
             chunk = os.read(fd, 65536)
             pending += decoder.decode(chunk, final=not chunk)
             *complete, pending = pending.split("\n")
@@ -57,7 +60,9 @@ class ChildLines:
             self.seen.append(line)
             if re.search(pattern, line):
                 return line
-        raise AssertionError(f"the output ended without a line matching {pattern!r}:\n" + "".join(self.seen[-60:]))
+        raise AssertionError(
+            f"the output ended without a line matching {pattern!r}:\n" + "".join(self.seen[-60:])
+        )
 
     def all(self) -> str:
         """Everything, once the child has closed its output."""

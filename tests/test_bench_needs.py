@@ -17,23 +17,52 @@ from tests.distributed import child_env
 ROOT = Path(__file__).resolve().parents[1]
 # module -> (arguments of the CPU-machine run, what its one line must say)
 NEEDS_GPU = {
-    "attention": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
-                      "python -m relax_gdn.bench.attention"),
-    "fused_ops": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
-                      "python -m relax_gdn.bench.fused_ops"),
-    "gemm": ((), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
-                 "python -m relax_gdn.bench.gemm"),
-    "gdn_layer": ((), "needs 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
-                      "torchrun --nproc-per-node 2 -m relax_gdn.bench.gdn_layer"),
-    "swap": ((), "needs at least 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
-                 "torchrun --nproc-per-node 2 -m relax_gdn.bench.swap"),
-    "train_e2e": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
-                                        "python -m relax_gdn.bench.train_e2e"),
-    "peers": (("--device", "cuda"), "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
-                                    "python -m relax_gdn.bench.peers"),
+    "attention": (
+        (),
+        "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+        "python -m relax_gdn.bench.attention",
+    ),
+    "fused_ops": (
+        (),
+        "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+        "python -m relax_gdn.bench.fused_ops",
+    ),
+    "gemm": (
+        (),
+        "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: python -m relax_gdn.bench.gemm",
+    ),
+    "gdn_layer": (
+        (),
+        "needs 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
+        "torchrun --nproc-per-node 2 -m relax_gdn.bench.gdn_layer",
+    ),
+    "swap": (
+        (),
+        "needs at least 2 CUDA GPUs; no CUDA GPU is visible here. Run it on a GPU host: "
+        "torchrun --nproc-per-node 2 -m relax_gdn.bench.swap",
+    ),
+    "train_e2e": (
+        ("--device", "cuda"),
+        "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+        "python -m relax_gdn.bench.train_e2e",
+    ),
+    "peers": (
+        ("--device", "cuda"),
+        "needs a CUDA GPU; no CUDA GPU is visible here. Run it on a GPU host: "
+        "python -m relax_gdn.bench.peers",
+    ),
 }
 # train_e2e, peers: --device auto
-RUNS_ON_CPU = {"batching", "fla_configs", "long_context", "gdn_precision", "gdn_runs", "routes", "train_e2e", "peers"}
+RUNS_ON_CPU = {
+    "batching",
+    "fla_configs",
+    "long_context",
+    "gdn_precision",
+    "gdn_runs",
+    "routes",
+    "train_e2e",
+    "peers",
+}
 NOT_A_BENCHMARK = {"__init__", "needs", "timing", "trace_launchers", "hf_peer", "provenance"}
 
 
@@ -49,9 +78,14 @@ def test_every_benchmark_is_classified():
 @pytest.mark.parametrize("module", sorted(NEEDS_GPU))
 def test_gpu_benchmark_on_a_machine_without_gpus_is_one_line_and_exit_2(module, tmp_path):
     args, says = NEEDS_GPU[module]
-    done = subprocess.run([sys.executable, "-m", f"relax_gdn.bench.{module}", *args], cwd=tmp_path,
-                          env=child_env({"PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}),
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-m", f"relax_gdn.bench.{module}", *args],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.splitlines() == [f"error: relax_gdn.bench.{module} {says}"], done.stderr[-3000:]
     assert done.stdout == ""
@@ -62,7 +96,8 @@ def test_gpu_needs_count_gpus_and_processes():
     assert gpu_problem("m", 2, False, visible=8, world_size=2) is None
     assert gpu_problem("m", 2, True, visible=8, world_size=4) is None  # at least 2
     assert gpu_problem("m", 2, False, visible=1, world_size=None) == (
-        "m needs 2 CUDA GPUs; 1 are visible here. Run it on a GPU host: torchrun --nproc-per-node 2 -m m")
+        "m needs 2 CUDA GPUs; 1 are visible here. Run it on a GPU host: torchrun --nproc-per-node 2 -m m"
+    )
     started_alone = "m runs as 2 processes, one per GPU: torchrun --nproc-per-node 2 -m m"
     assert gpu_problem("m", 2, False, visible=2, world_size=None) == started_alone  # plain python
     assert gpu_problem("m", 2, False, visible=8, world_size=4) == started_alone  # exactly 2

@@ -30,13 +30,25 @@ from tests.helpers import ROOT
 # alpha 64 instead of the workload's 32: the same first loss (B starts at zero), twice the adapters'
 # gradient, so the LoRA workload must mark it as disagreeing (the full workload has no adapters)
 OFF_SCALE_ROW = "relax,model.lora.alpha=64"
-CPU_RUN = ["--preset", "qwen3_5_tiny", "--steps", "2", "--docs-per-step", "2", "--doc-tokens", "160",
-           "--rows", ";".join([*peers.default_rows(2), OFF_SCALE_ROW])]
+CPU_RUN = [
+    "--preset",
+    "qwen3_5_tiny",
+    "--steps",
+    "2",
+    "--docs-per-step",
+    "2",
+    "--doc-tokens",
+    "160",
+    "--rows",
+    ";".join([*peers.default_rows(2), OFF_SCALE_ROW]),
+]
 # torch's message when the caching allocator gives up (torch 2.14)
-TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
-             "1.37 GiB is free. Including non-PyTorch memory, this process has 138.43 GiB memory in use. Of the "
-             "allocated memory 134.10 GiB is allocated by PyTorch, and 2.91 GiB is reserved by PyTorch but "
-             "unallocated.")
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+    "1.37 GiB is free. Including non-PyTorch memory, this process has 138.43 GiB memory in use. Of the "
+    "allocated memory 134.10 GiB is allocated by PyTorch, and 2.91 GiB is reserved by PyTorch but "
+    "unallocated."
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +56,6 @@ def cpu_run(tmp_path_factory):
     """``(result, stdout, the --out path)`` of one CPU run; the kernels transformers' Qwen3.5 module
     names before it, and after."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
-
     from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
 
     tmp = tmp_path_factory.mktemp("peers")
@@ -93,7 +104,9 @@ def test_every_row_that_runs_agrees_with_the_hf_reference_step(cpu_run, workload
 def test_lora_reference_is_the_adapters_gradient(cpu_run):
     result, _, _, _ = cpu_run
     refs = {w["name"]: w["reference"] for w in result["workloads"]}
-    assert refs["lora"]["loss"] == pytest.approx(refs["full"]["loss"], rel=1e-6)  # B = 0: the base model's loss
+    assert refs["lora"]["loss"] == pytest.approx(
+        refs["full"]["loss"], rel=1e-6
+    )  # B = 0: the base model's loss
     assert refs["lora"]["grad_norm"] < refs["full"]["grad_norm"]
     lora = next(w for w in result["workloads"] if w["name"] == "lora")
     assert lora["lora"]["rank"] == 16 and lora["lora"]["alpha"] == 32 and lora["optimizer"] == "adam"
@@ -107,8 +120,11 @@ def test_a_row_that_disagrees_is_shown_without_its_timing(cpu_run):
     assert check["agrees"] is False and check["loss_rel"] <= 1e-5
     assert check["grad_norm_rel"] == pytest.approx(1.0, rel=1e-3)  # twice the reference
     assert entry["summary"]["tokens_per_s"] > 0 and peers.timed(entry) is None
-    line = next(row for row in out.with_suffix(".md").read_text().splitlines()  # the first table: LoRA's
-                if row.startswith(f"| {OFF_SCALE_ROW} "))
+    line = next(
+        row
+        for row in out.with_suffix(".md").read_text().splitlines()  # the first table: LoRA's
+        if row.startswith(f"| {OFF_SCALE_ROW} ")
+    )
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:4] == ["-", "-", "-"]  # no tok/s, no ratios
     assert cells[-1].startswith("DISAGREES with HF's first step: grad norm")
@@ -121,7 +137,8 @@ def test_gpu_rows_say_why_they_cannot_run_on_cpu(cpu_run):
     for workload in ("lora", "full"):
         rows = _rows(result, workload)
         assert rows["hf,ckpt,liger"]["summary"] == {
-            "cannot_run": "liger-kernel's kernels are Triton GPU kernels: it runs on CUDA only"}
+            "cannot_run": "liger-kernel's kernels are Triton GPU kernels: it runs on CUDA only"
+        }
         assert "compute capability 8.9" in rows["hf,fp8"]["summary"]["cannot_run"]
         assert rows["hf,ckpt,liger"]["records"] == [] and rows["hf,ckpt,liger"]["agreement"]["agrees"] is None
 
@@ -141,9 +158,9 @@ def test_outputs_json_markdown_and_the_table_last(cpu_run):
     assert "| relax (recompute=none) |" in markdown
     lines = printed.rstrip().splitlines()
     bottom = max(i for i, line in enumerate(lines) if line.startswith("└"))  # the rich tables are last:
-    assert "relax,packed" in "\n".join(lines[bottom - 12:bottom])  # the full workload's rows,
+    assert "relax,packed" in "\n".join(lines[bottom - 12 : bottom])  # the full workload's rows,
     assert lines[bottom + 1].startswith("hf,ckpt,liger: cannot run: ")  # then the notes under them
-    assert not any("│" in line for line in lines[bottom + 1:])
+    assert not any("│" in line for line in lines[bottom + 1 :])
     assert "Traceback" not in printed
 
 
@@ -164,14 +181,22 @@ def test_the_random_init_checkpoint_is_written_once(cpu_run):
 
 def test_rows_parse_to_settings_and_overrides():
     assert parse_hf_settings(["ckpt", "liger"]) == HFSettings(checkpointing=True, liger=True)
-    assert parse_hf_settings(["fp8=rowwise"]).fp8 == "rowwise" and parse_hf_settings(["fp8"]).fp8 == "tensorwise"
+    assert (
+        parse_hf_settings(["fp8=rowwise"]).fp8 == "rowwise" and parse_hf_settings(["fp8"]).fp8 == "tensorwise"
+    )
     row = peers.parse_row("relax,packed,recompute=full,model.fp8.recipe=tensorwise", 1024)
-    assert row.overrides == {"recompute.granularity": "full", "train.max_tokens_per_gpu": 1024,
-                             "model.fp8.recipe": "tensorwise"}
+    assert row.overrides == {
+        "recompute.granularity": "full",
+        "train.max_tokens_per_gpu": 1024,
+        "model.fp8.recipe": "tensorwise",
+    }
     assert row.fp8 and not peers.parse_row("relax", 64).fp8
     assert peers.parse_row("relax", 64).overrides == {"recompute.granularity": "best"}
-    for bad, says in (("hf,ckpt,fast", "HF row setting 'fast'"), ("relax,speed=11", "unknown shorthand 'speed'"),
-                      ("megatron", "a row starts with hf or relax")):
+    for bad, says in (
+        ("hf,ckpt,fast", "HF row setting 'fast'"),
+        ("relax,speed=11", "unknown shorthand 'speed'"),
+        ("megatron", "a row starts with hf or relax"),
+    ):
         with pytest.raises(ValueError, match=says):
             peers.parse_row(bad, 64)
 
@@ -191,11 +216,21 @@ def test_out_of_memory_rows_show_what_they_asked_for():
     oom = out_of_memory(f"OutOfMemoryError: {TORCH_OOM}")
     assert oom == {"asked": "2.00 GiB", "in_use": "138.43 GiB", "capacity": "139.81 GiB"}
     assert out_of_memory("RuntimeError: CUDA error: an illegal memory access was encountered") is None
-    entry = {"name": "hf", "side": "hf", "records": [{}], "summary": {
-        "error": TORCH_OOM, "oom": oom | {"step": 2}, "steps_done": 1, "step_tokens_per_s": [7300.4],
-        "peak_mem_gib": 134.0}}
-    assert peers.note(entry, None) == ("OOM at step 2: asked 2.00 GiB with 138.43 GiB in use (steps before: 7,300 "
-                                       "tok/s, peak 134.0 GiB)")
+    entry = {
+        "name": "hf",
+        "side": "hf",
+        "records": [{}],
+        "summary": {
+            "error": TORCH_OOM,
+            "oom": oom | {"step": 2},
+            "steps_done": 1,
+            "step_tokens_per_s": [7300.4],
+            "peak_mem_gib": 134.0,
+        },
+    }
+    assert peers.note(entry, None) == (
+        "OOM at step 2: asked 2.00 GiB with 138.43 GiB in use (steps before: 7,300 tok/s, peak 134.0 GiB)"
+    )
 
 
 @pytest.mark.slow  # imports transformers and liger-kernel in this process (~8 s of a fast run otherwise)
@@ -242,20 +277,40 @@ def test_bad_input_is_one_message_before_anything_is_written(tmp_path, capsys):
     with pytest.raises(SystemExit):
         peers.main(["--preset", "qwen3_5_tiny", "--init-dir", str(init)])
     assert "is not a checkpoint this benchmark wrote" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["init"] and [p.name for p in init.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["init"] and [p.name for p in init.iterdir()] == [
+        "notes.txt"
+    ]
 
 
 def test_a_bad_row_from_the_command_line_exits_2_with_one_line(tmp_path):
     """As a user runs it: a relax-gdn row whose configuration is impossible, named with its
     workload, exit code 2, one line on stderr, no traceback, nothing written."""
     done = subprocess.run(
-        [sys.executable, "-m", "relax_gdn.bench.peers", "--preset", "qwen3_5_tiny", "--rows",
-         "hf,ckpt;relax,recompute=sometimes", "--init-dir", str(tmp_path / "init"), "--out", str(tmp_path / "p.json")],
-        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "relax_gdn.bench.peers",
+            "--preset",
+            "qwen3_5_tiny",
+            "--rows",
+            "hf,ckpt;relax,recompute=sometimes",
+            "--init-dir",
+            str(tmp_path / "init"),
+            "--out",
+            str(tmp_path / "p.json"),
+        ],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == [line for line in done.stderr.splitlines() if line.strip()], done.stderr[-3000:]
-    assert len(errors) == 1 and "row 'relax,recompute=sometimes' (lora): recompute.granularity" in errors[0], errors
+    assert (
+        len(errors) == 1 and "row 'relax,recompute=sometimes' (lora): recompute.granularity" in errors[0]
+    ), errors
     assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 

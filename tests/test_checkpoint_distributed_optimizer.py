@@ -35,8 +35,12 @@ def _distributed_optimizer_on_cpu():
     type name its checks expect, ``torch.tensor``/``zeros``/``empty`` made on ``'cuda'`` are made
     on the CPU, ``Tensor.cuda()`` stays where it is and the gradient reduction's current stream
     (it waits there for CUDA-graph events, of which there are none) is no stream. Put back on exit."""
-    saved = {"type": torch.Tensor.type, "cuda": torch.Tensor.cuda, "stream": torch.cuda.current_stream,
-             **{name: getattr(torch, name) for name in ("tensor", "zeros", "empty")}}
+    saved = {
+        "type": torch.Tensor.type,
+        "cuda": torch.Tensor.cuda,
+        "stream": torch.cuda.current_stream,
+        **{name: getattr(torch, name) for name in ("tensor", "zeros", "empty")},
+    }
 
     def cuda_type_name(self, *args, **kwargs):
         name = saved["type"](self, *args, **kwargs)
@@ -47,6 +51,7 @@ def _distributed_optimizer_on_cpu():
             if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
             return make(*args, **kwargs)
+
         return made
 
     torch.Tensor.type = cuda_type_name
@@ -81,10 +86,17 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     from relax_gdn.train.megatron_optimizer import build_megatron_ddp_and_optimizer
 
     torch.set_num_threads(1)
-    tconfig = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,
-                                params_dtype=torch.bfloat16, use_cpu_initialization=True)
-    cfg = RunConfig().with_overrides({"optim.lr": 1e-2, "optim.clip_grad": 1.0,
-                                      "checkpoint.optimizer_sharding": sharding})
+    tconfig = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=1,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+    )
+    cfg = RunConfig().with_overrides(
+        {"optim.lr": 1e-2, "optim.clip_grad": 1.0, "checkpoint.optimizer_sharding": sharding}
+    )
 
     class Adapted(MegatronModule):
         """A frozen ``base`` and the trained ``a``, ``b`` (a low-rank adapter) and ``c``, in bf16."""
@@ -102,8 +114,10 @@ def _resume_case(sharding: str, tmp: str) -> dict:
             return h @ self.c.float().t()
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return {f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=0)
-                    for n, p in self.named_parameters()}
+            return {
+                f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=0)
+                for n, p in self.named_parameters()
+            }
 
     class Schedule:  # what a checkpoint asks of the LR scheduler
         def state_dict(self):
@@ -135,23 +149,35 @@ def _resume_case(sharding: str, tmp: str) -> dict:
     with _distributed_optimizer_on_cpu():
         parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
         try:
-            writer = CheckpointWriter(Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD, async_save=False,
-                                      runtime=job_runtime())
+            writer = CheckpointWriter(
+                Path(tmp), keep_last=0, dp_cp_group=dist.group.WORLD, async_save=False, runtime=job_runtime()
+            )
             model, optimizer = build()
             full, saved = [], None
             for i in range(4):
                 full.append(step(model, optimizer, i))
                 if i == 1:
-                    saved = writer.save(2, manifest={"optimizer": optimizer.checkpoint_form},
-                                        state=lambda: state_to_save(2, model=model, optimizer=optimizer,
-                                                                    scheduler=Schedule()))
+                    saved = writer.save(
+                        2,
+                        manifest={"optimizer": optimizer.checkpoint_form},
+                        state=lambda: state_to_save(
+                            2, model=model, optimizer=optimizer, scheduler=Schedule()
+                        ),
+                    )
             model, optimizer = build()
-            loaded = load_checkpoint(saved, read_manifest(saved), model=model, optimizer=optimizer,
-                                     same_layout=True)
+            loaded = load_checkpoint(
+                saved, read_manifest(saved), model=model, optimizer=optimizer, same_layout=True
+            )
             after_load = adam_steps(optimizer)
             resumed = [step(model, optimizer, i) for i in (2, 3)]
-            return {"full": full, "resumed": resumed, "start": loaded.step, "after_load": after_load,
-                    "at_end": adam_steps(optimizer), "ddp_log": ddp_log}
+            return {
+                "full": full,
+                "resumed": resumed,
+                "start": loaded.step,
+                "after_load": after_load,
+                "at_end": adam_steps(optimizer),
+                "ddp_log": ddp_log,
+            }
         finally:
             parallel_state.destroy_model_parallel()
             ddp_logger.removeHandler(handler)

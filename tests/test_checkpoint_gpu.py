@@ -20,11 +20,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _overrides(**extra) -> dict:
     return {
-        "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
-        "train.steps": 4, "train.global_batch_size": 16, "train.max_tokens_per_gpu": 2048,
-        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 256,
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
-        "logging.jsonl": False, **extra,
+        "model.preset": "qwen3_5_9b_reduced",
+        "train.device": "cuda",
+        "train.precision": "bf16",
+        "train.steps": 4,
+        "train.global_batch_size": 16,
+        "train.max_tokens_per_gpu": 2048,
+        "data.max_sample_tokens": 2048,
+        "data.synthetic_max_steps": 20,
+        "data.num_samples": 256,
+        "optim.warmup_steps": 1,
+        "optim.lr": 1e-5,
+        "optim.min_lr": 1e-6,
+        "logging.console": False,
+        "logging.jsonl": False,
+        **extra,
     }
 
 
@@ -36,17 +46,31 @@ def _save_then_resume(tmp: str, save_cp: int, resume_cp: int, sharding: str, asy
         return run_training(RunConfig().with_overrides(_overrides(**extra)), None, runtime=job_runtime())
 
     tmp = Path(tmp)
-    full = run(**{"parallel.cp": save_cp, "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.every_steps": 2,
-                  "checkpoint.async_save": async_save, "checkpoint.optimizer_sharding": sharding})
+    full = run(
+        **{
+            "parallel.cp": save_cp,
+            "checkpoint.dir": str(tmp / "ckpt"),
+            "checkpoint.every_steps": 2,
+            "checkpoint.async_save": async_save,
+            "checkpoint.optimizer_sharding": sharding,
+        }
+    )
     resumed = run(**{"parallel.cp": resume_cp, "checkpoint.resume": str(tmp / "ckpt" / "step_000002")})
-    return {"full": full.records, "resumed": resumed.records, "start": resumed.start_step,
-            "saved": sorted(p.name for p in (tmp / "ckpt").iterdir()), "timings": full.save_timings}
+    return {
+        "full": full.records,
+        "resumed": resumed.records,
+        "start": resumed.start_step,
+        "saved": sorted(p.name for p in (tmp / "ckpt").iterdir()),
+        "timings": full.save_timings,
+    }
 
 
 # (optimizer form, async save)
-CASES = [pytest.param("dp_reshardable", True, id="dp_reshardable-async"),
-         pytest.param("dp_reshardable", False, id="dp_reshardable-sync"),
-         pytest.param("fully_reshardable", False, id="fully_reshardable-sync")]
+CASES = [
+    pytest.param("dp_reshardable", True, id="dp_reshardable-async"),
+    pytest.param("dp_reshardable", False, id="dp_reshardable-sync"),
+    pytest.param("fully_reshardable", False, id="fully_reshardable-sync"),
+]
 
 
 def _check(out: dict, case: str) -> None:
@@ -73,7 +97,9 @@ def ckpt_tmp(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("sharding,async_save", CASES)
 def test_save_at_cp2_resumes_at_cp1(ckpt_tmp, sharding, async_save):
-    for out in run_distributed(_save_then_resume, 2, str(ckpt_tmp), 2, 1, sharding, async_save, backend="nccl"):
+    for out in run_distributed(
+        _save_then_resume, 2, str(ckpt_tmp), 2, 1, sharding, async_save, backend="nccl"
+    ):
         _check(out, f"{sharding}, async={async_save}")
 
 

@@ -36,8 +36,16 @@ STEPS = 6
 
 
 def _lifecycle_cfg(case_dir: Path, **dotted):
-    return _cfg(**{"train__steps": STEPS, "checkpoint__every_steps": 2, "checkpoint__keep_last": 2,
-                   "checkpoint__dir": str(case_dir / "checkpoints"), "checkpoint__resume": "auto", **dotted})
+    return _cfg(
+        **{
+            "train__steps": STEPS,
+            "checkpoint__every_steps": 2,
+            "checkpoint__keep_last": 2,
+            "checkpoint__dir": str(case_dir / "checkpoints"),
+            "checkpoint__resume": "auto",
+            **dotted,
+        }
+    )
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -55,8 +63,7 @@ def _run_killed(case_dir: str, kill_point: str, kill_step: int) -> None:
 
     torch.set_num_threads(1)  # as the runs it is compared with
     from relax_gdn.runtime import Runtime
-    from relax_gdn.train import checkpoint, loggers
-    from relax_gdn.train import run_training
+    from relax_gdn.train import checkpoint, loggers, run_training
     from tests.train_with_faults import on_checkpoint_write
 
     runtime = Runtime().install()  # set up like an entry point's process; the kill ends it
@@ -100,9 +107,15 @@ def _finish_run(tmp: str, case: str) -> dict:
     tmp = Path(tmp)
     before = sorted(p.name for p in (tmp / case / "checkpoints").iterdir())
     result = run_training(_lifecycle_cfg(tmp / case), tmp / case / "fresh_hydra_dir", runtime=job_runtime())
-    return {case: dict(before=before, start=result.start_step, run_dir=str(result.run_dir),
-                       metrics=_metrics(tmp / case / "run"),
-                       after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()))}
+    return {
+        case: dict(
+            before=before,
+            start=result.start_step,
+            run_dir=str(result.run_dir),
+            metrics=_metrics(tmp / case / "run"),
+            after=sorted(p.name for p in (tmp / case / "checkpoints").iterdir()),
+        )
+    }
 
 
 KILL_CASES = {  # name: (kill point, step)
@@ -123,7 +136,9 @@ class _KilledAndFinished(Mapping):
     def _kill(self, case: str) -> None:
         if case not in self._killed:
             point, step = KILL_CASES[case]
-            process = mp.get_context("spawn").Process(target=_run_killed, args=(str(self._tmp / case), point, step))
+            process = mp.get_context("spawn").Process(
+                target=_run_killed, args=(str(self._tmp / case), point, step)
+            )
             process.start()
             process.join(600)
             if process.is_alive():
@@ -157,7 +172,10 @@ def test_kill_9_then_resume_auto_repeats_the_uninterrupted_run(killed_and_finish
     reference, finished = out["uninterrupted"], out[case]
     assert [r["step"] for r in finished["metrics"]] == list(range(1, STEPS + 1))  # one file, no repeats
     for got, want in zip(finished["metrics"], reference):
-        assert (got["loss"], got["lr"], got["tokens"]) == (want["loss"], want["lr"], want["tokens"]), (case, got)
+        assert (got["loss"], got["lr"], got["tokens"]) == (want["loss"], want["lr"], want["tokens"]), (
+            case,
+            got,
+        )
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-12), (case, got)  # a float64 sum
     assert finished["run_dir"] == str(tmp / case / "run")  # the checkpoint's run directory, not the new one
     assert finished["after"] == ["latest", "step_000004", "step_000006"]  # keep_last=2, no partial left
@@ -166,7 +184,9 @@ def test_kill_9_then_resume_auto_repeats_the_uninterrupted_run(killed_and_finish
 def test_what_the_kill_left_behind(killed_and_finished):
     out = killed_and_finished[1]
     step = KILL_CASES["after_step"][1]
-    assert out["after_step"]["start"] == 2 * ((step - 1) // 2)  # killed after logging, before that step's save
+    assert out["after_step"]["start"] == 2 * (
+        (step - 1) // 2
+    )  # killed after logging, before that step's save
     # killed while writing step 4: step 2 is the newest complete checkpoint, step 4 never visible
     assert out["writing_shards"]["before"] == [".step_000004.partial", "latest", "step_000002"]
     assert out["writing_shards"]["start"] == 2
@@ -206,16 +226,22 @@ def _auto_resume_cases(tmp: str) -> dict:
     (tmp / "wandb").mkdir()
     wandb = dict(mode="offline", project="relax-gdn-test", entity=None, group=None, tags=[], name=None)
 
-    first = run_training(_lifecycle_cfg(tmp, train__steps=4, optim__decay_steps=6, logging__wandb=wandb),
-                         tmp / "run", runtime=job_runtime())
+    first = run_training(
+        _lifecycle_cfg(tmp, train__steps=4, optim__decay_steps=6, logging__wandb=wandb),
+        tmp / "run",
+        runtime=job_runtime(),
+    )
     out["fresh_note"] = [m for m in messages if "starting fresh" in m]
     out["first_id"] = first.wandb_dir
     # damage the newest checkpoint (step 4): resume=auto falls back to step 2, saying so
     shard = next((tmp / "checkpoints" / "step_000004").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     messages.clear()
-    second = run_training(_lifecycle_cfg(tmp, optim__decay_steps=6, logging__wandb=wandb), tmp / "other_run",
-                          runtime=job_runtime())
+    second = run_training(
+        _lifecycle_cfg(tmp, optim__decay_steps=6, logging__wandb=wandb),
+        tmp / "other_run",
+        runtime=job_runtime(),
+    )
     out["fallback_notes"] = [m for m in messages if "falling back" in m]
     out["resumed_notes"] = [m for m in messages if m.startswith("resumed from step")]
     out["second_start"], out["second_wandb_dir"] = second.start_step, second.wandb_dir
@@ -229,11 +255,18 @@ def _auto_resume_cases(tmp: str) -> dict:
     except RecipeError as e:
         out["refused"] = str(e)
     messages.clear()
-    applied = run_training(_lifecycle_cfg(tmp, train__steps=8, optim__reset_schedule_on_resume=True,
-                                          checkpoint__export_hf_final=True), tmp / "run",
-                                          runtime=job_runtime())
-    out["applied"] = (applied.start_step, [m for m in messages if "schedule changed" in m],
-                      [r["lr"] for r in applied.records])
+    applied = run_training(
+        _lifecycle_cfg(
+            tmp, train__steps=8, optim__reset_schedule_on_resume=True, checkpoint__export_hf_final=True
+        ),
+        tmp / "run",
+        runtime=job_runtime(),
+    )
+    out["applied"] = (
+        applied.start_step,
+        [m for m in messages if "schedule changed" in m],
+        [r["lr"] for r in applied.records],
+    )
     out["export_files"] = sorted(p.name for p in (tmp / "run" / "hf").iterdir())
     out["export_config"] = json.loads((tmp / "run" / "hf" / "config.json").read_text())
     from relax_gdn.data import load_tokenizer
@@ -275,10 +308,24 @@ def _full_disk(tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def auto_resume(gloo_once, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auto")
-    scenario = ("fresh_note", "first_id", "fallback_notes", "resumed_notes", "second_start", "second_wandb_dir",
-                "metrics_steps", "refused", "applied", "export_files", "export_config", "tokenizer_vocab")
-    jobs = {**{key: (_auto_resume_cases, 1, str(tmp)) for key in scenario},
-            **{key: (_full_disk, 1, str(tmp)) for key in ("save_failed", "after_failed_save")}}
+    scenario = (
+        "fresh_note",
+        "first_id",
+        "fallback_notes",
+        "resumed_notes",
+        "second_start",
+        "second_wandb_dir",
+        "metrics_steps",
+        "refused",
+        "applied",
+        "export_files",
+        "export_config",
+        "tokenizer_vocab",
+    )
+    jobs = {
+        **{key: (_auto_resume_cases, 1, str(tmp)) for key in scenario},
+        **{key: (_full_disk, 1, str(tmp)) for key in ("save_failed", "after_failed_save")},
+    }
     return tmp, JobResults(gloo_once, jobs)
 
 
@@ -296,14 +343,23 @@ def test_resumed_run_continues_the_same_wandb_run(auto_resume):
     out = auto_resume[1]
     # offline runs live in .../offline-run-<time>-<id>/files: the same id both times
     assert out["first_id"] and out["second_wandb_dir"]
-    assert Path(out["first_id"]).parent.name.split("-")[-1] == Path(out["second_wandb_dir"]).parent.name.split("-")[-1]
+    assert (
+        Path(out["first_id"]).parent.name.split("-")[-1]
+        == Path(out["second_wandb_dir"]).parent.name.split("-")[-1]
+    )
 
 
 def test_export_hf_final_writes_a_transformers_directory_after_the_last_step(auto_resume):
     out = auto_resume[1]
     # the embedded tokenizer as a Hugging Face one, and the end-of-turn token for generate()
-    assert out["export_files"] == ["chat_template.jinja", "config.json", "generation_config.json",
-                                   "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert out["export_files"] == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert out["export_config"]["vocab_size"] == out["tokenizer_vocab"]  # the padded rows trimmed
 
 
@@ -316,8 +372,9 @@ def test_failed_save_names_the_checkpoint_and_keeps_the_previous_one(auto_resume
     assert out["after_failed_save"] == [".step_000004.partial", "latest", "step_000002"]
 
 
-@pytest.mark.parametrize("every,keep,steps,held", [(2, 3, 6, 4), (2, 3, 2, 2), (0, 3, 6, 1), (5, 0, 12, 3),
-                                                   (4, 1, 100, 2)])
+@pytest.mark.parametrize(
+    "every,keep,steps,held", [(2, 3, 6, 4), (2, 3, 2, 2), (0, 3, 6, 1), (5, 0, 12, 3), (4, 1, 100, 2)]
+)
 def test_checkpoints_held_at_once(every, keep, steps, held):
     from relax_gdn.config import RunConfig
     from relax_gdn.train.checkpoint_disk import checkpoints_held_at_once
@@ -328,7 +385,9 @@ def test_checkpoints_held_at_once(every, keep, steps, held):
 
 def test_changed_schedule_is_refused_unless_asked_for(auto_resume):
     out = auto_resume[1]
-    assert "optim.reset_schedule_on_resume=true" in out["refused"] and "lr_decay_steps 6 -> 8" in out["refused"]
+    assert (
+        "optim.reset_schedule_on_resume=true" in out["refused"] and "lr_decay_steps 6 -> 8" in out["refused"]
+    )
     start, notes, lrs = out["applied"]
     assert start == 6 and len(notes) == 1 and len(lrs) == 2
     assert lrs[-1] == pytest.approx(3e-4)  # the new schedule reaches min_lr at its own last step
@@ -339,10 +398,21 @@ def test_changed_schedule_is_refused_unless_asked_for(auto_resume):
 
 def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = child_env()
-    small = ("train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-             "optim.warmup_steps=1", "optim.decay_steps=4")
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *small,
-                           *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    small = (
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        "optim.warmup_steps=1",
+        "optim.decay_steps=4",
+    )
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *small, *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -388,8 +458,11 @@ def _per_rank_torch_save_files(directory: Path) -> Path:
     return old / "rank_00000.pt"
 
 
-@pytest.mark.parametrize("damage", [_truncate_shard, _garbage_index, _garbage_manifest, _per_rank_torch_save_files],
-                         ids=["truncated_shard", "garbage_index", "garbage_manifest", "per_rank_torch_save"])
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate_shard, _garbage_index, _garbage_manifest, _per_rank_torch_save_files],
+    ids=["truncated_shard", "garbage_index", "garbage_manifest", "per_rank_torch_save"],
+)
 def test_bad_checkpoint_exits_2_naming_the_file(saved_checkpoint, tmp_path, damage):
     path = _damaged_copy(saved_checkpoint, tmp_path, damage)
     done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={path.parent}")
@@ -412,19 +485,26 @@ def test_optimizer_state_of_another_kind_exits_2_naming_the_fix(saved_checkpoint
     assert "relax_gdn.export_hf" in text and "Traceback" not in text
 
 
-@pytest.mark.parametrize("sharding,saved_tp,tp,refused", [
-    ("dp_reshardable", 2, 1, True), ("dp_reshardable", 1, 1, False), ("fully_reshardable", 2, 1, False)])
+@pytest.mark.parametrize(
+    "sharding,saved_tp,tp,refused",
+    [("dp_reshardable", 2, 1, True), ("dp_reshardable", 1, 1, False), ("fully_reshardable", 2, 1, False)],
+)
 def test_dp_reshardable_optimizer_state_is_refused_at_another_tp(sharding, saved_tp, tp, refused):
     from relax_gdn.train.resume import optimizer_reshard_problem
 
-    manifest = {"optimizer": {"kind": "megatron", "sharding": sharding},
-                "layout": {"world_size": 2, "tp": saved_tp, "cp": 2 // saved_tp, "dynamic_cp": False, "max_cp": 1}}
+    manifest = {
+        "optimizer": {"kind": "megatron", "sharding": sharding},
+        "layout": {"world_size": 2, "tp": saved_tp, "cp": 2 // saved_tp, "dynamic_cp": False, "max_cp": 1},
+    }
     layout = {"world_size": 2, "tp": tp, "cp": 2 // tp, "dynamic_cp": True, "max_cp": 2}
-    problem = optimizer_reshard_problem(Path("/ckpt/step_000004"), manifest, {"kind": "megatron",
-                                                                              "sharding": "dp_reshardable"}, layout)
+    problem = optimizer_reshard_problem(
+        Path("/ckpt/step_000004"), manifest, {"kind": "megatron", "sharding": "dp_reshardable"}, layout
+    )
     if refused:
-        assert problem.startswith("checkpoint /ckpt/step_000004 was written at TP 2 with "
-                                  "checkpoint.optimizer_sharding=dp_reshardable")
+        assert problem.startswith(
+            "checkpoint /ckpt/step_000004 was written at TP 2 with "
+            "checkpoint.optimizer_sharding=dp_reshardable"
+        )
         assert "parallel.tp=2 with checkpoint.optimizer_sharding=fully_reshardable" in problem
     else:
         assert problem is None
@@ -442,11 +522,20 @@ def test_unwritable_checkpoint_dir_exits_2_before_step_1(tmp_path):
 
 def test_sigusr1_saves_then_exits_75_without_a_traceback(tmp_path):
     env = child_env()
-    command = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "train.steps=40",
-               "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-               f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    command = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "train.steps=40",
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.resume=auto",
+    ]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines = []
     for line in output_lines(process, timeout_s=300):  # the console prints one line per step
         lines.append(line)
@@ -465,12 +554,26 @@ def test_sigusr1_under_torchrun_saves_then_the_workers_exit_75(tmp_path, launche
     import psutil
 
     env = child_env({"PYTHONPATH": str(ROOT)})
-    command = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "parallel.cp=2", "train.steps=40",
-               "train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1",
-               f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.resume=auto"]
-    torchrun = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    command = [
+        sys.executable,
+        "-m",
+        launcher,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "parallel.cp=2",
+        "train.steps=40",
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.resume=auto",
+    ]
+    torchrun = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines = []
     for line in output_lines(torchrun, timeout_s=300):
         lines.append(line)
@@ -499,9 +602,18 @@ _LOG_LINE_START = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[")
 def _run_command(tmp: Path, run: str) -> list[str]:
     """The README's command for a run that saves and continues (``checkpoint.resume=auto``), small,
     its run directory named; the same every time it is started again."""
-    return [f"hydra.run.dir={tmp / run}", f"train.steps={FINISHED_STEPS}", "train.global_batch_size=4",
-            "data.num_samples=64", "data.synthetic_max_steps=1", "optim.warmup_steps=1", "checkpoint.every_steps=1",
-            f"checkpoint.dir={tmp / 'checkpoints' / 'job'}", "checkpoint.resume=auto", "checkpoint.export_hf_final=true"]
+    return [
+        f"hydra.run.dir={tmp / run}",
+        f"train.steps={FINISHED_STEPS}",
+        "train.global_batch_size=4",
+        "data.num_samples=64",
+        "data.synthetic_max_steps=1",
+        "optim.warmup_steps=1",
+        "checkpoint.every_steps=1",
+        f"checkpoint.dir={tmp / 'checkpoints' / 'job'}",
+        "checkpoint.resume=auto",
+        "checkpoint.export_hf_final=true",
+    ]
 
 
 def _in_a_terminal(command: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
@@ -515,14 +627,17 @@ def _in_a_terminal(command: list[str], cwd: Path, timeout: float) -> tuple[int, 
 
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-    process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower,
-                               stderr=follower)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=child_env(), stdin=subprocess.DEVNULL, stdout=follower, stderr=follower
+    )
     os.close(follower)
     chunks = []
     try:
         while True:
             ready, _, _ = select.select([leader], [], [], timeout)
-            assert ready, f"no output within {timeout} s:\n" + b"".join(chunks).decode(errors="replace")[-3000:]
+            assert ready, (
+                f"no output within {timeout} s:\n" + b"".join(chunks).decode(errors="replace")[-3000:]
+            )
             try:
                 chunk = os.read(leader, 65536)
             except OSError:  # EIO: the child closed the terminal
@@ -542,9 +657,10 @@ def _fake_slurm(tmp: Path) -> Path:
     srun runs its command once, here, and notes that it ran; scontrol names this host."""
     bin_dir = tmp / "fake_slurm"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "srun").write_text('#!/bin/bash\ntouch "$(dirname "$0")/srun_ran"\n'
-                                  'while [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ $1 == show ]] && echo localhost\nexit 0\n')
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\ntouch "$(dirname "$0")/srun_ran"\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n'
+    )
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[[ $1 == show ]] && echo localhost\nexit 0\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     return bin_dir
@@ -558,12 +674,29 @@ def _sbatch(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     fake = _fake_slurm(tmp)
-    env = child_env({"PATH": f"{fake}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT), "PYTHON": sys.executable,
-                     "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job",
-                     "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost", "GPUS_PER_NODE": "2",
-                     "CHECKPOINT_ROOT": str(tmp / "checkpoints"), "RDZV_PORT": str(port)})
-    return subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), *overrides], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = child_env(
+        {
+            "PATH": f"{fake}:{os.environ['PATH']}",
+            "PYTHONPATH": str(ROOT),
+            "PYTHON": sys.executable,
+            "SLURM_SUBMIT_DIR": str(ROOT),
+            "SLURM_JOB_ID": "1",
+            "SLURM_JOB_NAME": "job",
+            "SLURM_NNODES": "1",
+            "SLURM_JOB_NODELIST": "localhost",
+            "GPUS_PER_NODE": "2",
+            "CHECKPOINT_ROOT": str(tmp / "checkpoints"),
+            "RDZV_PORT": str(port),
+        }
+    )
+    return subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), *overrides],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -573,8 +706,14 @@ def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finished")
     out = {}
     train = [sys.executable, str(ROOT / "train.py")]
-    first = subprocess.Popen([*train, *_run_command(tmp, "run1")], cwd=tmp, env=child_env(), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        [*train, *_run_command(tmp, "run1")],
+        cwd=tmp,
+        env=child_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = ChildLines(first, timeout_s=600)
     try:
         lines.wait_for(rf"step 2/{FINISHED_STEPS}")
@@ -585,12 +724,20 @@ def finished_run(tmp_path_factory):
             first.kill()
     lines.all()
     out["stopped_log"] = (tmp / "run1" / "train.log").read_text()
-    out["resumed_rc"], out["terminal"] = _in_a_terminal([*train, *_run_command(tmp, "run2")], tmp, timeout=300)
+    out["resumed_rc"], out["terminal"] = _in_a_terminal(
+        [*train, *_run_command(tmp, "run2")], tmp, timeout=300
+    )
     out["resumed_dir"] = sorted(p.name for p in (tmp / "run2").iterdir())
     out["metrics"] = (tmp / "run1" / "metrics.jsonl").read_text()
     out["log"] = (tmp / "run1" / "train.log").read_text()
-    out["again"] = subprocess.run([*train, *_run_command(tmp, "run3")], cwd=tmp, env=child_env(),
-                                  capture_output=True, text=True, timeout=300)
+    out["again"] = subprocess.run(
+        [*train, *_run_command(tmp, "run3")],
+        cwd=tmp,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out["again_dir"] = sorted(p.name for p in (tmp / "run3").iterdir())
     out["again_metrics"] = (tmp / "run1" / "metrics.jsonl").read_text()
     out["again_log"] = (tmp / "run1" / "train.log").read_text()
@@ -607,13 +754,19 @@ def test_a_stopped_run_resumed_keeps_one_log_in_its_run_directory(finished_run):
     stopped_at = int(re.search(r"preempted after step (\d+)", out["stopped_log"]).group(1))
     assert 2 <= stopped_at < FINISHED_STEPS
     assert out["resumed_rc"] == 0, out["terminal"][-3000:]
-    assert [json.loads(line)["step"] for line in out["metrics"].splitlines()] == list(range(1, FINISHED_STEPS + 1))
+    assert [json.loads(line)["step"] for line in out["metrics"].splitlines()] == list(
+        range(1, FINISHED_STEPS + 1)
+    )
     # the original train.log: the first part as it was, then the resumed part, in order
     log = out["log"]
     assert log.startswith(out["stopped_log"])
-    resumed = log[len(out["stopped_log"]):]
-    marks = [f"resumed from step {stopped_at} ({tmp / 'checkpoints' / 'job' / f'step_{stopped_at:06d}'})",
-             f"continuing run directory {tmp / 'run1'}", f"step_{FINISHED_STEPS:06d} saved", "Hugging Face export:"]
+    resumed = log[len(out["stopped_log"]) :]
+    marks = [
+        f"resumed from step {stopped_at} ({tmp / 'checkpoints' / 'job' / f'step_{stopped_at:06d}'})",
+        f"continuing run directory {tmp / 'run1'}",
+        f"step_{FINISHED_STEPS:06d} saved",
+        "Hugging Face export:",
+    ]
     assert all(mark in resumed for mark in marks), resumed
     assert [resumed.index(mark) for mark in marks] == sorted(resumed.index(mark) for mark in marks)
     assert out["resumed_dir"] == [".hydra"]  # the new invocation's directory: Hydra's files only
@@ -625,10 +778,13 @@ def test_log_lines_start_on_their_own_line_below_a_progress_bar(finished_run):
     the bar's text."""
     text = finished_run[1]["terminal"]
     starts = [m.start() for m in _LOG_LINE_START.finditer(text)]
-    assert sum("checkpoint" in text[s:s + 120] and "saved" in text[s:s + 200] for s in starts) >= 3
+    assert sum("checkpoint" in text[s : s + 120] and "saved" in text[s : s + 200] for s in starts) >= 3
     assert "\x1b[2K" in text and f"{FINISHED_STEPS}/{FINISHED_STEPS}" in text  # the bar was drawn
-    continuing = [text[max(0, s - 40):s + 60] for s in starts
-                  if s > 0 and not (text[:s].endswith("\n") or text[:s].endswith("\x1b[2K"))]
+    continuing = [
+        text[max(0, s - 40) : s + 60]
+        for s in starts
+        if s > 0 and not (text[:s].endswith("\n") or text[:s].endswith("\x1b[2K"))
+    ]
     assert continuing == []
 
 
@@ -636,13 +792,17 @@ def test_a_finished_run_started_again_is_complete_with_nothing_to_do(finished_ru
     tmp, out = finished_run
     again = out["again"]
     assert again.returncode == 0, again.stderr[-3000:]
-    complete = (f"complete at step {FINISHED_STEPS} "
-                f"({tmp / 'checkpoints' / 'job' / f'step_{FINISHED_STEPS:06d}'}); nothing to do")
+    complete = (
+        f"complete at step {FINISHED_STEPS} "
+        f"({tmp / 'checkpoints' / 'job' / f'step_{FINISHED_STEPS:06d}'}); nothing to do"
+    )
     assert (again.stdout + again.stderr).count(complete) == 1, again.stdout[-3000:]
     assert "Traceback" not in again.stderr and not re.search(r"^error", again.stderr, flags=re.M)
     # nothing written: metrics, W&B and config untouched; the log line in the run's own train.log
     assert out["again_metrics"] == out["metrics"] and out["again_dir"] == [".hydra"]
-    assert out["again_log"].startswith(out["log"]) and out["again_log"][len(out["log"]):].count(complete) == 1
+    assert (
+        out["again_log"].startswith(out["log"]) and out["again_log"][len(out["log"]) :].count(complete) == 1
+    )
 
 
 def test_a_requeued_slurm_job_of_a_finished_run_writes_the_missing_export_and_exits_0(finished_run):

@@ -36,8 +36,17 @@ def _uninterrupted(tmp: str, layout: str, mode: str) -> tuple[list[dict], str]:
     def make():
         from relax_gdn.train import run_training
 
-        run = run_training(reshard_run_config(layout, mode, 4, checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
-                                    checkpoint__every_steps=2), None, runtime=job_runtime())
+        run = run_training(
+            reshard_run_config(
+                layout,
+                mode,
+                4,
+                checkpoint__dir=str(Path(tmp) / f"{layout}_{mode}"),
+                checkpoint__every_steps=2,
+            ),
+            None,
+            runtime=job_runtime(),
+        )
         return [step_values(r) for r in run.records], str(run.checkpoints[0])
 
     return computed_once(("reshard", tmp, layout, mode), make)
@@ -50,10 +59,13 @@ def _resumed(tmp: str, mode: str, source: str, target: str) -> dict:
 
     source_key = (source, mode if source == "cp2" else "chunkwise")
     reference, saved = _uninterrupted(tmp, *source_key)
-    resumed = run_training(reshard_run_config(target, mode, 4, checkpoint__resume=saved), None,
-                           runtime=job_runtime())
-    return {"resumed": (source_key, resumed.start_step, [step_values(r) for r in resumed.records]),
-            "reference": reference}
+    resumed = run_training(
+        reshard_run_config(target, mode, 4, checkpoint__resume=saved), None, runtime=job_runtime()
+    )
+    return {
+        "resumed": (source_key, resumed.start_step, [step_values(r) for r in resumed.records]),
+        "reference": reference,
+    }
 
 
 def _export_source(tmp: str) -> str:
@@ -78,8 +90,12 @@ def _project_logits(checkpoint: str, ids: torch.Tensor) -> torch.Tensor:
     parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
     try:
         tconfig = qwen3_5_config(cfg.model.preset, use_cpu_initialization=True)
-        model = build_qwen3_5_preset_model(cfg.model.preset, tconfig, vocab_size=manifest["model"]["vocab_size"],
-                                           gdn=GDNOptions(kernel_backend="torch", training=False)).eval()
+        model = build_qwen3_5_preset_model(
+            cfg.model.preset,
+            tconfig,
+            vocab_size=manifest["model"]["vocab_size"],
+            gdn=GDNOptions(kernel_backend="torch", training=False),
+        ).eval()
         load_model_weights(Path(checkpoint), model)
         with torch.no_grad():
             logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
@@ -113,16 +129,23 @@ def test_export_of_a_cp2_checkpoint_gives_the_projects_logits(gloo, reshard, tmp
     source = gloo(_export_source, 2, str(reshard))[0]
     out = tmp_path / "hf"
     env = child_env()
-    done = subprocess.run([sys.executable, "-m", "relax_gdn.export_hf", source, str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "relax_gdn.export_hf", source, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
 
     _force_transformers_pure_torch()
     from transformers import AutoModelForCausalLM
 
-    hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager",
-                                                    dtype=torch.float32)
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, attn_implementation="eager", dtype=torch.float32
+    )
     assert not any(info.values()), info  # no missing / unexpected / mismatched tensors
     vocab = hf.config.vocab_size
     ids = torch.randint(0, vocab, (1, 47), generator=torch.Generator().manual_seed(3))

@@ -64,8 +64,14 @@ class FunctionShape:
     positional: int
 
     def over(self) -> set[str]:
-        return {limit for limit, over in (("lines", self.lines > MAX_LINES),
-                                          ("positional", self.positional > MAX_POSITIONAL)) if over}
+        return {
+            limit
+            for limit, over in (
+                ("lines", self.lines > MAX_LINES),
+                ("positional", self.positional > MAX_POSITIONAL),
+            )
+            if over
+        }
 
 
 def function_shapes(source: str, path: str) -> list[FunctionShape]:
@@ -80,8 +86,11 @@ def function_shapes(source: str, path: str) -> list[FunctionShape]:
                 static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in child.decorator_list)
                 if in_class and not static and positional:
                     positional -= 1  # self / cls
-                shapes.append(FunctionShape(f"{path}::{prefix}{child.name}",
-                                            child.end_lineno - child.lineno + 1, positional))
+                shapes.append(
+                    FunctionShape(
+                        f"{path}::{prefix}{child.name}", child.end_lineno - child.lineno + 1, positional
+                    )
+                )
                 visit(child, f"{prefix}{child.name}.", in_class=False)
             elif isinstance(child, ast.ClassDef):
                 visit(child, f"{prefix}{child.name}.", in_class=True)
@@ -111,8 +120,9 @@ def _offenders(limit: str) -> list[FunctionShape]:
 
 def test_no_function_is_longer_than_the_limit():
     offenders = _offenders("lines")
-    assert not offenders, (f"functions over {MAX_LINES} lines (split them into named steps):\n"
-                           + "\n".join(f"  {s.name}: {s.lines} lines" for s in offenders))
+    assert not offenders, f"functions over {MAX_LINES} lines (split them into named steps):\n" + "\n".join(
+        f"  {s.name}: {s.lines} lines" for s in offenders
+    )
 
 
 def test_no_function_takes_more_positional_parameters_than_the_limit():
@@ -120,15 +130,21 @@ def test_no_function_takes_more_positional_parameters_than_the_limit():
     assert not offenders, (
         f"functions with more than {MAX_POSITIONAL} positional parameters (make the rest keyword-only "
         "after `*`, or group them in a frozen options dataclass):\n"
-        + "\n".join(f"  {s.name}: {s.positional} positional" for s in offenders))
+        + "\n".join(f"  {s.name}: {s.positional} positional" for s in offenders)
+    )
 
 
 def test_allow_list_names_only_functions_over_a_limit():
     shapes = {s.name: s for s in all_shapes()}
-    stale = {name: limits for name, limits in ALLOWED.items()
-             if name not in shapes or not limits <= shapes[name].over()}
-    assert not stale, ("ALLOWED entries whose function is gone or within the named limits (remove them):\n"
-                       + "\n".join(f"  {name}: {sorted(limits)}" for name, limits in stale.items()))
+    stale = {
+        name: limits
+        for name, limits in ALLOWED.items()
+        if name not in shapes or not limits <= shapes[name].over()
+    }
+    assert not stale, (
+        "ALLOWED entries whose function is gone or within the named limits (remove them):\n"
+        + "\n".join(f"  {name}: {sorted(limits)}" for name, limits in stale.items())
+    )
 
 
 def test_shapes_count_lines_and_positional_parameters_as_documented():
@@ -153,8 +169,13 @@ class Box:
         pass
 '''
     shapes = {s.name.split("::")[1]: (s.lines, s.positional) for s in function_shapes(source, "x.py")}
-    assert shapes == {"free": (5, 3), "free.inner": (2, 1), "Box.method": (2, 2), "Box.static": (2, 2),
-                      "Box.make": (2, 1)}
+    assert shapes == {
+        "free": (5, 3),
+        "free.inner": (2, 1),
+        "Box.method": (2, 2),
+        "Box.static": (2, 2),
+        "Box.make": (2, 1),
+    }
     long = "def f(a, b, c, d, e, f, g):\n" + "    x = 1\n" * MAX_LINES
     (shape,) = function_shapes(long, "y.py")
     assert shape.over() == {"lines", "positional"}
@@ -176,8 +197,10 @@ def long_classes_and_modules(root: Path = ROOT) -> dict[str, int]:
 def test_no_class_or_module_is_longer_than_its_limit():
     over = {name: lines for name, lines in long_classes_and_modules().items() if name not in ALLOWED_LONG}
     listed = "\n".join(f"  {name}: {lines} lines" for name, lines in over.items())
-    assert not over, (f"classes over {MAX_CLASS_LINES} lines or modules over {MAX_MODULE_LINES} (split them into "
-                      f"parts whose names say what they hold):\n{listed}")
+    assert not over, (
+        f"classes over {MAX_CLASS_LINES} lines or modules over {MAX_MODULE_LINES} (split them into "
+        f"parts whose names say what they hold):\n{listed}"
+    )
 
 
 def test_long_allow_list_names_only_what_is_over_a_limit():
@@ -189,5 +212,7 @@ def test_long_classes_and_modules_are_measured_as_documented(tmp_path):
     (tmp_path / "small.py").write_text("class A:\n    pass\n")
     body = "    x = 1\n" * MAX_CLASS_LINES
     (tmp_path / "long.py").write_text("class B:\n" + body + "y = 2\n" * MAX_MODULE_LINES)
-    assert long_classes_and_modules(tmp_path) == {"long.py": MAX_CLASS_LINES + MAX_MODULE_LINES + 1,
-                                                  "long.py::B": MAX_CLASS_LINES + 1}
+    assert long_classes_and_modules(tmp_path) == {
+        "long.py": MAX_CLASS_LINES + MAX_MODULE_LINES + 1,
+        "long.py::B": MAX_CLASS_LINES + 1,
+    }

@@ -33,9 +33,18 @@ def _runs(tmp: str) -> dict:
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
     os.environ["WANDB_SILENT"] = "true"
     (tmp / "wandb").mkdir()
-    wandb = dict(mode="offline", project="relax-gdn-test", entity=None, group="compare-test", tags=[], name=None,
-                 job_type="optim.lr=0.003")
-    base = dict(train__steps=STEPS, train__global_batch_size=4, data__synthetic_max_steps=1, data__num_samples=64)
+    wandb = dict(
+        mode="offline",
+        project="relax-gdn-test",
+        entity=None,
+        group="compare-test",
+        tags=[],
+        name=None,
+        job_type="optim.lr=0.003",
+    )
+    base = dict(
+        train__steps=STEPS, train__global_batch_size=4, data__synthetic_max_steps=1, data__num_samples=64
+    )
     runs = {
         "a1": _cfg(**base, logging__wandb=wandb),
         "a2": _cfg(**base),  # identical seed: an A/A repeat of a1
@@ -83,17 +92,38 @@ def test_reports_hold_the_runs_numbers(trained):
     out = tmp / "report"
     from relax_gdn.compare.__main__ import main
 
-    assert main([str(tmp / "runs"), "--out", str(out), "--baseline", "optim.lr=0.003",
-                 "--baseline", "gdn.route=lazy_cache"]) == 0
-    for name in ("summary.md", "summary.json", "report.html", "loss.png", "grad_norm.png", "tokens_per_s.png",
-                 "throughput.png"):
+    assert (
+        main(
+            [
+                str(tmp / "runs"),
+                "--out",
+                str(out),
+                "--baseline",
+                "optim.lr=0.003",
+                "--baseline",
+                "gdn.route=lazy_cache",
+            ]
+        )
+        == 0
+    )
+    for name in (
+        "summary.md",
+        "summary.json",
+        "report.html",
+        "loss.png",
+        "grad_norm.png",
+        "tokens_per_s.png",
+        "throughput.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert not (out / "mfu.png").exists()  # no MFU on CPU: no empty plot
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (tmp / "runs" / "lr" / "metrics.jsonl").read_text().splitlines()]
     steady = steady_records(records)
     (lr,) = [v for v in summary["variants"] if v["config"]["optim.lr"] == 0.01]
-    assert lr["stats"]["tokens_per_s"]["median"] == pytest.approx(np.median([r["tokens_per_s"] for r in steady]))
+    assert lr["stats"]["tokens_per_s"]["median"] == pytest.approx(
+        np.median([r["tokens_per_s"] for r in steady])
+    )
     assert lr["stats"]["final_loss"]["median"] == pytest.approx(records[-1]["loss"])
     assert lr["runs"][0]["steady_steps"] == STEPS - warmup_steps(STEPS)
     md = (out / "summary.md").read_text()
@@ -119,13 +149,22 @@ def test_wandb_offline_run_holds_the_summary(trained):
     (run_dir,) = out["wandb_runs"]
     records = offline_run_records(run_dir)
     summary = {k: json.loads(v) for k, v in records["summary"].items()}
-    for key in ("steady/tokens_per_s", "steady/tokens_per_s_per_gpu", "steady/step_time_s", "total_tokens",
-                "final_loss", "mean_loss", "steady/steps"):
+    for key in (
+        "steady/tokens_per_s",
+        "steady/tokens_per_s_per_gpu",
+        "steady/step_time_s",
+        "total_tokens",
+        "final_loss",
+        "mean_loss",
+        "steady/steps",
+    ):
         assert key in summary, (key, sorted(summary))
     jsonl = [json.loads(line) for line in (tmp / "runs" / "a1" / "metrics.jsonl").read_text().splitlines()]
     assert summary["total_tokens"] == sum(r["tokens"] for r in jsonl)
     assert summary["final_loss"] == pytest.approx(jsonl[-1]["loss"])
-    assert summary["steady/tokens_per_s"] == pytest.approx(np.median([r["tokens_per_s"] for r in steady_records(jsonl)]))
+    assert summary["steady/tokens_per_s"] == pytest.approx(
+        np.median([r["tokens_per_s"] for r in steady_records(jsonl)])
+    )
     run = records["run"]
     assert run.run_group == "compare-test" and run.job_type == "optim.lr=0.003"
 
@@ -148,14 +187,31 @@ def test_median_interval_contains_the_median_and_narrows_with_more_data():
 
 
 def _records(tps: float, n: int = 20, loss0: float = 5.0, cp_sizes=None) -> list[dict]:
-    return [{"step": s, "loss": loss0 - 0.1 * s, "grad_norm": 1.0, "tokens": 100, "tokens_per_s": tps + s % 3,
-             "mfu": 0.3, "step_time_s": 0.5, "peak_mem_gb": 10.0 + s, "world_size": 2, **({"cp_sizes": cp_sizes} if cp_sizes else {})} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "loss": loss0 - 0.1 * s,
+            "grad_norm": 1.0,
+            "tokens": 100,
+            "tokens_per_s": tps + s % 3,
+            "mfu": 0.3,
+            "step_time_s": 0.5,
+            "peak_mem_gb": 10.0 + s,
+            "world_size": 2,
+            **({"cp_sizes": cp_sizes} if cp_sizes else {}),
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_seed_repeats_are_one_variant_and_throughput_verdicts():
     def run(name, mode, seed, tps):
-        return Run(name, name, {"gdn.cp_mode": mode, "train.seed": seed, "logging.wandb.job_type": name},
-                   _records(tps))
+        return Run(
+            name,
+            name,
+            {"gdn.cp_mode": mode, "train.seed": seed, "logging.wandb.job_type": name},
+            _records(tps),
+        )
 
     runs = [run("h1", "headwise", 1, 1000), run("h2", "headwise", 2, 1010), run("c1", "chunkwise", 1, 1500)]
     summary = compare_runs(runs, ["gdn.cp_mode=headwise"])
@@ -171,20 +227,47 @@ def test_seed_repeats_are_one_variant_and_throughput_verdicts():
 
 def test_labels_name_each_differing_key_once_as_an_override_writes_it():
     def run(name, **config):
-        return Run(name, name, {"train.steps": 4, **{k.replace("__", "."): v for k, v in config.items()}},
-                   _records(100))
+        return Run(
+            name,
+            name,
+            {"train.steps": 4, **{k.replace("__", "."): v for k, v in config.items()}},
+            _records(100),
+        )
 
-    runs = [run("a", model__fused_norms=False, model__fused_swiglu=False, data__max_sample_tokens=None,
-                gdn__route="prebuild", x__alpha=1, x__beta=1),
-            run("b", model__fused_norms=True, model__fused_swiglu=True, data__max_sample_tokens=512,
-                x__alpha=2, x__beta=2)]
+    runs = [
+        run(
+            "a",
+            model__fused_norms=False,
+            model__fused_swiglu=False,
+            data__max_sample_tokens=None,
+            gdn__route="prebuild",
+            x__alpha=1,
+            x__beta=1,
+        ),
+        run(
+            "b",
+            model__fused_norms=True,
+            model__fused_swiglu=True,
+            data__max_sample_tokens=512,
+            x__alpha=2,
+            x__beta=2,
+        ),
+    ]
     summary = compare_runs(runs)
     assert [v["label"] for v in summary["variants"]] == [
         "data.max_sample_tokens=null, gdn.route=prebuild, model.fused_*=false, x.{alpha,beta}=1",
-        "data.max_sample_tokens=512, gdn.route=(unset), model.fused_*=true, x.{alpha,beta}=2"]
-    assert summary["variants"][1]["config"] == {"data.max_sample_tokens": 512, "model.fused_norms": True,
-                                                "model.fused_swiglu": True, "x.alpha": 2, "x.beta": 2}
-    assert compare_runs(runs, ["data.max_sample_tokens=null"])["baseline"].startswith("data.max_sample_tokens=null")
+        "data.max_sample_tokens=512, gdn.route=(unset), model.fused_*=true, x.{alpha,beta}=2",
+    ]
+    assert summary["variants"][1]["config"] == {
+        "data.max_sample_tokens": 512,
+        "model.fused_norms": True,
+        "model.fused_swiglu": True,
+        "x.alpha": 2,
+        "x.beta": 2,
+    }
+    assert compare_runs(runs, ["data.max_sample_tokens=null"])["baseline"].startswith(
+        "data.max_sample_tokens=null"
+    )
     (cmp,) = summary["comparisons"]  # one run each: no A/A, and no noise figure in the verdicts
     assert cmp["loss"]["verdict"] == "no A/A" and cmp["loss"]["rms_noise"] is None
     assert cmp["throughput"]["noise"] is None
@@ -198,8 +281,17 @@ def test_curve_verdict_weighs_the_whole_curve_against_the_seed_noise():
     steps = 150
 
     def run(name, variant, seed, shift=0.0):
-        records = [{"step": s, "loss": 3.0 / s ** 0.3 + shift + rng.normal(0, 0.05), "grad_norm": 1.0 + rng.normal(0, 0.1),
-                    "tokens": 100, "tokens_per_s": 1000.0, "world_size": 1} for s in range(1, steps + 1)]
+        records = [
+            {
+                "step": s,
+                "loss": 3.0 / s**0.3 + shift + rng.normal(0, 0.05),
+                "grad_norm": 1.0 + rng.normal(0, 0.1),
+                "tokens": 100,
+                "tokens_per_s": 1000.0,
+                "world_size": 1,
+            }
+            for s in range(1, steps + 1)
+        ]
         return Run(name, name, {"recompute.granularity": variant, "train.seed": seed}, records)
 
     same = [run("f1", "full", 1), run("f2", "full", 2), run("s1", "selective", 1), run("s2", "selective", 2)]
@@ -217,15 +309,23 @@ def test_run_summary_holds_cp_size_histogram_and_per_gpu_throughput():
     summary = run_summary(records)
     assert summary["cp_sizes/1"] == 40 and summary["cp_sizes/2"] == 20
     assert summary["steady/tokens_per_s_per_gpu"] == pytest.approx(summary["steady/tokens_per_s"] / 2)
-    assert summary["total_tokens"] == 2000 and summary["steady/steps"] == 17 and summary["peak_mem_gb"] == 30.0
+    assert (
+        summary["total_tokens"] == 2000 and summary["steady/steps"] == 17 and summary["peak_mem_gb"] == 30.0
+    )
 
 
 def test_wandb_runs_parse_from_public_api_objects():
-    rows = [{"_step": 1, "train/loss": 3.0, "train/tokens_per_s": 10.0, "train/world_size": 2},
-            {"_step": 2, "train/loss": 2.5, "train/tokens_per_s": 12.0, "train/mfu": float("nan")},
-            {"_step": 2, "system/gpu": 1.0}]  # a system row: no train/loss
-    fake = SimpleNamespace(id="abc", name="run-a", config={"gdn": {"cp_mode": "chunkwise"}, "_wandb": {}},
-                           scan_history=lambda: iter(rows))
+    rows = [
+        {"_step": 1, "train/loss": 3.0, "train/tokens_per_s": 10.0, "train/world_size": 2},
+        {"_step": 2, "train/loss": 2.5, "train/tokens_per_s": 12.0, "train/mfu": float("nan")},
+        {"_step": 2, "system/gpu": 1.0},
+    ]  # a system row: no train/loss
+    fake = SimpleNamespace(
+        id="abc",
+        name="run-a",
+        config={"gdn": {"cp_mode": "chunkwise"}, "_wandb": {}},
+        scan_history=lambda: iter(rows),
+    )
     run = run_from_wandb(fake, "ent/proj")
     assert run.source == "wandb:ent/proj/abc" and run.config == {"gdn.cp_mode": "chunkwise"}
     assert run.records == records_from_wandb_history(rows)
@@ -235,11 +335,27 @@ def test_wandb_runs_parse_from_public_api_objects():
 
 def test_benchmark_json_variants(tmp_path):
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"variants": [
-        {"name": "headwise", "config": {"gdn": {"cp_mode": "headwise"}}, "records": _records(100)},
-        {"name": "chunkwise", "config": {"gdn.cp_mode": "chunkwise"}, "summary": {},
-         "records": _records(200) + [{"step": 21, "loss": 1.0, "tokens_per_s": 1.0, "profiled": True}]}],
-        "meta": {}}))
+    path.write_text(
+        json.dumps(
+            {
+                "variants": [
+                    {
+                        "name": "headwise",
+                        "config": {"gdn": {"cp_mode": "headwise"}},
+                        "records": _records(100),
+                    },
+                    {
+                        "name": "chunkwise",
+                        "config": {"gdn.cp_mode": "chunkwise"},
+                        "summary": {},
+                        "records": _records(200)
+                        + [{"step": 21, "loss": 1.0, "tokens_per_s": 1.0, "profiled": True}],
+                    },
+                ],
+                "meta": {},
+            }
+        )
+    )
     runs = load_bench_json(path)
     assert [r.config["gdn.cp_mode"] for r in runs] == ["headwise", "chunkwise"]
     assert "bench.variant" not in runs[0].config  # a config tells the variants apart, not the name
@@ -254,26 +370,36 @@ def test_benchmark_json_variants(tmp_path):
 def test_benchmark_json_fills_keys_a_variant_left_alone(tmp_path):
     """With the start values the file records (meta.base_config), else the recipe's defaults:
     never an empty value."""
-    variants = [{"name": "mt=4096", "config": {"train.max_tokens_per_gpu": 4096}, "records": _records(100)},
-                {"name": "fused=off", "config": {"model": {"fused_norms": False}}, "records": _records(90)},
-                {"name": "as started", "config": {}, "records": _records(95)}]
+    variants = [
+        {"name": "mt=4096", "config": {"train.max_tokens_per_gpu": 4096}, "records": _records(100)},
+        {"name": "fused=off", "config": {"model": {"fused_norms": False}}, "records": _records(90)},
+        {"name": "as started", "config": {}, "records": _records(95)},
+    ]
     path = tmp_path / "e2e.json"
-    path.write_text(json.dumps({"meta": {"base_config": {"train": {"max_tokens_per_gpu": 8192}}},
-                                "variants": variants}))
+    path.write_text(
+        json.dumps({"meta": {"base_config": {"train": {"max_tokens_per_gpu": 8192}}}, "variants": variants})
+    )
     labels = [v["label"] for v in compare_runs(load_bench_json(path))["variants"]]
-    assert labels == ["model.fused_norms=true, train.max_tokens_per_gpu=4096",
-                      "model.fused_norms=false, train.max_tokens_per_gpu=8192",
-                      "model.fused_norms=true, train.max_tokens_per_gpu=8192"]
+    assert labels == [
+        "model.fused_norms=true, train.max_tokens_per_gpu=4096",
+        "model.fused_norms=false, train.max_tokens_per_gpu=8192",
+        "model.fused_norms=true, train.max_tokens_per_gpu=8192",
+    ]
     path.write_text(json.dumps({"variants": variants}))
     assert compare_runs(load_bench_json(path))["variants"][1]["label"] == (
-        "model.fused_norms=false, train.max_tokens_per_gpu=2048")  # relax_gdn.config.schema's default
+        "model.fused_norms=false, train.max_tokens_per_gpu=2048"
+    )  # relax_gdn.config.schema's default
 
 
 def test_wandb_report_spec_panels_grouping_and_filter():
     from relax_gdn.compare.wandb_report import build_report, report_spec
 
     spec = report_spec("ent/proj", "sweep-x")
-    assert spec["runset"] == {"name": "sweep-x", "filters": "Group = 'sweep-x'", "groupby": ["config.gdn.cp_mode"]}
+    assert spec["runset"] == {
+        "name": "sweep-x",
+        "filters": "Group = 'sweep-x'",
+        "groupby": ["config.gdn.cp_mode"],
+    }
     lines = {p["y"][0] for p in spec["panels"] if p["kind"] == "line"}
     bars = {p["metrics"][0] for p in spec["panels"] if p["kind"] == "bar"}
     assert {"train/loss", "train/grad_norm", "train/tokens_per_s", "train/mfu"} <= lines

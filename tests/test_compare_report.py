@@ -27,8 +27,13 @@ from relax_gdn.compare.__main__ import default_out_dir, main
 from relax_gdn.config.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH_VARIANTS = ("baseline,recompute=full", "recompute=full", "recompute=selective", "recompute=none",
-                  "baseline,recompute=full,train.seed=1234")
+BENCH_VARIANTS = (
+    "baseline,recompute=full",
+    "recompute=full",
+    "recompute=selective",
+    "recompute=none",
+    "baseline,recompute=full,train.seed=1234",
+)
 CHROMIUM = shutil.which("chromium")
 SCREENSHOT_DIR = os.environ.get("COMPARE_SCREENSHOT_DIR")
 
@@ -36,16 +41,38 @@ SCREENSHOT_DIR = os.environ.get("COMPARE_SCREENSHOT_DIR")
 # ---- inputs ------------------------------------------------------------------------------------------
 
 
-def _step_record(step: int, loss: float, grad_norm: float, tokens: int, tokens_per_s: float, world_size: int,
-                 gpu: dict | None = None) -> dict:
+def _step_record(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    tokens: int,
+    tokens_per_s: float,
+    world_size: int,
+    gpu: dict | None = None,
+) -> dict:
     """A metrics.jsonl record (relax_gdn.train.metrics.StepRecord's fields)."""
     step_time = tokens / tokens_per_s
-    record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": 3e-3 * min(1.0, step / 2),
-              "tokens": tokens, "tokens_per_s": tokens_per_s, "mfu": None, "mfu_relax": None,
-              "tflops_per_gpu": 4.4e-6 * tokens_per_s / world_size, "step_time_s": step_time,
-              "loss_tokens": tokens // 2, "padded_tokens": tokens + 3, "num_micro_batches": 1,
-              "num_samples": 16, "epoch": 0, "peak_mem_gb": None, "host_syncs": None, "world_size": world_size,
-              "optimizer_time_s": 0.007}
+    record = {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": 3e-3 * min(1.0, step / 2),
+        "tokens": tokens,
+        "tokens_per_s": tokens_per_s,
+        "mfu": None,
+        "mfu_relax": None,
+        "tflops_per_gpu": 4.4e-6 * tokens_per_s / world_size,
+        "step_time_s": step_time,
+        "loss_tokens": tokens // 2,
+        "padded_tokens": tokens + 3,
+        "num_micro_batches": 1,
+        "num_samples": 16,
+        "epoch": 0,
+        "peak_mem_gb": None,
+        "host_syncs": None,
+        "world_size": world_size,
+        "optimizer_time_s": 0.007,
+    }
     return record | (gpu or {})
 
 
@@ -55,9 +82,14 @@ def write_sweep(sweep_dir: Path, steps: int = 20) -> Path:
     seed (they differ in rounding only); throughput differs."""
     rng = np.random.default_rng(7)
     for num, (mode, seed) in enumerate((m, s) for m in ("headwise", "chunkwise") for s in (1, 2)):
-        overrides = {"parallel.cp": 2, "gdn.cp_mode": mode, "train.seed": seed, "train.steps": steps,
-                     "logging.wandb.group": "sweep-2026-12-01_14-48-00",
-                     "logging.wandb.job_type": f"gdn.cp_mode={mode}"}
+        overrides = {
+            "parallel.cp": 2,
+            "gdn.cp_mode": mode,
+            "train.seed": seed,
+            "train.steps": steps,
+            "logging.wandb.group": "sweep-2026-12-01_14-48-00",
+            "logging.wandb.job_type": f"gdn.cp_mode={mode}",
+        }
         config = dataclasses.asdict(RunConfig().with_overrides(overrides))
         run_dir = sweep_dir / str(num)
         (run_dir / ".hydra").mkdir(parents=True)
@@ -70,7 +102,9 @@ def write_sweep(sweep_dir: Path, steps: int = 20) -> Path:
             grad_norm = 0.3 + 1.4 * math.exp(-step / 8) + seed_rng.normal(0, 0.05)
             tokens = int(1400 + seed_rng.integers(-200, 200))
             tps = base_tps * (0.6 if step <= 2 else 1.0) + rng.normal(0, 150)
-            records.append(_step_record(step, loss + rng.normal(0, 1e-6), grad_norm, tokens, tps, world_size=2))
+            records.append(
+                _step_record(step, loss + rng.normal(0, 1e-6), grad_norm, tokens, tps, world_size=2)
+            )
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (run_dir / "train.log").write_text("")
     return sweep_dir
@@ -87,42 +121,90 @@ def write_bench_json(path: Path, steps: int = 7) -> Path:
     batch_tokens = [int(t) for t in rng.normal(48000, 4000, steps + 1)]
     losses = [12.42 + float(d) for d in rng.normal(0, 0.01, steps + 1)]
     grad_norms = [float(g) for g in rng.normal(2.1, 0.15, steps + 1)]
-    speed = {"baseline,recompute=full": (6950.0, 60.2), "recompute=full": (8675.0, 57.1),
-             "recompute=selective": (10127.0, 98.5), "baseline,recompute=full,train.seed=1234": (6890.0, 60.2)}
+    speed = {
+        "baseline,recompute=full": (6950.0, 60.2),
+        "recompute=full": (8675.0, 57.1),
+        "recompute=selective": (10127.0, 98.5),
+        "baseline,recompute=full,train.seed=1234": (6890.0, 60.2),
+    }
     variants = []
     for name in BENCH_VARIANTS:
-        entry = {"name": name, "optimizer": "none",
-                 "optimizer_note": "Adam state does not fit: estimate 167 GiB > 140 GiB; forward + backward "
-                                   "+ DDP gradient reduction, no update",
-                 "lengths": {"mean": 2987.0, "median": 2311.0, "p90": 6240.0, "max": 8192}, "config":
-                     variant_overrides(name, 1)}
+        entry = {
+            "name": name,
+            "optimizer": "none",
+            "optimizer_note": "Adam state does not fit: estimate 167 GiB > 140 GiB; forward + backward "
+            "+ DDP gradient reduction, no update",
+            "lengths": {"mean": 2987.0, "median": 2311.0, "p90": 6240.0, "max": 8192},
+            "config": variant_overrides(name, 1),
+        }
         if name not in speed:
-            variants.append(entry | {"records": [], "summary": {
-                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.37 GiB. GPU 0 has a total "
-                         "capacity of 139.81 GiB of which 1.02 GiB is free."}})
+            variants.append(
+                entry
+                | {
+                    "records": [],
+                    "summary": {
+                        "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.37 GiB. GPU 0 has a total "
+                        "capacity of 139.81 GiB of which 1.02 GiB is free."
+                    },
+                }
+            )
             continue
         tps, peak = speed[name]
         records = []
         for step in range(1, steps + 2):
             rate = tps * (0.55 if step == 1 else 1.0) * (1 + float(rng.normal(0, 0.006)))
-            gpu = {"mfu": 0.43 * rate / 8675.0, "mfu_relax": 0.45 * rate / 8675.0, "peak_mem_gb": peak,
-                   "host_syncs": 1, "tflops_per_gpu": 425.0 * rate / 8675.0}
+            gpu = {
+                "mfu": 0.43 * rate / 8675.0,
+                "mfu_relax": 0.45 * rate / 8675.0,
+                "peak_mem_gb": peak,
+                "host_syncs": 1,
+                "tflops_per_gpu": 425.0 * rate / 8675.0,
+            }
             loss = losses[step - 1] + float(rng.normal(0, 2e-4))
             grad_norm = grad_norms[step - 1] + float(rng.normal(0, 1e-3))
-            records.append(_step_record(step, loss, grad_norm, batch_tokens[step - 1], rate, world_size=1,
-                                        gpu=gpu) | {"lr": 1e-5})
+            records.append(
+                _step_record(step, loss, grad_norm, batch_tokens[step - 1], rate, world_size=1, gpu=gpu)
+                | {"lr": 1e-5}
+            )
         records[-1]["profiled"] = True
-        summary = {"steps_timed": steps - 2, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
-                   "mfu": 0.43 * tps / 8675, "step_time_s": 48000 / tps, "peak_mem_gib": peak,
-                   "host_syncs_max": 1, "loss_last": losses[-2], "memory_estimate_gib": {"total": peak + 2.0}}
+        summary = {
+            "steps_timed": steps - 2,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps,
+            "mfu": 0.43 * tps / 8675,
+            "step_time_s": 48000 / tps,
+            "peak_mem_gib": peak,
+            "host_syncs_max": 1,
+            "loss_last": losses[-2],
+            "memory_estimate_gib": {"total": peak + 2.0},
+        }
         variants.append(entry | {"records": records, "summary": summary})
-    meta = {"preset": "qwen3_5_9b", "world_size": 1, "device": "NVIDIA H200", "torch": "2.14.1+cu130",
-            "commit": "a9e5a4e", "date_utc": "2026-12-01T12:00:00+00:00", "lengths": "lognormal",
-            "args": {"variants": ";".join(BENCH_VARIANTS), "preset": "qwen3_5_9b", "steps": steps, "skip": 2,
-                     "global_batch_size": 16, "max_tokens_per_gpu": 8192, "seed": 1234, "optimizer": "auto",
-                     "profile": True, "device": "auto", "out": str(path)},
-            "warm_up_pass": {"variant": "every", "runs": [{"variant": v, "steps": steps + 1, "error": None}
-                                                          for v in BENCH_VARIANTS[:4]]}}
+    meta = {
+        "preset": "qwen3_5_9b",
+        "world_size": 1,
+        "device": "NVIDIA H200",
+        "torch": "2.14.1+cu130",
+        "commit": "a9e5a4e",
+        "date_utc": "2026-12-01T12:00:00+00:00",
+        "lengths": "lognormal",
+        "args": {
+            "variants": ";".join(BENCH_VARIANTS),
+            "preset": "qwen3_5_9b",
+            "steps": steps,
+            "skip": 2,
+            "global_batch_size": 16,
+            "max_tokens_per_gpu": 8192,
+            "seed": 1234,
+            "optimizer": "auto",
+            "profile": True,
+            "device": "auto",
+            "out": str(path),
+        },
+        "warm_up_pass": {
+            "variant": "every",
+            "runs": [{"variant": v, "steps": steps + 1, "error": None} for v in BENCH_VARIANTS[:4]],
+        },
+    }
     path.write_text(json.dumps({"meta": meta, "variants": variants}, indent=1))
     return path
 
@@ -179,9 +261,14 @@ def test_benchmark_labels_name_only_what_differs_with_real_default_values(report
         "model.fused_*=true, recompute.granularity=full, recompute.skip_unused=true",
         "model.fused_*=true, recompute.granularity=selective, recompute.skip_unused=true",
     ]  # recompute=none ran out of memory: no records, no variant
-    assert summary["varying_keys"] == ["model.fused_cross_entropy", "model.fused_grad_accumulation",
-                                       "model.fused_norms", "model.fused_swiglu", "recompute.granularity",
-                                       "recompute.skip_unused"]
+    assert summary["varying_keys"] == [
+        "model.fused_cross_entropy",
+        "model.fused_grad_accumulation",
+        "model.fused_norms",
+        "model.fused_swiglu",
+        "recompute.granularity",
+        "recompute.skip_unused",
+    ]
     assert all(v is not None for variant in summary["variants"] for v in variant["config"].values())
     # "baseline,recompute=full" and its train.seed=1234 twin are one variant: an A/A pair
     assert [len(v["runs"]) for v in summary["variants"]] == [2, 1, 1] and summary["noise"]["available"]
@@ -221,19 +308,37 @@ def test_plots_keep_their_axes_size_and_coinciding_curves_stay_visible(reports):
         assert close.sum() > 200, colour
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed: apt-get install -y chromium (.ci/run does)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed: apt-get install -y chromium (.ci/run does)"
+)
 @pytest.mark.parametrize("name", ["sweep", "bench"])
 def test_report_html_renders_plots_at_full_size_in_chromium(reports, name, tmp_path):
     shot = tmp_path / f"compare_report_{name}.png"
     done = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2600",
-         (reports[name] / "report.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1280,2600",
+            (reports[name] / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and shot.exists(), done.stderr[-3000:]
     # the largest plot as rendered: its axes as wide as in the PNG (not squeezed by the page)
-    png_width, png_height = max(plot_frame_px(p) for p in reports[name].glob("*.png") if p.stem != "throughput")
+    png_width, png_height = max(
+        plot_frame_px(p) for p in reports[name].glob("*.png") if p.stem != "throughput"
+    )
     width, height = plot_frame_px(shot)
     assert width >= 0.75 * png_width and height >= 0.75 * png_height, (width, height, png_width, png_height)
     assert 1.5 <= width / height <= 2.5

@@ -30,25 +30,46 @@ def test_default_validates_on_one_process():
 RULES = [
     (dict(parallel__tp=2, parallel__cp=2), 6, ["world size 6", "parallel.tp", "parallel.cp"]),
     (dict(parallel__tp=8), 8, ["num_attention_heads=4", "parallel.tp=8"]),
-    (dict(parallel__cp=4, gdn__cp_mode="headwise", model__preset="qwen3_5_tiny", parallel__tp=2), 8,
-     ["gdn.cp_mode=headwise", "linear_num_key_heads=4", "parallel.tp x cp = 2 x 4"]),
-    (dict(parallel__cp=2, gdn__cp_mode="all_gather", recompute__granularity="none"), 2,
-     ["gdn.cp_mode=all_gather", "recompute.granularity=full"]),
-    (dict(parallel__cp=2, gdn__cp_mode="all_gather", recompute__granularity="selective"), 2,
-     ["recompute.granularity=full"]),
-    (dict(parallel__cp=2, gdn__cp_mode="chunkwise", train__deterministic=True), 2,
-     ["gdn.cp_mode=chunkwise", "train.deterministic=false"]),
+    (
+        dict(parallel__cp=4, gdn__cp_mode="headwise", model__preset="qwen3_5_tiny", parallel__tp=2),
+        8,
+        ["gdn.cp_mode=headwise", "linear_num_key_heads=4", "parallel.tp x cp = 2 x 4"],
+    ),
+    (
+        dict(parallel__cp=2, gdn__cp_mode="all_gather", recompute__granularity="none"),
+        2,
+        ["gdn.cp_mode=all_gather", "recompute.granularity=full"],
+    ),
+    (
+        dict(parallel__cp=2, gdn__cp_mode="all_gather", recompute__granularity="selective"),
+        2,
+        ["recompute.granularity=full"],
+    ),
+    (
+        dict(parallel__cp=2, gdn__cp_mode="chunkwise", train__deterministic=True),
+        2,
+        ["gdn.cp_mode=chunkwise", "train.deterministic=false"],
+    ),
     (dict(parallel__sp=True), 1, ["parallel.sp=true", "parallel.tp"]),
-    (dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=4)), 2,
-     ["parallel.dynamic_cp.max_cp=4", "parallel.cp=2"]),
-    (dict(parallel__cp=4, parallel__dynamic_cp=dict(enabled=True, max_cp=3)), 4,
-     ["parallel.dynamic_cp.max_cp=3", "power of two"]),
+    (
+        dict(parallel__cp=2, parallel__dynamic_cp=dict(enabled=True, max_cp=4)),
+        2,
+        ["parallel.dynamic_cp.max_cp=4", "parallel.cp=2"],
+    ),
+    (
+        dict(parallel__cp=4, parallel__dynamic_cp=dict(enabled=True, max_cp=3)),
+        4,
+        ["parallel.dynamic_cp.max_cp=3", "power of two"],
+    ),
     (dict(train__global_batch_size=3), 2, ["train.global_batch_size=3", "data-parallel size 2"]),
     (dict(train__max_tokens_per_gpu=0), 1, ["train.max_tokens_per_gpu=0", "even"]),
     (dict(train__max_tokens_per_gpu=511), 1, ["train.max_tokens_per_gpu=511", "even"]),
     (dict(logging__profile_steps=[3, 1]), 1, ["logging.profile_steps=[3, 1]", "first <= last"]),
-    (dict(train__max_tokens_per_gpu=256, data__max_sample_tokens=512), 1,
-     ["data.max_sample_tokens=512", "train.max_tokens_per_gpu x parallel.cp"]),
+    (
+        dict(train__max_tokens_per_gpu=256, data__max_sample_tokens=512),
+        1,
+        ["data.max_sample_tokens=512", "train.max_tokens_per_gpu x parallel.cp"],
+    ),
     (dict(gdn__cp_mode="ringwise"), 1, ["gdn.cp_mode='ringwise'"]),
     (dict(gdn__route="eager"), 1, ["gdn.route='eager'"]),
     (dict(gdn__swap_transport="nvshmem"), 1, ["gdn.swap_transport='nvshmem'"]),
@@ -56,9 +77,16 @@ RULES = [
     (dict(gdn__max_recomputed_prefix="1k"), 1, ["gdn.max_recomputed_prefix='1k'"]),
     (dict(gdn__contiguous_between_layers="yes"), 1, ["gdn.contiguous_between_layers='yes'", "true or false"]),
     (dict(recompute__granularity="most"), 1, ["recompute.granularity='most'"]),
-    (dict(logging__wandb=dict(mode="cloud", project="p", entity=None, group=None, tags=[], name=None)), 1,
-     ["logging.wandb.mode='cloud'"]),
-    (dict(data__source="jsonl", data__path="/nonexistent/train.jsonl"), 1, ["data.path='/nonexistent/train.jsonl'"]),
+    (
+        dict(logging__wandb=dict(mode="cloud", project="p", entity=None, group=None, tags=[], name=None)),
+        1,
+        ["logging.wandb.mode='cloud'"],
+    ),
+    (
+        dict(data__source="jsonl", data__path="/nonexistent/train.jsonl"),
+        1,
+        ["data.path='/nonexistent/train.jsonl'"],
+    ),
     (dict(data__source="parquet", data__path=None), 1, ["data.path is required"]),
     (dict(data__tokenizer="/nonexistent/tok"), 1, ["data.tokenizer='/nonexistent/tok'"]),
     (dict(optim__min_lr=1.0), 1, ["optim.min_lr=1.0"]),
@@ -84,7 +112,9 @@ def test_all_problems_are_reported_together():
 
 def test_route_prebuild_is_fine_with_every_mode():
     for mode in ("headwise", "chunkwise", "all_gather"):
-        validate(_cfg(gdn__cp_mode=mode, gdn__route="prebuild", parallel__cp=2, recompute__granularity="full"), 2)
+        validate(
+            _cfg(gdn__cp_mode=mode, gdn__route="prebuild", parallel__cp=2, recompute__granularity="full"), 2
+        )
 
 
 def test_unknown_keys_in_a_dict_are_refused():
@@ -135,8 +165,12 @@ def test_the_composed_default_is_the_dataclass_default():
 
 def _group_options() -> list[tuple[str, str]]:
     conf = Path(CONF_DIR)
-    return sorted((group.name, option.stem) for group in conf.iterdir() if group.is_dir() and group.name != "hydra"
-                  for option in group.glob("*.yaml"))
+    return sorted(
+        (group.name, option.stem)
+        for group in conf.iterdir()
+        if group.is_dir() and group.name != "hydra"
+        for option in group.glob("*.yaml")
+    )
 
 
 # what an option needs beyond itself: (world size, overrides)
@@ -178,12 +212,30 @@ def test_seed_scenarios_compose_and_validate_on_eight_gpus(scenario, data_files)
     cfg = _compose(f"experiment={scenario}", *data_files)
     assert cfg.model.preset == "qwen3_5_9b"
     assert (cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.cp) == (2, True, 4)
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.schedule) == ("adam", 1e-5, 1e-6, "cosine")
-    assert (cfg.optim.weight_decay, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.clip_grad) == (0.1, 0.9, 0.98, 1.0)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.schedule) == (
+        "adam",
+        1e-5,
+        1e-6,
+        "cosine",
+    )
+    assert (cfg.optim.weight_decay, cfg.optim.beta1, cfg.optim.beta2, cfg.optim.clip_grad) == (
+        0.1,
+        0.9,
+        0.98,
+        1.0,
+    )
     assert (cfg.train.global_batch_size, cfg.train.seed, cfg.train.precision) == (64, 1234, "bf16")
-    expect = {"s1": ("full", 8192, False), "s2": ("none", 8192, False), "s3": ("full", 24576, False),
-              "s4": ("full", 8192, True)}[scenario]
-    assert (cfg.recompute.granularity, cfg.train.max_tokens_per_gpu, cfg.parallel.dynamic_cp.enabled) == expect
+    expect = {
+        "s1": ("full", 8192, False),
+        "s2": ("none", 8192, False),
+        "s3": ("full", 24576, False),
+        "s4": ("full", 8192, True),
+    }[scenario]
+    assert (
+        cfg.recompute.granularity,
+        cfg.train.max_tokens_per_gpu,
+        cfg.parallel.dynamic_cp.enabled,
+    ) == expect
     assert scenario.upper() in cfg.logging.wandb.tags
     for mode in ("chunkwise", "headwise"):
         dims = validate(dataclasses.replace(cfg, gdn=dataclasses.replace(cfg.gdn, cp_mode=mode)), 8)
@@ -215,7 +267,13 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_flops_match_qwen3_5_md():
     from relax_gdn.model import qwen3_5_config
-    from relax_gdn.train.flops import ModelShape, flops_per_token, megatron_flops_breakdown, relax_flops, step_flops
+    from relax_gdn.train.flops import (
+        ModelShape,
+        flops_per_token,
+        megatron_flops_breakdown,
+        relax_flops,
+        step_flops,
+    )
 
     shape = ModelShape.from_transformer_config(qwen3_5_config("qwen3_5_9b"), 248_320)
     assert (shape.num_attention_layers, shape.num_gdn_layers) == (8, 24)
@@ -223,8 +281,14 @@ def test_flops_match_qwen3_5_md():
         assert flops_per_token(shape, s_eff) == pytest.approx(expect, rel=5e-3)
         assert relax_flops(shape, 1, s_eff) - flops_per_token(shape, s_eff) == pytest.approx(6.1e9, rel=0.01)
     parts = megatron_flops_breakdown(shape, 1, 8192)
-    for name, expect in dict(mlp=28.99, gdn_projections=9.70, logits=6.10, attention_projections=2.82,
-                             attention_core=1.61, gdn_core=0.30).items():
+    for name, expect in dict(
+        mlp=28.99,
+        gdn_projections=9.70,
+        logits=6.10,
+        attention_projections=2.82,
+        attention_core=1.61,
+        gdn_core=0.30,
+    ).items():
         assert getattr(parts, name) / 1e9 == pytest.approx(expect, abs=0.01), name
     # s_eff = sum L^2 / sum L: two documents of 8192 and one of 16384
     megatron, relax = step_flops(shape, [8192, 8192, 16384])
@@ -245,8 +309,18 @@ def test_metrics_use_real_tokens_and_megatron_accounting():
     assert metrics.peak_tflops is None
     metrics.peak_tflops = H200_PEAK_BF16_TFLOPS  # as on an H200
     lengths = [8192] * 4 + [4096] * 8
-    record = metrics.record(step=3, loss=0.35, grad_norm=1.0, lr=1e-5, seq_lengths=lengths, loss_tokens=40000,
-                            padded_tokens=70000, num_micro_batches=2, epoch=0, step_time_s=2.0).as_dict()
+    record = metrics.record(
+        step=3,
+        loss=0.35,
+        grad_norm=1.0,
+        lr=1e-5,
+        seq_lengths=lengths,
+        loss_tokens=40000,
+        padded_tokens=70000,
+        num_micro_batches=2,
+        epoch=0,
+        step_time_s=2.0,
+    ).as_dict()
     assert set(REQUIRED_RECORD_FIELDS) <= set(record)
     assert record["tokens"] == sum(lengths) and record["tokens_per_s"] == sum(lengths) / 2.0
     megatron, relax = step_flops(shape, lengths)
@@ -261,21 +335,30 @@ def test_warmup_is_a_fraction_or_steps_and_clamped_below_the_run(caplog):
 
     assert resolve_warmup_steps(RunConfig().optim.warmup_steps, RunConfig().train.steps) == 3  # the demo's
     assert [resolve_warmup_steps(0.1, n) for n in (1, 3, 10, 35)] == [0, 0, 1, 4]
-    assert resolve_warmup_steps(0, 5) == 0 and resolve_warmup_steps(4, 5) == 4 and resolve_warmup_steps(4.0, 5) == 4
+    assert (
+        resolve_warmup_steps(0, 5) == 0
+        and resolve_warmup_steps(4, 5) == 4
+        and resolve_warmup_steps(4.0, 5) == 4
+    )
     assert not caplog.records
     validate(_cfg(optim__warmup_steps=30), 1)  # a warm-up as long as the run is clamped, not refused
     assert resolve_warmup_steps(30, 30) == 29 and resolve_warmup_steps(3, 1) == 0
-    assert [r.getMessage() for r in caplog.records][0].startswith("optim.warmup_steps=30 is not below train.steps=30")
+    assert [r.getMessage() for r in caplog.records][0].startswith(
+        "optim.warmup_steps=30 is not below train.steps=30"
+    )
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ((), (3e-3, 3e-4)),                                        # the tiny demo keeps its fast rate
-    (("model=qwen3_5_9b",), (1e-5, 1e-6)),                     # a fine-tuning rate for the 9B
-    (("model.preset=qwen3_5_9b",), (1e-5, 1e-6)),              # the key, not only the group, decides
-    (("model=qwen3_5_9b_reduced",), (2e-4, 2e-5)),             # randomly initialised: a from-scratch rate
-    (("model=qwen3_5_9b", "optim.lr=3e-5"), (3e-5, 3e-6)),     # a given rate wins; the floor follows it
-    (("model=qwen3_5_9b", "optim.min_lr=0"), (1e-5, 0.0)),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ((), (3e-3, 3e-4)),  # the tiny demo keeps its fast rate
+        (("model=qwen3_5_9b",), (1e-5, 1e-6)),  # a fine-tuning rate for the 9B
+        (("model.preset=qwen3_5_9b",), (1e-5, 1e-6)),  # the key, not only the group, decides
+        (("model=qwen3_5_9b_reduced",), (2e-4, 2e-5)),  # randomly initialised: a from-scratch rate
+        (("model=qwen3_5_9b", "optim.lr=3e-5"), (3e-5, 3e-6)),  # a given rate wins; the floor follows it
+        (("model=qwen3_5_9b", "optim.min_lr=0"), (1e-5, 0.0)),
+    ],
+)
 def test_learning_rate_defaults_follow_the_model_preset(overrides, expected):
     cfg = _compose(*overrides)
     assert cfg.learning_rates == pytest.approx(expected)

@@ -16,8 +16,10 @@ from relax_gdn.train.run_result import TrainResult
 # the log lines relax_gdn.known_warnings names.
 # The quiet run also profiles a step: on CPU torch.profiler's C++ backend prints nothing of its own
 # (its USDT markers, "gpuGetDeviceCount failed with code 35").
-THIRD_PARTY = re.compile(r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style|"
-                         r"gpuGetDeviceCount|USDT:")
+THIRD_PARTY = re.compile(
+    r"Warning: |site-packages|IS DEPRECATED|No CUDA runtime|Megatron-FSDP|decay style|"
+    r"gpuGetDeviceCount|USDT:"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,17 @@ def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_
     assert len([line for line in (loud.stdout + loud.stderr).splitlines() if THIRD_PARTY.search(line)]) >= 3
     assert quiet.stdout.count("run summary") == 1
     assert quiet.trace.stat().st_size > 0  # the profiled step's trace is written all the same
-    summary = quiet.stdout[quiet.stdout.index("run summary"):]
-    for label in ("steps", "tokens", "median tok/s", "median MFU", "peak memory", "loss", "run directory",
-                  "metrics"):
+    summary = quiet.stdout[quiet.stdout.index("run summary") :]
+    for label in (
+        "steps",
+        "tokens",
+        "median tok/s",
+        "median MFU",
+        "peak memory",
+        "loss",
+        "run directory",
+        "metrics",
+    ):
         assert re.search(rf"^  {re.escape(label)} +\S", summary, re.M), (label, summary)
 
 
@@ -53,8 +63,19 @@ def test_non_terminal_output_is_plain_lines_without_redraws(quiet_and_loud):
 
 
 def _record(step: int, **extra) -> dict:
-    return dict(step=step, loss=5.0 - step, grad_norm=1.0, lr=1e-3, tokens=100, tokens_per_s=1000.0 * step,
-                tflops_per_gpu=1.0, mfu=0.1 * step, step_time_s=0.1, peak_mem_gb=2.0 + step, **extra)
+    return dict(
+        step=step,
+        loss=5.0 - step,
+        grad_norm=1.0,
+        lr=1e-3,
+        tokens=100,
+        tokens_per_s=1000.0 * step,
+        tflops_per_gpu=1.0,
+        mfu=0.1 * step,
+        step_time_s=0.1,
+        peak_mem_gb=2.0 + step,
+        **extra,
+    )
 
 
 def test_terminal_bar_shows_elapsed_eta_loss_and_throughput():
@@ -75,8 +96,12 @@ def test_summary_uses_the_steady_state_and_names_the_outputs(tmp_path):
     records[-1]["eval/loss"] = 0.5
     assert [r["step"] for r in steady_state(records)] == list(range(4, 21))  # 10 %, at least 3: warm-up
     (tmp_path / "metrics.jsonl").write_text("")
-    result = TrainResult(records=records, run_dir=tmp_path, checkpoints=[tmp_path / "checkpoints" / "step_000020"],
-                         wandb_dir=str(tmp_path / "wandb"))
+    result = TrainResult(
+        records=records,
+        run_dir=tmp_path,
+        checkpoints=[tmp_path / "checkpoints" / "step_000020"],
+        wandb_dir=str(tmp_path / "wandb"),
+    )
     rows = dict(run_summary(result))
     assert rows["median tok/s"].startswith("12,000")  # median of 4000..20000
     assert rows["median MFU"] == "1.2" and rows["peak memory"] == "22.0 GiB (rank 0)"

@@ -136,8 +136,13 @@ def _cp1_switch_on(layers: int) -> dict:
 CP_CASES = [
     (layers, cp, switch, variant)
     for layers in (4, 6)
-    for cp, switch, variant in [(2, "on", "plain"), (2, "off", "plain"), (2, "on", "recompute"), (4, "on", "plain"),
-                                (4, "off", "plain")]
+    for cp, switch, variant in [
+        (2, "on", "plain"),
+        (2, "off", "plain"),
+        (2, "on", "recompute"),
+        (4, "on", "plain"),
+        (4, "off", "plain"),
+    ]
     + ([(4, "on", "recompute"), (2, "on", "dynamic")] if layers == 4 else [])
 ]
 
@@ -169,7 +174,11 @@ def _cp_case(layers: int, cp: int, switch: str, variant: str) -> dict:
         pair = world  # CP 2 on the pool of 2
     cfg = _config(layers, **(FULL_RECOMPUTE if variant == "recompute" else {}))
     model = _build(
-        cfg, single, world, single, contiguous_between_layers=switch == "on",
+        cfg,
+        single,
+        world,
+        single,
+        contiguous_between_layers=switch == "on",
         **({"max_cp_size": 4} if dynamic else {}),
     )
     model.load_state_dict(state)
@@ -178,8 +187,11 @@ def _cp_case(layers: int, cp: int, switch: str, variant: str) -> dict:
     batch = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
     loss, grads, swaps = _run(model, batch, ids, cp_group=pair if dynamic else None)
     grads = _finalize_grads(model, grads, cfg, single, cp_group)
-    return {"errors": _errors(ref_loss, ref_grads, loss, grads, ids), "swaps": swaps,
-            "layer_kinds": [type(layer).__name__ for layer in model.decoder.layers]}
+    return {
+        "errors": _errors(ref_loss, ref_grads, loss, grads, ids),
+        "swaps": swaps,
+        "layer_kinds": [type(layer).__name__ for layer in model.decoder.layers],
+    }
 
 
 def _configuration_errors() -> dict:
@@ -201,8 +213,9 @@ def _configuration_errors() -> dict:
         "unknown": value_error_message(lambda: build_gdn(config, single, single, hidden_layout="global")),
         "sp_layer_kinds": [
             spec.module.__name__
-            for spec in qwen3_5_block_spec(sp, Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local"),
-                                           tp_group=pair).layer_specs
+            for spec in qwen3_5_block_spec(
+                sp, Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local"), tp_group=pair
+            ).layer_specs
         ],
     }
 
@@ -220,8 +233,12 @@ def test_cp2_and_cp4_equal_cp1_with_the_switch_on_and_off(gloo_once, case):
 
 def test_full_recompute_and_dynamic_cp_are_covered():
     assert len([c for c in CP_CASES if c[0] == 4]) == 7 and len([c for c in CP_CASES if c[0] == 6]) == 5
-    assert {(4, 2, "on", "recompute"), (4, 4, "on", "recompute"), (6, 2, "on", "recompute"),
-            (4, 2, "on", "dynamic")} <= set(CP_CASES)
+    assert {
+        (4, 2, "on", "recompute"),
+        (4, 4, "on", "recompute"),
+        (6, 2, "on", "recompute"),
+        (4, 2, "on", "dynamic"),
+    } <= set(CP_CASES)
 
 
 @pytest.mark.parametrize("layers", [4, 6])
@@ -237,8 +254,12 @@ def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(gloo_once, layers)
     gdn_layers, runs = {4: 3, 6: 5}, {4: 1, 6: 2}
 
     def swaps(cp, switch, variant):
-        return [res["swaps"] for res in gloo_once(_cp_case, _world_size((layers, cp, switch, variant)), layers, cp,
-                                                  switch, variant)]
+        return [
+            res["swaps"]
+            for res in gloo_once(
+                _cp_case, _world_size((layers, cp, switch, variant)), layers, cp, switch, variant
+            )
+        ]
 
     for cp in (2, 4):
         for off, on in zip(swaps(cp, "off", "plain"), swaps(cp, "on", "plain")):
@@ -254,7 +275,8 @@ def test_swaps_drop_from_two_per_gdn_layer_to_two_per_gdn_run(gloo_once, layers)
 
 def test_gdn_layers_of_a_run_are_contiguous_layers(gloo_once):
     assert gloo_once(_cp_case, 2, 4, 2, "on", "plain")[0]["layer_kinds"] == ["ContiguousGDNLayer"] * 3 + [
-        "TransformerLayer"]
+        "TransformerLayer"
+    ]
     assert gloo_once(_configuration_errors, 2)[0]["sp_layer_kinds"] == ["TransformerLayer"] * 4
 
 

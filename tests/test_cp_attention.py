@@ -40,8 +40,13 @@ def packings(world: int) -> list[list[int]]:
 
 def config(**overrides) -> TransformerConfig:
     kwargs = dict(
-        num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        kv_channels=DIM, attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=1,
+        hidden_size=HEADS * DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        kv_channels=DIM,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -49,16 +54,25 @@ def config(**overrides) -> TransformerConfig:
 
 def core(cp_group=None, **kwargs) -> CPDotProductAttention:
     return CPDotProductAttention(
-        config=kwargs.pop("config", None) or config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-        attention_type="self", pg_collection=ProcessGroupCollection(tp=None, cp=cp_group), **kwargs,
+        config=kwargs.pop("config", None) or config(),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=ProcessGroupCollection(tp=None, cp=cp_group),
+        **kwargs,
     )
 
 
 def packed(cu: list[int], cp_group=None, local_cp_size=None, host_copy=True) -> PackedSeqParams:
     t = torch.tensor(cu, dtype=torch.int32)
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t,
-        cp_group=cp_group, local_cp_size=local_cp_size,
+        qkv_format="thd",
+        cu_seqlens_q=t,
+        cu_seqlens_kv=t,
+        cu_seqlens_q_padded=t,
+        cu_seqlens_kv_padded=t,
+        cp_group=cp_group,
+        local_cp_size=local_cp_size,
     )
     if host_copy:
         attach_host_cu_seqlens(psp, t, cu)
@@ -227,10 +241,16 @@ def _emulated_varlen(q, k_all, v_all, plan, scale):
         nq, nk = int(qb - qa), int(kb - ka)
         assert 0 < nq <= nk <= seg.max_k and nq <= seg.max_q
         visible = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)  # bottom-right aligned
-        outs.append(F.scaled_dot_product_attention(
-            q[qa:qb].transpose(0, 1), keys[ka:kb].transpose(0, 1), values[ka:kb].transpose(0, 1),
-            attn_mask=visible, scale=scale, enable_gqa=True,
-        ).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[qa:qb].transpose(0, 1),
+                keys[ka:kb].transpose(0, 1),
+                values[ka:kb].transpose(0, 1),
+                attn_mask=visible,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
@@ -253,7 +273,9 @@ def test_every_rank_of_a_simulated_group(w):
             torch.testing.assert_close(dense, ref[ids], atol=TOL, rtol=0)
             emulated = _emulated_varlen(q[ids], k[gathered], v[gathered], plan, scale)
             torch.testing.assert_close(emulated, ref[ids], atol=TOL, rtol=0)
-            flex = attend_zigzag_shard(q[ids], k[gathered], v[gathered], plan, softmax_scale=scale, backend="flex")
+            flex = attend_zigzag_shard(
+                q[ids], k[gathered], v[gathered], plan, softmax_scale=scale, backend="flex"
+            )
             torch.testing.assert_close(flex, ref[ids], atol=TOL, rtol=0)
 
 
@@ -276,7 +298,7 @@ def test_flex_block_mask_covers_exactly_the_visible_pairs(w, block):
             tiles = np.zeros((nq, nk, 2), dtype=bool)  # (any visible pair, every pair visible)
             for i in range(nq):
                 for j in range(nk):
-                    tile = visible[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    tile = visible[i * block : (i + 1) * block, j * block : (j + 1) * block]
                     tiles[i, j] = tile.any(), tile.all()
             assert not (tiles[..., 0] & ~(partial | full)).any(), "a visible pair in a skipped tile"
             assert not (full & ~tiles[..., 1]).any(), "a tile marked full has a hidden pair"

@@ -82,8 +82,12 @@ def test_varlen_equals_sdpa_on_every_rank(w, cu, heads, groups, dim, dtype):
 
 # the other kernels on the packings and CP sizes they serve
 OTHER_KERNEL_CASES = [
-    ("flex", 1, PACKINGS[0][1]), ("flex", 2, PACKINGS[1][1]), ("flex", 4, PACKINGS[2][1]),
-    ("fa4", 1, PACKINGS[0][1]), ("fa4", 2, PACKINGS[1][1]), ("fa4", 8, PACKINGS[3][1]),
+    ("flex", 1, PACKINGS[0][1]),
+    ("flex", 2, PACKINGS[1][1]),
+    ("flex", 4, PACKINGS[2][1]),
+    ("fa4", 1, PACKINGS[0][1]),
+    ("fa4", 2, PACKINGS[1][1]),
+    ("fa4", 8, PACKINGS[3][1]),
 ]
 
 
@@ -174,16 +178,29 @@ def _module_and_batch(cu, cp_group, dtype, backend="auto"):
     from relax_gdn.model.attention import CPDotProductAttention
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=8 * 128, num_attention_heads=8, num_query_groups=2, kv_channels=128,
-        attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=1,
+        hidden_size=8 * 128,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=128,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
     )
     module = CPDotProductAttention(
-        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-        pg_collection=ProcessGroupCollection(tp=None, cp=cp_group), backend=backend,
+        config=config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=ProcessGroupCollection(tp=None, cp=cp_group),
+        backend=backend,
     )
     t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t, cu_seqlens_kv_padded=t,
+        qkv_format="thd",
+        cu_seqlens_q=t,
+        cu_seqlens_kv=t,
+        cu_seqlens_q_padded=t,
+        cu_seqlens_kv_padded=t,
     )
     attach_host_cu_seqlens(psp, t, cu)
     return module, psp
@@ -265,13 +282,24 @@ def _reduced_9b_first_step(backend: str) -> dict:
     from relax_gdn.config import RunConfig
     from relax_gdn.train import run_training
 
-    cfg = RunConfig().with_overrides({
-        "model.preset": "qwen3_5_9b_reduced", "model.attention_backend": backend, "train.device": "cuda",
-        "train.precision": "bf16", "train.steps": 1, "train.global_batch_size": 8,
-        "train.max_tokens_per_gpu": 8192, "data.max_sample_tokens": 8192, "data.num_samples": 64,
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
-        "logging.jsonl": False,
-    })
+    cfg = RunConfig().with_overrides(
+        {
+            "model.preset": "qwen3_5_9b_reduced",
+            "model.attention_backend": backend,
+            "train.device": "cuda",
+            "train.precision": "bf16",
+            "train.steps": 1,
+            "train.global_batch_size": 8,
+            "train.max_tokens_per_gpu": 8192,
+            "data.max_sample_tokens": 8192,
+            "data.num_samples": 64,
+            "optim.warmup_steps": 1,
+            "optim.lr": 1e-5,
+            "optim.min_lr": 1e-6,
+            "logging.console": False,
+            "logging.jsonl": False,
+        }
+    )
     return run_training(cfg, None, runtime=job_runtime()).records[0]
 
 
@@ -294,6 +322,10 @@ def test_reduced_9b_step_with_fa4_matches_varlen():
     assert fa4["tokens"] == varlen["tokens"] and fa4["loss_tokens"] == varlen["loss_tokens"]
     assert math.isfinite(fa4["loss"]) and math.isfinite(fa4["grad_norm"])
     assert abs(fa4["loss"] - varlen["loss"]) <= FA4_LOSS_TOL * abs(varlen["loss"]), (
-        fa4["loss"], varlen["loss"])
+        fa4["loss"],
+        varlen["loss"],
+    )
     assert abs(fa4["grad_norm"] - varlen["grad_norm"]) <= FA4_GRAD_NORM_TOL * varlen["grad_norm"], (
-        fa4["grad_norm"], varlen["grad_norm"])
+        fa4["grad_norm"],
+        varlen["grad_norm"],
+    )

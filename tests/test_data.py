@@ -66,13 +66,30 @@ def test_byte_tokenizer_round_trip_and_response_only_loss():
 def _save_tiny_hf_tokenizer(directory: Path, chat_template: str | None) -> None:
     tokenizers = pytest.importorskip("tokenizers", reason="building a local HF tokenizer needs `tokenizers`")
     transformers = pytest.importorskip("transformers", reason="loading an HF tokenizer needs `transformers`")
-    words = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "what", "is", "two", "plus",
-             "four", "the", "answer", "\n"]
+    words = [
+        "<pad>",
+        "<unk>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "what",
+        "is",
+        "two",
+        "plus",
+        "four",
+        "the",
+        "answer",
+        "\n",
+    ]
     vocab = {w: i for i, w in enumerate(words)}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=model, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        tokenizer_object=model,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
     if chat_template is not None:
@@ -149,16 +166,24 @@ def test_jsonl_round_trip_skips_and_counts_broken_records(tmp_path):
     assert [s.sample_id for s in data.samples] == [0, 6]  # ids are positions in the source
     assert data.samples[0].input_ids == BYTE.encode_sft("1+1?", "2")[0]
     assert data.counts.as_dict() == {
-        "total": 9, "kept": 2,
-        "unparsable": 2, "missing_field": 2, "not_string": 1, "empty": 1, "too_long": 1,
-        "bad_messages": 0, "no_assistant_turn": 0,
+        "total": 9,
+        "kept": 2,
+        "unparsable": 2,
+        "missing_field": 2,
+        "not_string": 1,
+        "empty": 1,
+        "too_long": 1,
+        "bad_messages": 0,
+        "no_assistant_turn": 0,
     }
     assert set(data.counts.as_dict()) - {"total", "kept"} == set(SKIP_REASONS)
     # a too-long record says how long it is, the limit, and the key that sets the limit
     (too_long,) = [line for line in data.counts.report_lines() if ": too_long" in line]
     length = len(BYTE.encode_sft("long", "y" * 500)[0])
-    assert too_long == (f"{path}:6: too_long ({length} tokens > 64 allowed (data.max_sample_tokens; when null, "
-                        "train.max_tokens_per_gpu x CP size))")
+    assert too_long == (
+        f"{path}:6: too_long ({length} tokens > 64 allowed (data.max_sample_tokens; when null, "
+        "train.max_tokens_per_gpu x CP size))"
+    )
 
 
 def test_parquet_round_trip_custom_fields_and_directories(tmp_path):
@@ -197,8 +222,9 @@ def test_saved_datasets_directory_is_read(tmp_path):
     data = load_sft_dataset(tmp_path / "saved", BYTE)
     assert data.counts.kept == 2 and data.counts.skipped["missing_field"] == 1
     # a saved DatasetDict: the split is chosen by data.split
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(GOOD[:1]), "test": datasets.Dataset.from_list(GOOD)}
-                         ).save_to_disk(str(tmp_path / "splits"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(GOOD[:1]), "test": datasets.Dataset.from_list(GOOD)}
+    ).save_to_disk(str(tmp_path / "splits"))
     assert load_sft_dataset(tmp_path / "splits", BYTE).counts.kept == 1
     assert load_sft_dataset(tmp_path / "splits", BYTE, split="test").counts.kept == 2
     with pytest.raises(ValueError, match=r"has splits \['train', 'test'\], not 'validation'.*data.split"):
@@ -291,7 +317,7 @@ def _unshard_zigzag(shards: list[torch.Tensor], cu: list[int], cp: int) -> torch
         chunk = (end - start) // (2 * cp)
         pieces = [None] * (2 * cp)
         for r in range(cp):
-            local = shards[r][0, offsets[r]:offsets[r] + 2 * chunk]
+            local = shards[r][0, offsets[r] : offsets[r] + 2 * chunk]
             pieces[r], pieces[2 * cp - 1 - r] = local[:chunk], local[chunk:]
             offsets[r] += 2 * chunk
         out += pieces

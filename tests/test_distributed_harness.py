@@ -107,7 +107,9 @@ def test_pool_keeps_its_ranks_between_jobs_and_cleans_up_after_each(gloo):
     assert [s for _, s in first] == [3.0, 3.0]
     groups_before, _ = gloo(_groups_and_environment, 2)[0]
     assert gloo(_makes_a_group_and_sets_the_environment, 2) == [groups_before + 1] * 2
-    assert gloo(_groups_and_environment, 2) == [(groups_before, None)] * 2  # the job's group and variable gone
+    assert (
+        gloo(_groups_and_environment, 2) == [(groups_before, None)] * 2
+    )  # the job's group and variable gone
     assert gloo(_pid_and_rank_sum, 2) == first  # the same processes
     # every job starts from the random state its rank started with, whatever ran before
     assert gloo(_draws_random_numbers, 2) == gloo(_draws_random_numbers, 2)

@@ -23,8 +23,14 @@ from tests.distributed import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-TINY = ["train.steps=2", "optim.warmup_steps=1", "train.global_batch_size=4", "data.num_samples=32",
-        "data.synthetic_max_steps=1", "logging.console=false"]
+TINY = [
+    "train.steps=2",
+    "optim.warmup_steps=1",
+    "train.global_batch_size=4",
+    "data.num_samples=32",
+    "data.synthetic_max_steps=1",
+    "logging.console=false",
+]
 
 
 def dockerfile_copies(dockerfile: Path) -> list[tuple[list[str], str]]:
@@ -49,8 +55,9 @@ def replay_copies(dockerfile: Path, context: Path, image: Path) -> None:
             path = context / source
             assert path.exists(), f"{dockerfile}: COPY {source} names a path the repository does not have"
             if path.is_dir():
-                shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-                                dirs_exist_ok=True)
+                shutil.copytree(
+                    path, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), dirs_exist_ok=True
+                )
             else:
                 dest = target / path.name if destination.endswith("/") or len(sources) > 1 else target
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -59,8 +66,9 @@ def replay_copies(dockerfile: Path, context: Path, image: Path) -> None:
 
 def _in_image(image: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = child_env({"PYTHONPATH": f"{image}:{sysconfig.get_paths()['purelib']}", "WANDB_MODE": "disabled"})
-    return subprocess.run([sys.executable, "-S", *args], cwd=image, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-S", *args], cwd=image, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -72,11 +80,22 @@ def image(tmp_path) -> Path:
 
 
 def test_replayed_copies_hold_the_package_the_launchers_and_the_examples(image):
-    for needed in ("train.py", "relax_gdn/__init__.py", "conf/config.yaml", "hydra_plugins/relax_gdn_launcher",
-                   "examples/data/chat.jsonl", "slurm/train.sbatch", "pyproject.toml", "requirements.lock"):
+    for needed in (
+        "train.py",
+        "relax_gdn/__init__.py",
+        "conf/config.yaml",
+        "hydra_plugins/relax_gdn_launcher",
+        "examples/data/chat.jsonl",
+        "slurm/train.sbatch",
+        "pyproject.toml",
+        "requirements.lock",
+    ):
         assert (image / needed).exists(), needed
-    found = _in_image(image, "-c", "import relax_gdn, hydra_plugins.relax_gdn_launcher as l; print(relax_gdn.__file__,"
-                                   " l.__file__)")
+    found = _in_image(
+        image,
+        "-c",
+        "import relax_gdn, hydra_plugins.relax_gdn_launcher as l; print(relax_gdn.__file__, l.__file__)",
+    )
     assert found.returncode == 0, found.stderr[-2000:]
     assert all(path.startswith(str(image)) for path in found.stdout.split()), found.stdout
 
@@ -97,8 +116,15 @@ def test_the_documented_commands_run_from_the_image(image):
     checkpoints = image / "outputs" / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000002"
 
-    sweep = _in_image(image, "train.py", "-m", "hydra/launcher=local", "train.seed=1,2", *TINY,
-                      "hydra.sweep.dir=outputs/sweep")
+    sweep = _in_image(
+        image,
+        "train.py",
+        "-m",
+        "hydra/launcher=local",
+        "train.seed=1,2",
+        *TINY,
+        "hydra.sweep.dir=outputs/sweep",
+    )
     assert sweep.returncode == 0, (sweep.stdout + sweep.stderr)[-4000:]
     manifest = json.loads((image / "outputs" / "sweep" / "sweep.json").read_text())
     assert [job["status"] for job in manifest["jobs"]] == ["ok", "ok"]

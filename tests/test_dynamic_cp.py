@@ -49,7 +49,12 @@ def test_random_plans_are_valid(seed):
     while sum(_padded(n, max_cp) for n in lengths) > max_tokens * max_cp:
         lengths.pop()
     if lengths:
-        _check(plan_dynamic_cp(lengths, max_tokens_per_gpu=max_tokens, max_cp=max_cp), lengths, max_tokens, max_cp)
+        _check(
+            plan_dynamic_cp(lengths, max_tokens_per_gpu=max_tokens, max_cp=max_cp),
+            lengths,
+            max_tokens,
+            max_cp,
+        )
 
 
 def test_dp_ranks_agree_on_the_largest_cp_size():

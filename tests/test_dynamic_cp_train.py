@@ -16,9 +16,15 @@ from tests.helpers import step_fields as _step
 def _mixed(mode: str, dynamic: bool):
     # samples of ~150-1800 tokens at 512 tokens per rank: this step needs CP 1, 2 and 4
     return _cfg(
-        train__steps=1, train__global_batch_size=24, train__max_tokens_per_gpu=512, data__max_sample_tokens=2048,
-        data__synthetic_max_steps=20, parallel__cp=4, gdn__cp_mode=mode,
-        recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False,
+        train__steps=1,
+        train__global_batch_size=24,
+        train__max_tokens_per_gpu=512,
+        data__max_sample_tokens=2048,
+        data__synthetic_max_steps=20,
+        parallel__cp=4,
+        gdn__cp_mode=mode,
+        recompute__granularity="full" if mode == "all_gather" else "none",
+        logging__jsonl=False,
         parallel__dynamic_cp=dict(enabled=dynamic, max_cp=4 if dynamic else 1),
     )
 
@@ -27,8 +33,12 @@ def _static_and_dynamic(mode: str) -> dict:
     """Step 1 at static CP 4 and at dynamic CP <= 4 on the same samples (the pool of 4)."""
     from relax_gdn.train import run_training
 
-    return {mode: tuple(run_training(_mixed(mode, dynamic), None, runtime=job_runtime()).records
-                        for dynamic in (False, True))}
+    return {
+        mode: tuple(
+            run_training(_mixed(mode, dynamic), None, runtime=job_runtime()).records
+            for dynamic in (False, True)
+        )
+    }
 
 
 def _s4_preset() -> dict:
@@ -43,13 +53,29 @@ def _s4_preset() -> dict:
     conf_dir = str(ROOT / "conf")
     register_schema()  # conf/config.yaml composes on top of the dataclass schema
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-        raw = compose("config", overrides=[
-            "experiment=s4", "model=tiny", "data=synthetic", "parallel.tp=1", "parallel.sp=false",
-            "train.steps=2", "train.global_batch_size=8", "train.max_tokens_per_gpu=256", "train.device=cpu",
-            "train.precision=fp32", "data.max_sample_tokens=1024", "logging.wandb.mode=disabled", "logging.jsonl=false",
-        ])
-    return {"s4": run_training(run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None,
-                               runtime=job_runtime()).records}
+        raw = compose(
+            "config",
+            overrides=[
+                "experiment=s4",
+                "model=tiny",
+                "data=synthetic",
+                "parallel.tp=1",
+                "parallel.sp=false",
+                "train.steps=2",
+                "train.global_batch_size=8",
+                "train.max_tokens_per_gpu=256",
+                "train.device=cpu",
+                "train.precision=fp32",
+                "data.max_sample_tokens=1024",
+                "logging.wandb.mode=disabled",
+                "logging.jsonl=false",
+            ],
+        )
+    return {
+        "s4": run_training(
+            run_config_from_dict(OmegaConf.to_container(raw, resolve=True)), None, runtime=job_runtime()
+        ).records
+    }
 
 
 @pytest.fixture(scope="module")

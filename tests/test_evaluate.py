@@ -66,14 +66,22 @@ def _hand_eval_loss(cfg, checkpoint: Path, eval_path: Path) -> tuple[float, int]
     tokenizer = load_tokenizer(None)
     parallel = ParallelContext.initialize(tp=1, cp=1, dynamic_max_cp=None)
     try:
-        model = build(cfg, parallel, tokenizer_vocab_size=tokenizer.vocab_size, device=torch.device("cpu"), bf16=False,
-                      runtime=None).model
+        model = build(
+            cfg,
+            parallel,
+            tokenizer_vocab_size=tokenizer.vocab_size,
+            device=torch.device("cpu"),
+            bf16=False,
+            runtime=None,
+        ).model
         load_model_weights(checkpoint, model)
         model.eval()
         total, tokens = 0.0, 0
         for line in eval_path.read_text().splitlines():
             ids, mask = tokenizer.encode_messages(json.loads(line)["messages"])
-            mb = make_micro_batch([_sample(ids, mask)], cp_size=1, cp_rank=0, device="cpu", pad_id=tokenizer.pad_id)
+            mb = make_micro_batch(
+                [_sample(ids, mask)], cp_size=1, cp_rank=0, device="cpu", pad_id=tokenizer.pad_id
+            )
             with torch.no_grad():
                 logits = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
             n = len(ids)
@@ -107,21 +115,38 @@ def _single_process_eval(tmp: str) -> dict:
     os.environ["WANDB_DIR"] = str(tmp / "wandb")  # W&B offline: no network
     os.environ["WANDB_SILENT"] = "true"
     (tmp / "wandb").mkdir()
-    cfg = messages_cfg(data__eval_path=str(eval_path), eval__every_steps=2, eval__num_samples=None,
-                       train__steps=3, checkpoint__dir=str(tmp / "ckpt"), checkpoint__save_final=True,
-                       logging__jsonl=True, logging__wandb=dict(mode="offline", project="relax-gdn-test",
-                                                                entity=None, group=None, tags=[], name=None))
+    cfg = messages_cfg(
+        data__eval_path=str(eval_path),
+        eval__every_steps=2,
+        eval__num_samples=None,
+        train__steps=3,
+        checkpoint__dir=str(tmp / "ckpt"),
+        checkpoint__save_final=True,
+        logging__jsonl=True,
+        logging__wandb=dict(
+            mode="offline", project="relax-gdn-test", entity=None, group=None, tags=[], name=None
+        ),
+    )
     result = run_training(cfg, tmp / "run", runtime=job_runtime())
-    without_eval = run_training(cfg.with_overrides({"eval.every_steps": 0, "checkpoint.save_final": False,
-                                                    "logging.wandb.mode": "disabled"}), None,
-                                                    runtime=job_runtime())
+    without_eval = run_training(
+        cfg.with_overrides(
+            {"eval.every_steps": 0, "checkpoint.save_final": False, "logging.wandb.mode": "disabled"}
+        ),
+        None,
+        runtime=job_runtime(),
+    )
     hand = _hand_eval_loss(cfg, Path(result.checkpoints[-1]), eval_path)
     jsonl = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     from tests.wandb_records import offline_run_records
 
     (wandb_run,) = (tmp / "wandb").rglob("offline-run-*")
-    return {"records": result.records, "without_eval": without_eval.records, "hand": hand, "jsonl": jsonl,
-            "wandb": offline_run_records(wandb_run)["history"]}
+    return {
+        "records": result.records,
+        "without_eval": without_eval.records,
+        "hand": hand,
+        "jsonl": jsonl,
+        "wandb": offline_run_records(wandb_run)["history"],
+    }
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,25 @@ def _triton_record(tmp: Path, kernel: str, key: list, timings: list) -> None:
 
 
 def _config(bv: int, warps: int) -> dict:
-    return {"kwargs": {"BV": bv}, "num_warps": warps, "num_stages": 3, "num_ctas": 1, "maxnreg": None,
-            "pre_hook": None, "ir_override": None}
+    return {
+        "kwargs": {"BV": bv},
+        "num_warps": warps,
+        "num_stages": 3,
+        "num_ctas": 1,
+        "maxnreg": None,
+        "pre_hook": None,
+        "ir_override": None,
+    }
 
 
 def test_convert_keeps_the_fastest_config_and_fla_finds_it(tmp_path, monkeypatch):
     key = [16, 32, 128, "torch.bfloat16"]
-    _triton_record(tmp_path / "cache", "k_fwd", key, [[_config(32, 4), [0.5, 0.4, 0.6]], [_config(64, 8), [0.3, 0.2, 0.4]]])
+    _triton_record(
+        tmp_path / "cache",
+        "k_fwd",
+        key,
+        [[_config(32, 4), [0.5, 0.4, 0.6]], [_config(64, 8), [0.3, 0.2, 0.4]]],
+    )
     counts = convert([tmp_path / "cache"], tmp_path / "out")
     assert counts == {"k_fwd": 1}
 
@@ -36,8 +48,12 @@ def test_convert_keeps_the_fastest_config_and_fla_finds_it(tmp_path, monkeypatch
     exact = fla_cache.load_cached_config("k_fwd", fla_cache.AutotuneKey(tuple(key)))
     assert exact["kwargs"] == {"BV": 64} and exact["num_warps"] == 8 and "pre_hook" not in exact
     # another head count (a TP/CP share) reuses it; another dtype does not
-    assert fla_cache.load_cached_config("k_fwd", fla_cache.AutotuneKey((8, 16, 128, "torch.bfloat16"))) == exact
-    assert fla_cache.load_cached_config("k_fwd", fla_cache.AutotuneKey((16, 32, 128, "torch.float32"))) is None
+    assert (
+        fla_cache.load_cached_config("k_fwd", fla_cache.AutotuneKey((8, 16, 128, "torch.bfloat16"))) == exact
+    )
+    assert (
+        fla_cache.load_cached_config("k_fwd", fla_cache.AutotuneKey((16, 32, 128, "torch.float32"))) is None
+    )
 
 
 def test_convert_without_records_says_how_to_make_them(tmp_path):

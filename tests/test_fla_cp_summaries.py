@@ -19,7 +19,10 @@ from relax_gdn.gdn import fla_cp_summaries  # noqa: E402
 
 def _contexts(cu: list[int], world: int):
     cu_t = torch.tensor(cu, dtype=torch.long)
-    return [fla_context.get_cp_cu_seqlens(cu_t, cu_seqlens_cpu=cu_t, world_size=world, rank=r) for r in range(world)]
+    return [
+        fla_context.get_cp_cu_seqlens(cu_t, cu_seqlens_cpu=cu_t, world_size=world, rank=r)
+        for r in range(world)
+    ]
 
 
 def _read_by_merges(contexts) -> tuple[set[int], set[int]]:
@@ -78,7 +81,10 @@ def test_install_replaces_and_uninstall_restores_fla_functions():
     finally:
         fla_cp_summaries.uninstall()
     assert not fla_cp_summaries.installed()
-    assert chunk.chunk_gated_delta_rule_fwd_h_pre_process is chunk_delta_h.chunk_gated_delta_rule_fwd_h_pre_process
+    assert (
+        chunk.chunk_gated_delta_rule_fwd_h_pre_process
+        is chunk_delta_h.chunk_gated_delta_rule_fwd_h_pre_process
+    )
 
 
 def test_only_a_marked_context_is_skipped_and_marking_needs_the_patch():

@@ -34,7 +34,10 @@ def test_fla_zigzag_cp_is_the_layers_option_and_the_reference_never_uses_it():
     from relax_gdn.gdn.options import GDNOptions
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # names only: no GPU is touched
-    assert not GDNOptions().fla_zigzag_cp and not select_kernels(GDNOptions(kernel_backend="fla"), cuda).zigzag_cp
+    assert (
+        not GDNOptions().fla_zigzag_cp
+        and not select_kernels(GDNOptions(kernel_backend="fla"), cuda).zigzag_cp
+    )
     assert select_kernels(GDNOptions(kernel_backend="fla", fla_zigzag_cp=True), cuda).zigzag_cp
     assert not select_kernels(GDNOptions(kernel_backend="torch", fla_zigzag_cp=True), cpu).zigzag_cp
 
@@ -67,7 +70,9 @@ def _zigzag_cases():
     results = {}
 
     def run(cu, on=layer):
-        return _as_fp32(h.cp_run(on, x.to(dtype), weight.to(dtype), h.packed_params(cu, device), 2, rank, world, cu=cu))
+        return _as_fp32(
+            h.cp_run(on, x.to(dtype), weight.to(dtype), h.packed_params(cu, device), 2, rank, world, cu=cu)
+        )
 
     ref = h.reference_run(reference, x, weight, h.packed_params(ONE_DOCUMENT, device))
     swapped = run(ONE_DOCUMENT)
@@ -85,7 +90,11 @@ def _zigzag_cases():
     several_native = run(SEVERAL, native_layer)
 
     def swap_path_call():
-        out, _ = layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=h.packed_params(ONE_DOCUMENT, device))
+        out, _ = layer(
+            x[ids].to(dtype).requires_grad_(True),
+            None,
+            packed_seq_params=h.packed_params(ONE_DOCUMENT, device),
+        )
         out.backward(weight[ids].to(dtype))
 
     results["swaps, swap path"] = _swaps(swap_path_call)
@@ -95,7 +104,9 @@ def _zigzag_cases():
     results["native vs swap path"] = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for _, a, b in _paired(native, swapped)
     )
-    results["several documents untouched"] = all(torch.equal(a, b) for _, a, b in _paired(several_native, several))
+    results["several documents untouched"] = all(
+        torch.equal(a, b) for _, a, b in _paired(several_native, several)
+    )
     return results
 
 
@@ -108,6 +119,9 @@ def test_fla_native_zigzag_matches_reference_without_swaps():
         print(f"rank {rank}: {results}")
         assert results["native vs reference"] < TOLERANCE[torch.bfloat16], (rank, results)
         assert results["native vs swap path"] < CP_TOLERANCE[torch.bfloat16], (rank, results)
-        assert results["swaps, native"] == 0 and results["swaps, swap path"] == 4, (rank, results)  # fwd 2 + bwd 2
+        assert results["swaps, native"] == 0 and results["swaps, swap path"] == 4, (
+            rank,
+            results,
+        )  # fwd 2 + bwd 2
         assert results["host syncs, native"] == 0, (rank, results)
         assert results["several documents untouched"], (rank, results)

@@ -28,7 +28,6 @@ from relax_gdn.config.validate import validate
 from relax_gdn.errors import ConfigError
 from relax_gdn.model.fp8.options import fp8_problems
 from tests.helpers import as_ddp_parameter, relative_error
-from tests.helpers import train_records_in_this_process as _train
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -46,7 +45,9 @@ def _fake_quant(t: torch.Tensor, dtype, dim: int | None, pow2: bool) -> torch.Te
     scale = (torch.finfo(dtype).max / amax.double().clamp_min(1e-12)).float()
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).float() / scale
+    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(
+        dtype
+    ).float() / scale
 
 
 def _reference(recipe: str, x, w, g):
@@ -72,14 +73,21 @@ def _impl(recipe: str, bf16_rows: int = 0):
     from relax_gdn.model.fp8.linear import FP8LinearImpl
     from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
-    return FP8LinearImpl(Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]), "column", None,
-                         CastKernels(), bf16_rows=bf16_rows)
+    return FP8LinearImpl(
+        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
+        "column",
+        None,
+        CastKernels(),
+        bf16_rows=bf16_rows,
+    )
 
 
 def _inputs(tokens: int, inp: int, out: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, inp, generator=gen) * torch.rand(tokens, 1, generator=gen) * 4  # rows of other ranges
-    w = torch.randn(out, inp, generator=gen) / inp ** 0.5
+    x = (
+        torch.randn(tokens, inp, generator=gen) * torch.rand(tokens, 1, generator=gen) * 4
+    )  # rows of other ranges
+    w = torch.randn(out, inp, generator=gen) / inp**0.5
     return x, w, torch.randn(tokens, out, generator=gen)
 
 
@@ -131,8 +139,11 @@ def test_the_scaled_mm_path_agrees_with_the_emulation(recipe, monkeypatch):
         return y, xi.grad, wi.grad
 
     emulated = fwd_bwd()
-    monkeypatch.setattr(linear, "fp8_mm", lambda a, b, dtype, *, fast_accum, emulate: fp8_mm(
-        a, b, dtype, fast_accum=fast_accum, emulate=False))
+    monkeypatch.setattr(
+        linear,
+        "fp8_mm",
+        lambda a, b, dtype, *, fast_accum, emulate: fp8_mm(a, b, dtype, fast_accum=fast_accum, emulate=False),
+    )
     for name, got, want in zip(("output", "input grad", "weight grad"), fwd_bwd(), emulated):
         assert got.dtype == torch.bfloat16 and relative_error(got, want) < 1e-2, (recipe, name)
 
@@ -154,16 +165,25 @@ def test_frozen_weight_is_cast_once_per_value():
 # ---------------------------------------------------------------------------------------------
 
 
-def _tiny(tp, cp, single, recipe=None, recompute=False, sp=False, mode="chunkwise", max_cp_size=None, **fp8_fields):
+def _tiny(
+    tp, cp, single, recipe=None, recompute=False, sp=False, mode="chunkwise", max_cp_size=None, **fp8_fields
+):
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.model.fp8 import FP8Options
     from tests.model_harness import FULL_RECOMPUTE, build
 
-    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=tp.size(),
-                            sequence_parallel=sp, **(FULL_RECOMPUTE if recompute or mode == "all_gather" else {}))
+    config = qwen3_5_config(
+        "qwen3_5_tiny",
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp.size(),
+        sequence_parallel=sp,
+        **(FULL_RECOMPUTE if recompute or mode == "all_gather" else {}),
+    )
     torch.manual_seed(0)
     gdn = {"max_cp_size": max_cp_size} if max_cp_size else {}
-    model = build(config, tp, cp, single, mode, fp8=FP8Options(recipe, **fp8_fields) if recipe else None, **gdn)
+    model = build(
+        config, tp, cp, single, mode, fp8=FP8Options(recipe, **fp8_fields) if recipe else None, **gdn
+    )
     return config, model
 
 
@@ -172,21 +192,40 @@ def _plan_case() -> dict:
 
     torch.set_num_threads(1)
     single = self_group()
-    _, model = _tiny(single, single, single, "tensorwise", bf16_modules=("output_layer", "decoder.layers.3.*"))
+    _, model = _tiny(
+        single, single, single, "tensorwise", bf16_modules=("output_layer", "decoder.layers.3.*")
+    )
     plan = model.fp8_plan
-    return {"kept": {layer.name: layer.bf16_reason for layer in plan.layers if layer.impl is None},
-            "gated": {layer.name: layer.impl.bf16_rows for layer in plan.layers if layer.impl and layer.impl.bf16_rows},
-            "line": plan.startup_line()}
+    return {
+        "kept": {layer.name: layer.bf16_reason for layer in plan.layers if layer.impl is None},
+        "gated": {
+            layer.name: layer.impl.bf16_rows for layer in plan.layers if layer.impl and layer.impl.bf16_rows
+        },
+        "line": plan.startup_line(),
+    }
 
 
 def test_plan_keeps_output_layer_gates_and_chosen_modules_in_bf16(gloo):
     (case,) = gloo(_plan_case, 1)
-    assert set(case["kept"]) == {"output_layer", *(f"decoder.layers.3.{m}" for m in (
-        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))}, case
+    assert set(case["kept"]) == {
+        "output_layer",
+        *(
+            f"decoder.layers.3.{m}"
+            for m in (
+                "self_attention.linear_qkv",
+                "self_attention.linear_proj",
+                "mlp.linear_fc1",
+                "mlp.linear_fc2",
+            )
+        ),
+    }, case
     assert case["kept"]["decoder.layers.3.mlp.linear_fc1"] == "model.fp8.bf16_modules 'decoder.layers.3.*'"
-    assert case["gated"] == {f"decoder.layers.{i}.self_attention.in_proj": 16 for i in range(3)}  # 2 x 8 value heads
-    assert case["line"].startswith("FP8 GEMMs (tensorwise, torchao): 12 linear layers: in_proj x3 (beta/alpha rows "
-                                   "bf16)"), case["line"]
+    assert case["gated"] == {
+        f"decoder.layers.{i}.self_attention.in_proj": 16 for i in range(3)
+    }  # 2 x 8 value heads
+    assert case["line"].startswith(
+        "FP8 GEMMs (tensorwise, torchao): 12 linear layers: in_proj x3 (beta/alpha rows bf16)"
+    ), case["line"]
 
 
 def _loss_and_grads(model, cu, ids, cp_group=None):
@@ -208,13 +247,18 @@ def _recompute_case(recipe: str) -> dict:
     single = self_group()
     ids = torch.arange(CU[-1])
     runs = {}
-    for name, fields in {"fp32": dict(), "fp8": dict(recipe=recipe),
-                         "fp8_recompute": dict(recipe=recipe, recompute=True)}.items():
+    for name, fields in {
+        "fp32": dict(),
+        "fp8": dict(recipe=recipe),
+        "fp8_recompute": dict(recipe=recipe, recompute=True),
+    }.items():
         _, model = _tiny(single, single, single, **fields)
         runs[name] = _loss_and_grads(model, CU, ids)
     (loss, grads), (loss_r, grads_r), (loss32, _) = runs["fp8"], runs["fp8_recompute"], runs["fp32"]
-    return {"equal": torch.equal(loss, loss_r) and all(torch.equal(grads[n], grads_r[n]) for n in grads),
-            "fp8_vs_fp32": relative_error(loss, loss32)}
+    return {
+        "equal": torch.equal(loss, loss_r) and all(torch.equal(grads[n], grads_r[n]) for n in grads),
+        "fp8_vs_fp32": relative_error(loss, loss32),
+    }
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -246,8 +290,10 @@ def _tp2_case(recipe: str, sp: bool) -> dict[str, float]:
     model.load_state_dict({k: shard(k, v) if k in params else v for k, v in reference.state_dict().items()})
     loss, grads = _loss_and_grads(model, CU, ids)
     grads = finalize_grads(model, grads, config, world, single)
-    return {"loss": relative_error(loss, ref_loss),
-            **{n: relative_error(g, shard(n, ref_grads[n])) for n, g in grads.items()}}
+    return {
+        "loss": relative_error(loss, ref_loss),
+        **{n: relative_error(g, shard(n, ref_grads[n])) for n, g in grads.items()},
+    }
 
 
 def _tp_linears_case(recipe: str, reduce_amax: bool) -> dict[str, float]:
@@ -272,7 +318,12 @@ def _tp_linears_case(recipe: str, reduce_amax: bool) -> dict[str, float]:
         impl.parallel, impl.tp_group = parallel, group
         impl.__post_init__()
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = impl(xi, wi, sequence_parallel=sp, allreduce_dgrad=parallel == "column" and not sp and group is not None)
+        y = impl(
+            xi,
+            wi,
+            sequence_parallel=sp,
+            allreduce_dgrad=parallel == "column" and not sp and group is not None,
+        )
         y.backward(g)
         return y.detach(), xi.grad, wi.grad
 
@@ -288,12 +339,14 @@ def _tp_linears_case(recipe: str, reduce_amax: bool) -> dict[str, float]:
     row_y = row[0].clone()
     dist.all_reduce(row_y)
     return {
-        "column output": relative_error(col[0], y.chunk(2, 1)[rank]), "column dx": relative_error(col[1], dx),
+        "column output": relative_error(col[0], y.chunk(2, 1)[rank]),
+        "column dx": relative_error(col[1], dx),
         "column dw": relative_error(col[2], dw.chunk(2)[rank]),
         "column+SP output": relative_error(col_sp[0], y.chunk(2, 1)[rank]),
         "column+SP dx": relative_error(col_sp[1], dx.chunk(2)[rank]),
         "column+SP dw": relative_error(col_sp[2], dw.chunk(2)[rank]),
-        "row output": relative_error(row_y, y), "row dx": relative_error(row[1], dx.chunk(2, 1)[rank]),
+        "row output": relative_error(row_y, y),
+        "row dx": relative_error(row[1], dx.chunk(2, 1)[rank]),
         "row dw": relative_error(row[2], dw.chunk(2, 1)[rank]),
     }
 
@@ -379,10 +432,14 @@ def _cp_case(recipe: str, mode: str) -> dict[str, dict[str, float]]:
     loss, grads = _loss_and_grads(model, CU, ids, cp_group=pair if dynamic else None)
     grads = finalize_grads(model, grads, config, single, pair)
     return {
-        "cp": {"loss": relative_error(loss, ref_loss[:, ids]),
-               **{n: relative_error(g, ref_grads[n]) for n, g in grads.items()}},
-        "fp8_vs_fp32": {"loss": relative_error(ref_loss, plain_loss),
-                        **{n: relative_error(g, plain_grads[n]) for n, g in ref_grads.items()}},
+        "cp": {
+            "loss": relative_error(loss, ref_loss[:, ids]),
+            **{n: relative_error(g, ref_grads[n]) for n, g in grads.items()},
+        },
+        "fp8_vs_fp32": {
+            "loss": relative_error(ref_loss, plain_loss),
+            **{n: relative_error(g, plain_grads[n]) for n, g in ref_grads.items()},
+        },
     }
 
 
@@ -406,7 +463,13 @@ def _check_cp_case(rank: int, mode: str, recipe: str, case: dict) -> None:
     if recipe == "tensorwise":
         assert cp["loss"] < 2 * own["loss"] and median < 2 * own_median, (rank, mode, cp["loss"], median)
     else:
-        assert cp["loss"] < 1e-6 and median < 5e-3 and grads[-1] < 0.1, (rank, mode, recipe, cp["loss"], median)
+        assert cp["loss"] < 1e-6 and median < 5e-3 and grads[-1] < 0.1, (
+            rank,
+            mode,
+            recipe,
+            cp["loss"],
+            median,
+        )
 
 
 def _lora_case(recipe: str) -> dict:
@@ -426,8 +489,14 @@ def _lora_case(recipe: str) -> dict:
 
     lora = LoRAOptions(rank=4, alpha=8.0, dropout=0.0, modules=resolve_targets(["all_linear"]), init_seed=0)
     torch.manual_seed(0)
-    model = build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single,
-                  fp8=FP8Options(recipe), lora=lora)
+    model = build(
+        qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True),
+        single,
+        single,
+        single,
+        fp8=FP8Options(recipe),
+        lora=lora,
+    )
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trained, lr=0.1)
     ids = torch.arange(CU[-1])
@@ -439,9 +508,12 @@ def _lora_case(recipe: str) -> dict:
         optimizer.step()
         losses.append(loss.mean().item())
     layers = [layer for layer in fp8_plan_of(model).layers if layer.impl is not None]
-    return {"casts": {layer.name: layer.impl.weight_casts for layer in layers},
-            "calls": {layer.name: layer.impl.calls for layer in layers}, "losses": losses,
-            "frozen": all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)}
+    return {
+        "casts": {layer.name: layer.impl.weight_casts for layer in layers},
+        "calls": {layer.name: layer.impl.calls for layer in layers},
+        "losses": losses,
+        "frozen": all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n),
+    }
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -465,10 +537,18 @@ def test_lora_base_weights_are_cast_once(gloo, recipe):
 def _run(runtime, tmp: Path | None = None, **overrides):
     from relax_gdn.train import run_training
 
-    cfg = RunConfig().with_overrides({
-        "train.steps": 3, "train.global_batch_size": 4, "data.num_samples": 16, "data.max_sample_tokens": 512,
-        "optim.warmup_steps": 1, "logging.console": False, "logging.jsonl": False, **overrides,
-    })
+    cfg = RunConfig().with_overrides(
+        {
+            "train.steps": 3,
+            "train.global_batch_size": 4,
+            "data.num_samples": 16,
+            "data.max_sample_tokens": 512,
+            "optim.warmup_steps": 1,
+            "logging.console": False,
+            "logging.jsonl": False,
+            **overrides,
+        }
+    )
     return run_training(cfg, tmp, runtime=runtime)
 
 
@@ -480,8 +560,10 @@ def test_short_runs_per_recipe_follow_bf16(runtime):
     plain = _run(runtime, **mtp).records
     for recipe in RECIPES:
         result = _run(runtime, **mtp, **{"model.fp8.recipe": recipe})
-        assert result.fp8 == f"FP8 ({recipe}): 21 of 22 linear layers ran forward, input-gradient and " \
-                             "weight-gradient GEMMs in FP8", result.fp8
+        assert (
+            result.fp8 == f"FP8 ({recipe}): 21 of 22 linear layers ran forward, input-gradient and "
+            "weight-gradient GEMMs in FP8"
+        ), result.fp8
         for got, want in zip(result.records, plain):
             assert math.isfinite(got["loss"]) and math.isfinite(got["mtp_loss"])
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-2), (recipe, got["step"])
@@ -498,8 +580,12 @@ def test_resume_switches_fp8_on_and_off(runtime, tmp_path):
     for first, then in ((None, "tensorwise"), ("rowwise", None)):
         name = f"{first}_to_{then}"
         saved = _run(runtime, tmp_path / name, **ckpt, **{"model.fp8.recipe": first})
-        resumed = _run(runtime, tmp_path / f"{name}_resumed", **schedule, **{"train.steps": 4, "model.fp8.recipe": then,
-                                                         "checkpoint.resume": str(saved.checkpoints[-1])})
+        resumed = _run(
+            runtime,
+            tmp_path / f"{name}_resumed",
+            **schedule,
+            **{"train.steps": 4, "model.fp8.recipe": then, "checkpoint.resume": str(saved.checkpoints[-1])},
+        )
         assert resumed.start_step == 2 and [r["step"] for r in resumed.records] == [3, 4]
         assert (resumed.fp8 is not None) == (then is not None)
         for got, want in zip(resumed.records, whole[2:]):
@@ -507,26 +593,50 @@ def test_resume_switches_fp8_on_and_off(runtime, tmp_path):
 
 
 def test_fp8_refusals_name_the_key_and_the_fix():
-    te = fp8_problems("tensorwise", ["output_layer"], spec_provider="te", fused_cross_entropy=True,
-                      cuda_capability=(9, 0))
+    te = fp8_problems(
+        "tensorwise", ["output_layer"], spec_provider="te", fused_cross_entropy=True, cuda_capability=(9, 0)
+    )
     assert len(te) == 1 and "model.spec_provider=local" in te[0]
-    ampere = fp8_problems("rowwise", ["output_layer"], spec_provider="auto", fused_cross_entropy=True,
-                          cuda_capability=(8, 0))
+    ampere = fp8_problems(
+        "rowwise", ["output_layer"], spec_provider="auto", fused_cross_entropy=True, cuda_capability=(8, 0)
+    )
     assert len(ampere) == 1 and "8.0" in ampere[0] and "model.fp8.recipe=null" in ampere[0]
-    assert fp8_problems("rowwise", ["output_layer"], spec_provider="auto", fused_cross_entropy=True,
-                        cuda_capability=(8, 9)) == []
-    loss = fp8_problems("tensorwise", [], spec_provider="local", fused_cross_entropy=True, cuda_capability=None)
+    assert (
+        fp8_problems(
+            "rowwise",
+            ["output_layer"],
+            spec_provider="auto",
+            fused_cross_entropy=True,
+            cuda_capability=(8, 9),
+        )
+        == []
+    )
+    loss = fp8_problems(
+        "tensorwise", [], spec_provider="local", fused_cross_entropy=True, cuda_capability=None
+    )
     assert len(loss) == 1 and "model.fused_cross_entropy=false" in loss[0]
     assert fp8_problems(None, [], spec_provider="te", fused_cross_entropy=True, cuda_capability=(7, 0)) == []
     with pytest.raises(ConfigError) as refused:
         validate(RunConfig().with_overrides({"model.fp8.recipe": "mxfp8"}), 1)
-    assert "model.fp8.recipe='mxfp8' is not one of ['tensorwise', 'rowwise', 'rowwise_gw_hp']" in str(refused.value)
+    assert "model.fp8.recipe='mxfp8' is not one of ['tensorwise', 'rowwise', 'rowwise_gw_hp']" in str(
+        refused.value
+    )
 
 
 def test_check_refuses_fp8_with_transformer_engine_specs(tmp_path):
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--check",
-                           "model.fp8.recipe=tensorwise", "model.spec_provider=te"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "train.py"),
+            "--check",
+            "model.fp8.recipe=tensorwise",
+            "model.spec_provider=te",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "model.fp8.recipe needs the local specs" in out and "Traceback" not in out

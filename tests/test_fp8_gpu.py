@@ -13,8 +13,10 @@ from relax_gdn.bench.timing import count_host_syncs
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                       reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)",
+    ),
 ]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
@@ -32,8 +34,13 @@ def _impl(recipe: str, bf16_rows: int = 0):
     from relax_gdn.model.fp8.linear import FP8LinearImpl
     from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
-    return FP8LinearImpl(Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]), "column", None,
-                         CastKernels(), bf16_rows=bf16_rows)
+    return FP8LinearImpl(
+        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
+        "column",
+        None,
+        CastKernels(),
+        bf16_rows=bf16_rows,
+    )
 
 
 def _rel(a, b) -> float:
@@ -100,13 +107,26 @@ def _train_reduced(runtime, **overrides) -> tuple[list[dict], str | None]:
     from relax_gdn.config import RunConfig
     from relax_gdn.train import run_training
 
-    cfg = RunConfig().with_overrides({
-        "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
-        "train.steps": 2, "train.global_batch_size": 8, "train.max_tokens_per_gpu": 2048,
-        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 64,
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
-        "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
-    })
+    cfg = RunConfig().with_overrides(
+        {
+            "model.preset": "qwen3_5_9b_reduced",
+            "train.device": "cuda",
+            "train.precision": "bf16",
+            "train.steps": 2,
+            "train.global_batch_size": 8,
+            "train.max_tokens_per_gpu": 2048,
+            "data.max_sample_tokens": 2048,
+            "data.synthetic_max_steps": 20,
+            "data.num_samples": 64,
+            "optim.warmup_steps": 1,
+            "optim.lr": 1e-5,
+            "optim.min_lr": 1e-6,
+            "logging.console": False,
+            "logging.jsonl": False,
+            "logging.count_host_syncs": True,
+            **overrides,
+        }
+    )
     result = run_training(cfg, None, runtime=runtime)
     return result.records, result.fp8
 

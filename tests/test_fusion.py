@@ -80,8 +80,13 @@ def test_weighted_linear_cross_entropy_sum_matches_full_logits(chunk):
     for g, w in zip(got_grads, want_grads):
         assert _rel(g, w) < FP32_TOL
     with torch.no_grad():
-        assert _rel(fusion.weighted_linear_cross_entropy_sum(hidden, weight, labels, mask, chunk_tokens=chunk),
-                    want) < FP32_TOL
+        assert (
+            _rel(
+                fusion.weighted_linear_cross_entropy_sum(hidden, weight, labels, mask, chunk_tokens=chunk),
+                want,
+            )
+            < FP32_TOL
+        )
 
 
 def test_out_of_memory_in_the_compiled_loss_is_no_failed_compile():
@@ -121,7 +126,8 @@ def test_a_failed_compile_turns_eager_for_its_model_only(caplog):
     assert not first.compiled(chunk_kernel) and second.compiled(chunk_kernel)
     assert [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()] == [
         "torch.compile failed for the chunked cross-entropy (RuntimeError: inductor: no working C++ compiler); "
-        "running it eager, with several fp32 copies of each chunk's logits more than the memory model counts"]
+        "running it eager, with several fp32 copies of each chunk's logits more than the memory model counts"
+    ]
 
 
 def test_chunk_tokens_bound_the_logits():
@@ -138,7 +144,9 @@ def test_fusion_is_fixed_when_a_module_is_built():
     with pytest.raises(dataclasses.FrozenInstanceError):
         setting.norms = False
     assert setting == fusion.Fusion(norms=True, cross_entropy=False, embedding_grad_into_main_grad=True)
-    assert not [n for n in dir(fusion) if n in ("_active", "active_fusion", "fusion_in_effect", "fusion_set_to")]
+    assert not [
+        n for n in dir(fusion) if n in ("_active", "active_fusion", "fusion_in_effect", "fusion_set_to")
+    ]
 
 
 def test_a_module_built_with_a_setting_keeps_it(monkeypatch):
@@ -152,8 +160,13 @@ def test_a_module_built_with_a_setting_keeps_it(monkeypatch):
     fused_calls = []
     real = norms.fused_rms_norm
     monkeypatch.setattr(norms, "fused_rms_norm", lambda *args: fused_calls.append(1) or real(*args))
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, normalization="RMSNorm",
-                               use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=1,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+    )
     own = RMSNorm(config, 8, fusion=fusion.Fusion(norms=False))
     default = RMSNorm(config, 8)
     assert default.fusion == fusion.Fusion()
@@ -220,8 +233,13 @@ def _tiny_model_embedding_grad():
     mask = (torch.arange(tokens.shape[1]) % 3 != 0).float()[None]  # some tokens carry no loss
     embedding, output = "embedding.word_embeddings.weight", "output_layer.weight"
     params = dict(model.named_parameters())
-    plain_model = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single,
-                         fusion=fusion.Fusion(embedding_grad_into_main_grad=False))
+    plain_model = _build(
+        qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True),
+        single,
+        single,
+        single,
+        fusion=fusion.Fusion(embedding_grad_into_main_grad=False),
+    )
     plain_model.load_state_dict(model.state_dict())
     plain_params = dict(plain_model.named_parameters())
     for name in (embedding, output):
@@ -229,7 +247,9 @@ def _tiny_model_embedding_grad():
 
     def run(model):
         params = dict(model.named_parameters())
-        loss = model(tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(CU, "cpu"))
+        loss = model(
+            tokens, positions, None, labels=labels, loss_mask=mask, packed_seq_params=packed_params(CU, "cpu")
+        )
         (loss / 7.0).backward()  # the loop's 1 / loss tokens
         grads = {n: p.grad.detach().clone() for n, p in params.items()}
         model.zero_grad(set_to_none=True)
@@ -246,7 +266,8 @@ def _tiny_model_embedding_grad():
         "embedding": _rel(params[embedding].main_grad - 0.25, plain[embedding]),
         "handed_over": params[embedding].grad_added_to_main_grad,
         # the output layer keeps its own gradient (DDP's hook adds it): main_grad untouched here
-        "output_untouched": bool((params[output].main_grad == 0.25).all()) and not params[output].grad_added_to_main_grad,
+        "output_untouched": bool((params[output].main_grad == 0.25).all())
+        and not params[output].grad_added_to_main_grad,
         "others_equal": all(torch.equal(fused[n], plain[n]) for n in params if n != embedding),
         "plain_untouched": plain_untouched and not plain_params[embedding].grad_added_to_main_grad,
         "repeated_ids": int(tokens.numel() - tokens.unique().numel()),
@@ -259,6 +280,11 @@ def test_tiny_model_embedding_gradient_lands_in_main_grad(gloo):
     (result,) = gloo(_tiny_model_embedding_grad, 1)
     assert result["embedding_class"] == "_VocabEmbeddingIntoMainGrad"
     assert result["repeated_ids"] > 0  # the batch repeats ids: their rows must sum
-    assert result["loss_equal"] and result["others_equal"] and result["handed_over"] and result["output_untouched"]
+    assert (
+        result["loss_equal"]
+        and result["others_equal"]
+        and result["handed_over"]
+        and result["output_untouched"]
+    )
     assert result["plain_untouched"]  # the model built without the fusion keeps its own gradient
     assert result["embedding"] < FP32_TOL

@@ -40,7 +40,10 @@ def test_fused_rms_norm_cuda(dtype):
     got = _run(lambda a, b: fusion.fused_rms_norm(a, b, 1e-6, True), (x, w), grad)
     for g, r in zip(got, want):
         assert g.dtype == r.dtype and _rel(g, r) < TOL[dtype]
-    assert count_host_syncs(lambda: _run(lambda a, b: fusion.fused_rms_norm(a, b, 1e-6, True), (x, w), grad)) == 0
+    assert (
+        count_host_syncs(lambda: _run(lambda a, b: fusion.fused_rms_norm(a, b, 1e-6, True), (x, w), grad))
+        == 0
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,8 +61,12 @@ def test_fused_gated_rms_norm_cuda(dtype):
     got = _run(lambda a, g, b: fusion.fused_gated_rms_norm(a, g, b, 1e-6), (o, z, w), grad)
     for g, r in zip(got, want):
         assert g.dtype == r.dtype and _rel(g, r) < TOL[dtype]
-    assert count_host_syncs(lambda: _run(lambda a, g, b: fusion.fused_gated_rms_norm(a, g, b, 1e-6), (o, z, w),
-                                         grad)) == 0
+    assert (
+        count_host_syncs(
+            lambda: _run(lambda a, g, b: fusion.fused_gated_rms_norm(a, g, b, 1e-6), (o, z, w), grad)
+        )
+        == 0
+    )
 
 
 def test_chunked_cross_entropy_cuda_bf16():
@@ -139,7 +146,9 @@ def test_embedding_gradient_into_main_grad_cuda_bf16():
     embedding = (0.05 * torch.randn(vocab, h, device="cuda")).to(torch.bfloat16).requires_grad_()
     _as_ddp_parameter(embedding, 0.5)
     embedding.main_grad = embedding.main_grad.cuda()
-    want = torch.zeros(vocab, h, device="cuda", dtype=torch.float64).index_add_(0, ids[0], upstream[0].double())
+    want = torch.zeros(vocab, h, device="cuda", dtype=torch.float64).index_add_(
+        0, ids[0], upstream[0].double()
+    )
 
     def embed():
         fusion.embedding_into_main_grad(ids, embedding).backward(upstream)
@@ -153,13 +162,26 @@ def _train_reduced(runtime, **overrides):
     from relax_gdn.config import RunConfig
     from relax_gdn.train import run_training
 
-    cfg = RunConfig().with_overrides({
-        "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
-        "train.steps": 2, "train.global_batch_size": 8, "train.max_tokens_per_gpu": 2048,
-        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 64,
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "logging.console": False,
-        "logging.jsonl": False, "logging.count_host_syncs": True, **overrides,
-    })
+    cfg = RunConfig().with_overrides(
+        {
+            "model.preset": "qwen3_5_9b_reduced",
+            "train.device": "cuda",
+            "train.precision": "bf16",
+            "train.steps": 2,
+            "train.global_batch_size": 8,
+            "train.max_tokens_per_gpu": 2048,
+            "data.max_sample_tokens": 2048,
+            "data.synthetic_max_steps": 20,
+            "data.num_samples": 64,
+            "optim.warmup_steps": 1,
+            "optim.lr": 1e-5,
+            "optim.min_lr": 1e-6,
+            "logging.console": False,
+            "logging.jsonl": False,
+            "logging.count_host_syncs": True,
+            **overrides,
+        }
+    )
     return run_training(cfg, None, runtime=runtime).records
 
 
@@ -167,8 +189,15 @@ def test_tiny_model_embedding_gradient_through_ddp(runtime):
     """Megatron-Core's DDP and distributed optimizer on one GPU, the tiny model: with the embedding's
     gradient added into its main grad (and the fused wgrad GEMMs) the first step's grad norm and
     the losses after two Adam updates match DDP's own adds (a lost or doubled add shows)."""
-    plain = _train_reduced(runtime, **{"model.preset": "qwen3_5_tiny", "model.fused_grad_accumulation": False,
-                              "optim.lr": 1e-3, "train.steps": 3})
+    plain = _train_reduced(
+        runtime,
+        **{
+            "model.preset": "qwen3_5_tiny",
+            "model.fused_grad_accumulation": False,
+            "optim.lr": 1e-3,
+            "train.steps": 3,
+        },
+    )
     fused = _train_reduced(runtime, **{"model.preset": "qwen3_5_tiny", "optim.lr": 1e-3, "train.steps": 3})
     assert fused[0]["grad_norm"] == pytest.approx(plain[0]["grad_norm"], rel=5e-3)
     for got, want in zip(fused, plain):
@@ -177,11 +206,20 @@ def test_tiny_model_embedding_gradient_through_ddp(runtime):
 
 
 def test_reduced_9b_fused_and_selective_match_plain(runtime):
-    plain = _train_reduced(runtime, **{"model.fused_norms": False, "model.fused_cross_entropy": False,
-                              "model.fused_swiglu": False, "model.fused_grad_accumulation": False})
+    plain = _train_reduced(
+        runtime,
+        **{
+            "model.fused_norms": False,
+            "model.fused_cross_entropy": False,
+            "model.fused_swiglu": False,
+            "model.fused_grad_accumulation": False,
+        },
+    )
     fused = _train_reduced(runtime)
     selective = _train_reduced(runtime, **{"recompute.granularity": "selective"})
-    full = _train_reduced(runtime, **{"recompute.granularity": "full"})  # skip_unused: last layer kept, fc2 GEMM skipped
+    full = _train_reduced(
+        runtime, **{"recompute.granularity": "full"}
+    )  # skip_unused: last layer kept, fc2 GEMM skipped
     for runs in (fused, selective, full):
         for got, want in zip(runs, plain):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)

@@ -72,6 +72,7 @@ def _parity_cases(world_size: int):
         def wrapper(*args, **kwargs):
             calls["cp"] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name, fn in real.items():
@@ -84,7 +85,10 @@ def _parity_cases(world_size: int):
             ("short prefixes recomputed (the default limit)", SHORT_PREFIXES, DEFAULT_MAX_RECOMPUTED_PREFIX),
             ("prefixes over the limit", SHORT_PREFIXES, 8),
         ):
-            x_cu, w_cu = torch.randn(cu[-1], 1, config.hidden_size), torch.randn(cu[-1], 1, config.hidden_size)
+            x_cu, w_cu = (
+                torch.randn(cu[-1], 1, config.hidden_size),
+                torch.randn(cu[-1], 1, config.hidden_size),
+            )
             ref_cu = h.reference_run(reference, x_cu, w_cu, h.packed_params(cu, "cpu"))
             layer = h.build_gdn(config, world, single, "chunkwise", max_recomputed_prefix=recompute_up_to)
             layer.load_state_dict(reference.state_dict())
@@ -100,7 +104,11 @@ def _parity_cases(world_size: int):
     layer = h.build_gdn(config, world, single, "chunkwise")
     bad = [0, 2 * world_size + 2, 8 * world_size]
     try:
-        layer(torch.randn(bad[-1] // world_size, 1, config.hidden_size), None, packed_seq_params=h.packed_params(bad, "cpu"))
+        layer(
+            torch.randn(bad[-1] // world_size, 1, config.hidden_size),
+            None,
+            packed_seq_params=h.packed_params(bad, "cpu"),
+        )
         results["bad_lengths"] = "no error"
     except ValueError as e:
         results["bad_lengths"] = 0.0 if f"sequence 0 has length {2 * world_size + 2}" in str(e) else str(e)
@@ -116,9 +124,12 @@ def test_every_mode_matches_single_rank(gloo, world_size):
         assert not bad, f"rank {rank}: max errors {bad}"
         # the conv of q, k and v + the scan, fwd (the bwd runs inside their autograd): CP only
         # where a document crosses and its prefix is not recomputed by the next rank
-        assert cp_calls == {"crossing": 4, "whole documents per rank": 0,
-                            "short prefixes recomputed (the default limit)": 0,
-                            "prefixes over the limit": 4}, cp_calls
+        assert cp_calls == {
+            "crossing": 4,
+            "whole documents per rank": 0,
+            "short prefixes recomputed (the default limit)": 0,
+            "prefixes over the limit": 4,
+        }, cp_calls
 
 
 def _single_process_checks():
@@ -134,7 +145,9 @@ def _single_process_checks():
     layers = {m: h.build_gdn(config, world, world, m) for m in ("headwise", "chunkwise", "all_gather")}
     for m in ("chunkwise", "all_gather"):  # checkpoints move freely between modes
         layers[m].load_state_dict(layers["headwise"].state_dict())
-    shapes = {m: {k: getattr(v, "shape", v) for k, v in layer.state_dict().items()} for m, layer in layers.items()}
+    shapes = {
+        m: {k: getattr(v, "shape", v) for k, v in layer.state_dict().items()} for m, layer in layers.items()
+    }
     outcome["same_state_dict"] = shapes["headwise"] == shapes["chunkwise"] == shapes["all_gather"]
     from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 
@@ -149,16 +162,49 @@ def _single_process_checks():
 
     # a layer keeps the prefix limit it was built with, the default when none is given; a bad one
     # is refused at build
-    told, untold = h.build_gdn(config, world, world, max_recomputed_prefix=0), h.build_gdn(config, world, world)
+    told, untold = (
+        h.build_gdn(config, world, world, max_recomputed_prefix=0),
+        h.build_gdn(config, world, world),
+    )
     outcome["prefix_limits"] = (told.max_recomputed_prefix, untold.max_recomputed_prefix)
-    outcome["bad_prefix_limit"] = value_error_message(lambda: h.build_gdn(config, world, world, max_recomputed_prefix=-1))
+    outcome["bad_prefix_limit"] = value_error_message(
+        lambda: h.build_gdn(config, world, world, max_recomputed_prefix=-1)
+    )
     outcome["unknown_mode"] = value_error_message(lambda: h.build_gdn(config, world, world, "ringwise"))
-    outcome["headwise_heads"] = value_error_message(lambda: h.build_gdn(h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6), world, world, "headwise", max_cp_size=4))
-    outcome["chunkwise_deterministic"] = value_error_message(lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2))
-    outcome["all_gather_recompute"] = value_error_message(lambda: h.build_gdn(h.tiny_config(recompute_granularity=None, recompute_method=None, recompute_num_layers=None), world, world, "all_gather", max_cp_size=2))
-    outcome["dynamic_incomplete"] = value_error_message(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", local_cp_size=2)))
-    outcome["dynamic_mismatch"] = value_error_message(lambda: layers["chunkwise"](x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", cp_group=world, local_cp_size=2)))
-    outcome["wrong_total"] = value_error_message(lambda: layers["chunkwise"](x[:80], None, packed_seq_params=psp))
+    outcome["headwise_heads"] = value_error_message(
+        lambda: h.build_gdn(
+            h.tiny_config(linear_num_key_heads=2, linear_num_value_heads=6),
+            world,
+            world,
+            "headwise",
+            max_cp_size=4,
+        )
+    )
+    outcome["chunkwise_deterministic"] = value_error_message(
+        lambda: h.build_gdn(h.tiny_config(deterministic_mode=True), world, world, "chunkwise", max_cp_size=2)
+    )
+    outcome["all_gather_recompute"] = value_error_message(
+        lambda: h.build_gdn(
+            h.tiny_config(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
+            world,
+            world,
+            "all_gather",
+            max_cp_size=2,
+        )
+    )
+    outcome["dynamic_incomplete"] = value_error_message(
+        lambda: layers["chunkwise"](
+            x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", local_cp_size=2)
+        )
+    )
+    outcome["dynamic_mismatch"] = value_error_message(
+        lambda: layers["chunkwise"](
+            x, None, packed_seq_params=h.packed_params(h.PACKED, "cpu", cp_group=world, local_cp_size=2)
+        )
+    )
+    outcome["wrong_total"] = value_error_message(
+        lambda: layers["chunkwise"](x[:80], None, packed_seq_params=psp)
+    )
     return outcome
 
 
@@ -203,7 +249,9 @@ def test_fla_kernel_choices_are_each_layers_options():
     assert (plain.fused_gate, plain.zigzag_cp, plain.skip_unread_cp_summaries) == (True, False, True)
     assert (gate_outside.fused_gate, gate_outside.zigzag_cp) == (False, False)
     assert (zigzag.fused_gate, zigzag.zigzag_cp) == (True, True)
-    assert kernels.select_kernels(GDNOptions(kernel_backend="fla", fla_fused_gate=False), cuda) is gate_outside
+    assert (
+        kernels.select_kernels(GDNOptions(kernel_backend="fla", fla_fused_gate=False), cuda) is gate_outside
+    )
     reference = kernels.select_kernels(GDNOptions(fla_zigzag_cp=True), torch.device("cpu"))
     assert reference.name == "torch" and not reference.zigzag_cp  # the reference scans contiguous slices only
     assert not [n for n in dir(kernels) if n in ("gate_outside_fla", "fla_zigzag_cp")]
@@ -215,7 +263,10 @@ def test_max_recomputed_prefix_and_swap_transport_are_checked_with_real_defaults
 
     assert GDNOptions().max_recomputed_prefix == DEFAULT_MAX_RECOMPUTED_PREFIX
     assert GDNOptions().swap_transport == "auto"
-    assert gdn_option_problems(GDNOptions()) == [] and gdn_option_problems(GDNOptions(max_recomputed_prefix=0)) == []
+    assert (
+        gdn_option_problems(GDNOptions()) == []
+        and gdn_option_problems(GDNOptions(max_recomputed_prefix=0)) == []
+    )
     for bad in (-1, 1.5, True, "1024", None):
         problems = gdn_option_problems(GDNOptions(max_recomputed_prefix=bad))
         assert len(problems) == 1 and "gdn.max_recomputed_prefix" in problems[0], (bad, problems)

@@ -32,6 +32,8 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 CU = [0, 192, 192, 704, 768, 1280]
 # the same T with the rank cut (640) on a document boundary: chunkwise scans each slice alone
 WHOLE_DOCUMENTS_PER_RANK = [0, 192, 640, 704, 1280]
+
+
 def _gpu_cases(dtype: torch.dtype):
     import torch.distributed as dist
 
@@ -58,18 +60,35 @@ def _gpu_cases(dtype: torch.dtype):
         runs[mode] = got
         results[(mode, str(dtype))] = max(errors.values())
         worst = sorted(errors.items(), key=lambda kv: -kv[1])[:4]
-        print(f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
-              flush=True)
+        print(
+            f"[rank {rank}] {mode} {dtype}: max relative error {results[(mode, str(dtype))]:.2e}, worst {worst}",
+            flush=True,
+        )
         if mode == "chunkwise":
             assert fla_cp_summaries.installed()  # by the Runtime the test harness installs
             # FLA's own pre-pass, unread summaries included: same bits
             stock_layer = fla_layer(mode, max_recomputed_prefix=0, fla_skip_unread_cp_summaries=False)
-            stock = h.cp_run(stock_layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU)
+            stock = h.cp_run(
+                stock_layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU
+            )
             identical = {k: torch.equal(a, b.float()) for k, a, b in _paired(got, stock)}
             # the gate's activation by torch around FLA, as Megatron-Core
             unfused_layer = fla_layer(mode, max_recomputed_prefix=0, fla_fused_gate=False)
-            unfused = _as_fp32(h.cp_run(unfused_layer, x.to(dtype), weight.to(dtype), h.packed_params(CU, device), 2, rank, world, cu=CU))
-            results[("chunkwise, gate outside FLA", str(dtype))] = max(_vs_reference(ref, unfused, dtype).values())
+            unfused = _as_fp32(
+                h.cp_run(
+                    unfused_layer,
+                    x.to(dtype),
+                    weight.to(dtype),
+                    h.packed_params(CU, device),
+                    2,
+                    rank,
+                    world,
+                    cu=CU,
+                )
+            )
+            results[("chunkwise, gate outside FLA", str(dtype))] = max(
+                _vs_reference(ref, unfused, dtype).values()
+            )
         if mode != "all_gather":
             ids = got[3]
 
@@ -89,8 +108,12 @@ def _gpu_cases(dtype: torch.dtype):
     layer = fla_layer("chunkwise")
     whole_ref = h.reference_run(reference, x, weight, h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device))
     psp = h.packed_params(WHOLE_DOCUMENTS_PER_RANK, device)
-    got = _as_fp32(h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=WHOLE_DOCUMENTS_PER_RANK))
-    results[("chunkwise, whole documents per rank", str(dtype))] = max(_vs_reference(whole_ref, got, dtype).values())
+    got = _as_fp32(
+        h.cp_run(layer, x.to(dtype), weight.to(dtype), psp, 2, rank, world, cu=WHOLE_DOCUMENTS_PER_RANK)
+    )
+    results[("chunkwise, whole documents per rank", str(dtype))] = max(
+        _vs_reference(whole_ref, got, dtype).values()
+    )
     ids = got[3]
     syncs["chunkwise, whole documents per rank"] = count_host_syncs(
         lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp)[0].sum().backward()
@@ -110,14 +133,18 @@ def _gpu_cases(dtype: torch.dtype):
     )
     psp_new = h.packed_params(CU, device)  # the plan and its boundaries built from host copies too
     syncs["chunkwise, prefix recomputed (new micro-batch)"] = count_host_syncs(
-        lambda: layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp_new)[0].sum().backward()
+        lambda: (
+            layer(x[ids].to(dtype).requires_grad_(True), None, packed_seq_params=psp_new)[0].sum().backward()
+        )
     )
     # CP parity proper: every mode against all_gather, which runs FLA on the whole sequence
     # (the single-rank computation), quantity by quantity, relative to its largest value.
     whole = runs["all_gather"]
     for mode in ("chunkwise", "headwise", "chunkwise, prefix recomputed"):
-        diffs = {k: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                 for k, a, b in _paired(runs[mode], whole)}
+        diffs = {
+            k: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+            for k, a, b in _paired(runs[mode], whole)
+        }
         results[(mode, "vs all_gather")] = max(diffs.values())
     return results, syncs, identical
 
@@ -127,10 +154,15 @@ def _gpu_cases(dtype: torch.dtype):
 def test_fla_modes_match_reference_and_are_sync_free(dtype):
     per_rank = run_distributed(_gpu_cases, 2, dtype, backend="nccl")
     for rank, (results, syncs, identical) in enumerate(per_rank):
-        print(f"rank {rank}: max relative errors {results}; host syncs {syncs}; "
-              f"chunkwise bit-identical to FLA's full CP summaries: {identical}")
-        bad = {k: v for k, v in results.items()
-               if not v < (CP_TOLERANCE if k[1] == "vs all_gather" else TOLERANCE)[dtype]}
+        print(
+            f"rank {rank}: max relative errors {results}; host syncs {syncs}; "
+            f"chunkwise bit-identical to FLA's full CP summaries: {identical}"
+        )
+        bad = {
+            k: v
+            for k, v in results.items()
+            if not v < (CP_TOLERANCE if k[1] == "vs all_gather" else TOLERANCE)[dtype]
+        }
         assert not bad, f"rank {rank}: {bad}"
         assert identical and all(identical.values()), identical
         assert syncs["chunkwise"] == 0 and syncs["headwise"] == 0, syncs
@@ -151,19 +183,37 @@ def _interleaved_fla_case():
     from relax_gdn.model.fusion import Fusion
     from tests.model_harness import interleaved_options_case
 
-    return interleaved_options_case("qwen3_5_9b_reduced", 8192, INTERLEAVED_CU, torch.float32, {
-        "defaults": dict(gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0)),
-        "other options": dict(
-            gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0, fla_fused_gate=False,
-                           fla_skip_unread_cp_summaries=False, swap_transport="all_to_all"),
-            fusion=Fusion(norms=False, cross_entropy=False)),
-    })
+    return interleaved_options_case(
+        "qwen3_5_9b_reduced",
+        8192,
+        INTERLEAVED_CU,
+        torch.float32,
+        {
+            "defaults": dict(gdn=GDNOptions(kernel_backend="fla", max_cp_size=2, max_recomputed_prefix=0)),
+            "other options": dict(
+                gdn=GDNOptions(
+                    kernel_backend="fla",
+                    max_cp_size=2,
+                    max_recomputed_prefix=0,
+                    fla_fused_gate=False,
+                    fla_skip_unread_cp_summaries=False,
+                    swap_transport="all_to_all",
+                ),
+                fusion=Fusion(norms=False, cross_entropy=False),
+            ),
+        },
+    )
 
 
-@pytest.mark.parametrize("gpus", [
-    pytest.param(2, marks=TWO_GPUS, id="cp2"),
-    pytest.param(1, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), id="one_gpu"),
-])
+@pytest.mark.parametrize(
+    "gpus",
+    [
+        pytest.param(2, marks=TWO_GPUS, id="cp2"),
+        pytest.param(
+            1, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), id="one_gpu"
+        ),
+    ],
+)
 def test_interleaved_fla_options_keep_their_own_results(gpus):
     """Two models (one block of the 9B, fp32, full recompute) with different FLA options (gate in or
     around FLA, summaries skipped or not, peer memory or NCCL swaps, fused or plain norms and loss),

@@ -87,7 +87,10 @@ def test_recurrent_gradients_match_fla_naive():
     """Every input's gradient, the gate's included, against autograd through FLA's naive scan:
     the reference the GPU tests hold FLA's Triton kernels to is itself right in the backward."""
     naive = fla_naive()
-    x = {n: t.requires_grad_() for n, t in scan_inputs([0, 20], key_heads=2, heads=2, dtype=torch.float32).items()}
+    x = {
+        n: t.requires_grad_()
+        for n, t in scan_inputs([0, 20], key_heads=2, heads=2, dtype=torch.float32).items()
+    }
     h0 = torch.randn(1, 2, 8, 6, requires_grad=True)
     leaves = [*x.values(), h0]
     grad_o, grad_h = torch.randn(1, 20, 2, 6), torch.randn(1, 2, 8, 6)
@@ -95,10 +98,13 @@ def test_recurrent_gradients_match_fla_naive():
         naive.naive_recurrent_gated_delta_rule(
             x["q"], x["k"], x["v"], x["beta"], x["g"], scale=0.3, initial_state=h0, output_final_state=True
         ),
-        leaves, (grad_o, grad_h),
+        leaves,
+        (grad_o, grad_h),
     )
     got = torch.autograd.grad(
-        gated_delta_rule_recurrent(**x, scale=0.3, initial_state=h0, output_final_state=True), leaves, (grad_o, grad_h)
+        gated_delta_rule_recurrent(**x, scale=0.3, initial_state=h0, output_final_state=True),
+        leaves,
+        (grad_o, grad_h),
     )
     for name, a, b in zip([*SCAN_NAMES, "h0"], got, ref, strict=True):
         assert max_err(a, b) < 1e-5 * max(1.0, b.abs().max().item()), name

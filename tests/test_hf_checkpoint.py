@@ -225,8 +225,12 @@ def _build_model(checkpoint_dir, tp_group, single_group):
     )
     model_kwargs["vocab_size"] = MODEL_VOCAB
     groups = ProcessGroupCollection(tp=tp_group, cp=single_group, pp=single_group, embd=single_group)
-    options = Qwen3_5Options(gdn=GDNOptions(kernel_backend="torch", training=False), spec_provider="local",
-                             attention_backend="sdpa", **model_kwargs)
+    options = Qwen3_5Options(
+        gdn=GDNOptions(kernel_backend="torch", training=False),
+        spec_provider="local",
+        attention_backend="sdpa",
+        **model_kwargs,
+    )
     return build_qwen3_5_model(config, options, groups).eval()
 
 

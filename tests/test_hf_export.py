@@ -34,11 +34,16 @@ from relax_gdn.model import hf_checkpoint as hfc
 from relax_gdn.model.hf_checkpoint.source import SourceTensor
 from relax_gdn.model.presets import PRESETS
 from tests.distributed import child_env
-from tests.hf_sources import (PROCESSOR_FILE, TINY_TEXT, export_cli, files_of, make_vlm_source,
-                              run_weights_in_hf_names)
+from tests.hf_sources import (
+    PROCESSOR_FILE,
+    TINY_TEXT,
+    export_cli,
+    files_of,
+    make_vlm_source,
+    run_weights_in_hf_names,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-
 
 
 def _source(tensors: dict[str, tuple[int, ...]], files: int = 1) -> hfc.HFCheckpoint:
@@ -268,8 +273,12 @@ def _fp32_main_parameter_cases(tmp: Path, source_dir: Path, checkpoint: Path) ->
         (tmp / "fp32_ckpt").mkdir()
         # with the common (non-sharded) state the checkpoint writer puts beside the tensors: a load returns it too
         dist_checkpointing.save(
-            {"model": model.sharded_state_dict(), "optimizer": {"kind": "megatron", "optimizer": state},
-             "scheduler": {"num_steps": 3}, "step": 3},
+            {
+                "model": model.sharded_state_dict(),
+                "optimizer": {"kind": "megatron", "optimizer": state},
+                "scheduler": {"num_steps": 3},
+                "step": 3,
+            },
             str(tmp / "fp32_ckpt"),
         )
         loader = checkpoint_fp32_main_params(tmp / "fp32_ckpt", manifest, model)

@@ -75,8 +75,9 @@ def _train(run_dir: str | None, extra: dict) -> int:
     from relax_gdn.config import RunConfig
     from relax_gdn.train import run_training
 
-    return len(run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir,
-                            runtime=job_runtime()).records)
+    return len(
+        run_training(RunConfig().with_overrides(_overrides(**extra)), run_dir, runtime=job_runtime()).records
+    )
 
 
 def _export(checkpoint: Path, out: Path, *args: str) -> str:

@@ -178,7 +178,13 @@ def _swap_cases(w: int):
             (swap_layout(x, route, None) * weight[tgt_ids]).sum().backward()
             by_reverse = swap_layout(weight[tgt_ids], route.reverse(), None)
             results.append(
-                (str(cu), source, "grad", torch.equal(x.grad, by_reverse), torch.equal(x.grad, weight[src_ids]))
+                (
+                    str(cu),
+                    source,
+                    "grad",
+                    torch.equal(x.grad, by_reverse),
+                    torch.equal(x.grad, weight[src_ids]),
+                )
             )
     return results + _transport_cases(w)
 
@@ -201,7 +207,15 @@ def _transport_cases(w: int):
     data = torch.arange(cu[-1] * 2.0).reshape(-1, 2)
     for transport in SWAP_TRANSPORTS:
         y = swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None, transport=transport)
-        results.append((transport, "gloo", "transport", torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]), True))
+        results.append(
+            (
+                transport,
+                "gloo",
+                "transport",
+                torch.equal(y, data[thd_rank_indices(cu, w, rank, "contiguous")]),
+                True,
+            )
+        )
     # A swap is a named range in profiler traces (it is skipped when no profiler runs: host time).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         swap_layout(data[thd_rank_indices(cu, w, rank, "zigzag")], route, None)
@@ -213,11 +227,13 @@ def _transport_cases(w: int):
     held = (torch.arange(8.0 * 3) + 100 * rank).reshape(8, 3).requires_grad_(True)
     send, recv = (rank + 1 if rank + 1 < w else 0), rank
     got = last_rows_to_next_rank(held, send, recv, dist.group.WORLD)
-    from_previous = (torch.arange(8.0 * 3) + 100 * (rank - 1)).reshape(8, 3)[8 - recv:]
+    from_previous = (torch.arange(8.0 * 3) + 100 * (rank - 1)).reshape(8, 3)[8 - recv :]
     (got * (rank + 1)).sum().backward()  # the receiver's gradient: its rank + 1 everywhere
     grad = torch.zeros(8, 3)
-    grad[8 - send:] = rank + 2  # what the next rank (rank + 1) sends back for these rows
-    results.append(("last rows", "gloo", "to next rank", torch.equal(got, from_previous), torch.equal(held.grad, grad)))
+    grad[8 - send :] = rank + 2  # what the next rank (rank + 1) sends back for these rows
+    results.append(
+        ("last rows", "gloo", "to next rank", torch.equal(got, from_previous), torch.equal(held.grad, grad))
+    )
     before = os.environ.get("LOCAL_WORLD_SIZE")
     try:
         for hosts, group, expected in (
@@ -429,9 +445,7 @@ def test_route_misuse_raises():
     ],
 )
 def test_resolver_rules_raise(q, kv, seq_len, w, match):
-    psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=torch.tensor(q), cu_seqlens_kv=torch.tensor(kv)
-    )
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(q), cu_seqlens_kv=torch.tensor(kv))
     with pytest.raises(ValueError, match=match):
         resolve_cu_seqlens(psp, seq_len, w)
 
@@ -442,8 +456,14 @@ def test_layout_names_are_public():
 
 @pytest.mark.parametrize(
     "dtype, shape",
-    [(torch.bfloat16, (10, 1, 12352)), (torch.bfloat16, (10, 6)), (torch.float32, (10, 3)), (torch.int16, (10, 5)),
-     (torch.float64, (10, 2)), (torch.bool, (10, 16))],
+    [
+        (torch.bfloat16, (10, 1, 12352)),
+        (torch.bfloat16, (10, 6)),
+        (torch.float32, (10, 3)),
+        (torch.int16, (10, 5)),
+        (torch.float64, (10, 2)),
+        (torch.bool, (10, 16)),
+    ],
 )
 def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
     from relax_gdn.layout.route import _as_wide_rows, put_rows, take_rows
@@ -457,7 +477,9 @@ def test_row_gather_and_scatter_move_rows_as_wide_words_exactly(dtype, shape):
         ref.index_copy_(0, torch.tensor([5, 2, 9]), x[:3])
         assert torch.equal(out, ref)
     row_bytes = base[0].numel() * base.element_size()
-    assert (_as_wide_rows(base).dtype == torch.complex128) == (row_bytes % 16 == 0 and base.element_size() < 16)
+    assert (_as_wide_rows(base).dtype == torch.complex128) == (
+        row_bytes % 16 == 0 and base.element_size() < 16
+    )
     out = base.clone()  # zero rows (a rank that keeps or receives nothing): a no-op, not an error
     put_rows(out, torch.zeros(0, dtype=torch.long), base[:0])
     assert torch.equal(out, base) and _as_wide_rows(base[:0]).shape[0] == 0
@@ -478,10 +500,19 @@ def test_per_token_baseline_route_equals_build_route(w):
     for cu in ([0, 16 * w], [0, 2 * w * 3, 2 * w * 3, 2 * w * 10, 2 * w * 11]):
         for r in range(w):
             for source, target in DIRECTIONS:
-                naive, built = per_token_route(torch.tensor(cu), w, r, source, target), build_route(cu, w, r, source, target)
-                assert (naive.pair_rows, naive.send_splits, naive.recv_splits) == (built.pair_rows, built.send_splits, built.recv_splits)
+                naive, built = (
+                    per_token_route(torch.tensor(cu), w, r, source, target),
+                    build_route(cu, w, r, source, target),
+                )
+                assert (naive.pair_rows, naive.send_splits, naive.recv_splits) == (
+                    built.pair_rows,
+                    built.send_splits,
+                    built.recv_splits,
+                )
                 for rows in ("send_rows", "recv_rows", "keep_source", "keep_target"):
-                    assert torch.equal(rows_as_tensor(getattr(naive, rows)), rows_as_tensor(getattr(built, rows))), rows
+                    assert torch.equal(
+                        rows_as_tensor(getattr(naive, rows)), rows_as_tensor(getattr(built, rows))
+                    ), rows
 
 
 def test_the_swap_transport_is_the_callers_with_auto_by_default():
@@ -493,5 +524,9 @@ def test_the_swap_transport_is_the_callers_with_auto_by_default():
 
     # each swap is told its transport (a layer passes its GDNOptions.swap_transport): no setting
     # of the process's decides it
-    assert inspect.signature(swap_layout).parameters["transport"].default == "auto" == GDNOptions().swap_transport
+    assert (
+        inspect.signature(swap_layout).parameters["transport"].default
+        == "auto"
+        == GDNOptions().swap_transport
+    )
     assert not [n for n in dir(layout) + dir(swap_module) if "set_swap_transport" in n or n == "_transport"]

@@ -24,8 +24,12 @@ def _nccl_swap_cases():
     for transport in SWAP_TRANSPORTS:
         # The first peer-memory swap allocates the staging buffers (a host-blocking
         # rendezvous, once): done here, for the largest case, before syncs are forbidden.
-        swap_layout(torch.zeros(8192, 3, 16, device=device),
-                    build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device), None, transport=transport)
+        swap_layout(
+            torch.zeros(8192, 3, 16, device=device),
+            build_route([0, 16384], 2, rank, "zigzag", "contiguous", device=device),
+            None,
+            transport=transport,
+        )
         failures += [(transport, *f) for f in _swap_cases(rank, device, transport)]
     return failures
 
@@ -77,8 +81,13 @@ def _back_to_back_peer_memory_swaps():
     torch.manual_seed(1)  # every rank draws the same global data
     packings = ([0, 3000, 8192, 12000, 16384], [0, 16384], [0, 1024 * 4, 1024 * 8, 1024 * 16])
     big = [0, 20000, 65536]  # needs larger staging halves than the 16k batches
-    plan = [(cu, width, direction) for _ in range(3) for cu in packings for width in (64, 1536)
-            for direction in (("zigzag", "contiguous"), ("contiguous", "zigzag"))]
+    plan = [
+        (cu, width, direction)
+        for _ in range(3)
+        for cu in packings
+        for width in (64, 1536)
+        for direction in (("zigzag", "contiguous"), ("contiguous", "zigzag"))
+    ]
     plan.insert(len(plan) // 2, (big, 1536, ("zigzag", "contiguous")))
     cases = []  # everything that needs the host built first, so the swaps below go back to back
     for cu, width, (source, target) in plan:

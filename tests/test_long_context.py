@@ -56,18 +56,36 @@ def test_attention_bench_cases_and_table():
     # causal: L(L+1)/2 score entries, 2 GEMMs x 2 FLOPs per multiply-add, heads x head dim
     assert attention_bench.attention_flops([4], fwd_bwd=False) == 4 * 10 * 16 * 256
     cases = attention_bench.cases([8192], ["mixed", "long"], seed=0)
-    result = {"cases": cases, "backends": [
-        {"backend": "varlen", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 2.0} for c in cases}},
-        {"backend": "fa4", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 1.0} for c in cases}},
-        {"backend": "flex", "status": "failed", "reason": "its process died of SIGSEGV"}]}
+    result = {
+        "cases": cases,
+        "backends": [
+            {"backend": "varlen", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 2.0} for c in cases}},
+            {"backend": "fa4", "status": "ok", "cases": {c["name"]: {"fwd_bwd_ms": 1.0} for c in cases}},
+            {"backend": "flex", "status": "failed", "reason": "its process died of SIGSEGV"},
+        ],
+    }
     table = attention_bench.format_table(result)
     assert "8k mixed" in table and "2.00x" in table and "flex: failed (its process died of SIGSEGV)" in table
     assert "cudnn" not in attention_bench.BACKENDS
 
 
 # the whole benchmark on CPU at a small shape: only the reference kernel (sdpa) runs there
-CPU_ARGS = ["--device", "cpu", "--lengths", "1024", "--packings", "long", "--heads", "2", "--kv-heads", "1",
-            "--head-dim", "16", "--check-lengths", "100,50,70"]
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--lengths",
+    "1024",
+    "--packings",
+    "long",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--head-dim",
+    "16",
+    "--check-lengths",
+    "100,50,70",
+]
 # a backend's process that has measured one case when its kernel takes the process down (what an
 # illegal memory access does to the CUDA context: nothing after it runs in that process)
 DIES_AFTER_ONE_CASE = """
@@ -84,12 +102,26 @@ def test_attention_bench_reports_a_backend_whose_process_dies_and_runs_the_other
     def command(backend, argv, entry_path):
         if backend != "fa4":  # the benchmark's own process for the backend
             return attention_bench.child_command(backend, argv, entry_path)
-        return [sys.executable, "-c", DIES_AFTER_ONE_CASE, *argv, "--one-backend", backend, "--entry-out",
-                str(entry_path)]
+        return [
+            sys.executable,
+            "-c",
+            DIES_AFTER_ONE_CASE,
+            *argv,
+            "--one-backend",
+            backend,
+            "--entry-out",
+            str(entry_path),
+        ]
 
     done_after: list[list[str]] = []
-    entries = attention_bench.run_all(["fa4", "varlen", "sdpa"], CPU_ARGS, 600.0, tmp_path, command=command,
-                                      after_each=lambda e: done_after.append([x["status"] for x in e]))
+    entries = attention_bench.run_all(
+        ["fa4", "varlen", "sdpa"],
+        CPU_ARGS,
+        600.0,
+        tmp_path,
+        command=command,
+        after_each=lambda e: done_after.append([x["status"] for x in e]),
+    )
     fa4, varlen, sdpa = entries
     assert fa4["status"] == "failed" and fa4["returncode"] == -9
     assert fa4["reason"] == "its process died of SIGKILL"
@@ -103,8 +135,13 @@ def test_attention_bench_reports_a_backend_whose_process_dies_and_runs_the_other
     # a process that hangs is killed at the time limit and reported the same way
     entry_path = tmp_path / "flex.json"
     flex = attention_bench.run_isolated("flex", [sys.executable, "-c", HANGS], entry_path, timeout_s=2.0)
-    assert flex == {"backend": "flex", "status": "failed", "returncode": None, "stderr_tail": "",
-                    "reason": "its process ran past --backend-timeout-s 2 and was killed"}
+    assert flex == {
+        "backend": "flex",
+        "status": "failed",
+        "returncode": None,
+        "stderr_tail": "",
+        "reason": "its process ran past --backend-timeout-s 2 and was killed",
+    }
 
 
 @pytest.mark.slow  # starts the benchmark's process for the backend
@@ -139,8 +176,12 @@ def test_winner_is_the_fastest_exact_kernel():
     best, sums = long_context.winner(_attention_result({"varlen": 10.0, "flex": 8.0, "fa4": 6.0}))
     assert best == "fa4" and sums == {"varlen": 10.0, "flex": 8.0, "fa4": 6.0}
     # a kernel that failed its check or failed outright never wins; nothing faster: varlen
-    assert long_context.winner(_attention_result({"varlen": 10.0, "fa4": 6.0, "flex": 7.0},
-                                                 {"fa4": "wrong", "flex": "failed"}))[0] == "varlen"
+    assert (
+        long_context.winner(
+            _attention_result({"varlen": 10.0, "fa4": 6.0, "flex": 7.0}, {"fa4": "wrong", "flex": "failed"})
+        )[0]
+        == "varlen"
+    )
     assert long_context.winner(_attention_result({"varlen": 10.0, "flex": 12.0}))[0] == "varlen"
     assert long_context.winner({"cases": [], "backends": []})[0] == "varlen"
 
@@ -152,7 +193,8 @@ def test_long_context_rows_and_targets():
     assert list(long_context.E2E_CALLS) == ["2a", "2b", "2c", "2d", "2e"]
     assert long_context.rows("2a", "fa4") == [
         (270, "mt=65536,recompute=full,model.attention_backend=varlen"),
-        (270, "mt=65536,recompute=mixed,model.attention_backend=fa4,profile")]
+        (270, "mt=65536,recompute=mixed,model.attention_backend=fa4,profile"),
+    ]
     every = [variant for call in long_context.E2E_CALLS for _, variant in long_context.rows(call, "fa4")]
     assert every == [
         "mt=65536,recompute=full,model.attention_backend=varlen",
@@ -165,7 +207,8 @@ def test_long_context_rows_and_targets():
         "mt=65536,recompute=full,model.attention_backend=fa4",
         "mt=8192,recompute=full,model.attention_backend=varlen",
         "mt=8192,recompute=full,model.attention_backend=fa4",
-        "mt=8192,recompute=selective,model.attention_backend=fa4"]
+        "mt=8192,recompute=selective,model.attention_backend=fa4",
+    ]
     for call in ("2a", "2b", "2c", "2e"):  # the calls whose rows must all run
         assert sum(limit for limit, _ in long_context.rows(call, "fa4")) <= 570
     with pytest.raises(ValueError, match="unknown call '3'"):
@@ -173,17 +216,30 @@ def test_long_context_rows_and_targets():
     rows = [variant for _, variant in long_context.rows("2a", "fa4") + long_context.rows("2b", "fa4")]
 
     def measured(name, mt, tok_s, whole=None):
-        return {"name": name, "config": {"train.max_tokens_per_gpu": mt}, "full_layers": whole,
-                "summary": {"tokens_per_s": tok_s, "mfu": 0.4, "peak_mem_gib": 100.0}}
+        return {
+            "name": name,
+            "config": {"train.max_tokens_per_gpu": mt},
+            "full_layers": whole,
+            "summary": {"tokens_per_s": tok_s, "mfu": 0.4, "peak_mem_gib": 100.0},
+        }
 
     first_call = {"variants": [measured(rows[0], 65536, 6000.0), measured(rows[1], 65536, 7800.0, whole=25)]}
-    second_call = {"variants": [
-        {"name": rows[4], "config": {"train.max_tokens_per_gpu": 32768},
-         "summary": {"refused": "qwen3_5_9b will not fit this GPU: ... 170.8 GiB"}},
-        measured(rows[2], 32768, 7000.0), measured(rows[3], 32768, 8000.0, whole=15)]}
+    second_call = {
+        "variants": [
+            {
+                "name": rows[4],
+                "config": {"train.max_tokens_per_gpu": 32768},
+                "summary": {"refused": "qwen3_5_9b will not fit this GPU: ... 170.8 GiB"},
+            },
+            measured(rows[2], 32768, 7000.0),
+            measured(rows[3], 32768, 8000.0, whole=15),
+        ]
+    }
     lines = long_context.targets([first_call, second_call])
     by_name = {line.split()[0]: line for line in lines[1:]}
-    assert "1.300x" in by_name[rows[1]] and ">= 1.25x and >= 7550 tok/s: met; issue's: met" in by_name[rows[1]]
+    assert (
+        "1.300x" in by_name[rows[1]] and ">= 1.25x and >= 7550 tok/s: met; issue's: met" in by_name[rows[1]]
+    )
     assert "1.289x" in by_name[rows[1]]  # 7,800 against the issue's 6,052
     assert by_name[rows[1]].split()[1] == "25"  # the layers mixed recomputed whole
     # 1.20x and 8,550 tok/s needed: 1.143x against this run's full row, 1.123x against the issue's 7,126
@@ -204,4 +260,7 @@ def test_plan_keeps_to_the_share_mixed_keeps_to():
     assert one_gpu[2].strip().startswith("65536 tokens/GPU: mixed, ")
     cp2 = long_context.plan(139.8, [8192, 65536], cp=2, optimizer="adam")
     assert cp2[1].strip().startswith("8192 tokens/GPU: mixed, ")
-    assert cp2[2].strip().startswith("65536 tokens/GPU: full (") and f"above {MIXED_HEADROOM:.0%}: tight" in cp2[2]
+    assert (
+        cp2[2].strip().startswith("65536 tokens/GPU: full (")
+        and f"above {MIXED_HEADROOM:.0%}: tight" in cp2[2]
+    )

@@ -57,15 +57,33 @@ def _problems(cfg: RunConfig) -> str:
 
 
 def test_targets_resolve_to_hf_modules_in_one_order():
-    assert resolve_targets(["all_linear"]) == tuple(m for m in LORA_MODULES if m not in ("embed_tokens", "lm_head"))
-    assert resolve_targets(["mlp", "gdn_in_proj"]) == ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                                                       "gate_proj", "up_proj", "down_proj")
+    assert resolve_targets(["all_linear"]) == tuple(
+        m for m in LORA_MODULES if m not in ("embed_tokens", "lm_head")
+    )
+    assert resolve_targets(["mlp", "gdn_in_proj"]) == (
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     assert resolve_targets(["q_proj", "attention_qkv", "output"]) == ("q_proj", "k_proj", "v_proj", "lm_head")
     for group, modules in LORA_GROUPS.items():
         assert set(resolve_targets([group])) == set(modules), group
     # every projection of both layer types has a name (the issue's list)
-    assert set(resolve_targets(["gdn", "attention"])) == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                                                          "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(resolve_targets(["gdn", "attention"])) == {
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }
 
 
 def test_lora_is_off_by_default_and_its_options_come_from_the_config():
@@ -80,8 +98,14 @@ def test_lora_is_off_by_default_and_its_options_come_from_the_config():
 def test_every_lora_rule_names_its_key():
     assert "model.lora.rank=-1 must be an integer >= 0" in _problems(_cfg(model__lora__rank=-1))
     assert "model.lora.rank=2.5" in _problems(_cfg(model__lora__rank=2.5))
-    text = _problems(_cfg(model__lora__rank=4, model__lora__alpha=0, model__lora__dropout=1.0,
-                          model__lora__targets=["gdn", "qkv_proj"]))
+    text = _problems(
+        _cfg(
+            model__lora__rank=4,
+            model__lora__alpha=0,
+            model__lora__dropout=1.0,
+            model__lora__targets=["gdn", "qkv_proj"],
+        )
+    )
     assert "model.lora.alpha=0 must be a number > 0" in text
     assert "model.lora.dropout=1.0 must be a number in [0, 1)" in text
     assert "unknown: ['qkv_proj']" in text and "in_proj_qkv" in text
@@ -90,8 +114,14 @@ def test_every_lora_rule_names_its_key():
     assert "model.lora needs the local layer specs" in te and "model.spec_provider=auto" in te
     head = _problems(_cfg(model__lora__rank=4, model__lora__targets=["output"]))
     assert "model.fused_cross_entropy=false" in head
-    validate(_cfg(model__lora__rank=4, model__lora__targets=["output", "embedding"],
-                  model__fused_cross_entropy=False), 1)
+    validate(
+        _cfg(
+            model__lora__rank=4,
+            model__lora__targets=["output", "embedding"],
+            model__fused_cross_entropy=False,
+        ),
+        1,
+    )
     # rank 0 switches LoRA off: the rules of LoRA's other keys do not apply, but setting them is
     # refused (they would do nothing; tests/test_lora_options.py)
     validate(_cfg(model__lora__rank=0, model__spec_provider="te"), 1)
@@ -119,7 +149,9 @@ def _shape(preset: str = "qwen3_5_9b", **lora):
     from relax_gdn.train.flops import ModelShape
 
     options = _cfg(model__preset=preset, **{f"model__lora__{k}": v for k, v in lora.items()}).lora_options
-    return ModelShape.from_transformer_config(qwen3_5_config(preset), qwen3_5_preset(preset).vocab_size, lora=options)
+    return ModelShape.from_transformer_config(
+        qwen3_5_config(preset), qwen3_5_preset(preset).vocab_size, lora=options
+    )
 
 
 def test_flops_count_no_weight_gradient_of_a_frozen_weight():
@@ -137,8 +169,10 @@ def test_flops_count_no_weight_gradient_of_a_frozen_weight():
     per_mlp = 2 * (h + ffn) + (ffn + h)
     expect = 6 * 16 * (24 * per_gdn + 8 * per_attention + 32 * per_mlp)
     assert b.lora_adapters == pytest.approx(expect, rel=1e-12)
-    assert b.total == pytest.approx(a.total - (a.mlp + a.gdn_projections + a.gdn_conv + a.attention_projections
-                                               + a.logits) / 3 + expect, rel=1e-12)
+    assert b.total == pytest.approx(
+        a.total - (a.mlp + a.gdn_projections + a.gdn_conv + a.attention_projections + a.logits) / 3 + expect,
+        rel=1e-12,
+    )
     assert b.total / a.total == pytest.approx(0.685, abs=0.005)  # the work LoRA does per token at s_eff 8192
     # the Relax accounting's embedding GEMM has no weight gradient either
     embedding = 2 * 2 * 4096 * 248_320
@@ -157,8 +191,15 @@ def test_memory_model_fits_the_9b_with_adam_on_one_h200_only_with_lora():
     for rank in (16, 64):
         shape = _shape(rank=rank)
         trained = lora_parameter_count(shape)
-        assert trained == pytest.approx(rank * (24 * (4 * 4096 + 8192 + 4096 + 64 + 4096 + 4096) + 8 * (
-            3 * 4096 + 8192 + 2048 + 4096 + 4096) + 32 * 3 * (4096 + 12288)), rel=1e-12)
+        assert trained == pytest.approx(
+            rank
+            * (
+                24 * (4 * 4096 + 8192 + 4096 + 64 + 4096 + 4096)
+                + 8 * (3 * 4096 + 8192 + 2048 + 4096 + 4096)
+                + 32 * 3 * (4096 + 12288)
+            ),
+            rel=1e-12,
+        )
         for tokens, recompute in ((8192, "none"), (32768, "full")):
             estimate = estimate_memory(shape, tokens_per_gpu=tokens, recompute=recompute)
             assert estimate.gradients == trained * 4 and estimate.optimizer == trained * 12
@@ -171,7 +212,10 @@ def test_memory_model_fits_the_9b_with_adam_on_one_h200_only_with_lora():
     # Adam on one GPU; with LoRA the run fits as asked
     offered = settings_that_fit(_shape(), h200, tokens_per_gpu=8192, recompute="full")
     assert all("optim.name" in a.overrides or "parallel.cp" in a.overrides for a in offered)
-    assert estimate_memory(_shape(rank=64), tokens_per_gpu=32768, recompute="mixed", full_layers=16).total / GIB < 139
+    assert (
+        estimate_memory(_shape(rank=64), tokens_per_gpu=32768, recompute="mixed", full_layers=16).total / GIB
+        < 139
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +224,7 @@ def test_memory_model_fits_the_9b_with_adam_on_one_h200_only_with_lora():
 
 
 def test_the_seeded_base_is_the_same_at_every_tp_split():
-    from relax_gdn.model.hf_checkpoint.plan import ROW, TPSplit, TensorRule
+    from relax_gdn.model.hf_checkpoint.plan import ROW, TensorRule, TPSplit
     from relax_gdn.model.lora import _seeded_values
 
     def rule(shape, split):
@@ -214,14 +258,19 @@ def test_the_seeded_base_is_the_same_at_every_tp_split():
 def test_peft_names_follow_the_bases_layout_and_trim_the_vocabulary():
     from relax_gdn.model.hf_checkpoint.peft import peft_adapter_config, peft_adapter_state
 
-    vlm = SimpleNamespace(by_text_name=lambda: {
-        "model.layers.0.linear_attn.in_proj_qkv.weight": "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
-        "model.embed_tokens.weight": "model.language_model.embed_tokens.weight",
-        "lm_head.weight": "lm_head.weight"})
+    vlm = SimpleNamespace(
+        by_text_name=lambda: {
+            "model.layers.0.linear_attn.in_proj_qkv.weight": "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+            "model.embed_tokens.weight": "model.language_model.embed_tokens.weight",
+            "lm_head.weight": "lm_head.weight",
+        }
+    )
     a, b = torch.zeros(4, 64), torch.zeros(96, 4)
-    adapters = {"model.layers.0.linear_attn.in_proj_qkv": (a, b),
-                "model.embed_tokens": (torch.zeros(4, 1024), torch.zeros(64, 4)),
-                "lm_head": (torch.zeros(4, 64), torch.zeros(1024, 4))}
+    adapters = {
+        "model.layers.0.linear_attn.in_proj_qkv": (a, b),
+        "model.embed_tokens": (torch.zeros(4, 1024), torch.zeros(64, 4)),
+        "lm_head": (torch.zeros(4, 64), torch.zeros(1024, 4)),
+    }
     state = peft_adapter_state(adapters, vlm, vocab_size=1000)
     assert {k: tuple(v.shape) for k, v in state.items()} == {
         "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight": (4, 64),
@@ -233,26 +282,45 @@ def test_peft_names_follow_the_bases_layout_and_trim_the_vocabulary():
     }
     config = peft_adapter_config(rank=4, alpha=8, dropout=0.0, target_modules=["in_proj_qkv"], base="/b")
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]) == (
-        "LORA", 4, 8, ["in_proj_qkv"])
+        "LORA",
+        4,
+        8,
+        ["in_proj_qkv"],
+    )
 
 
 def test_a_drop_in_export_copies_what_lora_left_unchanged():
     from relax_gdn.model.hf_checkpoint import Origin, tensor_origins
     from relax_gdn.model.hf_checkpoint.source import HFCheckpoint, SourceTensor
 
-    names = {"model.language_model.layers.0.mlp.up_proj.weight": (8, 4),
-             "model.language_model.layers.0.mlp.down_proj.weight": (4, 8),
-             "model.language_model.norm.weight": (4,), "mtp.fc.weight": (4, 8)}
-    source = HFCheckpoint(directory=None, config={}, files=("a.safetensors",), sharded=False,
-                          tensors={n: SourceTensor("a.safetensors", torch.bfloat16, s) for n, s in names.items()},
-                          index_metadata={})
-    trained = {"model.layers.0.mlp.up_proj.weight": (8, 4), "model.layers.0.mlp.down_proj.weight": (4, 8),
-               "model.norm.weight": (4,), "lm_head.weight": (9, 4)}
+    names = {
+        "model.language_model.layers.0.mlp.up_proj.weight": (8, 4),
+        "model.language_model.layers.0.mlp.down_proj.weight": (4, 8),
+        "model.language_model.norm.weight": (4,),
+        "mtp.fc.weight": (4, 8),
+    }
+    source = HFCheckpoint(
+        directory=None,
+        config={},
+        files=("a.safetensors",),
+        sharded=False,
+        tensors={n: SourceTensor("a.safetensors", torch.bfloat16, s) for n, s in names.items()},
+        index_metadata={},
+    )
+    trained = {
+        "model.layers.0.mlp.up_proj.weight": (8, 4),
+        "model.layers.0.mlp.down_proj.weight": (4, 8),
+        "model.norm.weight": (4,),
+        "lm_head.weight": (9, 4),
+    }
     unchanged = {"model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"}
     origins, added = tensor_origins(source, trained, unchanged)
-    assert origins == {"model.language_model.layers.0.mlp.up_proj.weight": Origin.TRAINED,
-                       "model.language_model.layers.0.mlp.down_proj.weight": Origin.COPIED,
-                       "model.language_model.norm.weight": Origin.COPIED, "mtp.fc.weight": Origin.COPIED}
+    assert origins == {
+        "model.language_model.layers.0.mlp.up_proj.weight": Origin.TRAINED,
+        "model.language_model.layers.0.mlp.down_proj.weight": Origin.COPIED,
+        "model.language_model.norm.weight": Origin.COPIED,
+        "mtp.fc.weight": Origin.COPIED,
+    }
     assert added == []  # an unchanged output layer of a tied source stays tied: nothing to add
 
 
@@ -261,7 +329,11 @@ def test_a_lora_checkpoint_continues_only_into_its_own_model(tmp_path):
 
     cfg = _cfg(model__lora__rank=8)
     mine = lora_manifest(cfg)
-    assert mine["base"] == {"preset": "qwen3_5_tiny", "seed": 1234, "init": "relax_gdn.model.lora.seed_base_weights"}
+    assert mine["base"] == {
+        "preset": "qwen3_5_tiny",
+        "seed": 1234,
+        "init": "relax_gdn.model.lora.seed_base_weights",
+    }
     assert mine["adapters"]["modules"] == list(resolve_targets(["all_linear"]))
     assert lora_resume_problem(tmp_path, mine, lora_manifest(cfg)) is None
     assert lora_resume_problem(tmp_path, None, None) is None
@@ -282,8 +354,9 @@ def test_a_lora_checkpoint_continues_only_into_its_own_model(tmp_path):
 EVERY_TARGET = ["all_linear", "embedding", "output"]  # every projection, the embedding, the output layer
 
 
-def _lora_build(config, tp, cp, single, mode="chunkwise", *, targets=EVERY_TARGET, dropout=0.0, fusion=None,
-                **options):
+def _lora_build(
+    config, tp, cp, single, mode="chunkwise", *, targets=EVERY_TARGET, dropout=0.0, fusion=None, **options
+):
     """The tiny Qwen3.5 with rank-4 adapters on ``targets`` (the fused loss off: it cannot take an
     adapted output layer)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -297,8 +370,15 @@ def _lora_build(config, tp, cp, single, mode="chunkwise", *, targets=EVERY_TARGE
     lora = LoRAOptions(rank=4, alpha=8.0, dropout=dropout, modules=resolve_targets(targets), init_seed=3)
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
-        "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **gdn),
-        attention_backend="sdpa", fusion=fusion or Fusion(cross_entropy=False), lora=lora, **options)
+        "qwen3_5_tiny",
+        config,
+        pg_collection=pgs,
+        gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **gdn),
+        attention_backend="sdpa",
+        fusion=fusion or Fusion(cross_entropy=False),
+        lora=lora,
+        **options,
+    )
 
 
 def _shard_state(model, state, config, tp_size: int, tp_rank: int) -> dict:
@@ -316,7 +396,9 @@ def _shard_state(model, state, config, tp_size: int, tp_rank: int) -> dict:
         if owner in adapters:
             layout = adapters[owner].layout
             split = layout.a_split if leaf == "lora_A" else layout.b_split
-            out[key] = value if split is None or tp_size == 1 else shard_for_tp(value, split, tp_size, tp_rank)
+            out[key] = (
+                value if split is None or tp_size == 1 else shard_for_tp(value, split, tp_size, tp_rank)
+            )
         elif key in params:
             out[key] = tp_shard(key, value, params[key], config, tp_size, tp_rank)
         else:
@@ -334,11 +416,14 @@ def _lora_run(model, batch, ids=None, cp_group=None, *, tp_group, dp_cp_group, s
     tokens, labels, positions = batch
     if ids is not None:
         tokens, labels, positions = tokens[:, ids], labels[:, ids], positions[:, ids]
-    optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=dp_cp_group, tp_group=tp_group,
-                                     sequence_parallel=sp)
+    optimizer = CPUGradSyncOptimizer(
+        model, RunConfig(), dp_cp_group=dp_cp_group, tp_group=tp_group, sequence_parallel=sp
+    )
     optimizer.zero_grad()
     dynamic = {} if cp_group is None else {"cp_group": cp_group, "local_cp_size": cp_group.size()}
-    loss = model(tokens, positions, None, labels=labels, packed_seq_params=packed_params(CU, "cpu", **dynamic))
+    loss = model(
+        tokens, positions, None, labels=labels, packed_seq_params=packed_params(CU, "cpu", **dynamic)
+    )
     loss.sum().backward()
     optimizer._finish_grad_sync()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -349,8 +434,11 @@ def _lora_run(model, batch, ids=None, cp_group=None, *, tp_group, dp_cp_group, s
 def _lora_errors(reference, result, ids, shard=lambda n, g: g) -> dict[str, float]:
     ref_loss, ref_grads, _ = reference
     loss, grads, frozen = result
-    errors = {"loss": (loss - ref_loss[:, ids] if ids is not None else loss - ref_loss).abs().max().item(),
-              "frozen_with_grads": float(len(frozen)), "adapters": float(len(grads))}
+    errors = {
+        "loss": (loss - ref_loss[:, ids] if ids is not None else loss - ref_loss).abs().max().item(),
+        "frozen_with_grads": float(len(frozen)),
+        "adapters": float(len(grads)),
+    }
     for n, g in ref_grads.items():
         expect = shard(n, g)
         assert grads[n].shape == expect.shape, (n, grads[n].shape, expect.shape)
@@ -376,27 +464,43 @@ def _recompute_variants(reference_state, batch, single, case: int) -> dict:
     if case == 0:  # full recompute: plain, and leaving out what no gradient reads (linear_fc2's GEMM)
         ref = run(plain)
         full = dict(use_cpu_initialization=True, **recompute_config_fields("full"))
-        skip = dict(use_cpu_initialization=True, **recompute_config_fields("full", skip_unused=True, num_layers=4))
+        skip = dict(
+            use_cpu_initialization=True, **recompute_config_fields("full", skip_unused=True, num_layers=4)
+        )
         # the default targets leave the embedding frozen: the first layer's input has no grad, and
         # the layers recomputed whole must still give their adapters gradients
         linear = dict(targets=["all_linear"])
-        state = {k: v for k, v in reference_state.items()
-                 if not (".lora." in k and k.startswith(("embedding.", "output_layer.")))}
+        state = {
+            k: v
+            for k, v in reference_state.items()
+            if not (".lora." in k and k.startswith(("embedding.", "output_layer.")))
+        }
         frozen_ref = run(plain, state, **linear)
         mixed = dict(use_cpu_initialization=True, **recompute_config_fields("mixed", full_layers=2))
-        return {"full": _lora_errors(ref, run(qwen3_5_config("qwen3_5_tiny", **full)), None),
-                "full_skip_unused": _lora_errors(ref, run(qwen3_5_config("qwen3_5_tiny", **skip),
-                                                          recompute_skips_unread_gemm=True), None),
-                "full_frozen_embedding": _lora_errors(
-                    frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **full), state, **linear), None),
-                "mixed_frozen_embedding": _lora_errors(
-                    frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **mixed), state, **linear), None)}
+        return {
+            "full": _lora_errors(ref, run(qwen3_5_config("qwen3_5_tiny", **full)), None),
+            "full_skip_unused": _lora_errors(
+                ref, run(qwen3_5_config("qwen3_5_tiny", **skip), recompute_skips_unread_gemm=True), None
+            ),
+            "full_frozen_embedding": _lora_errors(
+                frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **full), state, **linear), None
+            ),
+            "mixed_frozen_embedding": _lora_errors(
+                frozen_ref, run(qwen3_5_config("qwen3_5_tiny", **mixed), state, **linear), None
+            ),
+        }
     if case == 1:  # selective: core attention, the SwiGLU, the GDN core
         ref = run(plain)
-        selective = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True,
-                                   **recompute_config_fields("selective", ["core_attn", "mlp_act", "gdn_core"]))
-        return {"selective": _lora_errors(ref, run(selective, recompute_mlp_activation=True, recompute_core=True),
-                                          None)}
+        selective = qwen3_5_config(
+            "qwen3_5_tiny",
+            use_cpu_initialization=True,
+            **recompute_config_fields("selective", ["core_attn", "mlp_act", "gdn_core"]),
+        )
+        return {
+            "selective": _lora_errors(
+                ref, run(selective, recompute_mlp_activation=True, recompute_core=True), None
+            )
+        }
     if case == 2:  # the fused loss and norms against the plain forms (adapters on every projection)
         state = {k: v for k, v in reference_state.items() if "output_layer.lora" not in k}
         linear = dict(targets=["all_linear", "embedding"])
@@ -428,6 +532,7 @@ def _record_unfoldable_linear_inputs(model) -> set[str]:
             x = args[0]
             if any(x.stride(i) != x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2)):
                 unfoldable.add(name)
+
         return hook
 
     for name, module in model.named_modules():
@@ -438,31 +543,49 @@ def _record_unfoldable_linear_inputs(model) -> set[str]:
 
 def _zero_b_is_the_base(single, batch) -> dict:
     """A model built with adapters (B = 0) gives the base model's loss bit for bit; its counts."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config
     from relax_gdn.model.fusion import Fusion
-    from relax_gdn.gdn.options import GDNOptions
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from tests.gdn_harness import packed_params
     from tests.model_harness import CU
 
     tokens, labels, positions = batch
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
     pgs = ProcessGroupCollection(tp=single, cp=single, pp=single, embd=single)
-    base = build_qwen3_5_preset_model("qwen3_5_tiny", config, pg_collection=pgs, attention_backend="sdpa",
-                                      gdn=GDNOptions(kernel_backend="torch"), fusion=Fusion(cross_entropy=False))
+    base = build_qwen3_5_preset_model(
+        "qwen3_5_tiny",
+        config,
+        pg_collection=pgs,
+        attention_backend="sdpa",
+        gdn=GDNOptions(kernel_backend="torch"),
+        fusion=Fusion(cross_entropy=False),
+    )
     model = _lora_build(config, single, single, single)
     missing = model.load_state_dict(base.state_dict(), strict=False).missing_keys
     psp = packed_params(CU, "cpu")
     unfoldable = _record_unfoldable_linear_inputs(model)
     with torch.no_grad():
-        same = torch.equal(base(tokens, positions, None, labels=labels, packed_seq_params=psp),
-                           model(tokens, positions, None, labels=labels, packed_seq_params=psp))
+        same = torch.equal(
+            base(tokens, positions, None, labels=labels, packed_seq_params=psp),
+            model(tokens, positions, None, labels=labels, packed_seq_params=psp),
+        )
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"equal": same, "missing_are_adapters": all(".lora." in k for k in missing), "trained": trained,
-            "unfoldable_linear_inputs": sorted(unfoldable),
-            "frozen_requires_grad": sum(p.requires_grad for n, p in model.named_parameters() if ".lora." not in n),
-            "b_zero": all(not p.any() for n, p in model.named_parameters() if n.endswith("lora_B")
-                          and "word_embeddings" not in n)}
+    return {
+        "equal": same,
+        "missing_are_adapters": all(".lora." in k for k in missing),
+        "trained": trained,
+        "unfoldable_linear_inputs": sorted(unfoldable),
+        "frozen_requires_grad": sum(
+            p.requires_grad for n, p in model.named_parameters() if ".lora." not in n
+        ),
+        "b_zero": all(
+            not p.any()
+            for n, p in model.named_parameters()
+            if n.endswith("lora_B") and "word_embeddings" not in n
+        ),
+    }
 
 
 def _lora_model_cases():
@@ -470,9 +593,9 @@ def _lora_model_cases():
 
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
+    from tests.helpers import GDN_MODES
     from tests.model_harness import CU, FULL_RECOMPUTE
     from tests.model_harness import batch as _batch
-    from tests.helpers import GDN_MODES
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -494,22 +617,32 @@ def _lora_model_cases():
 
     ids = thd_rank_indices(CU, 2, pair.rank(), "zigzag")
     for mode in GDN_MODES:  # CP 2, every GDN mode
-        config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True,
-                                **(FULL_RECOMPUTE if mode == "all_gather" else {}))
+        config = qwen3_5_config(
+            "qwen3_5_tiny", use_cpu_initialization=True, **(FULL_RECOMPUTE if mode == "all_gather" else {})
+        )
         model = _lora_build(config, single, pair, single, mode)
         model.load_state_dict(state)
-        results[("cp2", mode)] = _lora_errors(ref, _lora_run(model, batch, ids, tp_group=single, dp_cp_group=pair),
-                                              ids)
-    model = _lora_build(base_config, single, dist.group.WORLD, single, "chunkwise", max_cp_size=4)  # dynamic CP
+        results[("cp2", mode)] = _lora_errors(
+            ref, _lora_run(model, batch, ids, tp_group=single, dp_cp_group=pair), ids
+        )
+    model = _lora_build(
+        base_config, single, dist.group.WORLD, single, "chunkwise", max_cp_size=4
+    )  # dynamic CP
     model.load_state_dict(state)
     results[("cp2", "chunkwise", "dynamic")] = _lora_errors(
-        ref, _lora_run(model, batch, ids, pair, tp_group=single, dp_cp_group=pair), ids)
+        ref, _lora_run(model, batch, ids, pair, tp_group=single, dp_cp_group=pair), ids
+    )
 
     tp_group, cp_group = pairs[rank // 2], strided[rank % 2]  # TP 2 x CP 2
     ids = thd_rank_indices(CU, 2, cp_group.rank(), "zigzag")
     for mode, sp in (("chunkwise", False), ("chunkwise", True), ("headwise", True), ("all_gather", False)):
-        config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2,
-                                sequence_parallel=sp, **(FULL_RECOMPUTE if mode == "all_gather" else {}))
+        config = qwen3_5_config(
+            "qwen3_5_tiny",
+            use_cpu_initialization=True,
+            tensor_model_parallel_size=2,
+            sequence_parallel=sp,
+            **(FULL_RECOMPUTE if mode == "all_gather" else {}),
+        )
         model = _lora_build(config, tp_group, cp_group, single, mode)
         model.load_state_dict(_shard_state(model, state, config, 2, tp_group.rank()))
         shards = _shard_state(model, ref[1], config, 2, tp_group.rank())
@@ -539,10 +672,20 @@ def _assert_close(errors: dict, what) -> None:
     assert not bad, (what, bad)
 
 
-@pytest.mark.parametrize("case", [("cp2", "headwise"), ("cp2", "chunkwise"), ("cp2", "all_gather"),
-                                  ("cp2", "chunkwise", "dynamic"), ("tp2cp2", "chunkwise", "sp=False"),
-                                  ("tp2cp2", "chunkwise", "sp=True"), ("tp2cp2", "headwise", "sp=True"),
-                                  ("tp2cp2", "all_gather", "sp=False")], ids=lambda c: "-".join(c))
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("cp2", "headwise"),
+        ("cp2", "chunkwise"),
+        ("cp2", "all_gather"),
+        ("cp2", "chunkwise", "dynamic"),
+        ("tp2cp2", "chunkwise", "sp=False"),
+        ("tp2cp2", "chunkwise", "sp=True"),
+        ("tp2cp2", "headwise", "sp=True"),
+        ("tp2cp2", "all_gather", "sp=False"),
+    ],
+    ids=lambda c: "-".join(c),
+)
 def test_adapters_over_cp_and_tp_equal_one_rank(lora_model, case):
     for rank_result in lora_model:
         _assert_close(dict(rank_result[case]), case)
@@ -567,7 +710,9 @@ def test_recompute_and_fused_ops_change_nothing_and_dropout_masks_replay(lora_mo
             errors = dict(errors)
             adapters = errors.pop("adapters")
             # fused: no output-layer adapter; frozen_embedding: neither an embedding nor an output one
-            assert adapters == {"fused": 64, "full_frozen_embedding": 62, "mixed_frozen_embedding": 62}.get(name, 66), name
+            assert adapters == {"fused": 64, "full_frozen_embedding": 62, "mixed_frozen_embedding": 62}.get(
+                name, 66
+            ), name
             assert errors.pop("frozen_with_grads") == 0
             from tests.model_harness import tolerance as _tolerance
 
@@ -608,14 +753,23 @@ def _hf_lora_model(base_dir, cp_group, single, mode: str):
     from tests.model_harness import FULL_RECOMPUTE
 
     overrides, model_kwargs = hfc.qwen3_5_config_from_hf(base_dir)
-    config = qwen3_5_config("qwen3_5_tiny", **overrides, use_cpu_initialization=True,
-                            **(FULL_RECOMPUTE if mode == "all_gather" else {}))
+    config = qwen3_5_config(
+        "qwen3_5_tiny",
+        **overrides,
+        use_cpu_initialization=True,
+        **(FULL_RECOMPUTE if mode == "all_gather" else {}),
+    )
     options = Qwen3_5Options(
-        **{**model_kwargs, "vocab_size": MODEL_VOCAB}, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch"),
-        spec_provider="local", attention_backend="sdpa", fusion=Fusion(cross_entropy=False),
-        lora=LoRAOptions(rank=4, alpha=8.0, modules=resolve_targets(EVERY_TARGET), init_seed=3))
-    model = build_qwen3_5_model(config, options, ProcessGroupCollection(tp=single, cp=cp_group, pp=single,
-                                                                        embd=single))
+        **{**model_kwargs, "vocab_size": MODEL_VOCAB},
+        gdn=GDNOptions(cp_mode=mode, kernel_backend="torch"),
+        spec_provider="local",
+        attention_backend="sdpa",
+        fusion=Fusion(cross_entropy=False),
+        lora=LoRAOptions(rank=4, alpha=8.0, modules=resolve_targets(EVERY_TARGET), init_seed=3),
+    )
+    model = build_qwen3_5_model(
+        config, options, ProcessGroupCollection(tp=single, cp=cp_group, pp=single, embd=single)
+    )
     hfc.load_hf_checkpoint(model, base_dir, tp_group=single)
     return model
 
@@ -630,13 +784,23 @@ def _train_three_steps(model, cp_group, single) -> list[float]:
 
     tokens, labels, positions = _batch(250, seed=4)
     ids = thd_rank_indices(CU, cp_group.size(), cp_group.rank(), "zigzag")
-    optimizer = CPUGradSyncOptimizer(model, _cfg(optim__lr=1e-2, optim__weight_decay=0.0), dp_cp_group=cp_group,
-                                     tp_group=single, sequence_parallel=False)
+    optimizer = CPUGradSyncOptimizer(
+        model,
+        _cfg(optim__lr=1e-2, optim__weight_decay=0.0),
+        dp_cp_group=cp_group,
+        tp_group=single,
+        sequence_parallel=False,
+    )
     losses = []
     for _ in range(3):
         optimizer.zero_grad()
-        loss = model(tokens[:, ids], positions[:, ids], None, labels=labels[:, ids],
-                     packed_seq_params=packed_params(CU, "cpu")).sum()
+        loss = model(
+            tokens[:, ids],
+            positions[:, ids],
+            None,
+            labels=labels[:, ids],
+            packed_seq_params=packed_params(CU, "cpu"),
+        ).sum()
         (loss / CU[-1]).backward()
         optimizer.step()
         losses.append(loss.item())
@@ -654,8 +818,12 @@ def _our_logits(model, ids, cp_group) -> torch.Tensor:
     cp = cp_group.size()
     rows = thd_rank_indices(cu, cp, cp_group.rank(), "zigzag")
     with torch.no_grad():
-        out = model.eval()(ids[:, rows], torch.arange(ids.shape[1])[None, rows], None,
-                           packed_seq_params=packed_params(cu, "cpu"))[0]  # logits [batch, tokens, vocab]
+        out = model.eval()(
+            ids[:, rows],
+            torch.arange(ids.shape[1])[None, rows],
+            None,
+            packed_seq_params=packed_params(cu, "cpu"),
+        )[0]  # logits [batch, tokens, vocab]
     model.train()
     if cp == 1:
         return out
@@ -680,15 +848,18 @@ def _peft_merges_to_the_export(work: Path, adapter: Path, merged: Path) -> bool:
     return written.keys() <= state.keys() and all(torch.equal(state[k], v) for k, v in written.items())
 
 
-def _transformers_logits(work: Path, ids: torch.Tensor, *, merged: Path | None = None, adapter: Path | None = None):
+def _transformers_logits(
+    work: Path, ids: torch.Tensor, *, merged: Path | None = None, adapter: Path | None = None
+):
     """transformers' logits of the merged export, or of the base with the PEFT adapter (fp32)."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
 
     _force_transformers_pure_torch()
-    model, info = AutoModelForCausalLM.from_pretrained(merged or work / "text", output_loading_info=True,
-                                                       attn_implementation="eager", dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        merged or work / "text", output_loading_info=True, attn_implementation="eager", dtype=torch.float32
+    )
     assert not any(info.values()), info
     if adapter is not None:
         from peft import PeftModel
@@ -750,14 +921,18 @@ def _export_cases(workdir: str) -> dict:
         result = {"losses": losses, "err": (ours - merged_logits).abs().max().item() / scale, "scale": scale}
         if rank == 0:
             source, written = hfc.read_hf_state_dict(work / "text"), hfc.read_hf_state_dict(out / "merged")
-            result |= {"changed": sorted(k for k in source if not torch.equal(source[k], written[k])),
-                       "copied": merged.copied}
+            result |= {
+                "changed": sorted(k for k in source if not torch.equal(source[k], written[k])),
+                "copied": merged.copied,
+            }
         else:
             with_adapter = _transformers_logits(work, ids, adapter=out / "adapter")
-            result |= {"peft_vs_merged": (with_adapter - merged_logits).abs().max().item() / scale,
-                       "peft_vs_ours": (with_adapter - ours).abs().max().item() / scale,
-                       "peft_merge": _peft_merges_to_the_export(work, out / "adapter", out / "merged"),
-                       "changed": adapter.target_modules}
+            result |= {
+                "peft_vs_merged": (with_adapter - merged_logits).abs().max().item() / scale,
+                "peft_vs_ours": (with_adapter - ours).abs().max().item() / scale,
+                "peft_merge": _peft_merges_to_the_export(work, out / "adapter", out / "merged"),
+                "changed": adapter.target_modules,
+            }
         results[(cp, mode)] = result
     return results
 
@@ -767,8 +942,11 @@ def exports(gloo, tmp_path_factory):
     return gloo(_export_cases, 2, str(tmp_path_factory.mktemp("lora_exports")))
 
 
-@pytest.mark.parametrize("case", [(1, "chunkwise"), (2, "headwise"), (2, "chunkwise"), (2, "all_gather")],
-                         ids=lambda c: f"cp{c[0]}-{c[1]}")
+@pytest.mark.parametrize(
+    "case",
+    [(1, "chunkwise"), (2, "headwise"), (2, "chunkwise"), (2, "all_gather")],
+    ids=lambda c: f"cp{c[0]}-{c[1]}",
+)
 def test_merged_and_peft_exports_give_the_models_logits_in_transformers(exports, case):
     merged, peft = exports[0][case], exports[1][case]
     assert merged["losses"][-1] < merged["losses"][0]  # it trained
@@ -780,7 +958,9 @@ def test_merged_and_peft_exports_give_the_models_logits_in_transformers(exports,
     # transformers + peft, unmerged (W·x + s·B·(A·x), rounded otherwise than (W + s·B·A)·x)
     assert peft["peft_vs_merged"] < 1e-5 and peft["peft_vs_ours"] < 1e-5, peft
     # the merged export changed exactly the adapted tensors; the rest are the base's, copied
-    assert all(name.endswith(".weight") and any(m in name for m in LORA_MODULES) for name in merged["changed"])
+    assert all(
+        name.endswith(".weight") and any(m in name for m in LORA_MODULES) for name in merged["changed"]
+    )
     assert len(merged["changed"]) == 33
     assert "model.layers.0.linear_attn.A_log" in merged["copied"] and "model.norm.weight" in merged["copied"]
     assert peft["changed"] == sorted(LORA_MODULES)
@@ -811,18 +991,25 @@ def _lora_resume_cases(tmp: str) -> dict:
     out = {"reference": {}, "resumed": {}}
     saved = {}
     for layout in ("cp2", "tp2"):  # 4 steps, the checkpoint of step 2 kept
-        run = run_training(_lora_run_cfg(layout, 4, checkpoint__dir=str(tmp / layout), checkpoint__every_steps=2),
-                           None, runtime=job_runtime())
+        run = run_training(
+            _lora_run_cfg(layout, 4, checkpoint__dir=str(tmp / layout), checkpoint__every_steps=2),
+            None,
+            runtime=job_runtime(),
+        )
         out["reference"][layout] = [step_values(r) for r in run.records]
         saved[layout] = run.checkpoints[0]
     for source, target in RESUME_PAIRS:
-        resumed = run_training(_lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None,
-                               runtime=job_runtime())
+        resumed = run_training(
+            _lora_run_cfg(target, 4, checkpoint__resume=str(saved[source])), None, runtime=job_runtime()
+        )
         out["resumed"][(source, target)] = (resumed.start_step, [step_values(r) for r in resumed.records])
     # checkpoint.resume=auto: a run stopped after step 2 continues where it stopped
     auto = _lora_run_cfg("cp2", 4, checkpoint__dir=str(tmp / "auto"), checkpoint__resume="auto")
-    run_training(_lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True),
-                 None, runtime=job_runtime())
+    run_training(
+        _lora_run_cfg("cp2", 2, checkpoint__dir=str(tmp / "auto"), checkpoint__save_final=True),
+        None,
+        runtime=job_runtime(),
+    )
     resumed = run_training(auto, None, runtime=job_runtime())
     out["auto"] = (resumed.start_step, [step_values(r) for r in resumed.records])
     meta = FileSystemReader(str(saved["cp2"])).read_metadata()
@@ -895,24 +1082,42 @@ def _vlm_run_cases(tmp: str) -> dict:
     from relax_gdn.runtime import Runtime
     from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
-    from tests.hf_sources import make_vlm_source
-    from tests.hf_sources import files_of
+    from tests.hf_sources import files_of, make_vlm_source
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
     source_dir, ckpt, run_dir = tmp / "source", tmp / "ckpt", tmp / "run"
     make_vlm_source(source_dir)  # bf16, fp32 A_log, two shards, vision tower, MTP, the byte tokenizer
-    cfg = _cfg(model__hf_checkpoint=str(source_dir), data__tokenizer=str(source_dir), model__lora__rank=4,
-               model__lora__targets=EVERY_TARGET, model__fused_cross_entropy=False, train__steps=3,
-               train__global_batch_size=4, train__max_tokens_per_gpu=1024, data__max_sample_tokens=512,
-               data__synthetic_max_steps=1, data__num_samples=32, optim__warmup_steps=1, logging__console=False,
-               checkpoint__dir=str(ckpt), checkpoint__save_final=True, checkpoint__export_hf_final=True)
-    with Runtime() as runtime:  # the run as train.py has it; the CLI below installs its own, as entry points do
+    cfg = _cfg(
+        model__hf_checkpoint=str(source_dir),
+        data__tokenizer=str(source_dir),
+        model__lora__rank=4,
+        model__lora__targets=EVERY_TARGET,
+        model__fused_cross_entropy=False,
+        train__steps=3,
+        train__global_batch_size=4,
+        train__max_tokens_per_gpu=1024,
+        data__max_sample_tokens=512,
+        data__synthetic_max_steps=1,
+        data__num_samples=32,
+        optim__warmup_steps=1,
+        logging__console=False,
+        checkpoint__dir=str(ckpt),
+        checkpoint__save_final=True,
+        checkpoint__export_hf_final=True,
+    )
+    with (
+        Runtime() as runtime
+    ):  # the run as train.py has it; the CLI below installs its own, as entry points do
         run_training(cfg, run_dir, runtime=runtime)
-    r = {"cli_merged": export_main([str(ckpt), str(tmp / "merged")]),
-         "cli_adapter": export_main([str(ckpt), str(tmp / "adapter"), "--adapter"])}
-    r["cli_equal"] = (files_of(tmp / "merged") == files_of(run_dir / "hf"),
-                      files_of(tmp / "adapter") == files_of(run_dir / "hf_adapter"))
+    r = {
+        "cli_merged": export_main([str(ckpt), str(tmp / "merged")]),
+        "cli_adapter": export_main([str(ckpt), str(tmp / "adapter"), "--adapter"]),
+    }
+    r["cli_equal"] = (
+        files_of(tmp / "merged") == files_of(run_dir / "hf"),
+        files_of(tmp / "adapter") == files_of(run_dir / "hf_adapter"),
+    )
     source, merged = hfc.read_hf_state_dict(source_dir), hfc.read_hf_state_dict(run_dir / "hf")
     r["same_names"] = sorted(source) == sorted(merged)
     r["changed"] = sorted(n for n in source if not torch.equal(source[n], merged[n]))
@@ -939,8 +1144,10 @@ def _vlm_run_cases(tmp: str) -> dict:
     for cls in (AutoModelForCausalLM, Qwen3_5ForConditionalGeneration):
         want = logits(cls, run_dir / "hf")
         scale = want.abs().max().item()
-        r[cls.__name__] = {"peft": (logits(cls, source_dir, run_dir / "hf_adapter") - want).abs().max().item() / scale,
-                           "base": (logits(cls, source_dir) - want).abs().max().item() / scale}
+        r[cls.__name__] = {
+            "peft": (logits(cls, source_dir, run_dir / "hf_adapter") - want).abs().max().item() / scale,
+            "base": (logits(cls, source_dir) - want).abs().max().item() / scale,
+        }
     r["adapter_config"] = json.loads((run_dir / "hf_adapter" / "adapter_config.json").read_text())
     return r
 
@@ -958,7 +1165,9 @@ def test_a_lora_run_from_a_vlm_checkpoint_exports_both_ways(vlm_run):
     assert (r["cli_merged"], r["cli_adapter"]) == (0, 0)
     assert r["cli_equal"] == (True, True)  # the CLI writes what the run's own export wrote
     assert r["same_names"]  # the drop-in layout: vision tower and MTP kept
-    assert len(r["changed"]) == 33 and all(n.startswith(("model.language_model.", "lm_head.")) for n in r["changed"])
+    assert len(r["changed"]) == 33 and all(
+        n.startswith(("model.language_model.", "lm_head.")) for n in r["changed"]
+    )
     assert r["a_log"] == {"torch.float32"}  # copied from the source, never rounded through bf16
     config = r["adapter_config"]
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)

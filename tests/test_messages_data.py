@@ -59,13 +59,35 @@ def test_embedded_template_trains_exactly_the_assistant_turns(system):
     )
     assert trained_runs(BYTE, ids, mask) == ["the answer is four<|end|>", "eight<|end|>"]
     # one turn of messages is the prompt/response record
-    assert BYTE.encode_messages(TWO_TURNS[:2]) == BYTE.encode_sft("what is two plus two", "the answer is four")
+    assert BYTE.encode_messages(TWO_TURNS[:2]) == BYTE.encode_sft(
+        "what is two plus two", "the answer is four"
+    )
 
 
 # ---------------------------------------------------------------- HF tokenizer directories
 
-WORDS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "system", "user", "assistant",
-         "what", "is", "two", "plus", "four", "the", "answer", "eight", "be", "brief", "tail"]
+WORDS = [
+    "<pad>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "system",
+    "user",
+    "assistant",
+    "what",
+    "is",
+    "two",
+    "plus",
+    "four",
+    "the",
+    "answer",
+    "eight",
+    "be",
+    "brief",
+    "tail",
+]
 
 # Qwen-like: every turn closed by <|im_end|> and a token after it that is not trained on.
 PLAIN_TEMPLATE = (
@@ -89,10 +111,17 @@ UNSTABLE_TEMPLATE = (
 def _hf_tokenizer(directory: Path, template: str):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    model = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    model = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>")
+    )
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", unk_token="<unk>",
-                                               eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = template
     tok.save_pretrained(str(directory))
     return load_tokenizer(directory)
@@ -106,7 +135,9 @@ def test_hf_template_trains_exactly_the_assistant_turns(tmp_path, system):
     rendered = tok.hf.apply_chat_template(messages, tokenize=False)
     assert tok.decode(ids).split() == rendered.split()  # the template's rendering, token for token
     assert [run.split() for run in trained_runs(tok, ids, mask)] == [
-        "the answer is four <|im_end|>".split(), "eight <|im_end|>".split()]
+        "the answer is four <|im_end|>".split(),
+        "eight <|im_end|>".split(),
+    ]
     assert tok.encode_messages(TWO_TURNS[:2]) == tok.encode_sft("what is two plus two", "the answer is four")
 
 
@@ -115,7 +146,9 @@ def test_hf_template_with_a_final_turn_scaffold_and_an_unstable_template(tmp_pat
     ids, mask = tok.encode_messages([SYSTEM] + TWO_TURNS)
     # everything after the generation prompt up to the end of turn: what the model must generate
     assert [run.split() for run in trained_runs(tok, ids, mask)] == [
-        "the answer is four <|im_end|>".split(), "<think> </think> eight <|im_end|>".split()]
+        "the answer is four <|im_end|>".split(),
+        "<think> </think> eight <|im_end|>".split(),
+    ]
     unstable = _hf_tokenizer(tmp_path / "unstable", UNSTABLE_TEMPLATE)
     with pytest.raises(ValueError, match="renders the turns before assistant turn 1 differently"):
         unstable.encode_messages(TWO_TURNS)
@@ -130,7 +163,10 @@ def _write_jsonl(path: Path, lines: list) -> Path:
 
 
 def test_messages_are_detected_per_file_or_forced(tmp_path):
-    _write_jsonl(tmp_path / "a_chat.jsonl", [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[:2], "system": "be brief"}])
+    _write_jsonl(
+        tmp_path / "a_chat.jsonl",
+        [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[:2], "system": "be brief"}],
+    )
     _write_jsonl(tmp_path / "b_pairs.jsonl", [{"problem": "1+1?", "generated_solution": "2"}])
     both = load_sft_dataset(tmp_path, BYTE)
     assert [BYTE.decode(s.input_ids) for s in both.samples] == [
@@ -140,8 +176,11 @@ def test_messages_are_detected_per_file_or_forced(tmp_path):
     ]
     forced = load_sft_dataset(tmp_path / "a_chat.jsonl", BYTE, record_format="messages")
     assert forced.counts.kept == 2
-    with pytest.raises(DataError, match=r"a_chat\.jsonl.*expected the field\(s\) \['problem', "
-                                              r"'generated_solution'\].*missing_field=2"):
+    with pytest.raises(
+        DataError,
+        match=r"a_chat\.jsonl.*expected the field\(s\) \['problem', "
+        r"'generated_solution'\].*missing_field=2",
+    ):
         load_sft_dataset(tmp_path / "a_chat.jsonl", BYTE, record_format="prompt_response")
 
 
@@ -165,13 +204,24 @@ def test_malformed_records_are_reported_with_file_and_line(tmp_path):
         "{broken json",  # line 4
         {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},  # line 5
         {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},  # line 6
-        {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"},
-                      {"role": "assistant", "content": "y"}]},  # line 7
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "system", "content": "late"},
+                {"role": "assistant", "content": "y"},
+            ]
+        },  # line 7
         {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}]},  # line 8
     ]
-    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}] + bad + [{"messages": TWO_TURNS[:2]}])
+    path = _write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}] + bad + [{"messages": TWO_TURNS[:2]}]
+    )
     data = load_sft_dataset(path, BYTE)
-    assert data.counts.kept == 2 and data.counts.num_skipped == 7 and [s.sample_id for s in data.samples] == [0, 8]
+    assert (
+        data.counts.kept == 2
+        and data.counts.num_skipped == 7
+        and [s.sample_id for s in data.samples] == [0, 8]
+    )
     lines = data.counts.report_lines()
     assert lines == [
         f"{path}:2: bad_messages ('messages' is not a non-empty list of turns)",
@@ -210,8 +260,10 @@ def test_a_file_without_usable_records_is_one_recipe_error(tmp_path):
 def test_the_example_chat_file_loads():
     data = load_sft_dataset(EXAMPLE, BYTE)
     assert len(data) == 24 and data.counts.num_skipped == 0
-    turns = [sum(1 for m in json.loads(line)["messages"] if m["role"] == "assistant")
-             for line in EXAMPLE.read_text().splitlines()]
+    turns = [
+        sum(1 for m in json.loads(line)["messages"] if m["role"] == "assistant")
+        for line in EXAMPLE.read_text().splitlines()
+    ]
     assert {1, 2, 3} <= set(turns)
     for sample, n in zip(data.samples, turns):
         assert len(trained_runs(BYTE, sample.input_ids, sample.loss_mask)) == n
@@ -228,8 +280,10 @@ def _two_process_messages_cases() -> dict:
     torch.set_num_threads(1)
     # a quarter of the conversations held out and evaluated after every step
     cfg = dict(eval__every_steps=1, eval__holdout_fraction=0.25)
-    return {f"cp{cp}": run_training(messages_cfg(parallel__cp=cp, **cfg), None,
-                                    runtime=job_runtime()).records for cp in (1, 2)}
+    return {
+        f"cp{cp}": run_training(messages_cfg(parallel__cp=cp, **cfg), None, runtime=job_runtime()).records
+        for cp in (1, 2)
+    }
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,20 @@ def _cpu_case():
     from relax_gdn.gdn.options import GDNOptions
     from relax_gdn.model.fusion import Fusion
 
-    return interleaved_options_case("qwen3_5_tiny", 256, CPU_CU, torch.float32, {
-        "defaults": dict(gdn=GDNOptions(kernel_backend="torch", max_cp_size=2)),
-        "other options": dict(gdn=GDNOptions(kernel_backend="torch", max_cp_size=2, max_recomputed_prefix=0),
-                              fusion=Fusion(norms=False, cross_entropy=False), contiguous_between_layers=False),
-    })
+    return interleaved_options_case(
+        "qwen3_5_tiny",
+        256,
+        CPU_CU,
+        torch.float32,
+        {
+            "defaults": dict(gdn=GDNOptions(kernel_backend="torch", max_cp_size=2)),
+            "other options": dict(
+                gdn=GDNOptions(kernel_backend="torch", max_cp_size=2, max_recomputed_prefix=0),
+                fusion=Fusion(norms=False, cross_entropy=False),
+                contiguous_between_layers=False,
+            ),
+        },
+    )
 
 
 def test_interleaved_models_keep_their_own_options(gloo):

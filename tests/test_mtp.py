@@ -50,7 +50,11 @@ def _samples(seed: int = 0, vocab: int = 256):
 
     g = torch.Generator().manual_seed(seed)
     return [
-        Sample(torch.randint(0, vocab, (n,), generator=g).tolist(), (torch.rand(n, generator=g) > 0.3).tolist(), i)
+        Sample(
+            torch.randint(0, vocab, (n,), generator=g).tolist(),
+            (torch.rand(n, generator=g) > 0.3).tolist(),
+            i,
+        )
         for i, n in enumerate(LENGTHS)
     ]
 
@@ -66,9 +70,12 @@ def test_mtp_targets_are_the_next_positions_label_within_the_document():
     from relax_gdn.data import Sample, make_micro_batch
     from relax_gdn.layout import thd_rank_indices
 
-    samples = [Sample([5, 6, 7, 8, 9], [True] * 5, 0), Sample([11, 12], [True, True], 1),
-               Sample([20, 21, 22, 23, 24, 25, 26], [False, True, True, False, True, True, True], 2),
-               Sample([30], [True], 3)]
+    samples = [
+        Sample([5, 6, 7, 8, 9], [True] * 5, 0),
+        Sample([11, 12], [True, True], 1),
+        Sample([20, 21, 22, 23, 24, 25, 26], [False, True, True, False, True, True, True], 2),
+        Sample([30], [True], 3),
+    ]
     mb = make_micro_batch(samples, cp_size=1, cp_rank=0, device="cpu", pad_id=0, mtp=True)
     assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 6, 8, 16, 18]  # padded to multiples of 2
     labels, mask = mb.mtp_labels[0].tolist(), mb.mtp_loss_mask[0].tolist()
@@ -83,12 +90,14 @@ def test_mtp_targets_are_the_next_positions_label_within_the_document():
     assert torch.equal(rolled_labels, mb.mtp_labels) and torch.equal(rolled_mask, mb.mtp_loss_mask)
     # every CP rank's shard: the targets of its own rows, whose token two ahead may live on another rank
     for cp in (2, 4):
-        shards = [make_micro_batch(samples, cp_size=cp, cp_rank=r, device="cpu", pad_id=0, mtp=True)
-                  for r in range(cp)]
+        shards = [
+            make_micro_batch(samples, cp_size=cp, cp_rank=r, device="cpu", pad_id=0, mtp=True)
+            for r in range(cp)
+        ]
         cu = shards[0].packed_seq_params.cu_seqlens_q.tolist()
         tokens, targets, target_mask = [0] * cu[-1], [0] * cu[-1], [0.0] * cu[-1]
         for s, start in zip(samples, cu):
-            tokens[start:start + len(s)] = s.input_ids
+            tokens[start : start + len(s)] = s.input_ids
             for j in range(len(s) - 2):
                 targets[start + j], target_mask[start + j] = s.input_ids[j + 2], float(s.loss_mask[j + 1])
         for r, shard in enumerate(shards):
@@ -96,8 +105,11 @@ def test_mtp_targets_are_the_next_positions_label_within_the_document():
             assert shard.tokens[0].tolist() == [tokens[i] for i in ids]
             assert shard.mtp_labels[0].tolist() == [targets[i] for i in ids], (cp, r)
             assert shard.mtp_loss_mask[0].tolist() == [target_mask[i] for i in ids], (cp, r)
-        crossing = [i for i in thd_rank_indices(cu, cp, 0, "zigzag").tolist() if target_mask[i]
-                    and i + 2 not in set(thd_rank_indices(cu, cp, 0, "zigzag").tolist())]
+        crossing = [
+            i
+            for i in thd_rank_indices(cu, cp, 0, "zigzag").tolist()
+            if target_mask[i] and i + 2 not in set(thd_rank_indices(cu, cp, 0, "zigzag").tolist())
+        ]
         assert crossing, cp  # rank 0 holds targets whose token is another rank's
     assert make_micro_batch(samples, cp_size=1, cp_rank=0, device="cpu", pad_id=0).mtp_labels is None
 
@@ -107,19 +119,26 @@ def test_mtp_targets_are_the_next_positions_label_within_the_document():
 # ---------------------------------------------------------------------------------------------
 
 MTP_HF_NAMES = {
-    "mtp.fc.weight": (64, 128), "mtp.pre_fc_norm_embedding.weight": (64,), "mtp.pre_fc_norm_hidden.weight": (64,),
-    "mtp.norm.weight": (64,), "mtp.layers.0.input_layernorm.weight": (64,),
-    "mtp.layers.0.post_attention_layernorm.weight": (64,), "mtp.layers.0.self_attn.q_proj.weight": (128, 64),
-    "mtp.layers.0.self_attn.k_proj.weight": (32, 64), "mtp.layers.0.self_attn.v_proj.weight": (32, 64),
-    "mtp.layers.0.self_attn.o_proj.weight": (64, 64), "mtp.layers.0.self_attn.q_norm.weight": (16,),
-    "mtp.layers.0.self_attn.k_norm.weight": (16,), "mtp.layers.0.mlp.gate_proj.weight": (128, 64),
-    "mtp.layers.0.mlp.up_proj.weight": (128, 64), "mtp.layers.0.mlp.down_proj.weight": (64, 128),
+    "mtp.fc.weight": (64, 128),
+    "mtp.pre_fc_norm_embedding.weight": (64,),
+    "mtp.pre_fc_norm_hidden.weight": (64,),
+    "mtp.norm.weight": (64,),
+    "mtp.layers.0.input_layernorm.weight": (64,),
+    "mtp.layers.0.post_attention_layernorm.weight": (64,),
+    "mtp.layers.0.self_attn.q_proj.weight": (128, 64),
+    "mtp.layers.0.self_attn.k_proj.weight": (32, 64),
+    "mtp.layers.0.self_attn.v_proj.weight": (32, 64),
+    "mtp.layers.0.self_attn.o_proj.weight": (64, 64),
+    "mtp.layers.0.self_attn.q_norm.weight": (16,),
+    "mtp.layers.0.self_attn.k_norm.weight": (16,),
+    "mtp.layers.0.mlp.gate_proj.weight": (128, 64),
+    "mtp.layers.0.mlp.up_proj.weight": (128, 64),
+    "mtp.layers.0.mlp.down_proj.weight": (64, 128),
 }
 
 
 def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
-    from tests.hf_sources import HF_TEXT_CONFIG
-    from tests.hf_sources import random_hf_state
+    from tests.hf_sources import HF_TEXT_CONFIG, random_hf_state
 
     dims = hfc.dims_from_hf_config({**HF_TEXT_CONFIG, "mtp_num_hidden_layers": 1})
     assert dims.mtp_num_layers == 1 and hfc.dims_from_hf_config(HF_TEXT_CONFIG).mtp_num_layers == 0
@@ -132,7 +151,8 @@ def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
     assert by_mcore["mtp.layers.0.hnorm.weight"] == ("mtp.pre_fc_norm_hidden.weight",)
     assert by_mcore["mtp.layers.0.final_layernorm.weight"] == ("mtp.norm.weight",)
     assert by_mcore["mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight"] == tuple(
-        f"mtp.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+        f"mtp.layers.0.self_attn.{p}_proj.weight" for p in "qkv"
+    )
     state = random_hf_state(dims)
     mcore = hfc.hf_to_mcore_state_dict(state, dims)
     back = hfc.mcore_to_hf_state_dict(mcore, dims)
@@ -147,15 +167,24 @@ def test_mtp_conversion_plan_names_shapes_and_exact_round_trip():
 
 
 def _source(tensors: dict[str, tuple[int, ...]], config: dict) -> hfc.HFCheckpoint:
-    return hfc.HFCheckpoint(Path("/src"), {n: SourceTensor("model.safetensors", torch.bfloat16, s)
-                                           for n, s in tensors.items()}, ("model.safetensors",), False, {}, config)
+    return hfc.HFCheckpoint(
+        Path("/src"),
+        {n: SourceTensor("model.safetensors", torch.bfloat16, s) for n, s in tensors.items()},
+        ("model.safetensors",),
+        False,
+        {},
+        config,
+    )
 
 
 def test_export_writes_a_trained_mtp_layer_and_adds_it_to_a_source_without_one(tmp_path):
     from relax_gdn.model.hf_checkpoint.drop_in import _write_config
 
-    text = {"model.language_model.embed_tokens.weight": (8, 4), "lm_head.weight": (8, 4),
-            "model.visual.blocks.0.attn.qkv.weight": (3, 2)}
+    text = {
+        "model.language_model.embed_tokens.weight": (8, 4),
+        "lm_head.weight": (8, 4),
+        "model.visual.blocks.0.attn.qkv.weight": (3, 2),
+    }
     trained = {"model.embed_tokens.weight": (8, 4), "lm_head.weight": (8, 4), **MTP_HF_NAMES}
     with_mtp = _source({**text, **MTP_HF_NAMES}, {})
     origins, added = hfc.tensor_origins(with_mtp, trained)
@@ -193,9 +222,14 @@ def test_mtp_configuration_rules_and_defaults():
         validate(RunConfig().with_overrides({"model.mtp.num_layers": ok}), 1)
     assert "model.mtp.num_layers=2 must be 0 (off), 1 (Qwen3.5's one MTP layer" in _problems(num_layers=2)
     for weight in (0, -1.0, math.inf, "x", True):
-        assert f"model.mtp.loss_weight={weight!r} must be a number > 0" in _problems(loss_weight=weight), weight
+        assert f"model.mtp.loss_weight={weight!r} must be a number > 0" in _problems(loss_weight=weight), (
+            weight
+        )
     te = _problems(num_layers=1, **{"model.spec_provider": "te"})
-    assert te.count("model.mtp") == 2 and "use model.spec_provider=auto (or local), or model.mtp.num_layers=0" in te
+    assert (
+        te.count("model.mtp") == 2
+        and "use model.spec_provider=auto (or local), or model.mtp.num_layers=0" in te
+    )
 
 
 def test_null_num_layers_is_what_the_checkpoint_holds(tmp_path):
@@ -211,8 +245,12 @@ def test_null_num_layers_is_what_the_checkpoint_holds(tmp_path):
     with_mtp = checkpoint("with", ["model.embed_tokens.weight", *MTP_HF_NAMES])
     without = checkpoint("without", ["model.embed_tokens.weight"])
     layers = {}
-    for name, source, num_layers in (("with", with_mtp, None), ("without", without, None), ("none", None, None),
-                                     ("explicit", with_mtp, 0)):
+    for name, source, num_layers in (
+        ("with", with_mtp, None),
+        ("without", without, None),
+        ("none", None, None),
+        ("explicit", with_mtp, 0),
+    ):
         cfg = RunConfig().with_overrides({"model.hf_checkpoint": source, "model.mtp.num_layers": num_layers})
         layers[name] = resolve_mtp_layers(cfg).model.mtp.num_layers
     assert layers == {"with": 1, "without": 0, "none": 0, "explicit": 0}
@@ -236,12 +274,15 @@ def test_flops_and_memory_count_the_mtp_layer():
     attention = (plain.attention_projections + plain.attention_core) / shape.num_attention_layers
     h = shape.hidden_size
     fusion = 6 * 8192 * (2 * h * h + 3 * h)  # eh_proj and its norms, fwd + bwd
-    assert more.mtp == pytest.approx(attention + plain.mlp / shape.num_layers + fusion + plain.logits, rel=1e-12)
+    assert more.mtp == pytest.approx(
+        attention + plain.mlp / shape.num_layers + fusion + plain.logits, rel=1e-12
+    )
     assert more.total - plain.total == pytest.approx(more.mtp, rel=1e-12)
     assert 0.15 < more.mtp / plain.total < 0.17  # the 9B at 8k: an attention layer and a second output layer
     # the parameters of one attention layer, its MLP, eh_proj [h, 2h] and three norms
-    assert parameter_count(mtp) - parameter_count(shape) == pytest.approx(58.72e6 + 150.99e6 + 2 * h * h + 3 * h,
-                                                                          rel=1e-4)
+    assert parameter_count(mtp) - parameter_count(shape) == pytest.approx(
+        58.72e6 + 150.99e6 + 2 * h * h + 3 * h, rel=1e-4
+    )
     settings = dict(tokens_per_gpu=8192, recompute="selective")
     base, with_mtp = estimate_memory(shape, **settings), estimate_memory(mtp, **settings)
     assert with_mtp.activations > base.activations and with_mtp.weights > base.weights
@@ -258,22 +299,45 @@ def test_mtp_loss_in_the_console_and_the_comparison(tmp_path):
     def records(mtp: bool, offset: float):
         out = []
         for step in range(1, 13):
-            r = {"step": step, "loss": 6 - 0.1 * step + offset, "grad_norm": 1.0, "lr": 1e-3, "tokens": 100,
-                 "tokens_per_s": 1000.0 + offset, "mfu": None, "tflops_per_gpu": 1.0, "step_time_s": 0.1}
+            r = {
+                "step": step,
+                "loss": 6 - 0.1 * step + offset,
+                "grad_norm": 1.0,
+                "lr": 1e-3,
+                "tokens": 100,
+                "tokens_per_s": 1000.0 + offset,
+                "mfu": None,
+                "tflops_per_gpu": 1.0,
+                "step_time_s": 0.1,
+            }
             if mtp:
                 r["mtp_loss"] = 7 - 0.2 * step + offset
             out.append(r)
         return out
 
-    runs = [Run(f"{name}{seed}", "test", {"model.mtp.num_layers": int(mtp), "train.seed": seed},
-                records(mtp, 1e-3 * seed))
-            for name, mtp in (("on", True), ("off", False)) for seed in (1, 2)]
+    runs = [
+        Run(
+            f"{name}{seed}",
+            "test",
+            {"model.mtp.num_layers": int(mtp), "train.seed": seed},
+            records(mtp, 1e-3 * seed),
+        )
+        for name, mtp in (("on", True), ("off", False))
+        for seed in (1, 2)
+    ]
     line = step_line(runs[0].records[0], 12)
     assert "loss 5.901 mtp_loss 6.801 grad_norm" in line
     assert "mtp_loss" not in step_line(runs[2].records[0], 12)
 
     class Result:
-        records, start_step, preempted_at, run_dir, checkpoints, wandb_dir = runs[0].records, 0, None, None, [], None
+        records, start_step, preempted_at, run_dir, checkpoints, wandb_dir = (
+            runs[0].records,
+            0,
+            None,
+            None,
+            [],
+            None,
+        )
 
     rows = dict(run_summary(Result()))
     assert rows["MTP loss"] == "6.801 -> 4.601"
@@ -283,7 +347,9 @@ def test_mtp_loss_in_the_console_and_the_comparison(tmp_path):
     paths = write_reports(runs, summary, tmp_path)
     assert "mtp_loss.png" in paths and "final MTP loss" in paths["summary.md"].read_text()
     only_off = compare_runs([r for r in runs if r.name.startswith("off")])
-    assert "final MTP loss" not in write_reports(runs[2:], only_off, tmp_path / "off")["summary.md"].read_text()
+    assert (
+        "final MTP loss" not in write_reports(runs[2:], only_off, tmp_path / "off")["summary.md"].read_text()
+    )
     (comparison,) = summary["comparisons"]
     assert comparison["mtp_loss"]["verdict"] == "no data"  # the baseline trains no MTP layer
 
@@ -303,22 +369,42 @@ def _build(config, tp, cp, single, mode="chunkwise", mtp=None, **gdn):
     options = {k: gdn.pop(k) for k in ("recompute_skips_unread_gemm", "fusion") if k in gdn}
     pgs = ProcessGroupCollection(tp=tp, cp=cp, pp=single, embd=single)
     return build_qwen3_5_preset_model(
-        "qwen3_5_tiny", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **gdn),
-        attention_backend="sdpa", mtp=mtp or MTPOptions(1), **options,
+        "qwen3_5_tiny",
+        config,
+        pg_collection=pgs,
+        gdn=GDNOptions(cp_mode=mode, kernel_backend="torch", **gdn),
+        attention_backend="sdpa",
+        mtp=mtp or MTPOptions(1),
+        **options,
     )
 
 
 def _micro_batch(cp, rank, cp_group=None):
     from relax_gdn.data import make_micro_batch
 
-    return make_micro_batch(_samples(), cp_size=cp, cp_rank=rank, device="cpu", pad_id=0, mtp=True,
-                            cp_group=cp_group, carries_cp_group=cp_group is not None)
+    return make_micro_batch(
+        _samples(),
+        cp_size=cp,
+        cp_rank=rank,
+        device="cpu",
+        pad_id=0,
+        mtp=True,
+        cp_group=cp_group,
+        carries_cp_group=cp_group is not None,
+    )
 
 
 def _run(model, mb):
     """Per-token LM and MTP losses ``[2, t]`` and the gradients of the training objective's sums."""
-    out = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params,
-                mtp_input_ids=mb.labels, mtp_labels=mb.mtp_labels)
+    out = model(
+        mb.tokens,
+        mb.position_ids,
+        None,
+        labels=mb.labels,
+        packed_seq_params=mb.packed_seq_params,
+        mtp_input_ids=mb.labels,
+        mtp_labels=mb.mtp_labels,
+    )
     ((out[0] * mb.loss_mask).sum() + MTP_WEIGHT * (out[1] * mb.mtp_loss_mask).sum()).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -336,7 +422,9 @@ def _reference_case(single) -> dict:
     from relax_gdn.model.mtp_reference import MTPReferenceShape, mtp_reference_logits
 
     torch.manual_seed(1)
-    model = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single).double()
+    model = _build(
+        qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single
+    ).double()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -347,32 +435,67 @@ def _reference_case(single) -> dict:
     captured = {}
     hook = model.decoder.register_forward_hook(lambda module, args, out: captured.setdefault("hidden", out))
     with torch.no_grad():
-        logits = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       mtp_input_ids=mb.labels)
-        losses = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params,
-                       mtp_input_ids=mb.labels, mtp_labels=mb.mtp_labels)
-        sums = model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
-                     packed_seq_params=mb.packed_seq_params, mtp_input_ids=mb.labels, mtp_labels=mb.mtp_labels,
-                     mtp_loss_mask=mb.mtp_loss_mask)
+        logits = model(
+            mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, mtp_input_ids=mb.labels
+        )
+        losses = model(
+            mb.tokens,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed_seq_params,
+            mtp_input_ids=mb.labels,
+            mtp_labels=mb.mtp_labels,
+        )
+        sums = model(
+            mb.tokens,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            loss_mask=mb.loss_mask,
+            packed_seq_params=mb.packed_seq_params,
+            mtp_input_ids=mb.labels,
+            mtp_labels=mb.mtp_labels,
+            mtp_loss_mask=mb.mtp_loss_mask,
+        )
     hook.remove()
-    weights = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()},
-                                         hfc.dims_from_model(model))
+    weights = hfc.mcore_to_hf_state_dict(
+        {k: v.detach() for k, v in model_tensors(model).items()}, hfc.dims_from_model(model)
+    )
     shape = MTPReferenceShape.from_hf_config(hfc.hf_text_config(hfc.dims_from_model(model)))
-    reference = mtp_reference_logits(weights, captured["hidden"][:, 0], mb.labels[0], mb.position_ids[0], cu, shape)
+    reference = mtp_reference_logits(
+        weights, captured["hidden"][:, 0], mb.labels[0], mb.position_ids[0], cu, shape
+    )
     reference_loss = F.cross_entropy(reference, mb.mtp_labels[0], reduction="none")
-    swapped = dict(weights, **{"mtp.pre_fc_norm_embedding.weight": weights["mtp.pre_fc_norm_hidden.weight"],
-                               "mtp.pre_fc_norm_hidden.weight": weights["mtp.pre_fc_norm_embedding.weight"]})
-    unshifted = mtp_reference_logits(weights, captured["hidden"][:, 0], mb.tokens[0], mb.position_ids[0], cu, shape)
+    swapped = dict(
+        weights,
+        **{
+            "mtp.pre_fc_norm_embedding.weight": weights["mtp.pre_fc_norm_hidden.weight"],
+            "mtp.pre_fc_norm_hidden.weight": weights["mtp.pre_fc_norm_embedding.weight"],
+        },
+    )
+    unshifted = mtp_reference_logits(
+        weights, captured["hidden"][:, 0], mb.tokens[0], mb.position_ids[0], cu, shape
+    )
     scale = reference.abs().max().item()
     per_token = losses[:, 0] * torch.stack([mb.loss_mask[0], mb.mtp_loss_mask[0]])
     return {
-        "dtype": str(logits.dtype), "shape": tuple(logits.shape),
+        "dtype": str(logits.dtype),
+        "shape": tuple(logits.shape),
         "logits": (logits[1, 0] - reference).abs().max().item() / scale,
         "loss": (losses[1, 0] - reference_loss).abs().max().item(),
         "sums": (sums - per_token.sum(-1)).abs().max().item(),
         # what the comparison would see with the two fusion norms swapped, or the input not shifted
-        "swapped_norms": (mtp_reference_logits(swapped, captured["hidden"][:, 0], mb.labels[0], mb.position_ids[0],
-                                               cu, shape) - reference).abs().max().item() / scale,
+        "swapped_norms": (
+            mtp_reference_logits(
+                swapped, captured["hidden"][:, 0], mb.labels[0], mb.position_ids[0], cu, shape
+            )
+            - reference
+        )
+        .abs()
+        .max()
+        .item()
+        / scale,
         "unshifted": (unshifted - reference).abs().max().item() / scale,
     }
 
@@ -389,9 +512,8 @@ def _parity_cases() -> dict:
     from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.model.mtp import MTPOptions
-    from tests.model_harness import FULL_RECOMPUTE
+    from tests.model_harness import FULL_RECOMPUTE, tp_shard
     from tests.model_harness import finalize_grads as _finalize_grads
-    from tests.model_harness import tp_shard
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -418,12 +540,24 @@ def _parity_cases() -> dict:
     cases = [  # (name, CP group, GDN mode, config fields, MTP options, model options)
         ("cp2 headwise", pair, "headwise", {}, MTPOptions(1), {}),
         ("cp2 chunkwise", pair, "chunkwise", {}, MTPOptions(1), {}),
-        ("cp2 all_gather, MTP recomputed whole", pair, "all_gather", FULL_RECOMPUTE,
-         MTPOptions(1, recompute_whole_layer=True), {}),
+        (
+            "cp2 all_gather, MTP recomputed whole",
+            pair,
+            "all_gather",
+            FULL_RECOMPUTE,
+            MTPOptions(1, recompute_whole_layer=True),
+            {},
+        ),
         ("cp4 headwise", world, "headwise", {}, MTPOptions(1), {}),
         ("cp4 chunkwise", world, "chunkwise", {}, MTPOptions(1), {}),
-        ("cp4 all_gather, skip_unused", world, "all_gather", block, MTPOptions(1),
-         {"recompute_skips_unread_gemm": True}),
+        (
+            "cp4 all_gather, skip_unused",
+            world,
+            "all_gather",
+            block,
+            MTPOptions(1),
+            {"recompute_skips_unread_gemm": True},
+        ),
     ]
     for name, group, mode, fields, mtp, options in cases:
         config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **fields)
@@ -438,17 +572,27 @@ def _parity_cases() -> dict:
     model = _build(base, single, world, single, "chunkwise", max_cp_size=4)
     model.load_state_dict(state)
     got = _run(model, _micro_batch(2, pair.rank(), cp_group=pair))
-    results["cp2 dynamic"] = _errors(ref, (got[0], _finalize_grads(model, got[1], base, single, pair)),
-                                     thd_rank_indices(cu, 2, pair.rank(), "zigzag"))
+    results["cp2 dynamic"] = _errors(
+        ref,
+        (got[0], _finalize_grads(model, got[1], base, single, pair)),
+        thd_rank_indices(cu, 2, pair.rank(), "zigzag"),
+    )
 
     # TP 2 x CP 2: TP groups {0,1},{2,3}; CP groups {0,2},{1,3}
     tp_group, cp_group = pairs[rank // 2], strided[rank % 2]
     ids = thd_rank_indices(cu, 2, cp_group.rank(), "zigzag")
     selective = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    for name, sp, fields, mtp in (("tp2cp2 sp", True, {}, MTPOptions(1)),
-                                  ("tp2cp2 selective", False, selective, MTPOptions(1, recompute_core_attention=True))):
-        config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2,
-                                sequence_parallel=sp, **fields)
+    for name, sp, fields, mtp in (
+        ("tp2cp2 sp", True, {}, MTPOptions(1)),
+        ("tp2cp2 selective", False, selective, MTPOptions(1, recompute_core_attention=True)),
+    ):
+        config = qwen3_5_config(
+            "qwen3_5_tiny",
+            use_cpu_initialization=True,
+            tensor_model_parallel_size=2,
+            sequence_parallel=sp,
+            **fields,
+        )
         model = _build(config, tp_group, cp_group, single, "chunkwise", mtp)
         params = dict(model.named_parameters())
 
@@ -468,12 +612,22 @@ def _training_runs() -> dict:
     from relax_gdn.train import run_training
     from tests.helpers import small_config as _cfg
 
-    runs = {"dp4": {}, "cp2": {"parallel__cp": 2},
-            "cp4": {"parallel__cp": 4, "gdn__cp_mode": "all_gather", "recompute__granularity": "full"}}
+    runs = {
+        "dp4": {},
+        "cp2": {"parallel__cp": 2},
+        "cp4": {"parallel__cp": 4, "gdn__cp_mode": "all_gather", "recompute__granularity": "full"},
+    }
     out = {}
     for name, fields in runs.items():
-        cfg = _cfg(train__steps=1, train__global_batch_size=8, logging__jsonl=False, data__synthetic_max_steps=1,
-                   model__mtp__num_layers=1, model__mtp__loss_weight=0.3, **fields)
+        cfg = _cfg(
+            train__steps=1,
+            train__global_batch_size=8,
+            logging__jsonl=False,
+            data__synthetic_max_steps=1,
+            model__mtp__num_layers=1,
+            model__mtp__loss_weight=0.3,
+            **fields,
+        )
         records = run_training(cfg, None, runtime=job_runtime()).records
         out[name] = [{k: r.get(k) for k in ("loss", "mtp_loss", "grad_norm")} for r in records]
     return out
@@ -494,8 +648,17 @@ def test_mtp_logits_and_loss_equal_the_fp64_reference_from_the_hf_layout(parity)
 
 
 def test_mtp_at_cp2_cp4_every_mode_dynamic_and_tp2_sp_equals_cp1(parity):
-    names = ("cp2 headwise", "cp2 chunkwise", "cp2 all_gather, MTP recomputed whole", "cp4 headwise", "cp4 chunkwise",
-             "cp4 all_gather, skip_unused", "cp2 dynamic", "tp2cp2 sp", "tp2cp2 selective")
+    names = (
+        "cp2 headwise",
+        "cp2 chunkwise",
+        "cp2 all_gather, MTP recomputed whole",
+        "cp4 headwise",
+        "cp4 chunkwise",
+        "cp4 all_gather, skip_unused",
+        "cp2 dynamic",
+        "tp2cp2 sp",
+        "tp2cp2 selective",
+    )
     for rank, results in enumerate(parity):
         for name in names:
             errors = results[name]
@@ -554,13 +717,23 @@ def _our_mtp_logits(export: Path, ids: torch.Tensor) -> torch.Tensor:
     parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
     try:
         model = build_qwen3_5_preset_model(
-            "qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), vocab_size=320,
-            gdn=GDNOptions(kernel_backend="torch", training=False), attention_backend="sdpa", mtp=MTPOptions(1))
+            "qwen3_5_tiny",
+            qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True),
+            vocab_size=320,
+            gdn=GDNOptions(kernel_backend="torch", training=False),
+            attention_backend="sdpa",
+            mtp=MTPOptions(1),
+        )
         loaded = hfc.load_hf_checkpoint(model, export)
         n = ids.shape[1]
         with torch.no_grad():
-            logits = model(ids, torch.arange(n)[None], None, packed_seq_params=packed_params([0, n], "cpu"),
-                           mtp_input_ids=torch.cat([ids[:, 1:], ids[:, :1]], dim=1))
+            logits = model(
+                ids,
+                torch.arange(n)[None],
+                None,
+                packed_seq_params=packed_params([0, n], "cpu"),
+                mtp_input_ids=torch.cat([ids[:, 1:], ids[:, :1]], dim=1),
+            )
     finally:
         parallel_state.destroy_model_parallel()
     assert loaded.mtp_num_layers == 1
@@ -574,23 +747,34 @@ def _export_cases(tmp: str) -> dict:
     from relax_gdn.runtime import Runtime
     from relax_gdn.train import run_training
     from tests.helpers import force_transformers_pure_torch as _force_transformers_pure_torch
-    from tests.hf_sources import make_vlm_source
-    from tests.hf_sources import export_cli, run_weights_in_hf_names
+    from tests.hf_sources import export_cli, make_vlm_source, run_weights_in_hf_names
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
     source_dir, export = tmp / "source", tmp / "export"
     make_vlm_source(source_dir)
-    cfg = RunConfig().with_overrides({
-        "model.hf_checkpoint": str(source_dir), "data.tokenizer": str(source_dir), "train.steps": 3,
-        "train.global_batch_size": 4, "train.max_tokens_per_gpu": 1024, "data.max_sample_tokens": 512,
-        "data.synthetic_max_steps": 1, "data.num_samples": 32, "optim.warmup_steps": 1, "logging.console": False,
-        "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.save_final": True,
-    })  # model.mtp.num_layers left null: the source's MTP layer is trained
+    cfg = RunConfig().with_overrides(
+        {
+            "model.hf_checkpoint": str(source_dir),
+            "data.tokenizer": str(source_dir),
+            "train.steps": 3,
+            "train.global_batch_size": 4,
+            "train.max_tokens_per_gpu": 1024,
+            "data.max_sample_tokens": 512,
+            "data.synthetic_max_steps": 1,
+            "data.num_samples": 32,
+            "optim.warmup_steps": 1,
+            "logging.console": False,
+            "checkpoint.dir": str(tmp / "ckpt"),
+            "checkpoint.save_final": True,
+        }
+    )  # model.mtp.num_layers left null: the source's MTP layer is trained
     with Runtime() as runtime:
         result = run_training(cfg, tmp / "run", runtime=runtime)
-    out = {"records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
-           "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers}
+    out = {
+        "records": [{k: r.get(k) for k in ("loss", "mtp_loss")} for r in result.records],
+        "mtp_layers": load_run_config(tmp / "run" / "config.yaml").model.mtp.num_layers,
+    }
     out["cli"] = export_cli(str(tmp / "ckpt"), str(export))
     source, exported = hfc.HFCheckpoint.read(source_dir), hfc.HFCheckpoint.read(export)
     out["layout"] = (source.tensors == exported.tensors, source.files == exported.files)
@@ -599,10 +783,15 @@ def _export_cases(tmp: str) -> dict:
         run = run_weights_in_hf_names(tmp / "ckpt" / "step_000003", source)
         out["imported"] = _imported_mtp_equals_source(source_dir, original)
     mtp = sorted(n for n in original if n.startswith("mtp."))
-    out["mtp"] = {"count": len(mtp), "in_run": all(n in run for n in mtp),
-                  "equal_to_run": all(torch.equal(saved[n], run[n]) for n in mtp if n in run),
-                  "unchanged_from_source": [n for n in mtp if torch.equal(saved[n], original[n])]}
-    out["visual_copied"] = all(torch.equal(saved[n], original[n]) for n in original if n.startswith("model.visual."))
+    out["mtp"] = {
+        "count": len(mtp),
+        "in_run": all(n in run for n in mtp),
+        "equal_to_run": all(torch.equal(saved[n], run[n]) for n in mtp if n in run),
+        "unchanged_from_source": [n for n in mtp if torch.equal(saved[n], original[n])],
+    }
+    out["visual_copied"] = all(
+        torch.equal(saved[n], original[n]) for n in original if n.startswith("model.visual.")
+    )
     out["config_equal"] = (export / "config.json").read_bytes() == (source_dir / "config.json").read_bytes()
 
     _force_transformers_pure_torch()
@@ -630,11 +819,18 @@ def _imported_mtp_equals_source(source_dir: Path, original: dict) -> bool:
     parallel_state.initialize_model_parallel(1, context_parallel_size=1, create_gloo_process_groups=False)
     try:
         model = build_qwen3_5_preset_model(
-            "qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), vocab_size=320,
-            gdn=GDNOptions(kernel_backend="torch"), attention_backend="sdpa", mtp=MTPOptions(1))
+            "qwen3_5_tiny",
+            qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True),
+            vocab_size=320,
+            gdn=GDNOptions(kernel_backend="torch"),
+            attention_backend="sdpa",
+            mtp=MTPOptions(1),
+        )
         hfc.load_hf_checkpoint(model, source_dir)
-        weights = hfc.mcore_to_hf_state_dict({k: v.detach() for k, v in model_tensors(model).items()},
-                                             hfc.dims_from_model(model, vocab_size=320))
+        weights = hfc.mcore_to_hf_state_dict(
+            {k: v.detach() for k, v in model_tensors(model).items()},
+            hfc.dims_from_model(model, vocab_size=320),
+        )
     finally:
         parallel_state.destroy_model_parallel()
     mtp = [n for n in original if n.startswith("mtp.")]

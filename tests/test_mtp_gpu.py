@@ -19,11 +19,22 @@ LOSS_TOL, GRAD_NORM_TOL = 1e-2, 5e-2  # bf16, relative: fused vs plain output la
 
 def _overrides(**extra) -> dict:
     return {
-        "model.preset": "qwen3_5_9b_reduced", "model.mtp.num_layers": 1, "train.device": "cuda",
-        "train.precision": "bf16", "train.steps": 4, "train.global_batch_size": 8, "train.max_tokens_per_gpu": 2048,
-        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 6, "data.num_samples": 64,
-        "optim.warmup_steps": 1, "recompute.granularity": "selective", "logging.console": False,
-        "logging.jsonl": False, "logging.count_host_syncs": True, **extra,
+        "model.preset": "qwen3_5_9b_reduced",
+        "model.mtp.num_layers": 1,
+        "train.device": "cuda",
+        "train.precision": "bf16",
+        "train.steps": 4,
+        "train.global_batch_size": 8,
+        "train.max_tokens_per_gpu": 2048,
+        "data.max_sample_tokens": 2048,
+        "data.synthetic_max_steps": 6,
+        "data.num_samples": 64,
+        "optim.warmup_steps": 1,
+        "recompute.granularity": "selective",
+        "logging.console": False,
+        "logging.jsonl": False,
+        "logging.count_host_syncs": True,
+        **extra,
     }
 
 
@@ -32,11 +43,16 @@ def _gpu_cases() -> dict:
     from relax_gdn.train import run_training
 
     def run(**extra):
-        return run_training(RunConfig().with_overrides(_overrides(**extra)), None,
-                            runtime=job_runtime()).records
+        return run_training(
+            RunConfig().with_overrides(_overrides(**extra)), None, runtime=job_runtime()
+        ).records
 
     plain = {f"model.fused_{k}": False for k in ("norms", "cross_entropy", "swiglu", "grad_accumulation")}
-    return {"mtp": run(), "no_mtp": run(**{"model.mtp.num_layers": 0}), "plain": run(**{**plain, "train.steps": 1})}
+    return {
+        "mtp": run(),
+        "no_mtp": run(**{"model.mtp.num_layers": 0}),
+        "plain": run(**{**plain, "train.steps": 1}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +75,9 @@ def test_reduced_9b_trains_its_mtp_layer_in_bf16(runs):
 def test_mtp_adds_no_host_sync(runs):
     # after step 1, whose first calls compile and autotune kernels of their own
     assert [r["host_syncs"] for r in runs["mtp"][1:]] == [r["host_syncs"] for r in runs["no_mtp"][1:]], (
-        runs["mtp"], runs["no_mtp"])
+        runs["mtp"],
+        runs["no_mtp"],
+    )
 
 
 def test_fused_forms_give_the_plain_forms_mtp_loss(runs):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 def _groups_after_a_model_on_explicit_groups() -> dict:
-    from megatron.core import parallel_state
-
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from relax_gdn.model import qwen3_5_config
     from relax_gdn.parallel import ParallelContext
@@ -14,14 +13,19 @@ def _groups_after_a_model_on_explicit_groups() -> dict:
     from tests.model_harness import build
 
     single = self_group()
-    config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2,
-                            sequence_parallel=True)
+    config = qwen3_5_config(
+        "qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2, sequence_parallel=True
+    )
     build(config, dist.group.WORLD, single, single)  # TP 2 with SP on the default group
     buffer_made_by_the_build = parallel_state._GLOBAL_MEMORY_BUFFER is not None
     try:
         context = ParallelContext.initialize(tp=1, cp=2, dynamic_max_cp=None)
-        return {"buffer_made_by_the_build": buffer_made_by_the_build, "cp": context.cp,
-                "cp_rank": context.cp_rank, "buffer": parallel_state._GLOBAL_MEMORY_BUFFER is not None}
+        return {
+            "buffer_made_by_the_build": buffer_made_by_the_build,
+            "cp": context.cp,
+            "cp_rank": context.cp_rank,
+            "buffer": parallel_state._GLOBAL_MEMORY_BUFFER is not None,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 

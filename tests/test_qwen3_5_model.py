@@ -16,17 +16,14 @@ import pytest
 import torch
 
 from tests.distributed import computed_once, value_error_message
-from tests.model_harness import CU, FULL_RECOMPUTE, LOSS_TOL
+from tests.helpers import GDN_MODES
+from tests.model_harness import CU, FULL_RECOMPUTE, LOSS_TOL, tp_shard
 from tests.model_harness import batch as _batch
 from tests.model_harness import build as _build
 from tests.model_harness import errors as _errors
 from tests.model_harness import finalize_grads as _finalize_grads
 from tests.model_harness import loss_and_grads as _run
 from tests.model_harness import tolerance as _tolerance
-from tests.model_harness import tp_shard
-from tests.helpers import GDN_MODES
-
-
 
 # ---------------------------------------------------------------------------------------------
 # helpers run inside the worker processes
@@ -63,7 +60,9 @@ def _tiny_reference():
         single = self_group()
         tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
         torch.manual_seed(0)
-        reference = _build(qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single)
+        reference = _build(
+            qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True), single, single, single
+        )
         with torch.no_grad():  # zero-centred norms start at 0: perturb so every weight matters
             for p in reference.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -128,7 +127,10 @@ def _tp2cp2_errors(mode: str, sp: bool) -> dict[str, float]:
     tokens, labels, positions = _batch(qwen3_5_preset("qwen3_5_tiny").vocab_size)
     ids = thd_rank_indices(CU, 2, cp_rank, "zigzag")
     config = qwen3_5_config(
-        "qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2, sequence_parallel=sp,
+        "qwen3_5_tiny",
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=2,
+        sequence_parallel=sp,
         **(FULL_RECOMPUTE if mode == "all_gather" else {}),
     )
     model = _build(config, tp_group, cp_group, single, mode)
@@ -177,15 +179,25 @@ def _renamed_qk_norms_case(state, reference, batch, tp_group, cp_group, single, 
 
     model.load_state_dict({k: shard(k, v) if k in params else v for k, v in state.items()})
     renamed = _rename_qk_norms(model)
-    optimizer = CPUGradSyncOptimizer(model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group,
-                                     sequence_parallel=False)
+    optimizer = CPUGradSyncOptimizer(
+        model, RunConfig(), dp_cp_group=cp_group, tp_group=tp_group, sequence_parallel=False
+    )
     optimizer.zero_grad()
-    loss = model(tokens[:, ids], positions[:, ids], None, labels=labels[:, ids], packed_seq_params=packed_params(CU, "cpu"))
+    loss = model(
+        tokens[:, ids],
+        positions[:, ids],
+        None,
+        labels=labels[:, ids],
+        packed_seq_params=packed_params(CU, "cpu"),
+    )
     loss.sum().backward()
     optimizer._finish_grad_sync()  # DP x CP sum, then the TP-partial ones over TP
     grads = {renamed.get(n, n): p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"errors": _errors(ref_loss, ref_grads, loss.detach(), grads, ids, shard), "renamed": sorted(renamed),
-            "names": [n for n, _ in model.named_parameters()]}
+    return {
+        "errors": _errors(ref_loss, ref_grads, loss.detach(), grads, ids, shard),
+        "renamed": sorted(renamed),
+        "names": [n for n, _ in model.named_parameters()],
+    }
 
 
 def _tp2_renamed_qk_norms() -> dict:
@@ -219,7 +231,10 @@ def _packed_vs_alone() -> dict[str, float]:
         if a == b:
             continue
         alone = reference(
-            tokens[:, a:b], positions[:, a:b], None, labels=labels[:, a:b],
+            tokens[:, a:b],
+            positions[:, a:b],
+            None,
+            labels=labels[:, a:b],
             packed_seq_params=packed_params([0, b - a], "cpu"),
         )
         leak = max(leak, (alone - whole[:, a:b]).abs().max().item())
@@ -230,8 +245,8 @@ def _alone(check: str):
     """A check that needs a group of one rank only (the pool of 1)."""
     import torch.distributed as dist
 
-    from relax_gdn.model import qwen3_5_config
     from relax_gdn.model import qwen3_5 as q
+    from relax_gdn.model import qwen3_5_config
 
     single = dist.group.WORLD
     if check == "counts":  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
@@ -283,7 +298,9 @@ def _configuration_errors(single) -> dict[str, str | None]:
     config = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
 
     def build(cfg=config, groups=pgs, **fields):
-        return build_qwen3_5_model(cfg, Qwen3_5Options(vocab_size=256, max_sequence_length=64, **fields), groups)
+        return build_qwen3_5_model(
+            cfg, Qwen3_5Options(vocab_size=256, max_sequence_length=64, **fields), groups
+        )
 
     tp2 = qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, tensor_model_parallel_size=2)
     return {
@@ -292,7 +309,9 @@ def _configuration_errors(single) -> dict[str, str | None]:
         "te_attention": value_error_message(lambda: build(spec_provider="local", attention_backend="te")),
         "tp_mismatch": value_error_message(lambda: build(tp2)),
         "all_gather": value_error_message(lambda: build(gdn=GDNOptions(cp_mode="all_gather", max_cp_size=2))),
-        "missing_groups": value_error_message(lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))),
+        "missing_groups": value_error_message(
+            lambda: build(groups=ProcessGroupCollection(tp=single, cp=single))
+        ),
         "no_positions": value_error_message(lambda: build()(torch.zeros(1, 8, dtype=torch.long), None, None)),
     }
 
@@ -364,7 +383,9 @@ def _rope_against_megatron(config) -> dict[int, float]:
             ids = thd_rank_indices(cu, cp, r, "zigzag")
             expect = _apply_rotary_pos_emb_thd(x[ids], torch.tensor(cu), theirs, cp_group=_FakeCPGroup(cp, r))
             got = apply_rotary_pos_emb(
-                x[ids].unsqueeze(1), ours.for_positions(positions[ids][None]), config=config,
+                x[ids].unsqueeze(1),
+                ours.for_positions(positions[ids][None]),
+                config=config,
                 cp_group=_FakeCPGroup(cp, r),
             ).squeeze(1)
             assert torch.equal(got[..., 4:], x[ids][..., 4:])  # partial: 4 of 16 dims rotate
@@ -382,8 +403,9 @@ def test_cp2_every_mode_and_dynamic_cp_match_single_rank(gloo, mode):
         assert not bad, (rank, mode, bad)
 
 
-@pytest.mark.parametrize("mode,sp", [("chunkwise", False), ("chunkwise", True), ("headwise", True),
-                                     ("all_gather", False)])
+@pytest.mark.parametrize(
+    "mode,sp", [("chunkwise", False), ("chunkwise", True), ("headwise", True), ("all_gather", False)]
+)
 def test_tp2_cp2_with_and_without_sp_matches_single_rank(gloo, mode, sp):
     for rank, errors in enumerate(gloo(_tp2cp2_errors, 4, mode, sp)):
         assert len(errors) > 40  # loss + every parameter

@@ -53,13 +53,19 @@ def _gpu_cases(spec_provider: str):
     def build(config, cp_group, mode):
         pgs = ProcessGroupCollection(tp=single, cp=cp_group, pp=single, embd=single)
         return build_qwen3_5_preset_model(
-            "qwen3_5_9b_reduced", config, pg_collection=pgs, gdn=GDNOptions(cp_mode=mode), spec_provider=spec_provider,
+            "qwen3_5_9b_reduced",
+            config,
+            pg_collection=pgs,
+            gdn=GDNOptions(cp_mode=mode),
+            spec_provider=spec_provider,
             vocab_size=VOCAB,
         )
 
     def config_for(mode):
         return qwen3_5_config(
-            "qwen3_5_9b_reduced", bf16=True, params_dtype=torch.bfloat16,
+            "qwen3_5_9b_reduced",
+            bf16=True,
+            params_dtype=torch.bfloat16,
             **(FULL_RECOMPUTE if mode == "all_gather" else {}),
         )
 

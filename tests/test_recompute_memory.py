@@ -19,15 +19,19 @@ H200_GIB = 139.8  # what torch reports as the card's total memory
 def _shape(preset: str, vocab: int | None = None) -> ModelShape:
     from relax_gdn.model import qwen3_5_config, qwen3_5_preset
 
-    return ModelShape.from_transformer_config(qwen3_5_config(preset), vocab or qwen3_5_preset(preset).vocab_size)
+    return ModelShape.from_transformer_config(
+        qwen3_5_config(preset), vocab or qwen3_5_preset(preset).vocab_size
+    )
 
 
 @pytest.mark.slow  # trains the tiny model (in this process)
 def test_selective_recompute_matches_no_recompute(runtime):
     none = _train(runtime, **{"recompute.granularity": "none"})
-    for overrides in ({"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
-                      {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
-                      {"recompute.granularity": "mixed", "recompute.full_layers": 2}):
+    for overrides in (
+        {"recompute.granularity": "selective", "recompute.modules": list(SELECTIVE_MODULES)},
+        {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]},
+        {"recompute.granularity": "mixed", "recompute.full_layers": 2},
+    ):
         selective = _train(runtime, **overrides)
         for s, n in zip(selective, none):
             assert s["loss"] == pytest.approx(n["loss"], rel=1e-6)
@@ -36,7 +40,8 @@ def test_selective_recompute_matches_no_recompute(runtime):
 
 def test_recompute_fields_split_megatron_and_own_modules():
     assert recompute_config_fields("selective", ["core_attn", "mlp_act"]) == dict(
-        recompute_granularity="selective", recompute_modules=["core_attn"])
+        recompute_granularity="selective", recompute_modules=["core_attn"]
+    )
     # none of Megatron-Core's modules: its selective machinery stays off, ours runs
     assert recompute_config_fields("selective", ["gdn_core"]) == dict(recompute_granularity=None)
     assert recompute_config_fields("full")["recompute_granularity"] == "full"
@@ -44,9 +49,11 @@ def test_recompute_fields_split_megatron_and_own_modules():
         recompute_config_fields("selective", ["layernorm"])
     # mixed: the first N layers whole (block), none of them whole = selective
     assert recompute_config_fields("mixed", full_layers=3, num_layers=32) == dict(
-        recompute_granularity="full", recompute_method="block", recompute_num_layers=3)
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=3
+    )
     assert recompute_config_fields("mixed", ["core_attn"], full_layers=0) == recompute_config_fields(
-        "selective", ["core_attn"])
+        "selective", ["core_attn"]
+    )
     with pytest.raises(ValueError, match="full_layers"):
         recompute_config_fields("mixed", full_layers=None)
 
@@ -72,7 +79,9 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
     try:
         layers = qwen3_5_preset("qwen3_5_tiny").config["num_layers"]
         trimmed = recompute_config_fields("full", skip_unused=True, num_layers=layers)
-        assert trimmed == dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers - 1)
+        assert trimmed == dict(
+            recompute_granularity="full", recompute_method="block", recompute_num_layers=layers - 1
+        )
         models = {
             "none": _built_tiny(),
             "full": _built_tiny(**recompute_config_fields("full", skip_unused=False, num_layers=layers)),
@@ -84,7 +93,10 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
         fc2_outputs = []  # (layer, grad enabled, output all zero) of every linear_fc2 call
         for i, layer in enumerate(models["full, skip_unused"].decoder.layers):
             layer.mlp.linear_fc2.register_forward_hook(
-                lambda m, args, out, i=i: fc2_outputs.append((i, torch.is_grad_enabled(), bool((out[0] == 0).all()))))
+                lambda m, args, out, i=i: fc2_outputs.append(
+                    (i, torch.is_grad_enabled(), bool((out[0] == 0).all()))
+                )
+            )
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (1, 48), generator=g)
         labels = torch.randint(0, 256, (1, 48), generator=g)
@@ -98,7 +110,9 @@ def test_full_recompute_skipping_unused_work_gives_the_same_gradients(runtime):
             loss, grads = results[name]
             torch.testing.assert_close(loss, results["none"][0], rtol=1e-6, atol=0)
             for n, grad in grads.items():
-                torch.testing.assert_close(grad, results["none"][1][n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}")
+                torch.testing.assert_close(
+                    grad, results["none"][1][n], rtol=1e-5, atol=1e-7, msg=f"{name}: {n}"
+                )
         last = layers - 1
         # forward: the first layers under no_grad (checkpointed), the last with grad (kept); in
         # backward each checkpointed layer is recomputed once, its linear_fc2 product skipped
@@ -131,8 +145,11 @@ def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
         fields = recompute_config_fields("mixed", SELECTIVE_MODULES, full_layers=2, num_layers=4)
         none = _built_tiny()
         mixed = build_qwen3_5_preset_model(
-            "qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **fields),
-            gdn=dataclasses.replace(GDNOptions(), recompute_core=True), recompute_mlp_activation=True)
+            "qwen3_5_tiny",
+            qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True, **fields),
+            gdn=dataclasses.replace(GDNOptions(), recompute_core=True),
+            recompute_mlp_activation=True,
+        )
         assert apply_mixed_recompute(mixed, 2, SELECTIVE_MODULES) == 1  # the one attention layer (index 3)
         mixed.load_state_dict(none.state_dict())
         calls: dict[tuple[int, str], int] = {}
@@ -141,20 +158,28 @@ def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
             def run(*args, **kwargs):
                 calls[(layer_index, what)] = calls.get((layer_index, what), 0) + 1
                 return fn(*args, **kwargs)
+
             return run
 
         for i, layer in enumerate(mixed.decoder.layers):
             layer.mlp._swiglu = counted(i, "swiglu", layer.mlp._swiglu)  # only mlp_act's path calls it
             layer.mlp.register_forward_pre_hook(
-                lambda m, args, i=i: calls.__setitem__((i, "mlp"), calls.get((i, "mlp"), 0) + 1))
+                lambda m, args, i=i: calls.__setitem__((i, "mlp"), calls.get((i, "mlp"), 0) + 1)
+            )
             attention = layer.self_attention
             if hasattr(attention, "_core_body"):
                 attention._core_body = counted(i, "gdn_core", attention._core_body)
             else:
                 attention.core_attention.register_forward_pre_hook(
-                    lambda m, args, i=i: calls.__setitem__((i, "core_attn"), calls.get((i, "core_attn"), 0) + 1))
+                    lambda m, args, i=i: calls.__setitem__(
+                        (i, "core_attn"), calls.get((i, "core_attn"), 0) + 1
+                    )
+                )
         g = torch.Generator().manual_seed(1)
-        tokens, labels = torch.randint(0, 256, (1, 48), generator=g), torch.randint(0, 256, (1, 48), generator=g)
+        tokens, labels = (
+            torch.randint(0, 256, (1, 48), generator=g),
+            torch.randint(0, 256, (1, 48), generator=g),
+        )
         results = []
         for model in (none, mixed):
             model.train()
@@ -166,9 +191,18 @@ def test_mixed_recompute_runs_each_piece_once_and_matches_no_recompute(runtime):
             torch.testing.assert_close(grad, results[0][1][n], rtol=1e-5, atol=1e-7, msg=n)
         # whole layers: forward + recompute, Megatron-Core's own SwiGLU; selective: one forward, the
         # activation (mlp_act), the GDN core and the attention core run again for backward
-        assert calls == {(0, "mlp"): 2, (0, "gdn_core"): 2, (1, "mlp"): 2, (1, "gdn_core"): 2,
-                         (2, "mlp"): 1, (2, "swiglu"): 2, (2, "gdn_core"): 2,
-                         (3, "mlp"): 1, (3, "swiglu"): 2, (3, "core_attn"): 2}
+        assert calls == {
+            (0, "mlp"): 2,
+            (0, "gdn_core"): 2,
+            (1, "mlp"): 2,
+            (1, "gdn_core"): 2,
+            (2, "mlp"): 1,
+            (2, "swiglu"): 2,
+            (2, "gdn_core"): 2,
+            (3, "mlp"): 1,
+            (3, "swiglu"): 2,
+            (3, "core_attn"): 2,
+        }
     finally:
         parallel_state.destroy_model_parallel()
         if created:
@@ -202,12 +236,22 @@ def test_mixed_recompute_memory_model():
 # Peaks of the full 9B on one H200 (bench.train_e2e, optim.name=none, torch.cuda.max_memory_allocated,
 # GiB; docs/benchmarks.md): (tokens per micro-batch, recompute) -> peak. 8k-128k from the runs of
 # 2026-12-01 (a9e5a4e), 64k full from 2026-12-02 (b96b5d0, its run's first variant).
-MEASURED_PEAK_GIB = {(8192, "full"): 58.4, (8192, "selective"): 85.0, (16384, "full"): 61.9,
-                     (16384, "selective"): 115.1, (32768, "full"): 69.0, (65536, "full"): 83.1,
-                     (131072, "full"): 111.5}
+MEASURED_PEAK_GIB = {
+    (8192, "full"): 58.4,
+    (8192, "selective"): 85.0,
+    (16384, "full"): 61.9,
+    (16384, "selective"): 115.1,
+    (32768, "full"): 69.0,
+    (65536, "full"): 83.1,
+    (131072, "full"): 111.5,
+}
 # mixed recompute that ran out of memory on 2026-12-02 (b96b5d0): (tokens, whole layers) -> what torch
 # had allocated at the failed allocation plus its size, GiB: a lower bound of the peak it needed
-MIXED_OUT_OF_MEMORY_GIB = {(32768, 12): 133.94 + 1.90, (65536, 23): 135.72 + 0.95, (131072, 29): 130.86 + 1.90}
+MIXED_OUT_OF_MEMORY_GIB = {
+    (32768, 12): 133.94 + 1.90,
+    (65536, 23): 135.72 + 0.95,
+    (131072, 29): 130.86 + 1.90,
+}
 
 
 def test_memory_model_against_measured_peaks():
@@ -219,7 +263,9 @@ def test_memory_model_against_measured_peaks():
 
     shape = _shape("qwen3_5_9b", 248_832)
     for (tokens, recompute), peak in MEASURED_PEAK_GIB.items():
-        estimate = estimate_memory(shape, tokens_per_gpu=tokens, recompute=recompute, optimizer="none").total / GIB
+        estimate = (
+            estimate_memory(shape, tokens_per_gpu=tokens, recompute=recompute, optimizer="none").total / GIB
+        )
         assert peak <= estimate <= 1.10 * peak, (tokens, recompute, estimate, peak)
     for (tokens, layers), needed in MIXED_OUT_OF_MEMORY_GIB.items():
         common = dict(tokens_per_gpu=tokens, optimizer="none")
@@ -228,7 +274,8 @@ def test_memory_model_against_measured_peaks():
         chosen = fewest_full_layers(shape, H200_GIB * GIB, **common)
         assert layers < chosen < 32, (tokens, chosen)
         assert estimate_memory(shape, recompute="mixed", full_layers=chosen, **common).total <= (
-            MIXED_HEADROOM * H200_GIB * GIB)
+            MIXED_HEADROOM * H200_GIB * GIB
+        )
 
 
 def test_refusal_names_only_settings_that_fit(monkeypatch):
@@ -243,8 +290,14 @@ def test_refusal_names_only_settings_that_fit(monkeypatch):
     monkeypatch.setattr(build, "device_memory_bytes", lambda device: int(H200_GIB * GIB))
     dims = ParallelDims(1, 1, 1)
     for asked, tokens in (("selective", 32768), ("none", 16384), ("full", 1 << 19)):
-        cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": tokens,
-                                          "recompute.granularity": asked, "optim.name": "none"})
+        cfg = RunConfig().with_overrides(
+            {
+                "model.preset": "qwen3_5_9b",
+                "train.max_tokens_per_gpu": tokens,
+                "recompute.granularity": asked,
+                "optim.name": "none",
+            }
+        )
         with pytest.raises(MemoryFitError) as caught:
             build.check_memory_fits(cfg, dims, torch.device("cpu"), True, 248_832, log=False)
         error = caught.value
@@ -255,14 +308,22 @@ def test_refusal_names_only_settings_that_fit(monkeypatch):
             assert alternative in str(error)
         if asked == "selective":
             assert [f.split(" (")[0] for f in error.fits] == [
-                "recompute.granularity=mixed recompute.full_layers=" + error.fits[0].split("=")[-1].split(" ")[0],
-                "recompute.granularity=full"]
+                "recompute.granularity=mixed recompute.full_layers="
+                + error.fits[0].split("=")[-1].split(" ")[0],
+                "recompute.granularity=full",
+            ]
         if asked == "full":  # nothing at 512k tokens: the largest power-of-two micro-batch that fits
             assert error.fits == [error.fits[0]]
             assert error.fits[0].startswith("train.max_tokens_per_gpu=131072 recompute.granularity=full (")
     # what resolve_full_layers picks for mixed at 64k passes the check
-    cfg = RunConfig().with_overrides({"model.preset": "qwen3_5_9b", "train.max_tokens_per_gpu": 65536,
-                                      "recompute.granularity": "mixed", "optim.name": "none"})
+    cfg = RunConfig().with_overrides(
+        {
+            "model.preset": "qwen3_5_9b",
+            "train.max_tokens_per_gpu": 65536,
+            "recompute.granularity": "mixed",
+            "optim.name": "none",
+        }
+    )
     resolved = build.resolve_full_layers(cfg, dims, torch.device("cpu"), True, 248_832)
     assert 0 < resolved.recompute.full_layers < 32
     build.check_memory_fits(resolved, dims, torch.device("cpu"), True, 248_832, log=False)
@@ -272,9 +333,11 @@ def test_full_layers_is_checked():
     from relax_gdn.config import ConfigError, RunConfig, validate
 
     validate(RunConfig().with_overrides({"recompute.granularity": "mixed", "recompute.full_layers": 4}), 1)
-    for overrides, match in (({"recompute.granularity": "selective", "recompute.full_layers": 2}, "mixed only"),
-                             ({"recompute.granularity": "mixed", "recompute.full_layers": 5}, "from 0 to"),
-                             ({"recompute.granularity": "mixed", "recompute.full_layers": -1}, "from 0 to")):
+    for overrides, match in (
+        ({"recompute.granularity": "selective", "recompute.full_layers": 2}, "mixed only"),
+        ({"recompute.granularity": "mixed", "recompute.full_layers": 5}, "from 0 to"),
+        ({"recompute.granularity": "mixed", "recompute.full_layers": -1}, "from 0 to"),
+    ):
         with pytest.raises(ConfigError, match=f"recompute.full_layers=.*{match}"):
             validate(RunConfig().with_overrides(overrides), 1)
 
@@ -295,7 +358,9 @@ def test_parameter_count_matches_the_built_model(runtime):
     created = init_distributed(torch.device("cpu"))
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     try:
-        model = build_qwen3_5_preset_model("qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True))
+        model = build_qwen3_5_preset_model(
+            "qwen3_5_tiny", qwen3_5_config("qwen3_5_tiny", use_cpu_initialization=True)
+        )
         assert parameter_count(_shape("qwen3_5_tiny")) == sum(p.numel() for p in model.parameters())
     finally:
         parallel_state.destroy_model_parallel()
@@ -320,7 +385,10 @@ def test_memory_model_on_one_and_two_h200():
     assert estimate_memory(shape, recompute="selective", **cp2).total / GIB < H200_GIB
     assert estimate_memory(shape, recompute="none", **cp2).total / GIB > H200_GIB
     # less kept per token: none > selective > full, and the plain loss's logits dwarf the chunked one's
-    sizes = [estimate_memory(shape, tokens_per_gpu=8192, recompute=r).activations for r in ("none", "selective", "full")]
+    sizes = [
+        estimate_memory(shape, tokens_per_gpu=8192, recompute=r).activations
+        for r in ("none", "selective", "full")
+    ]
     assert sizes == sorted(sizes, reverse=True)
     plain = estimate_memory(shape, tokens_per_gpu=8192, fused_cross_entropy=False)
     assert plain.logits > 2 * estimate_memory(shape, tokens_per_gpu=8192).logits
@@ -334,13 +402,20 @@ def test_run_settings_reach_the_modules_through_the_specs():
     from relax_gdn.model.fusion import Fusion
     from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
 
-    selective = RunConfig().with_overrides({"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]})
+    selective = RunConfig().with_overrides(
+        {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]}
+    )
     assert selective.gdn_options.recompute_core is True
     assert RunConfig().with_overrides({"recompute.granularity": "full"}).gdn_options.recompute_core is False
 
     own = Fusion(norms=False, cross_entropy=True)
-    options = Qwen3_5Options.for_preset("qwen3_5_tiny", spec_provider="local", gdn=selective.gdn_options,
-                                        fusion=own, recompute_mlp_activation=True)
+    options = Qwen3_5Options.for_preset(
+        "qwen3_5_tiny",
+        spec_provider="local",
+        gdn=selective.gdn_options,
+        fusion=own,
+        recompute_mlp_activation=True,
+    )
     spec = qwen3_5_block_spec(qwen3_5_config("qwen3_5_tiny"), options, tp_group=object())
     assert spec.layer_norm.params["fusion"] is own
     for layer in spec.layer_specs:

@@ -45,13 +45,18 @@ from relax_gdn.errors import (
     USER_ERROR_EXIT_CODE,
 )
 from tests.distributed import child_env, job_runtime, run_distributed
-from tests.processes import alive, descendants, output_lines, wait_until
 from tests.helpers import THIRD_PARTY_NOTICE
 from tests.helpers import small_config as _cfg
+from tests.processes import alive, descendants, output_lines, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ("train.global_batch_size=4", "data.num_samples=64", "data.synthetic_max_steps=1", "optim.warmup_steps=1",
-         "optim.decay_steps=40")
+SMALL = (
+    "train.global_batch_size=4",
+    "data.num_samples=64",
+    "data.synthetic_max_steps=1",
+    "optim.warmup_steps=1",
+    "optim.decay_steps=40",
+)
 RUN_LIMIT_S = 600  # one train.py or torchrun job on a loaded 2-core machine
 
 
@@ -70,8 +75,15 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _start(command: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.Popen:
     """In a session of its own: its process group is the job's, as a terminal's or SLURM's is."""
-    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _recorded_exit_code(tmp_path: Path) -> int | None:
@@ -95,10 +107,12 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_the_issues_diverging_command_stops_at_the_first_nonfinite_step_keeping_good_checkpoints(tmp_path):
-    command = _command(tmp_path, "optim.lr=1e4", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
-                       "train.steps=8")
-    done = subprocess.run(command, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=RUN_LIMIT_S)
+    command = _command(
+        tmp_path, "optim.lr=1e4", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.steps=8"
+    )
+    done = subprocess.run(
+        command, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=RUN_LIMIT_S
+    )
     text = done.stdout + done.stderr
     assert done.returncode == DIVERGED_EXIT_CODE, text[-3000:]
     assert _recorded_exit_code(tmp_path) == DIVERGED_EXIT_CODE
@@ -114,7 +128,12 @@ def test_the_issues_diverging_command_stops_at_the_first_nonfinite_step_keeping_
     assert [r["step"] for r in records] == list(range(1, bad + 1))  # the run stopped there
     assert all(not r["nonfinite"] and math.isfinite(r["loss"]) for r in records[:-1])
     last = records[-1]
-    assert (last["nonfinite"], last["loss"], last["grad_norm"], last["skipped_update"]) == (True, "nan", "nan", True)
+    assert (last["nonfinite"], last["loss"], last["grad_norm"], last["skipped_update"]) == (
+        True,
+        "nan",
+        "nan",
+        True,
+    )
 
 
 def _skip_cases(tmp: str, device: dict | None = None) -> dict:
@@ -141,14 +160,28 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
     for name, most in (("skips", 3), ("stops", 2)):
         sums.clear()
         tmp_dir = Path(tmp) / name
-        result = run_training(_cfg(train__steps=7, train__on_nonfinite="skip", train__max_nonfinite_steps=most,
-                                   checkpoint__every_steps=1, checkpoint__keep_last=0,
-                                   checkpoint__dir=str(tmp_dir / "ckpt"), **(device or {})), tmp_dir / "run",
-                              runtime=job_runtime())
-        out[name] = dict(records=result.records, weights=dict(sums), nonfinite=result.nonfinite_steps,
-                         stop=None if result.stop is None else (result.stop.step, result.stop.exit_code),
-                         saved=sorted(p.name for p in (tmp_dir / "ckpt").iterdir()),
-                         summary=dict(run_summary(result)), jsonl=_metrics(tmp_dir / "run"))
+        result = run_training(
+            _cfg(
+                train__steps=7,
+                train__on_nonfinite="skip",
+                train__max_nonfinite_steps=most,
+                checkpoint__every_steps=1,
+                checkpoint__keep_last=0,
+                checkpoint__dir=str(tmp_dir / "ckpt"),
+                **(device or {}),
+            ),
+            tmp_dir / "run",
+            runtime=job_runtime(),
+        )
+        out[name] = dict(
+            records=result.records,
+            weights=dict(sums),
+            nonfinite=result.nonfinite_steps,
+            stop=None if result.stop is None else (result.stop.step, result.stop.exit_code),
+            saved=sorted(p.name for p in (tmp_dir / "ckpt").iterdir()),
+            summary=dict(run_summary(result)),
+            jsonl=_metrics(tmp_dir / "run"),
+        )
     return out
 
 
@@ -206,9 +239,15 @@ def test_metrics_jsonl_writes_nonfinite_values_as_strings_and_compare_reads_them
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [_strict_json(line)["loss"] for line in lines] == [2.5, "nan", "-inf"]
     assert _strict_json(lines[1])["grad_norm"] == "inf"
-    records = clean_records(read_jsonl(tmp_path / "metrics.jsonl") + [{"step": 4, "loss": None}])  # an older file's NaN
+    records = clean_records(
+        read_jsonl(tmp_path / "metrics.jsonl") + [{"step": 4, "loss": None}]
+    )  # an older file's NaN
     assert [is_nonfinite(r) for r in records] == [False, True, True, True]
-    assert math.isnan(records[1]["loss"]) and records[1]["grad_norm"] == math.inf and math.isnan(records[3]["loss"])
+    assert (
+        math.isnan(records[1]["loss"])
+        and records[1]["grad_norm"] == math.inf
+        and math.isnan(records[3]["loss"])
+    )
 
 
 # ------------------------------------------------------------------ compare: diverged runs
@@ -222,8 +261,16 @@ def _write_run(directory: Path, seed: int, lr: float, losses: list, nonfinite_st
     lines = []
     for step, loss in enumerate(losses, 1):
         bad = isinstance(loss, float) and not math.isfinite(loss)
-        record = {"step": step, "loss": loss, "grad_norm": 1.0, "lr": lr, "tokens": 1000,
-                  "tokens_per_s": 1000.0 + seed, "mfu": None, "world_size": 1}
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": 1.0,
+            "lr": lr,
+            "tokens": 1000,
+            "tokens_per_s": 1000.0 + seed,
+            "mfu": None,
+            "world_size": 1,
+        }
         if bad and nonfinite_style == "marked":
             record |= {"loss": "nan", "grad_norm": "nan", "nonfinite": True}
         elif bad:  # files written before the mark: null
@@ -248,12 +295,22 @@ def test_compare_marks_diverged_runs_and_keeps_them_out_of_the_noise_floor(tmp_p
     assert not variants[1e-3]["diverged"] and variants[1e4]["diverged"] and variants[1e-2]["diverged"]
     runs = {r["name"]: r for v in summary["variants"] for r in v["runs"]}
     assert (runs["b1"]["nonfinite_steps"], runs["b1"]["first_nonfinite_step"]) == (9, 4)
-    assert (runs["b2"]["nonfinite_steps"], runs["b2"]["first_nonfinite_step"]) == (8, 5)  # an older file's nulls
-    assert (runs["c2"]["nonfinite_steps"], runs["a1"]["nonfinite_steps"], runs["a1"]["diverged"]) == (1, 0, False)
+    assert (runs["b2"]["nonfinite_steps"], runs["b2"]["first_nonfinite_step"]) == (
+        8,
+        5,
+    )  # an older file's nulls
+    assert (runs["c2"]["nonfinite_steps"], runs["a1"]["nonfinite_steps"], runs["a1"]["diverged"]) == (
+        1,
+        0,
+        False,
+    )
     # A/A: the two lr=1e-3 runs only (lr=1e4 and lr=1e-2 each have one run that did not diverge)
     assert [n["variant"] for n in summary["noise"]["variants"]] == ["optim.lr=0.001"]
     verdicts = {c["variant"]: c for c in summary["comparisons"]}
-    assert verdicts["optim.lr=10000.0"]["loss"]["verdict"] == "diverged" and verdicts["optim.lr=10000.0"]["diverged"]
+    assert (
+        verdicts["optim.lr=10000.0"]["loss"]["verdict"] == "diverged"
+        and verdicts["optim.lr=10000.0"]["diverged"]
+    )
     markdown = (tmp_path / "out" / "summary.md").read_text()
     assert "optim.lr=10000.0 (diverged: 17 non-finite steps)" in markdown
     assert "run b1 **diverged**: 9 non-finite step(s) from step 4" in markdown
@@ -286,8 +343,9 @@ def test_compare_exit_2_is_for_bad_input_only(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("kind", ["erofs", "bug"])
 def test_a_refused_save_is_one_message_and_a_bug_in_a_save_a_traceback(tmp_path, kind):
     ckpt = tmp_path / "ckpt"
-    command = _command(tmp_path, *SMALL, "train.steps=3", "checkpoint.every_steps=1", f"checkpoint.dir={ckpt}",
-                       faults=True)
+    command = _command(
+        tmp_path, *SMALL, "train.steps=3", "checkpoint.every_steps=1", f"checkpoint.dir={ckpt}", faults=True
+    )
     env = _env(tmp_path, RELAX_GDN_TEST_FAULTS=f"save_error:2:{kind}")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_LIMIT_S)
     text = done.stdout + done.stderr
@@ -295,11 +353,21 @@ def test_a_refused_save_is_one_message_and_a_bug_in_a_save_a_traceback(tmp_path,
     if kind == "erofs":
         assert done.returncode == USER_ERROR_EXIT_CODE, text[-3000:]
         (message,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-        assert f"saving checkpoint {ckpt / 'step_000002'} failed ([Errno 30] Read-only file system)" in message
+        assert (
+            f"saving checkpoint {ckpt / 'step_000002'} failed ([Errno 30] Read-only file system)" in message
+        )
         assert "checkpoint.resume=auto" in message and "Traceback" not in text
-        full = subprocess.run(command, cwd=tmp_path, env={**env, "HYDRA_FULL_ERROR": "1"}, capture_output=True,
-                              text=True, timeout=RUN_LIMIT_S)
-        assert "CheckpointException" in full.stderr and "The above exception was the direct cause" in full.stderr
+        full = subprocess.run(
+            command,
+            cwd=tmp_path,
+            env={**env, "HYDRA_FULL_ERROR": "1"},
+            capture_output=True,
+            text=True,
+            timeout=RUN_LIMIT_S,
+        )
+        assert (
+            "CheckpointException" in full.stderr and "The above exception was the direct cause" in full.stderr
+        )
         last = full.stderr.rstrip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's prefix, with a group
         assert last.startswith("relax_gdn.train.checkpoint.CheckpointError: saving"), full.stderr[-3000:]
     else:
@@ -311,8 +379,14 @@ def _mount_tmpfs(directory: Path, size: str) -> bool:
     directory.mkdir(parents=True, exist_ok=True)
     if shutil.which("mount") is None or os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
-                          capture_output=True, timeout=60).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+            capture_output=True,
+            timeout=60,
+        ).returncode
+        == 0
+    )
 
 
 @pytest.mark.slow
@@ -321,10 +395,17 @@ def test_a_save_into_a_full_file_system_is_one_message_naming_it(tmp_path):
     if not _mount_tmpfs(disk, "6m"):  # one checkpoint of the tiny model (3.9 MB) fits, two do not
         pytest.skip("mounting a small tmpfs needs root and mount(8)")
     try:
-        command = _command(tmp_path, *SMALL, "train.steps=3", "checkpoint.every_steps=1",
-                           f"checkpoint.dir={disk / 'ckpt'}", "checkpoint.keep_last=1")
-        done = subprocess.run(command, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
-                              timeout=RUN_LIMIT_S)
+        command = _command(
+            tmp_path,
+            *SMALL,
+            "train.steps=3",
+            "checkpoint.every_steps=1",
+            f"checkpoint.dir={disk / 'ckpt'}",
+            "checkpoint.keep_last=1",
+        )
+        done = subprocess.run(
+            command, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=RUN_LIMIT_S
+        )
         text = done.stdout + done.stderr
         assert done.returncode == USER_ERROR_EXIT_CODE, text[-3000:]
         (message,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
@@ -349,16 +430,29 @@ def _listings_differ(tmp: str) -> dict:
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
-    cfg = _cfg(train__steps=6, parallel__cp=2, optim__decay_steps=6, checkpoint__every_steps=2,
-               checkpoint__keep_last=0, checkpoint__dir=str(tmp / "ckpt"), checkpoint__resume="auto")
-    first = _cfg(train__steps=4, parallel__cp=2, optim__decay_steps=6, checkpoint__every_steps=2,
-                 checkpoint__dir=str(tmp / "ckpt"))
+    cfg = _cfg(
+        train__steps=6,
+        parallel__cp=2,
+        optim__decay_steps=6,
+        checkpoint__every_steps=2,
+        checkpoint__keep_last=0,
+        checkpoint__dir=str(tmp / "ckpt"),
+        checkpoint__resume="auto",
+    )
+    first = _cfg(
+        train__steps=4,
+        parallel__cp=2,
+        optim__decay_steps=6,
+        checkpoint__every_steps=2,
+        checkpoint__dir=str(tmp / "ckpt"),
+    )
     run_training(first, None, runtime=job_runtime())
     if dist.get_rank() == 1:
         iterdir, read_text = pathlib.Path.iterdir, pathlib.Path.read_text
         pathlib.Path.iterdir = lambda self: (p for p in iterdir(self) if p.name != "step_000004")
-        pathlib.Path.read_text = lambda self, *a, **k: ("step_000002\n" if self.name == "latest"
-                                                        else read_text(self, *a, **k))
+        pathlib.Path.read_text = lambda self, *a, **k: (
+            "step_000002\n" if self.name == "latest" else read_text(self, *a, **k)
+        )
     seen = sorted(p.name for p in (tmp / "ckpt").iterdir())
     resumed = run_training(cfg, None, runtime=job_runtime())
     return {"seen": seen, "start": resumed.start_step, "losses": [r["loss"] for r in resumed.records]}
@@ -378,12 +472,22 @@ def test_a_data_error_on_one_rank_is_reported_by_rank_0_at_once(tmp_path):
     logs = tmp_path / "logs"
     command = _command(tmp_path, *SMALL, "train.steps=2", nproc=2, faults=True)
     command[3:3] = ["--log-dir", str(logs), "--redirects", "3"]  # each worker's output in a file of its own
-    done = subprocess.run(command, cwd=tmp_path, env=_env(tmp_path, RELAX_GDN_TEST_FAULTS="data_error:1"),
-                          capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    done = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=_env(tmp_path, RELAX_GDN_TEST_FAULTS="data_error:1"),
+        capture_output=True,
+        text=True,
+        timeout=RUN_LIMIT_S,
+    )
     said = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
-    errors = {rank: re.findall(r"^(?:\[rank \d+\] )?error: .*", text, flags=re.M) for rank, text in said.items()}
-    assert errors == {0: ["[rank 1] error: data.path: the data file is not visible on this node (rank 1)"], 1: []}, \
-        done.stderr[-3000:]
+    errors = {
+        rank: re.findall(r"^(?:\[rank \d+\] )?error: .*", text, flags=re.M) for rank, text in said.items()
+    }
+    assert errors == {
+        0: ["[rank 1] error: data.path: the data file is not visible on this node (rank 1)"],
+        1: [],
+    }, done.stderr[-3000:]
     assert done.returncode != 0 and _recorded_exit_code(tmp_path) == USER_ERROR_EXIT_CODE
 
 
@@ -395,19 +499,24 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 ON_TWO_GPUS = ("train.device=cuda", "train.precision=bf16", "checkpoint.async_save=true")
 
 
-@pytest.mark.parametrize("device", [pytest.param((), id="cpu"),
-                                    pytest.param(ON_TWO_GPUS, id="gpu", marks=[pytest.mark.gpu, TWO_GPUS])])
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param((), id="cpu"), pytest.param(ON_TWO_GPUS, id="gpu", marks=[pytest.mark.gpu, TWO_GPUS])],
+)
 @pytest.mark.parametrize("dead", [0, 1])
 def test_kill_9_of_a_worker_ends_the_job_naming_it_and_leaves_no_process(tmp_path, dead, device):
-    command = _command(tmp_path, *SMALL, "parallel.cp=2", "train.steps=40", "checkpoint.every_steps=1", *device,
-                       nproc=2)
+    command = _command(
+        tmp_path, *SMALL, "parallel.cp=2", "train.steps=40", "checkpoint.every_steps=1", *device, nproc=2
+    )
     torchrun = _start(command, tmp_path, _env(tmp_path))
     lines, killed_at, job = [], None, []
     for line in output_lines(torchrun, timeout_s=RUN_LIMIT_S):
         lines.append(line)
         if killed_at is None and "step_000001 saved" in line:  # after a save: its helpers exist if any do
             job = descendants(torchrun.pid)
-            (worker,) = [p for p in psutil.Process(torchrun.pid).children() if p.environ().get("RANK") == str(dead)]
+            (worker,) = [
+                p for p in psutil.Process(torchrun.pid).children() if p.environ().get("RANK") == str(dead)
+            ]
             worker.kill()
             killed_at = time.monotonic()
     code = torchrun.wait(timeout=60)
@@ -420,8 +529,15 @@ def test_kill_9_of_a_worker_ends_the_job_naming_it_and_leaves_no_process(tmp_pat
 
 @pytest.mark.slow
 def test_a_rank_stuck_in_a_collective_leaves_every_ranks_stacks_and_exits_124(tmp_path):
-    command = _command(tmp_path, *SMALL, "train.steps=40", "train.hang_timeout_s=15",
-                       "train.collective_timeout_s=900", nproc=2, faults=True)
+    command = _command(
+        tmp_path,
+        *SMALL,
+        "train.steps=40",
+        "train.hang_timeout_s=15",
+        "train.collective_timeout_s=900",
+        nproc=2,
+        faults=True,
+    )
     torchrun = _start(command, tmp_path, _env(tmp_path, RELAX_GDN_TEST_FAULTS="stuck:1:3"))
     text = "".join(output_lines(torchrun, timeout_s=RUN_LIMIT_S))
     assert torchrun.wait(timeout=60) != 0, text[-3000:]
@@ -429,13 +545,19 @@ def test_a_rank_stuck_in_a_collective_leaves_every_ranks_stacks_and_exits_124(tm
     assert _recorded_exit_code(tmp_path) == HANG_EXIT_CODE
     stacks = {rank: (tmp_path / "run" / "hang" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     for rank, dump in stacks.items():
-        assert dump.startswith(f"rank {rank}: no training step completed in 15 s") and "last step completed: step 2" \
-            in dump, dump[:500]
-        assert "in _fire" in dump and "in _step_and_save" in dump  # every thread: the watchdog's and the stuck main one
+        assert (
+            dump.startswith(f"rank {rank}: no training step completed in 15 s")
+            and "last step completed: step 2" in dump
+        ), dump[:500]
+        assert (
+            "in _fire" in dump and "in _step_and_save" in dump
+        )  # every thread: the watchdog's and the stuck main one
     assert " in recv" in stacks[1] and " in recv" not in stacks[0]  # where the stuck rank is
     assert " in all_reduce" in stacks[0]  # what the other waits in
     assert text.count("relax-gdn: rank ") == 2 and "no training step completed in 15 s" in text
-    assert text.count("Traceback") == 1 and "ChildFailedError" in text  # torchrun's own report, none from a worker
+    assert (
+        text.count("Traceback") == 1 and "ChildFailedError" in text
+    )  # torchrun's own report, none from a worker
 
 
 @pytest.mark.slow
@@ -448,13 +570,16 @@ def test_the_step_watchdog_fires_with_the_stacks_of_every_thread(tmp_path):
         "dog.start(); dog.progress(7, 0.1)\n"
         "def parked_forever():\n"
         "    threading.Event().wait()\n"
-        "parked_forever()\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=120)
+        "parked_forever()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == HANG_EXIT_CODE, done.stderr
     dump = (tmp_path / "hang" / "rank3.txt").read_text()
-    assert dump.startswith("rank 3: no training step completed in 1 s (train.hang_timeout_s=1.0; last step "
-                           "completed: step 7)")
+    assert dump.startswith(
+        "rank 3: no training step completed in 1 s (train.hang_timeout_s=1.0; last step completed: step 7)"
+    )
     assert "parked_forever" in dump and "relax-gdn: rank 3: no training step completed" in done.stderr
 
 
@@ -473,9 +598,11 @@ def test_a_rank_that_fired_waits_for_its_peers_stacks_before_it_exits(tmp_path):
         "from relax_gdn.train.watchdog import StepWatchdog\n"
         f"dog = StepWatchdog(1.0, rank=0, world_size=2, dump_dir=Path({str(hang)!r}))\n"
         "dog.start(); dog.progress(2, 0.1)\n"
-        "threading.Event().wait()\n")
-    rank0 = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=child_env(), stderr=subprocess.PIPE,
-                             text=True)
+        "threading.Event().wait()\n"
+    )
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(), stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_until(lambda: (hang / "rank0.txt").exists(), 60, "rank 0's stacks")
         assert rank0.poll() is None  # written, and waiting for rank 1 (10 s of grace)
@@ -505,7 +632,9 @@ def test_inline_saves_report_through_an_in_process_queue(runtime):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     runtime.checkpoint_write_results(background=False)
-    assert isinstance(filesystem_async.get_write_results_queue(), queue.Queue)  # no process to outlive the rank
+    assert isinstance(
+        filesystem_async.get_write_results_queue(), queue.Queue
+    )  # no process to outlive the rank
     runtime.close()
     assert filesystem_async._results_queue is None
 
@@ -522,9 +651,17 @@ def test_the_background_writers_queue_server_ignores_the_jobs_signals_and_dies_w
         "    print('server', server.pid, flush=True)\n"
         "    for line in sys.stdin:  # the test signals the server, then asks for a round trip\n"
         "        q = filesystem_async.get_write_results_queue(); q.put(line.strip())\n"
-        "        print('echo', q.get(), flush=True)\n")
-    rank = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=child_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        "        print('echo', q.get(), flush=True)\n"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     said = (line.split() for line in output_lines(rank, timeout_s=120))
     answers = (words for words in said if words[:1] in (["server"], ["echo"]))  # torch's import notices aside
     server = psutil.Process(int(next(answers)[1]))
@@ -546,10 +683,18 @@ def test_the_background_writers_queue_server_ignores_the_jobs_signals_and_dies_w
 def test_a_signal_during_a_save_lets_it_finish_then_exits_75_and_resume_continues(tmp_path, signum, to):
     ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
-    overrides = (*SMALL, "train.steps=6", "checkpoint.every_steps=2", f"checkpoint.dir={ckpt}",
-                 "checkpoint.resume=auto")
-    job = _start(_command(tmp_path, *overrides, faults=True), tmp_path,
-                 _env(tmp_path, RELAX_GDN_TEST_FAULTS=f"pause_save:4:{gate}"))
+    overrides = (
+        *SMALL,
+        "train.steps=6",
+        "checkpoint.every_steps=2",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.resume=auto",
+    )
+    job = _start(
+        _command(tmp_path, *overrides, faults=True),
+        tmp_path,
+        _env(tmp_path, RELAX_GDN_TEST_FAULTS=f"pause_save:4:{gate}"),
+    )
     lines = []
     for line in output_lines(job, timeout_s=RUN_LIMIT_S):
         lines.append(line)
@@ -562,8 +707,14 @@ def test_a_signal_during_a_save_lets_it_finish_then_exits_75_and_resume_continue
     assert f"preempted after step 4 ({signum.name}), checkpoint {ckpt / 'step_000004'}" in text, text[-3000:]
     assert "step 5/6" not in text and "Traceback" not in text and "free space" not in text
     assert (ckpt / "latest").read_text().strip() == "step_000004" and not list(ckpt.glob(".*partial"))
-    again = subprocess.run(_command(tmp_path, *overrides), cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                           text=True, timeout=RUN_LIMIT_S)
+    again = subprocess.run(
+        _command(tmp_path, *overrides),
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=RUN_LIMIT_S,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step 4 ({ckpt / 'step_000004'})" in again.stdout + again.stderr
     # the resume reads the checkpoint without a third-party notice (relax_gdn.known_warnings)
@@ -578,8 +729,11 @@ def test_a_signal_during_a_save_lets_it_finish_then_exits_75_and_resume_continue
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_saves_and_exits_130_with_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
-    job = _start(_command(tmp_path, *SMALL, "train.steps=40", f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"),
-                 tmp_path, _env(tmp_path))
+    job = _start(
+        _command(tmp_path, *SMALL, "train.steps=40", f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"),
+        tmp_path,
+        _env(tmp_path),
+    )
     lines = []
     for line in output_lines(job, timeout_s=RUN_LIMIT_S):
         lines.append(line)
@@ -589,8 +743,10 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_with_one_line(tmp_path):
     assert job.wait(timeout=60) == INTERRUPTED_EXIT_CODE, text[-3000:]
     saved = (ckpt / "latest").read_text().strip()
     stopped = int(saved.removeprefix("step_"))
-    assert f"stopped after step {stopped} (Ctrl-C), checkpoint {ckpt / saved}; the same command continues from it; " \
-           "exiting with 130" in text, text[-3000:]
+    assert (
+        f"stopped after step {stopped} (Ctrl-C), checkpoint {ckpt / saved}; the same command continues from it; "
+        "exiting with 130" in text
+    ), text[-3000:]
     assert text.count("relax-gdn: Ctrl-C: stopping after the step in progress") == 1
     assert f"step {stopped + 1}/40" not in text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
@@ -601,8 +757,18 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130_with_one_line(tmp_path):
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
     ckpt, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
-    job = _start(_command(tmp_path, *SMALL, "train.steps=40", "checkpoint.every_steps=3", f"checkpoint.dir={ckpt}",
-                          faults=True), tmp_path, _env(tmp_path, RELAX_GDN_TEST_FAULTS=f"pause_save:3:{gate}"))
+    job = _start(
+        _command(
+            tmp_path,
+            *SMALL,
+            "train.steps=40",
+            "checkpoint.every_steps=3",
+            f"checkpoint.dir={ckpt}",
+            faults=True,
+        ),
+        tmp_path,
+        _env(tmp_path, RELAX_GDN_TEST_FAULTS=f"pause_save:3:{gate}"),
+    )
     lines = []
     for line in output_lines(job, timeout_s=RUN_LIMIT_S):
         lines.append(line)
@@ -614,9 +780,11 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
     text = "".join(lines)
     assert job.wait(timeout=60) == INTERRUPTED_EXIT_CODE, text[-3000:]
     partial = ckpt / ".step_000003.partial"
-    assert (f"relax-gdn: second Ctrl-C: stopped at once during step 3; saved: no checkpoint, nothing to "
-            f"continue from; not saved: steps 1-3, the checkpoint being written ({partial}, incomplete: "
-            "never read, removed by the next save)\n") in text, text[-3000:]
+    assert (
+        f"relax-gdn: second Ctrl-C: stopped at once during step 3; saved: no checkpoint, nothing to "
+        f"continue from; not saved: steps 1-3, the checkpoint being written ({partial}, incomplete: "
+        "never read, removed by the next save)\n"
+    ) in text, text[-3000:]
     assert "Traceback" not in text and not (ckpt / "latest").exists()  # the paused save never completed
     assert partial.is_dir()
 
@@ -624,8 +792,15 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_under_torchrun_saves_once_and_every_worker_exits_130(tmp_path):
     ckpt = tmp_path / "ckpt"
-    command = _command(tmp_path, *SMALL, "parallel.cp=2", "train.steps=40", f"checkpoint.dir={ckpt}",
-                       "checkpoint.resume=auto", nproc=2)
+    command = _command(
+        tmp_path,
+        *SMALL,
+        "parallel.cp=2",
+        "train.steps=40",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.resume=auto",
+        nproc=2,
+    )
     torchrun = _start(command, tmp_path, _env(tmp_path))
     lines = []
     for line in output_lines(torchrun, timeout_s=RUN_LIMIT_S):
@@ -635,11 +810,14 @@ def test_ctrl_c_under_torchrun_saves_once_and_every_worker_exits_130(tmp_path):
     torchrun.wait(timeout=60)
     text = "".join(lines)
     saved = (ckpt / "latest").read_text().strip()
-    assert f"stopped after step {int(saved.removeprefix('step_'))} (Ctrl-C), checkpoint {ckpt / saved}" in text, \
-        text[-3000:]
+    assert (
+        f"stopped after step {int(saved.removeprefix('step_'))} (Ctrl-C), checkpoint {ckpt / saved}" in text
+    ), text[-3000:]
     # rank 0 alone; torchrun's copy absorbed
     assert text.count("relax-gdn: Ctrl-C: stopping after the step in progress") == 1
-    assert "second Ctrl-C" not in text and "KeyboardInterrupt" not in text and "[rank0]: Traceback" not in text
+    assert (
+        "second Ctrl-C" not in text and "KeyboardInterrupt" not in text and "[rank0]: Traceback" not in text
+    )
     assert _recorded_exit_code(tmp_path) == INTERRUPTED_EXIT_CODE
     assert not alive(descendants(torchrun.pid))
 
@@ -662,17 +840,33 @@ def _fake_slurm(bin_dir: Path, log: Path, worker_code: int) -> None:
 
 
 @pytest.mark.slow  # bash and python processes (no training)
-@pytest.mark.parametrize("worker_code,restarts,requeued", [
-    (PREEMPTED_EXIT_CODE, 0, True), (HANG_EXIT_CODE, 0, True), (HANG_EXIT_CODE, 3, False),
-    (DIVERGED_EXIT_CODE, 0, False), (USER_ERROR_EXIT_CODE, 0, False)])
+@pytest.mark.parametrize(
+    "worker_code,restarts,requeued",
+    [
+        (PREEMPTED_EXIT_CODE, 0, True),
+        (HANG_EXIT_CODE, 0, True),
+        (HANG_EXIT_CODE, 3, False),
+        (DIVERGED_EXIT_CODE, 0, False),
+        (USER_ERROR_EXIT_CODE, 0, False),
+    ],
+)
 def test_train_sbatch_requeues_on_the_codes_errors_py_names(tmp_path, worker_code, restarts, requeued):
     log = tmp_path / "scontrol.log"
     _fake_slurm(tmp_path / "bin", log, worker_code)
-    env = {**child_env(), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "PYTHON": sys.executable,
-           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": f"safety-test-{worker_code}",
-           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1", "SLURM_RESTART_COUNT": str(restarts)}
-    done = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = {
+        **child_env(),
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": f"safety-test-{worker_code}",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_RESTART_COUNT": str(restarts),
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch")], env=env, capture_output=True, text=True, timeout=120
+    )
     (ROOT / "slurm" / "logs" / f"safety-test-{worker_code}-4242.exit").unlink(missing_ok=True)
     assert done.returncode == (0 if requeued else worker_code), done.stdout + done.stderr
     assert (log.exists() and "scontrol requeue 4242" in log.read_text()) == requeued

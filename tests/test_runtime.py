@@ -38,15 +38,21 @@ def _process_state() -> dict:
         "environ": dict(os.environ),
         "warning filters": list(warnings.filters),
         "log filters": {k.logger: list(logging.getLogger(k.logger).filters) for k in KNOWN_LOG_LINES},
-        "signal handlers": {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT,
-                                                             signal.SIGUSR2)},
+        "signal handlers": {
+            s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGUSR2)
+        },
         "signal wakeup fd": _wakeup_fd(),
         "threads": sorted(t.name for t in threading.enumerate()),
-        "rng tracker": (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED),
+        "rng tracker": (
+            mcore_random._CUDA_RNG_STATE_TRACKER,
+            mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        ),
         "cuda rng state functions": (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state),
         "checkpoint staging": FileSystemWriterAsync.__dict__["preload_tensors"],
-        "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
-                                     torch.is_deterministic_algorithms_warn_only_enabled()),
+        "deterministic algorithms": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
         "transformers kernels": tuple(getattr(modeling, name) for name in KERNEL_HANDLES),
     }
     if importlib.util.find_spec("fla") is not None:
@@ -58,7 +64,9 @@ def _process_state() -> dict:
     return state
 
 
-FLA_GUARD_MODULE = "fla.ops.common.chunk_o"  # the guard relax_gdn.bench.gdn_precision sets through its Runtime
+FLA_GUARD_MODULE = (
+    "fla.ops.common.chunk_o"  # the guard relax_gdn.bench.gdn_precision sets through its Runtime
+)
 
 
 def _transformers_modeling():
@@ -85,8 +93,11 @@ def test_close_leaves_the_process_as_it_was():
         runtime.adopt(None)  # a change a run did not need to make: nothing to undo
         runtime.use_torch_kernels_in_transformers()  # what a CPU comparison with transformers asks for
         if has_fla:  # what relax_gdn.bench.gdn_precision --triton-dqkwg asks for
-            runtime.replace_attribute(importlib.import_module(FLA_GUARD_MODULE), "TRITON_ABOVE_3_7_1",
-                                      not before["FLA Hopper guard"])
+            runtime.replace_attribute(
+                importlib.import_module(FLA_GUARD_MODULE),
+                "TRITON_ABOVE_3_7_1",
+                not before["FLA Hopper guard"],
+            )
         during = _process_state()
         assert runtime.installed and runtime.cpu_shims and os.environ["FLA_TILELANG"] == "0"
         assert torch.cuda.current_device() == "cpu" and _dynamo.config.disable
@@ -94,8 +105,15 @@ def test_close_leaves_the_process_as_it_was():
         assert torch.compile(_process_state) is _process_state
         assert mcore_random._get_cuda_rng_state() is None
         changed = {k for k in before if during[k] != before[k]} - {"environ", "signal handlers", "threads"}
-        expected = {"torch.cuda.current_device", "warning filters", "log filters", "rng tracker",
-                    "cuda rng state functions", "checkpoint staging", "deterministic algorithms"}
+        expected = {
+            "torch.cuda.current_device",
+            "warning filters",
+            "log filters",
+            "rng tracker",
+            "cuda rng state functions",
+            "checkpoint staging",
+            "deterministic algorithms",
+        }
         expected |= {"dynamo.disable"} if not before["dynamo.disable"] else set()
         expected |= {"FLA pre-processing", "FLA Hopper guard"} if has_fla else set()
         # bound to FLA's kernels when transformers imported with fla importable (not when a test
@@ -167,7 +185,9 @@ def test_library_code_asks_for_a_runtime_instead_of_patching(tmp_path):
 
     before = torch.cuda.current_device
     cfg = RunConfig().with_overrides({"train.steps": 1, "train.device": "cpu", "logging.console": False})
-    with pytest.raises(RuntimeError, match=r"training on CPU needs .*relax_gdn\.runtime\.Runtime.*with Runtime\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"training on CPU needs .*relax_gdn\.runtime\.Runtime.*with Runtime\(\)"
+    ):
         run_training(cfg, tmp_path / "run", runtime=Runtime())
     assert torch.cuda.current_device is before and not (tmp_path / "run").exists()
     with pytest.raises(RuntimeError, match="export"):

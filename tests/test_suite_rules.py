@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 
 pytest_plugins = ["pytester"]
 
-SAMPLE = '''
+SAMPLE = """
 import multiprocessing as mp
 import subprocess
 import sys
@@ -87,7 +87,7 @@ def test_parametrised_child(n):
 @pytest.mark.slow
 def test_marked_by_hand():
     pass
-'''
+"""
 
 
 def test_collection_marks_every_test_that_starts_a_process_slow(pytester):
@@ -110,7 +110,6 @@ def test_collection_marks_every_test_that_starts_a_process_slow(pytester):
     }
 
 
-
 def _call_name(call: ast.Call) -> str:
     func = call.func
     if isinstance(func, ast.Attribute):
@@ -126,26 +125,41 @@ def _unbounded_child_reads(tree: ast.AST) -> list[tuple[int, str]]:
         if isinstance(node, ast.Call):
             name = _call_name(node)
             has_timeout = any(k.arg == "timeout" for k in node.keywords)
-            waits = name in ("subprocess.run", "subprocess.call", "subprocess.check_call", "subprocess.check_output")
+            waits = name in (
+                "subprocess.run",
+                "subprocess.call",
+                "subprocess.check_call",
+                "subprocess.check_output",
+            )
             waits |= name.endswith(".communicate")
             # process.wait() (a variable's); threading.Event().wait() in the harness tests is a call's
             waits |= name.endswith(".wait") and not name.startswith(".") and not node.args
-            reads_pipe = (isinstance(node.func, ast.Attribute) and node.func.attr in ("read", "readline", "readlines")
-                          and isinstance(node.func.value, ast.Attribute)
-                          and node.func.value.attr in ("stdout", "stderr"))
+            reads_pipe = (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("read", "readline", "readlines")
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr in ("stdout", "stderr")
+            )
             if (waits and not has_timeout) or reads_pipe:
                 found.append((node.lineno, ast.unparse(node)[:80]))
-        elif isinstance(node, ast.For) and isinstance(node.iter, ast.Attribute) and node.iter.attr in ("stdout",
-                                                                                                      "stderr"):
+        elif (
+            isinstance(node, ast.For)
+            and isinstance(node.iter, ast.Attribute)
+            and node.iter.attr in ("stdout", "stderr")
+        ):
             found.append((node.lineno, f"for ... in {ast.unparse(node.iter)}"))
     return sorted(found)
 
 
 def test_every_read_of_a_child_process_has_a_time_limit():
-    problems = [f"{path.name}:{line}: {code}" for path in sorted(TESTS.glob("*.py"))
-                for line, code in _unbounded_child_reads(ast.parse(path.read_text()))]
-    assert problems == [], "read with a timeout (tests.processes.output_lines for a child's lines):\n" + "\n".join(
-        problems)
+    problems = [
+        f"{path.name}:{line}: {code}"
+        for path in sorted(TESTS.glob("*.py"))
+        for line, code in _unbounded_child_reads(ast.parse(path.read_text()))
+    ]
+    assert problems == [], (
+        "read with a timeout (tests.processes.output_lines for a child's lines):\n" + "\n".join(problems)
+    )
 
 
 def test_the_rule_sees_unbounded_reads():
@@ -164,8 +178,11 @@ def test_the_rule_sees_unbounded_reads():
 
 
 def test_output_lines_stops_a_child_past_its_limit():
-    child = subprocess.Popen([sys.executable, "-c", "import signal; print('started', flush=True); signal.pause()"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import signal; print('started', flush=True); signal.pause()"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []
     with pytest.raises(AssertionError, match=r"still writing after 5 s; its output:\nstarted"):
         for line in output_lines(child, timeout_s=5):

@@ -25,8 +25,14 @@ from tests.helpers import step_fields as _step
 
 
 def _equality_cfg(cp: int, mode: str = "chunkwise", route: str = "lazy_cache") -> RunConfig:
-    return _cfg(train__steps=1, parallel__cp=cp, gdn__cp_mode=mode, gdn__route=route,
-                recompute__granularity="full" if mode == "all_gather" else "none", logging__jsonl=False)
+    return _cfg(
+        train__steps=1,
+        parallel__cp=cp,
+        gdn__cp_mode=mode,
+        gdn__route=route,
+        recompute__granularity="full" if mode == "all_gather" else "none",
+        logging__jsonl=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,12 +50,19 @@ def _demo(tmp: str) -> dict:
     os.environ["WANDB_DIR"] = str(tmp / "wandb")
     os.environ["WANDB_SILENT"] = "true"
     (tmp / "wandb").mkdir()
-    demo = _cfg(train__steps=20, optim__warmup_steps=2,
-                logging__wandb=dict(mode="offline", project="relax-gdn-test", entity=None, group=None,
-                                    tags=["test"], name=None))
+    demo = _cfg(
+        train__steps=20,
+        optim__warmup_steps=2,
+        logging__wandb=dict(
+            mode="offline", project="relax-gdn-test", entity=None, group=None, tags=["test"], name=None
+        ),
+    )
     result = run_training(demo, tmp / "demo", runtime=job_runtime())
-    return {"demo": result.records, "demo_files": sorted(p.name for p in (tmp / "demo").iterdir()),
-            "wandb_runs": sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*"))}
+    return {
+        "demo": result.records,
+        "demo_files": sorted(p.name for p in (tmp / "demo").iterdir()),
+        "wandb_runs": sorted(str(p.relative_to(tmp)) for p in (tmp / "wandb").rglob("offline-run-*")),
+    }
 
 
 def _wandb_broken(tmp: str) -> dict:
@@ -69,10 +82,13 @@ def _wandb_broken(tmp: str) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            failing = _cfg(train__steps=2, logging__wandb=dict(mode="online", project="p", entity=None, group=None,
-                                                                 tags=[], name=None))
-            out["wandb_broken"] = run_training(failing, Path(tmp) / "wandb_broken",
-                                               runtime=job_runtime()).records
+            failing = _cfg(
+                train__steps=2,
+                logging__wandb=dict(mode="online", project="p", entity=None, group=None, tags=[], name=None),
+            )
+            out["wandb_broken"] = run_training(
+                failing, Path(tmp) / "wandb_broken", runtime=job_runtime()
+            ).records
         out["wandb_warnings"] = [str(w.message) for w in caught if "W&B" in str(w.message)]
     finally:
         wandb.init = original
@@ -92,10 +108,17 @@ def _resume(tmp: str) -> dict:
 
     tmp = Path(tmp)
     full = run_training(_cfg(train__steps=4, checkpoint__every_steps=2), tmp / "full", runtime=job_runtime())
-    resumed = run_training(_cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])), tmp / "resumed",
-                           runtime=job_runtime())
-    return {"full": full.records, "checkpoints": [str(p) for p in full.checkpoints], "resumed": resumed.records,
-            "resumed_start": resumed.start_step}
+    resumed = run_training(
+        _cfg(train__steps=4, checkpoint__resume=str(full.checkpoints[0])),
+        tmp / "resumed",
+        runtime=job_runtime(),
+    )
+    return {
+        "full": full.records,
+        "checkpoints": [str(p) for p in full.checkpoints],
+        "resumed": resumed.records,
+        "resumed_start": resumed.start_step,
+    }
 
 
 def _preempted(tmp: str) -> dict:
@@ -117,13 +140,19 @@ def _preempted(tmp: str) -> dict:
 
     loggers_module.RunLoggers.log = log_then_signal
     try:
-        preempted = run_training(_cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted",
-                                 runtime=job_runtime())
+        preempted = run_training(
+            _cfg(train__steps=6, logging__profile_steps=[1, 2]), tmp / "preempted", runtime=job_runtime()
+        )
     finally:
         loggers_module.RunLoggers.log = original_log
-    return {"preempted": (preempted.stop.step, [Path(p).name for p in preempted.checkpoints],
-                          len(preempted.records)),
-            "traces": sorted(p.name for p in (tmp / "preempted" / "traces").iterdir())}
+    return {
+        "preempted": (
+            preempted.stop.step,
+            [Path(p).name for p in preempted.checkpoints],
+            len(preempted.records),
+        ),
+        "traces": sorted(p.name for p in (tmp / "preempted" / "traces").iterdir()),
+    }
 
 
 def _two_process_step(case: str) -> dict:
@@ -139,8 +168,13 @@ def _two_process_step(case: str) -> dict:
         cfg = _equality_cfg(1)
     else:
         assert case == "dynamic", case
-        cfg = _cfg(train__steps=1, parallel__cp=2, train__max_tokens_per_gpu=256,
-                   parallel__dynamic_cp=dict(enabled=True, max_cp=2), logging__jsonl=False)
+        cfg = _cfg(
+            train__steps=1,
+            parallel__cp=2,
+            train__max_tokens_per_gpu=256,
+            parallel__dynamic_cp=dict(enabled=True, max_cp=2),
+            logging__jsonl=False,
+        )
     return {case: run_training(cfg, None, runtime=job_runtime()).records}
 
 
@@ -150,8 +184,9 @@ def _cp2_demo(tmp: str) -> dict:
     from relax_gdn.train import run_training
 
     run_dir = Path(tmp) / "cp2_demo" if dist.get_rank() == 0 else None
-    return {"cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir,
-                                     runtime=job_runtime()).records}
+    return {
+        "cp2_demo": run_training(_cfg(train__steps=3, parallel__cp=2), run_dir, runtime=job_runtime()).records
+    }
 
 
 def _step_totals() -> dict:
@@ -162,14 +197,19 @@ def _step_totals() -> dict:
     from relax_gdn.train.step import StepFlag, all_reduce_step
 
     loss = torch.tensor(float(dist.get_rank() + 1))
-    totals = [all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
-              all_reduce_step(loss, set(), tp=2)]
+    totals = [
+        all_reduce_step(loss, {StepFlag.STOP_REQUESTED} if dist.get_rank() == 1 else set(), tp=1),
+        all_reduce_step(loss, set(), tp=2),
+    ]
     return {"step_totals": [(t.loss_sum, sorted(flag.name for flag in t.flags)) for t in totals]}
 
 
-SINGLE_PROCESS_JOBS = {_demo: ("demo", "demo_files", "wandb_runs"), _wandb_broken: ("wandb_broken", "wandb_warnings"),
-                       _resume: ("full", "checkpoints", "resumed", "resumed_start"),
-                       _preempted: ("preempted", "traces")}
+SINGLE_PROCESS_JOBS = {
+    _demo: ("demo", "demo_files", "wandb_runs"),
+    _wandb_broken: ("wandb_broken", "wandb_warnings"),
+    _resume: ("full", "checkpoints", "resumed", "resumed_start"),
+    _preempted: ("preempted", "traces"),
+}
 TWO_PROCESS_CASES = (*MODES, "chunkwise_prebuild", "dp2", "dynamic")
 
 
@@ -238,7 +278,9 @@ def test_wandb_offline_run_holds_every_step_and_the_run_identity(single):
         assert json.loads(row["_step"]) == logged["step"]
         assert json.loads(row["train/loss"]) == pytest.approx(logged["loss"], rel=1e-12)
     run = records["run"]
-    assert run.project == "relax-gdn-test" and {"test", "mode:chunkwise", "route:lazy_cache"} <= set(run.tags), run.tags
+    assert run.project == "relax-gdn-test" and {"test", "mode:chunkwise", "route:lazy_cache"} <= set(
+        run.tags
+    ), run.tags
     assert run.display_name.startswith("qwen3_5_tiny-chunkwise-lazy_cache-tp1-cp1")
     config_keys = {item.key for item in run.config.update}
     assert {"model", "gdn", "parallel", "train", "optim", "derived"} <= config_keys, config_keys
@@ -256,7 +298,8 @@ def test_two_processes_cp2_demo_trains(pair):
         losses = [r["loss"] for r in out["cp2_demo"]]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert ranks[0]["cp2_demo"] == ranks[1]["cp2_demo"] or all(
-        a["loss"] == b["loss"] for a, b in zip(ranks[0]["cp2_demo"], ranks[1]["cp2_demo"]))
+        a["loss"] == b["loss"] for a, b in zip(ranks[0]["cp2_demo"], ranks[1]["cp2_demo"])
+    )
     assert len((tmp / "cp2_demo" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
@@ -295,7 +338,12 @@ def test_resume_repeats_the_uninterrupted_run(single):
     assert out["resumed_start"] == 2
     assert [r["step"] for r in out["resumed"]] == [3, 4]
     for a, b in zip(out["full"][2:], out["resumed"]):
-        assert (a["loss"], a["grad_norm"], a["lr"], a["tokens"]) == (b["loss"], b["grad_norm"], b["lr"], b["tokens"])
+        assert (a["loss"], a["grad_norm"], a["lr"], a["tokens"]) == (
+            b["loss"],
+            b["grad_norm"],
+            b["lr"],
+            b["tokens"],
+        )
 
 
 # --------------------------------------------------------------------- bad input (no process group)
@@ -316,7 +364,7 @@ def test_unusable_data_file_fails_before_anything_is_written(tmp_path, runtime):
     from relax_gdn.train import run_training
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("not json\n{\"question\": \"no prompt field\"}\n")
+    bad.write_text('not json\n{"question": "no prompt field"}\n')
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="no usable record"):
         run_training(_cfg(data__source="jsonl", data__path=str(bad)), run_dir, runtime=runtime)
@@ -332,8 +380,11 @@ def test_impossible_config_fails_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match=r"world size 1 is not divisible by parallel.tp x parallel.cp"):
         run_training(_cfg(parallel__cp=2), run_dir, runtime=never_installed)
     with pytest.raises(ConfigError, match="parallel.sp=true needs parallel.tp > 1") as info:
-        run_training(_cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3), run_dir,
-                     runtime=never_installed)
+        run_training(
+            _cfg(parallel__sp=True, train__global_batch_size=7, data__num_samples=3),
+            run_dir,
+            runtime=never_installed,
+        )
     assert "data.num_samples=3 is below train.global_batch_size=7" in str(info.value)  # all at once
     assert not run_dir.exists()
 
@@ -347,7 +398,8 @@ def test_run_name_and_tags_say_what_is_compared():
     cfg = _cfg(gdn__cp_mode="headwise", parallel__cp=2, gdn__route="prebuild")
     assert default_run_name(cfg) == "qwen3_5_tiny-headwise-prebuild-tp1-cp2-rcnone-mt1024"
     assert {"mode:headwise", "route:prebuild", "cp:2", "tp:1", "model:qwen3_5_tiny", "recompute:none"} <= set(
-        run_tags(cfg))
+        run_tags(cfg)
+    )
     assert default_run_name(_cfg(run_name="mine")) == "mine"
 
 
@@ -367,19 +419,30 @@ def test_wandb_log_failure_warns_once_and_training_logging_goes_on(tmp_path, mon
 
     seen = {}
     monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.update(kwargs) or BrokenRun())
-    cfg = _cfg(logging__wandb=dict(mode="offline", project="p", entity=None, group=None, tags=["x"], name=None))
+    cfg = _cfg(
+        logging__wandb=dict(mode="offline", project="p", entity=None, group=None, tags=["x"], name=None)
+    )
     loggers = RunLoggers.create(cfg, tmp_path, is_rank0=True, config_dict=cfg.to_dict())
-    record = {"step": 1, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 10, "tokens_per_s": 5.0, "mfu": None,
-              "tflops_per_gpu": 0.1, "step_time_s": 2.0}
+    record = {
+        "step": 1,
+        "loss": 1.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens": 10,
+        "tokens_per_s": 5.0,
+        "mfu": None,
+        "tflops_per_gpu": 0.1,
+        "step_time_s": 2.0,
+    }
     with pytest.warns(RuntimeWarning, match="W&B log failed") as caught:
         loggers.log(record)
         loggers.log({**record, "step": 2})
         loggers.close()
     assert len([w for w in caught if "W&B" in str(w.message)]) == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # the other sinks went on
-    assert seen["mode"] == "offline" and seen["config"]["gdn"]["cp_mode"] == "chunkwise" and "x" in seen["tags"]
-
-
+    assert (
+        seen["mode"] == "offline" and seen["config"]["gdn"]["cp_mode"] == "chunkwise" and "x" in seen["tags"]
+    )
 
 
 def test_a_sample_too_long_for_any_micro_batch_fails_before_step_1():
@@ -397,12 +460,24 @@ def test_console_line_and_run_summary_show_micro_batches_per_cp_size():
     from relax_gdn.train.console import step_line
     from relax_gdn.train.metrics import format_cp_sizes
 
-    records = [{"step": 1, "cp_sizes": {"2": 2, "1": 4}}, {"step": 2, "cp_sizes": {"4": 1, "2": 3}}, {"step": 3}]
+    records = [
+        {"step": 1, "cp_sizes": {"2": 2, "1": 4}},
+        {"step": 2, "cp_sizes": {"4": 1, "2": 3}},
+        {"step": 3},
+    ]
     assert cp_size_histogram(records) == {"1": 4, "2": 5, "4": 1}
     assert format_cp_sizes(cp_size_histogram(records)) == "CP1 x 4, CP2 x 5, CP4 x 1"
     assert cp_size_histogram([{"step": 1}]) == {}  # static CP: no histogram
-    line = dict(step=1, loss=2.0, grad_norm=1.0, lr=1e-5, tokens_per_s=10.0, tflops_per_gpu=1.0, mfu=None,
-                step_time_s=0.5)
+    line = dict(
+        step=1,
+        loss=2.0,
+        grad_norm=1.0,
+        lr=1e-5,
+        tokens_per_s=10.0,
+        tflops_per_gpu=1.0,
+        mfu=None,
+        step_time_s=0.5,
+    )
     assert step_line({**line, "cp_sizes": {"1": 4, "2": 2}}, total=2).endswith("[CP1 x 4, CP2 x 2]")
     assert "CP" not in step_line(line, total=2)
     assert " TFLOP/s/process " in step_line(line, total=2)  # a CPU record (no GPU memory): no "/gpu"

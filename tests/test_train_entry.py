@@ -58,8 +58,10 @@ BAD_INPUTS = {
     "sp without tp": (["parallel.sp=true"], ["parallel.sp=true", "parallel.tp"]),
     "missing data file": (["data=jsonl", "data.path={tmp}/none.jsonl"], ["data.path=", "none.jsonl"]),
     "empty data file": (["data=jsonl", "data.path={tmp}/empty.jsonl"], ["empty.jsonl", "no records"]),
-    "wrong field names": (["data=jsonl", "data.path={tmp}/fields.jsonl"],
-                          ["fields.jsonl", "data.prompt_field", "['question', 'answer']"]),
+    "wrong field names": (
+        ["data=jsonl", "data.path={tmp}/fields.jsonl"],
+        ["fields.jsonl", "data.prompt_field", "['question', 'answer']"],
+    ),
 }
 
 
@@ -91,7 +93,11 @@ def test_a_data_error_leaves_no_default_run_directory_behind(tmp_path):
 def test_a_typo_is_reported_before_torch_is_imported(tmp_path):
     done = _train(tmp_path, "train.stepz=3", python_flags=("-X", "importtime"))
     assert done.returncode == 2
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "omegaconf" in imported and "relax_gdn.config.validate" in imported
     for heavy in ("torch", "megatron", "fla", "wandb", "transformers"):
         assert heavy not in imported, heavy
@@ -115,9 +121,21 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path, launc
     torchrun itself then exits 1 below its own report (its exit code is not the workers');
     relax_gdn.launch (what make run and slurm/train.sbatch start) exits 2 without it."""
     done = subprocess.run(
-        [sys.executable, "-m", launcher, "--nproc-per-node", "2", str(ROOT / "train.py"),
-         f"hydra.run.dir={tmp_path / 'run'}", override],
-        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            launcher,
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "train.py"),
+            f"hydra.run.dir={tmp_path / 'run'}",
+            override,
+        ],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode != 0
     assert re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M) == [CONFIG_PROBLEMS[override]]
@@ -136,9 +154,21 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path, launc
 
 def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "relax_gdn.launch", "--nproc-per-node", "2", str(ROOT / "train.py"), "-m",
-         "gdn.cp_mode=headwise,chunkwise"],
-        cwd=tmp_path, env=child_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "relax_gdn.launch",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "train.py"),
+            "-m",
+            "gdn.cp_mode=headwise,chunkwise",
+        ],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("cannot run under torchrun") == 1 and "Traceback" not in done.stderr, done.stderr
@@ -147,16 +177,26 @@ def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
 
 def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
     def check(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "train.py"), "--check", *args], cwd=tmp_path,
-                              env=child_env(), capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "--check", *args],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     ok = check("--world-size", "2", "parallel.cp=2", "recompute.granularity=mixed")
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     if not torch.cuda.is_available():  # what the one line says on a machine without CUDA
-        assert ok.stdout == ("train.py --check: ok for 2 processes (dp 1 x cp 2 x tp 1) on this machine's CPU "
-                             "(no CUDA); memory: CPU run, not modelled; recompute mixed: no layer whole on CPU\n")
+        assert ok.stdout == (
+            "train.py --check: ok for 2 processes (dp 1 x cp 2 x tp 1) on this machine's CPU "
+            "(no CUDA); memory: CPU run, not modelled; recompute mixed: no layer whole on CPU\n"
+        )
     refused = check("parallel.cp=2")
-    assert refused.returncode == 2 and refused.stderr.startswith("error: configuration problem: world size 1 is")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        "error: configuration problem: world size 1 is"
+    )
     typo = check("--world-size", "2", "parallel.cp=2", "train.stepz=3")
     assert typo.returncode == 2 and typo.stderr.strip() == CONFIG_PROBLEMS["train.stepz=3"]
     assert list(tmp_path.iterdir()) == []  # nothing written
@@ -168,9 +208,23 @@ def _make_run(tmp_path: Path, args: str) -> subprocess.CompletedProcess:
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / ".installed").touch()  # newer than pyproject.toml and requirements.lock
-    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "run", f"VENV={venv}",
-                           f"PY={sys.executable}", f"ARGS={args}"],
-                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "-C",
+            str(ROOT),
+            "run",
+            f"VENV={venv}",
+            f"PY={sys.executable}",
+            f"ARGS={args}",
+        ],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.parametrize("case", ["typo", "data"])
@@ -179,8 +233,10 @@ def test_make_run_reports_a_problem_once_with_exit_code_2(tmp_path, case):
     workers (relax_gdn.launch ends with their code). Either way one message, no traceback."""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    args = {"typo": "train.stepz=3",
-            "data": f"data=jsonl data.path={empty} hydra.run.dir={tmp_path / 'run'}"}[case]
+    args = {
+        "typo": "train.stepz=3",
+        "data": f"data=jsonl data.path={empty} hydra.run.dir={tmp_path / 'run'}",
+    }[case]
     done = _make_run(tmp_path, args)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     messages = re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M)
@@ -214,8 +270,12 @@ def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_pat
 
 # ------------------------------------------------------------------ the commands the docs show
 
-DOCUMENTS = ["README.md", "conf/README.md", "conf/config.yaml", *sorted(p.relative_to(ROOT).as_posix()
-                                                                         for p in (ROOT / "docs").rglob("*.md"))]
+DOCUMENTS = [
+    "README.md",
+    "conf/README.md",
+    "conf/config.yaml",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")),
+]
 _COMMAND = re.compile(r"^(?:#\s*)?(python train\.py|torchrun --nproc-per-node (\d+) train\.py)(?P<args>.*)$")
 
 
@@ -265,8 +325,19 @@ def test_every_documented_command_passes_the_check():
 _NOT_HERE = re.compile(r"does not exist|is neither 'embedded' nor an existing|is not a directory")
 
 
-@pytest.mark.parametrize("codes,agreed", [([2, 2], 2), ([2, -15], 2), ([75, -15, 75], 75), ([2, 1], None),
-                                          ([1, -15], None), ([-9], None), ([-15], None), ([2, 75], None)])
+@pytest.mark.parametrize(
+    "codes,agreed",
+    [
+        ([2, 2], 2),
+        ([2, -15], 2),
+        ([75, -15, 75], 75),
+        ([2, 1], None),
+        ([1, -15], None),
+        ([-9], None),
+        ([-15], None),
+        ([2, 75], None),
+    ],
+)
 def test_the_launcher_passes_on_the_code_the_failed_workers_agree_on(codes, agreed):
     from relax_gdn.launch import agreed_exit_code
 

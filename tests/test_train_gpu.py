@@ -26,11 +26,23 @@ LOSS_TOL, GRAD_NORM_TOL = 1e-3, 1e-2  # measured on 2 x H200: ~1e-6 and ~1e-5
 def _overrides(**extra) -> dict:
     # synthetic samples of 160-1800 tokens at 1024 tokens per GPU: dynamic CP mixes CP 1 and CP 2
     return {
-        "model.preset": "qwen3_5_9b_reduced", "train.device": "cuda", "train.precision": "bf16",
-        "train.steps": 1, "train.global_batch_size": 16, "train.max_tokens_per_gpu": 1024,
-        "data.max_sample_tokens": 2048, "data.synthetic_max_steps": 20, "data.num_samples": 256,
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6, "parallel.cp": 2, "logging.console": False,
-        "logging.jsonl": False, "logging.count_host_syncs": True, **extra,
+        "model.preset": "qwen3_5_9b_reduced",
+        "train.device": "cuda",
+        "train.precision": "bf16",
+        "train.steps": 1,
+        "train.global_batch_size": 16,
+        "train.max_tokens_per_gpu": 1024,
+        "data.max_sample_tokens": 2048,
+        "data.synthetic_max_steps": 20,
+        "data.num_samples": 256,
+        "optim.warmup_steps": 1,
+        "optim.lr": 1e-5,
+        "optim.min_lr": 1e-6,
+        "parallel.cp": 2,
+        "logging.console": False,
+        "logging.jsonl": False,
+        "logging.count_host_syncs": True,
+        **extra,
     }
 
 
@@ -45,8 +57,14 @@ def _gpu_cases(tmp: str) -> dict:
     for mode in MODES:
         recompute = "full" if mode == "all_gather" else "none"
         static = run(**{"gdn.cp_mode": mode, "recompute.granularity": recompute}).records
-        dynamic = run(**{"gdn.cp_mode": mode, "recompute.granularity": recompute,
-                         "parallel.dynamic_cp.enabled": True, "parallel.dynamic_cp.max_cp": 2}).records
+        dynamic = run(
+            **{
+                "gdn.cp_mode": mode,
+                "recompute.granularity": recompute,
+                "parallel.dynamic_cp.enabled": True,
+                "parallel.dynamic_cp.max_cp": 2,
+            }
+        ).records
         out[mode] = (static, dynamic)
     # resume on the GPU path (distributed optimizer shards, bf16 params with fp32 main params)
     tmp = Path(tmp)

@@ -35,7 +35,9 @@ def stuck(rank: str, step: str) -> None:
             import torch
             import torch.distributed as dist
 
-            dist.recv(torch.zeros(1), src=1 - self.rank)  # nobody sends: blocked like a peer in a lost collective
+            dist.recv(
+                torch.zeros(1), src=1 - self.rank
+            )  # nobody sends: blocked like a peer in a lost collective
         return train_step(self, at)
 
     loop.Trainer.train_step = stuck_step
@@ -105,8 +107,13 @@ def nan_loss(*steps: str) -> None:
     TrainStep.forward_backward = nan_at_step
 
 
-FAULTS = {"stuck": stuck, "pause_save": pause_save, "save_error": save_error, "data_error": data_error,
-          "nan_loss": nan_loss}
+FAULTS = {
+    "stuck": stuck,
+    "pause_save": pause_save,
+    "save_error": save_error,
+    "data_error": data_error,
+    "nan_loss": nan_loss,
+}
 
 
 if __name__ == "__main__":

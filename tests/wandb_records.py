@@ -28,8 +28,8 @@ def _payloads(path: Path) -> Iterator[bytes]:
         if left < 7:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == _FULL:
             yield chunk
@@ -56,11 +56,13 @@ def offline_run_records(run_dir: str | Path) -> dict:
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            out["history"].append({item.key or "/".join(item.nested_key): item.value_json
-                                   for item in record.history.item})
+            out["history"].append(
+                {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            )
         elif kind == "run":
             out["run"] = record.run
         elif kind == "summary":
-            out["summary"].update({item.key or "/".join(item.nested_key): item.value_json
-                                   for item in record.summary.update})
+            out["summary"].update(
+                {item.key or "/".join(item.nested_key): item.value_json for item in record.summary.update}
+            )
     return out

@@ -32,10 +32,11 @@ import socket
 import subprocess
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
@@ -82,7 +83,7 @@ class LocalSweepConf(LocalQueueConf):
     tasks_per_node: int = 1  # processes per job (the job's world size)
     timeout_min: int = 24 * 60
     parallel_jobs: int = 1  # jobs running at once on this machine (each is tasks_per_node processes)
-    wandb_group: Optional[str] = None  # null: sweep-<date>_<time> from the sweep directory
+    wandb_group: str | None = None  # null: sweep-<date>_<time> from the sweep directory
     # name a job that has run this many times the median duration of the finished jobs (0: never)
     slow_job_factor: float = SLOW_JOB_FACTOR
 
@@ -94,32 +95,42 @@ class SlurmSweepConf(SlurmQueueConf):
 
     _target_: str = "hydra_plugins.relax_gdn_launcher.launcher.SlurmSweepLauncher"
     nodes: int = 1
-    gpus_per_node: Optional[int] = 8
+    gpus_per_node: int | None = 8
     tasks_per_node: int = 8  # one rank per GPU: submitit's tasks are the ranks (no torchrun)
-    cpus_per_task: Optional[int] = 12
+    cpus_per_task: int | None = 12
     timeout_min: int = 4 * 60  # the job's time limit
     # SIGUSR1 to every rank this long before the limit: each finishes its step, saves, exits 75
     signal_delay_s: int = 120
     # on exit 75 rank 0 requeues the job (and sbatch --requeue); every job runs with
     # checkpoint.resume=auto checkpoint.dir=<run dir>/checkpoints
     requeue: bool = True
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image (a .sqsh or registry#image)
-    container_mounts: Optional[str] = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
+    container_image: str | None = None  # pyxis/enroot: srun --container-image (a .sqsh or registry#image)
+    container_mounts: str | None = None  # pyxis: srun --container-mounts (src:dst[,src:dst])
     slow_job_factor: float = SLOW_JOB_FACTOR  # name a job running this many times the finished jobs' median
-    srun_args: List[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
+    srun_args: list[str] = field(default_factory=list)  # more srun flags, e.g. ["--cpu-bind=none"]
     # lines run in the sbatch script before srun (the same environment as slurm/train.sbatch)
-    setup: Optional[List[str]] = field(default_factory=lambda: ["export NCCL_NVLS_ENABLE=0",
-                                                                "export TRITON_CACHE_AUTOTUNING=1"])
-    wandb_group: Optional[str] = None
+    setup: list[str] | None = field(
+        default_factory=lambda: ["export NCCL_NVLS_ENABLE=0", "export TRITON_CACHE_AUTOTUNING=1"]
+    )
+    wandb_group: str | None = None
 
 
-ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_local_schema", node=LocalSweepConf,
-                             provider="relax_gdn")
-ConfigStore.instance().store(group="hydra/launcher", name="relax_gdn_slurm_schema", node=SlurmSweepConf,
-                             provider="relax_gdn")
+ConfigStore.instance().store(
+    group="hydra/launcher", name="relax_gdn_local_schema", node=LocalSweepConf, provider="relax_gdn"
+)
+ConfigStore.instance().store(
+    group="hydra/launcher", name="relax_gdn_slurm_schema", node=SlurmSweepConf, provider="relax_gdn"
+)
 
-_OWN_KEYS = ("parallel_jobs", "wandb_group", "requeue", "container_image", "container_mounts", "srun_args",
-             "slow_job_factor")
+_OWN_KEYS = (
+    "parallel_jobs",
+    "wandb_group",
+    "requeue",
+    "container_image",
+    "container_mounts",
+    "srun_args",
+    "slow_job_factor",
+)
 
 
 @dataclass
@@ -139,8 +150,14 @@ class _SweepLauncher(BaseSubmititLauncher):
 
     # ---- inside a job (every task) ---------------------------------------------------------------
 
-    def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: Dict[type, Singleton]) -> Union[JobReturn, JobFailure]:
+    def __call__(
+        self,
+        sweep_overrides: list[str],
+        job_dir_key: str,
+        job_num: int,
+        job_id: str,
+        singleton_state: dict[type, Singleton],
+    ) -> JobReturn | JobFailure:
         import submitit
 
         from relax_gdn.sweep import SweepManifest, export_torch_distributed_env, wandb_run_id
@@ -155,7 +172,11 @@ class _SweepLauncher(BaseSubmititLauncher):
         setup_globals()
         overrides = list(sweep_overrides)
         if rank != 0:  # rank 0 alone writes the run directory's .hydra/ and job log
-            overrides += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+            overrides += [
+                "hydra.output_subdir=null",
+                "hydra/job_logging=disabled",
+                "hydra/hydra_logging=disabled",
+            ]
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(sweep_config.hydra.job) as job:
             job.id = job_env.job_id
@@ -168,13 +189,25 @@ class _SweepLauncher(BaseSubmititLauncher):
             os.environ["WANDB_RUN_ID"] = wandb_id  # wandb.init reads these (only rank 0 starts W&B)
             os.environ["WANDB_RESUME"] = "allow"
         if rank == 0:
-            manifest.update_job(job_num, status="running", started=time.time(), host=socket.gethostname(),
-                                submitit_job_id=job_env.job_id, world_size=int(dist_env["WORLD_SIZE"]),
-                                wandb_id=wandb_id, log=str(job_env.paths.stdout))
+            manifest.update_job(
+                job_num,
+                status="running",
+                started=time.time(),
+                host=socket.gethostname(),
+                submitit_job_id=job_env.job_id,
+                world_size=int(dist_env["WORLD_SIZE"]),
+                wandb_id=wandb_id,
+                log=str(job_env.paths.stdout),
+            )
         try:
-            ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
-                          job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir")
-            result: Union[JobReturn, JobFailure] = ret
+            ret = run_job(
+                hydra_context=self.hydra_context,
+                task_function=self.task_function,
+                config=sweep_config,
+                job_dir_key=job_dir_key,
+                job_subdir_key="hydra.sweep.subdir",
+            )
+            result: JobReturn | JobFailure = ret
             if ret.status != JobStatus.COMPLETED:
                 error = ret._return_value
                 result = JobFailure(1, "".join(traceback.format_exception(error))[-4000:])
@@ -186,14 +219,18 @@ class _SweepLauncher(BaseSubmititLauncher):
             result = JobFailure(1, "".join(traceback.format_exception(e))[-4000:])
         if rank == 0:
             if isinstance(result, JobFailure):
-                manifest.update_job(job_num, status=_failed_or_stopped(result.rc), rc=result.rc,
-                                    error=result.error, ended=time.time())
+                manifest.update_job(
+                    job_num,
+                    status=_failed_or_stopped(result.rc),
+                    rc=result.rc,
+                    error=result.error,
+                    ended=time.time(),
+                )
             else:
                 manifest.update_job(job_num, status="ok", rc=0, ended=time.time())
         return result
 
-    def _exit_result(self, e: SystemExit, rank: int, manifest, job_num: int,
-                     logs) -> Union[JobReturn, JobFailure]:
+    def _exit_result(self, e: SystemExit, rank: int, manifest, job_num: int, logs) -> JobReturn | JobFailure:
         """What a task that ended with ``SystemExit`` returns: a preempted job that requeues (SLURM)
         leaves nothing (exits again), a Ctrl-C's 130 is a stop, any other code a failure."""
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -201,16 +238,25 @@ class _SweepLauncher(BaseSubmititLauncher):
             return JobReturn(status=JobStatus.COMPLETED)
         if code == PREEMPTED_EXIT_CODE and self._requeues():
             if rank == 0:
-                entry = manifest.update_job(job_num, status="submitted", ended=None,
-                                            requeues=manifest.read_job(job_num).get("requeues", 0) + 1)
-                log.warning("job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
-                            job_num, entry["requeues"])
+                entry = manifest.update_job(
+                    job_num,
+                    status="submitted",
+                    ended=None,
+                    requeues=manifest.read_job(job_num).get("requeues", 0) + 1,
+                )
+                log.warning(
+                    "job #%d stopped after a checkpoint (preemption or time limit): requeued (%d)",
+                    job_num,
+                    entry["requeues"],
+                )
                 subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
             # leave no result behind (submitit would report the job done): the requeued job writes it
             raise SystemExit(code) from None
         if code == INTERRUPTED_EXIT_CODE:
-            return JobFailure(code, f"stopped by Ctrl-C; the task logs in {logs} say after which step and "
-                                    "with which checkpoint")
+            return JobFailure(
+                code,
+                f"stopped by Ctrl-C; the task logs in {logs} say after which step and with which checkpoint",
+            )
         if e.__context__ is not None:  # train.py exits in an ``except`` block: the error it reported
             return JobFailure(code, str(e.__context__))
         return JobFailure(code, f"exited with code {code}; the task logs in {logs} say why")
@@ -233,29 +279,31 @@ class _SweepLauncher(BaseSubmititLauncher):
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         params.pop("_target_", None)
         params.update(self._executor_extras())
-        executor.update_parameters(**{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        executor.update_parameters(
+            **{k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()}
+        )
         return executor
 
-    def _executor_extras(self) -> Dict[str, Any]:
+    def _executor_extras(self) -> dict[str, Any]:
         return {}
 
-    def _extra_overrides(self, run_dir: str) -> List[str]:
+    def _extra_overrides(self, run_dir: str) -> list[str]:
         return []
 
     def _world_size(self) -> int:
         return int(self.params.get("nodes", 1)) * int(self.params.get("tasks_per_node", 1))
 
-    def _job_config(self, overrides: List[str], job_num: int):
+    def _job_config(self, overrides: list[str], job_num: int):
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(sweep_config.hydra.job):
             sweep_config.hydra.job.num = job_num
         return sweep_config
 
-    def _run_dir(self, overrides: List[str], job_num: int) -> str:
+    def _run_dir(self, overrides: list[str], job_num: int) -> str:
         sweep_config = self._job_config(overrides, job_num)
         return str(Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir))
 
-    def _refusal(self, overrides: List[str], job_num: int) -> Optional[str]:
+    def _refusal(self, overrides: list[str], job_num: int) -> str | None:
         """The recipe's refusal of the job's config (composed and validated here, with the job's
         world size, before anything is submitted), or None."""
         from relax_gdn.config import validate
@@ -284,8 +332,14 @@ class _SweepLauncher(BaseSubmititLauncher):
             log.log(logging.getLevelName(level), "%s", line)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from relax_gdn.sweep import (SweepManifest, SweepProgress, override_key, sweep_wandb_group,
-                                     variant_label, varying_keys)
+        from relax_gdn.sweep import (
+            SweepManifest,
+            SweepProgress,
+            override_key,
+            sweep_wandb_group,
+            variant_label,
+            varying_keys,
+        )
 
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -295,29 +349,61 @@ class _SweepLauncher(BaseSubmititLauncher):
         self._progress = SweepProgress(float(self.params.get("slow_job_factor", SLOW_JOB_FACTOR)))
         group = self.params.get("wandb_group") or sweep_wandb_group(sweep_dir)
         varying = varying_keys([filter_overrides(o) for o in job_overrides])
-        manifest.merge(launcher=self._EXECUTOR, wandb_group=group, varying_keys=varying,
-                       world_size_per_job=self._world_size())
-        log.info("%s sweep of %d jobs x %d processes; sweep dir %s; W&B group %s", self._EXECUTOR,
-                 len(job_overrides), self._world_size(), sweep_dir, group)
+        manifest.merge(
+            launcher=self._EXECUTOR,
+            wandb_group=group,
+            varying_keys=varying,
+            world_size_per_job=self._world_size(),
+        )
+        log.info(
+            "%s sweep of %d jobs x %d processes; sweep dir %s; W&B group %s",
+            self._EXECUTOR,
+            len(job_overrides),
+            self._world_size(),
+            sweep_dir,
+            group,
+        )
 
-        to_run: List[Tuple[int, List[str]]] = []
+        to_run: list[tuple[int, list[str]]] = []
         for offset, job in enumerate(job_overrides):
             num = initial_job_idx + offset
             user = list(job)
             keys = {override_key(o) for o in user}
             variant = variant_label(filter_overrides(user), varying)
-            added = [f"{k}={v}" for k, v in (("logging.wandb.group", _quoted(group)),
-                                             ("logging.wandb.job_type", _quoted(variant))) if k not in keys]
+            added = [
+                f"{k}={v}"
+                for k, v in (
+                    ("logging.wandb.group", _quoted(group)),
+                    ("logging.wandb.job_type", _quoted(variant)),
+                )
+                if k not in keys
+            ]
             run_dir = self._run_dir(user, num)
             added += [o for o in self._extra_overrides(run_dir) if override_key(o) not in keys]
             overrides = user + added
             refusal = self._refusal(overrides, num)
             if refusal is not None:  # no run directory: nothing ran (the progress report prints it)
-                manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=None,
-                                    status="failed", refused=True, rc=2, error=refusal, ended=time.time())
+                manifest.update_job(
+                    num,
+                    overrides=list(filter_overrides(user)),
+                    variant=variant,
+                    run_dir=None,
+                    status="failed",
+                    refused=True,
+                    rc=2,
+                    error=refusal,
+                    ended=time.time(),
+                )
                 continue
-            manifest.update_job(num, overrides=list(filter_overrides(user)), variant=variant, run_dir=run_dir,
-                                status="submitted", rc=None, error=None)
+            manifest.update_job(
+                num,
+                overrides=list(filter_overrides(user)),
+                variant=variant,
+                run_dir=run_dir,
+                status="submitted",
+                rc=None,
+                error=None,
+            )
             log.info("\t#%d : %s", num, " ".join(filter_overrides(user)))
             to_run.append((num, overrides))
         manifest.merge()
@@ -338,18 +424,23 @@ class _SweepLauncher(BaseSubmititLauncher):
             self._end_interrupted(manifest, sweep_dir)
         if failed:
             which = ", ".join(f"#{e['num']} (exit {e.get('rc')})" for e in failed)
-            log.error("%d of %d jobs failed: %s; sweep.json in %s says why", len(failed), len(entries), which,
-                      sweep_dir)
+            log.error(
+                "%d of %d jobs failed: %s; sweep.json in %s says why",
+                len(failed),
+                len(entries),
+                which,
+                sweep_dir,
+            )
             raise SystemExit(min(len(failed), MAX_FAILED_EXIT_CODE))
         log.info("all %d jobs ok; sweep.json in %s", len(entries), sweep_dir)
         return [results[num] for num in sorted(results)]
 
-    def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
+    def _slots(self, n_jobs: int) -> list[dict[str, Any]] | None:
         """Executor parameters per concurrent job (each job takes a free slot), or None to submit
         every job at once (the scheduler decides)."""
         return None
 
-    def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
+    def _run(self, jobs: list[tuple[int, list[str]]], manifest) -> dict[int, JobReturn]:
         """Submit ``jobs`` (one per free slot, or all at once as a job array) and wait for every
         one, recording each result as it arrives. A Ctrl-C (the terminal's reaches the running
         jobs too, which stop after a checkpoint) ends the submitting: the jobs not started are
@@ -367,8 +458,10 @@ class _SweepLauncher(BaseSubmititLauncher):
             if slot is not None:
                 executor.update_parameters(**slots[slot])
             with _submitting(), executor.batch():  # a job array on SLURM
-                submitted = [executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
-                             for num, ov in batch]
+                submitted = [
+                    executor.submit(self, ov, "hydra.sweep.dir", num, f"job_id_for_{num}", state)
+                    for num, ov in batch
+                ]
             for (num, _), job in zip(batch, submitted):
                 running[num] = (job, slot)
                 manifest.record_submission(num, job.job_id)
@@ -420,12 +513,12 @@ class _SweepLauncher(BaseSubmititLauncher):
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _not_run(self, nums: List[int], manifest) -> None:
+    def _not_run(self, nums: list[int], manifest) -> None:
         for num in nums:
             manifest.update_job(num, status="not_run", rc=None, error="the sweep was stopped by Ctrl-C first")
         manifest.merge()
 
-    def _given_up(self, running: Dict[int, Any], manifest) -> bool:
+    def _given_up(self, running: dict[int, Any], manifest) -> bool:
         """After a second Ctrl-C: whether the jobs still running are no longer waited for (past
         :data:`AT_ONCE_WAIT_S`); they are then recorded as stopped at once."""
         if self._second_ctrl_c_at is None or time.monotonic() - self._second_ctrl_c_at < AT_ONCE_WAIT_S:
@@ -436,15 +529,22 @@ class _SweepLauncher(BaseSubmititLauncher):
 
     @staticmethod
     def _stopped_at_once(num: int, manifest) -> None:
-        manifest.update_job(num, status="stopped", rc=INTERRUPTED_EXIT_CODE, ended=time.time(),
-                            error="stopped at once by a second Ctrl-C (nothing saved since its last "
-                                  "checkpoint)")
+        manifest.update_job(
+            num,
+            status="stopped",
+            rc=INTERRUPTED_EXIT_CODE,
+            ended=time.time(),
+            error="stopped at once by a second Ctrl-C (nothing saved since its last checkpoint)",
+        )
 
     def _end_interrupted(self, manifest, sweep_dir: Path) -> None:
         """One line saying what each job became, then exit 130."""
         counts = job_counts(manifest.jobs())
-        parts = [f"{counts[status]} {status.replace('_', ' ')}"
-                 for status in ("stopped", "not_run", "ok", "failed") if counts[status]]
+        parts = [
+            f"{counts[status]} {status.replace('_', ' ')}"
+            for status in ("stopped", "not_run", "ok", "failed")
+            if counts[status]
+        ]
         log.warning("sweep stopped by Ctrl-C: %s; sweep.json in %s", ", ".join(parts), sweep_dir)
         raise SystemExit(INTERRUPTED_EXIT_CODE)
 
@@ -458,15 +558,23 @@ class _SweepLauncher(BaseSubmititLauncher):
                 self._stopped_at_once(num, manifest)
                 return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("stopped by Ctrl-C"))
             error = str(e).strip()[-4000:]
-            manifest.update_job(num, status="failed", rc=manifest.read_job(num).get("rc") or 1, error=error,
-                                ended=time.time())
+            manifest.update_job(
+                num, status="failed", rc=manifest.read_job(num).get("rc") or 1, error=error, ended=time.time()
+            )
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(error))
         failures = [o for o in outcomes if isinstance(o, JobFailure)]
         if failures:
             first = failures[0]
             ended = manifest.read_job(num).get("ended") or time.time()  # rank 0's, when it wrote one
-            manifest.update_job(num, status=_failed_or_stopped(first.rc), rc=first.rc, error=first.error,
-                                ended=ended, failed_tasks=len(failures), tasks=len(outcomes))
+            manifest.update_job(
+                num,
+                status=_failed_or_stopped(first.rc),
+                rc=first.rc,
+                error=first.error,
+                ended=ended,
+                failed_tasks=len(failures),
+                tasks=len(outcomes),
+            )
             return JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError(str(first)))
         manifest.update_job(num, status="ok", rc=0)
         return outcomes[0]
@@ -501,17 +609,22 @@ class LocalSweepLauncher(_SweepLauncher):
         import submitit
 
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"])
-        executor.update_parameters(**{k: self.params[k] for k in ("timeout_min", "tasks_per_node", "stderr_to_stdout")
-                                      if self.params.get(k) is not None})
+        executor.update_parameters(
+            **{
+                k: self.params[k]
+                for k in ("timeout_min", "tasks_per_node", "stderr_to_stdout")
+                if self.params.get(k) is not None
+            }
+        )
         return executor
 
-    def _run(self, jobs: List[Tuple[int, List[str]]], manifest) -> Dict[int, JobReturn]:
+    def _run(self, jobs: list[tuple[int, list[str]]], manifest) -> dict[int, JobReturn]:
         try:
             return super()._run(jobs, manifest)
         finally:
             _remove_unformatted_folder(str(self.params["submitit_folder"]))
 
-    def _slots(self, n_jobs: int) -> Optional[List[Dict[str, Any]]]:
+    def _slots(self, n_jobs: int) -> list[dict[str, Any]] | None:
         """``parallel_jobs`` slots, each with its own GPUs: submitit's local executor shows a job
         only the GPUs it is given (``CUDA_VISIBLE_DEVICES``), none by default."""
         import torch
@@ -525,8 +638,10 @@ class LocalSweepLauncher(_SweepLauncher):
         if per_job is None:  # one GPU per process where there are GPUs
             per_job = int(self.params.get("tasks_per_node", 1)) if visible else 0
         try:
-            return [{"gpus_per_node": len(gpus), "visible_gpus": gpus}
-                    for gpus in gpu_slots(visible, int(per_job), parallel)]
+            return [
+                {"gpus_per_node": len(gpus), "visible_gpus": gpus}
+                for gpus in gpu_slots(visible, int(per_job), parallel)
+            ]
         except ValueError as e:
             raise RecipeError(f"hydra/launcher=local: {e}") from None
 
@@ -539,13 +654,13 @@ class SlurmSweepLauncher(_SweepLauncher):
     def _requeues(self) -> bool:
         return bool(self.params.get("requeue"))
 
-    def _executor_extras(self) -> Dict[str, Any]:
+    def _executor_extras(self) -> dict[str, Any]:
         srun = list(self.params.get("srun_args") or [])
         if self.params.get("container_image"):
             srun.append(f"--container-image={self.params['container_image']}")
         if self.params.get("container_mounts"):
             srun.append(f"--container-mounts={self.params['container_mounts']}")
-        extras: Dict[str, Any] = {"srun_args": srun} if srun else {}
+        extras: dict[str, Any] = {"srun_args": srun} if srun else {}
         additional = dict(self.params.get("additional_parameters") or {})
         # SIGUSR1 to every rank signal_delay_s before the time limit: the training loop finishes its
         # step, saves a checkpoint and exits with PREEMPTED_EXIT_CODE (submitit's own USR2 handler
@@ -556,7 +671,7 @@ class SlurmSweepLauncher(_SweepLauncher):
         extras["additional_parameters"] = additional
         return extras
 
-    def _extra_overrides(self, run_dir: str) -> List[str]:
+    def _extra_overrides(self, run_dir: str) -> list[str]:
         # A requeued job runs the same overrides again and continues from the newest checkpoint
         # in its own run directory (the same path after every requeue).
         if not self.params.get("requeue"):

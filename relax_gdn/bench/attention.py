@@ -130,9 +130,16 @@ def reference(q, k, v, grad, cu: list[int], scale: float):
     q, k, v = (x.detach().float().requires_grad_(True) for x in (q, k, v))
     outs = []
     for s, e in zip(cu[:-1], cu[1:]):
-        outs.append(F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
-            scale=scale, enable_gqa=True).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1),
+                k[s:e].transpose(0, 1),
+                v[s:e].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )
     out = torch.cat(outs)
     out.backward(grad.float())
     return out.detach(), q.grad, k.grad, v.grad
@@ -199,8 +206,14 @@ def time_case(backend: str, lengths: list[int], device, args, shape: Shape = Sha
     fwd = _timed_ms(forward, args.iters, device)
     fwd_bwd = _timed_ms(lambda: _step(backend, plan, q, k, v, grad, scale), args.iters, device)
     ms = statistics.median(fwd_bwd)
-    return {"fwd_ms": statistics.median(fwd), "fwd_bwd_ms": ms, "first_ms": first, "first_wall_ms": first_wall,
-            "tflops": attention_flops(lengths, shape=shape) / ms / 1e9, "fwd_bwd_ms_all": fwd_bwd}
+    return {
+        "fwd_ms": statistics.median(fwd),
+        "fwd_bwd_ms": ms,
+        "first_ms": first,
+        "first_wall_ms": first_wall,
+        "tflops": attention_flops(lengths, shape=shape) / ms / 1e9,
+        "fwd_bwd_ms_all": fwd_bwd,
+    }
 
 
 def cases(totals: list[int], packings: list[str], seed: int) -> list[dict]:
@@ -208,8 +221,15 @@ def cases(totals: list[int], packings: list[str], seed: int) -> list[dict]:
     for total in totals:
         for packing in packings:
             lengths = mixed_lengths(total, seed + total) if packing == "mixed" else long_lengths(total)
-            out.append({"name": f"{total // 1024}k {packing}", "tokens": total, "packing": packing,
-                        "lengths": lengths, "s_eff": sum(n * n for n in lengths) / total})
+            out.append(
+                {
+                    "name": f"{total // 1024}k {packing}",
+                    "tokens": total,
+                    "packing": packing,
+                    "lengths": lengths,
+                    "s_eff": sum(n * n for n in lengths) / total,
+                }
+            )
     return out
 
 
@@ -228,8 +248,10 @@ def _status(backend: str, device, shape: Shape) -> str | None:
 
 
 def _device_facts(device) -> dict:
-    facts = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-             "torch": torch.__version__}
+    facts = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     try:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -254,24 +276,33 @@ def run_backend(backend: str, all_cases: list[dict], args, device, save: Callabl
         started = time.perf_counter()
         entry["check"] = check(backend, device, shape, [int(n) for n in args.check_lengths.split(",")])
         entry["setup_s"] = time.perf_counter() - started  # the check also compiles / loads the kernels
-        print(f"[attention] {backend}: check {'passed' if entry['check']['passed'] else 'FAILED'} "
-              f"({', '.join(f'{n} {e['rel_err']:.2e}' for n, e in entry['check']['errors'].items())}), "
-              f"set-up {entry['setup_s']:.1f} s", flush=True)
+        print(
+            f"[attention] {backend}: check {'passed' if entry['check']['passed'] else 'FAILED'} "
+            f"({', '.join(f'{n} {e["rel_err"]:.2e}' for n, e in entry['check']['errors'].items())}), "
+            f"set-up {entry['setup_s']:.1f} s",
+            flush=True,
+        )
         entry["cases"] = {}
         save(entry)
         for case in all_cases:
             result = time_case(backend, case["lengths"], device, args, shape)
             entry["cases"][case["name"]] = result
             save(entry)
-            print(f"[attention] {backend} {case['name']}: fwd+bwd {result['fwd_bwd_ms']:.2f} ms "
-                  f"({result['tflops']:.0f} TFLOP/s), fwd {result['fwd_ms']:.2f} ms, first call "
-                  f"{result['first_wall_ms']:.0f} ms", flush=True)
+            print(
+                f"[attention] {backend} {case['name']}: fwd+bwd {result['fwd_bwd_ms']:.2f} ms "
+                f"({result['tflops']:.0f} TFLOP/s), fwd {result['fwd_ms']:.2f} ms, first call "
+                f"{result['first_wall_ms']:.0f} ms",
+                flush=True,
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         entry["status"] = "ok" if entry["check"]["passed"] else "wrong"
     except Exception as e:  # noqa: BLE001 - a kernel that raises is a result; its process ends next
-        entry |= {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:2000],
-                  "traceback": traceback.format_exc()[-STDERR_TAIL:]}
+        entry |= {
+            "status": "failed",
+            "reason": f"{type(e).__name__}: {e}"[:2000],
+            "traceback": traceback.format_exc()[-STDERR_TAIL:],
+        }
         print(f"[attention] {backend}: FAILED: {entry['reason'][:300]}", flush=True)
     save(entry)
     return entry
@@ -279,8 +310,16 @@ def run_backend(backend: str, all_cases: list[dict], args, device, save: Callabl
 
 def child_command(backend: str, argv: list[str], entry_path: Path) -> list[str]:
     """The process that runs one backend: this module with the run's arguments."""
-    return [sys.executable, "-m", "relax_gdn.bench.attention", *argv, "--one-backend", backend,
-            "--entry-out", str(entry_path)]
+    return [
+        sys.executable,
+        "-m",
+        "relax_gdn.bench.attention",
+        *argv,
+        "--one-backend",
+        backend,
+        "--entry-out",
+        str(entry_path),
+    ]
 
 
 def _process_end(returncode: int | None, timeout_s: float) -> str:
@@ -316,22 +355,37 @@ def run_isolated(backend: str, command: list[str], entry_path: Path, timeout_s: 
         return entry
     end = _process_end(returncode, timeout_s)
     reason = f"{entry['reason']}; {end}" if entry.get("reason") else end
-    entry |= {"status": "failed", "reason": reason, "returncode": returncode,
-              "stderr_tail": err[-STDERR_TAIL:]}
+    entry |= {
+        "status": "failed",
+        "reason": reason,
+        "returncode": returncode,
+        "stderr_tail": err[-STDERR_TAIL:],
+    }
     print(f"[attention] {backend}: FAILED: {reason[:300]}", flush=True)
     return entry
 
 
-def run_all(backends: list[str], argv: list[str], timeout_s: float, work_dir: Path,
-            command: Callable[[str, list[str], Path], list[str]] = child_command,
-            after_each: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def run_all(
+    backends: list[str],
+    argv: list[str],
+    timeout_s: float,
+    work_dir: Path,
+    command: Callable[[str, list[str], Path], list[str]] = child_command,
+    after_each: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Every backend in a process of its own, one after the other: their entries in order.
     ``command(backend, argv, entry_path)`` builds a backend's process (:func:`child_command`);
     ``after_each(entries)`` runs after every backend."""
     entries: list[dict] = []
     for backend in backends:
-        entries.append(run_isolated(backend, command(backend, argv, work_dir / f"{backend}.json"),
-                                    work_dir / f"{backend}.json", timeout_s))
+        entries.append(
+            run_isolated(
+                backend,
+                command(backend, argv, work_dir / f"{backend}.json"),
+                work_dir / f"{backend}.json",
+                timeout_s,
+            )
+        )
         if after_each is not None:
             after_each(entries)
     return entries
@@ -359,27 +413,42 @@ def format_table(result: dict) -> str:
         lines.append(row)
     lines.append("cells: fwd+bwd ms, speed-up over varlen (torch's FlashAttention-2)")
     for e in entries:
-        lines.append(f"  {e['backend']}: {e['status']}" + (f" ({e['reason'][:200]})" if e.get("reason") else ""))
+        lines.append(
+            f"  {e['backend']}: {e['status']}" + (f" ({e['reason'][:200]})" if e.get("reason") else "")
+        )
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--lengths", default="8192,32768,65536,131072")
     parser.add_argument("--packings", default="mixed,long")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend-timeout-s", type=float, default=900.0,
-                        help="a backend's process running longer is killed and reported failed")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: the same code on CPU, where only sdpa runs (the tests)")
+    parser.add_argument(
+        "--backend-timeout-s",
+        type=float,
+        default=900.0,
+        help="a backend's process running longer is killed and reported failed",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the same code on CPU, where only sdpa runs (the tests)",
+    )
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--kv-heads", type=int, default=GROUPS)
     parser.add_argument("--head-dim", type=int, default=DIM)
-    parser.add_argument("--check-lengths", default=",".join(map(str, CHECK_LENGTHS)),
-                        help="the documents of the check against fp32 SDPA")
+    parser.add_argument(
+        "--check-lengths",
+        default=",".join(map(str, CHECK_LENGTHS)),
+        help="the documents of the check against fp32 SDPA",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--one-backend", help=argparse.SUPPRESS)  # a backend's own process (run_isolated)
     parser.add_argument("--entry-out", help=argparse.SUPPRESS)
@@ -416,10 +485,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         _one_backend(args, all_cases)
         return None
     shape = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bf16"}
-    result = {"meta": {"args": vars(args), "shape": shape,
-                       "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
-              "cases": [{k: c[k] for k in ("name", "tokens", "packing", "lengths", "s_eff")} for c in all_cases],
-              "backends": []}
+    result = {
+        "meta": {
+            "args": vars(args),
+            "shape": shape,
+            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        },
+        "cases": [{k: c[k] for k in ("name", "tokens", "packing", "lengths", "s_eff")} for c in all_cases],
+        "backends": [],
+    }
 
     def save(entries: list[dict]) -> None:  # after every backend: a run cut short keeps what it measured
         result["backends"] = entries
@@ -430,8 +504,13 @@ def main(argv: list[str] | None = None) -> dict | None:
             Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
     with tempfile.TemporaryDirectory(prefix="bench-attention-") as work:
-        run_all([b.strip() for b in args.backends.split(",") if b.strip()], argv, args.backend_timeout_s,
-                Path(work), after_each=save)
+        run_all(
+            [b.strip() for b in args.backends.split(",") if b.strip()],
+            argv,
+            args.backend_timeout_s,
+            Path(work),
+            after_each=save,
+        )
     print()
     print(format_table(result))
     return result

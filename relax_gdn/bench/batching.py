@@ -48,9 +48,9 @@ def _pack_before(samples, padded, pad_id):
     for sample, p in zip(samples, padded):
         n = len(sample)
         ids = np.asarray(sample.input_ids, dtype=np.int64)
-        tokens[start:start + n] = ids
-        labels[start:start + n - 1] = ids[1:]
-        loss_mask[start:start + n - 1] = np.asarray(sample.loss_mask[: n - 1], dtype=np.float32)
+        tokens[start : start + n] = ids
+        labels[start : start + n - 1] = ids[1:]
+        loss_mask[start : start + n - 1] = np.asarray(sample.loss_mask[: n - 1], dtype=np.float32)
         start += p
     return tokens, labels, loss_mask
 
@@ -59,11 +59,18 @@ def micro_batch_samples(tokens: int, seed: int):
     """Samples of one packed micro-batch of at most ``tokens`` (first-fit, longest first)."""
     from relax_gdn.data import LengthProfile, length_matched_samples, plan_micro_batches
 
-    profile = LengthProfile(mean_tokens=tokens / 4, sigma=0.8, min_tokens=min(1024, tokens),
-                            max_tokens=min(tokens, 65536), prompt_tokens=96)
+    profile = LengthProfile(
+        mean_tokens=tokens / 4,
+        sigma=0.8,
+        min_tokens=min(1024, tokens),
+        max_tokens=min(tokens, 65536),
+        prompt_tokens=96,
+    )
     count = 16
     lengths = [min(n, tokens) for n in profile.sample_lengths(count, seed)]
-    samples = length_matched_samples(count, vocab_size=VOCAB, seed=seed, profile=profile, lengths=lengths, eos_id=1)
+    samples = length_matched_samples(
+        count, vocab_size=VOCAB, seed=seed, profile=profile, lengths=lengths, eos_id=1
+    )
     plan = plan_micro_batches(samples, max_tokens_per_gpu=tokens, cp_size=1)
     return max(plan[0], key=lambda mb: (len(mb), sum(len(s) for s in mb)))  # the most documents
 
@@ -83,21 +90,36 @@ def measure(tokens: int, cp: int, repeats: int, seed: int) -> dict:
     samples = micro_batch_samples(tokens, seed)
     padded = [padded_length(len(s), cp) for s in samples]
     cpu = torch.device("cpu")
-    times: dict[str, list[float]] = {k: [] for k in ("before", "pack", "micro_batch", "plan", "flex_mask", "gdn")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("before", "pack", "micro_batch", "plan", "flex_mask", "gdn")
+    }
     for _ in range(repeats):  # interleaved: the machine's load moves every column alike
         times["before"].append(_ms(lambda: _pack_before(samples, padded, 0)))
         times["pack"].append(_ms(lambda: pack_host_arrays(samples, padded, 0)))
         start = time.perf_counter()
-        mb = make_micro_batch(samples, cp_size=cp, cp_rank=0, device=cpu, pad_id=0,
-                              route_strategy="prebuild" if cp > 1 else "lazy_cache")
+        mb = make_micro_batch(
+            samples,
+            cp_size=cp,
+            cp_rank=0,
+            device=cpu,
+            pad_id=0,
+            route_strategy="prebuild" if cp > 1 else "lazy_cache",
+        )
         times["micro_batch"].append((time.perf_counter() - start) * 1e3)
         psp, local = mb.packed_seq_params, mb.tokens.shape[1]
-        times["gdn"].append(_ms(functools.partial(_gdn_host, psp, local * cp, cp, resolve_cu_seqlens)))  # caches
+        times["gdn"].append(
+            _ms(functools.partial(_gdn_host, psp, local * cp, cp, resolve_cu_seqlens))
+        )  # caches
         plan = functools.partial(zigzag_attention_plan, psp, local, cp, 0, cpu)
         times["plan"].append(_ms(lambda plan=plan: (plan().varlen, plan().dense)))
         times["flex_mask"].append(_ms(lambda plan=plan: plan().flex_block_mask))
-    return {"tokens": tokens, "cp": cp, "documents": len(samples), "real_tokens": sum(len(s) for s in samples),
-            **{k: statistics.median(v) for k, v in times.items() if v}}
+    return {
+        "tokens": tokens,
+        "cp": cp,
+        "documents": len(samples),
+        "real_tokens": sum(len(s) for s in samples),
+        **{k: statistics.median(v) for k, v in times.items() if v},
+    }
 
 
 def _gdn_host(psp, total: int, cp: int, resolve_cu_seqlens) -> None:
@@ -110,7 +132,9 @@ def _gdn_host(psp, total: int, cp: int, resolve_cu_seqlens) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", default="8192,32768,65536,131072")
     parser.add_argument("--cp", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=7)
@@ -118,15 +142,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
-    print(f"{'tokens':>8}{'cp':>4}{'docs':>6}{'pack before':>13}{'pack':>8}{'speed-up':>10}{'micro-batch':>13}"
-          f"{'attn plan':>11}{'flex mask':>11}{'gdn':>7}   (host ms per micro-batch, medians)")
+    print(
+        f"{'tokens':>8}{'cp':>4}{'docs':>6}{'pack before':>13}{'pack':>8}{'speed-up':>10}{'micro-batch':>13}"
+        f"{'attn plan':>11}{'flex mask':>11}{'gdn':>7}   (host ms per micro-batch, medians)"
+    )
     for tokens in (int(x) for x in args.lengths.split(",")):
         for cp in (int(x) for x in args.cp.split(",")):
             r = measure(tokens, cp, args.repeats, args.seed)
             rows.append(r)
-            print(f"{tokens:>8}{cp:>4}{r['documents']:>6}{r['before']:>13.2f}{r['pack']:>8.2f}"
-                  f"{r['before'] / r['pack']:>9.1f}x{r['micro_batch']:>13.2f}{r['plan']:>11.2f}"
-                  f"{r['flex_mask']:>11.2f}{r['gdn']:>7.2f}", flush=True)
+            print(
+                f"{tokens:>8}{cp:>4}{r['documents']:>6}{r['before']:>13.2f}{r['pack']:>8.2f}"
+                f"{r['before'] / r['pack']:>9.1f}x{r['micro_batch']:>13.2f}{r['plan']:>11.2f}"
+                f"{r['flex_mask']:>11.2f}{r['gdn']:>7.2f}",
+                flush=True,
+            )
     return rows
 
 

@@ -39,7 +39,8 @@ def convert(triton_cache_dirs: list[Path], out_dir: Path) -> dict[str, int]:
             record = json.loads(path.read_text())
             key = record["key"]
             entries[path.name[: -len(_TRITON_SUFFIX)]][AutotuneKey.key_hash(key)] = {
-                "autotune_key": key, "config": _best(record["configs_timings"]),
+                "autotune_key": key,
+                "config": _best(record["configs_timings"]),
             }
     if not entries:
         raise ValueError(

@@ -28,6 +28,7 @@ def _fwd_bwd(fn, inputs, seed_grad=None):
             t.grad = None
         out = fn()
         out.backward(seed_grad if seed_grad is not None else torch.ones_like(out))
+
     return run
 
 
@@ -46,7 +47,9 @@ def _measure(name, run, rows):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
     require_gpus("relax_gdn.bench.fused_ops")
@@ -80,8 +83,11 @@ def _measure_all(args) -> None:
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + 1.0)).to(x.dtype)
 
     _measure("rmsnorm zero-centred: plain fp32 chain", _fwd_bwd(plain_norm, [x, w]), rows)
-    _measure("rmsnorm zero-centred: fused F.rms_norm", _fwd_bwd(lambda: fusion.fused_rms_norm(x, w, 1e-6, True),
-                                                                  [x, w]), rows)
+    _measure(
+        "rmsnorm zero-centred: fused F.rms_norm",
+        _fwd_bwd(lambda: fusion.fused_rms_norm(x, w, 1e-6, True), [x, w]),
+        rows,
+    )
 
     o = torch.randn(n * 32, 128, device=dev, dtype=bf16, requires_grad=True)
     z = torch.randn(n * 32, 128, device=dev, dtype=bf16, requires_grad=True)
@@ -93,8 +99,11 @@ def _measure_all(args) -> None:
         return (y * F.silu(z.float())).to(o.dtype)
 
     _measure("gated norm: plain", _fwd_bwd(plain_gated, [o, z, gw]), rows)
-    _measure("gated norm: FLA rms_norm_gated", _fwd_bwd(lambda: fusion.fused_gated_rms_norm(o, z, gw, 1e-6),
-                                                         [o, z, gw]), rows)
+    _measure(
+        "gated norm: FLA rms_norm_gated",
+        _fwd_bwd(lambda: fusion.fused_gated_rms_norm(o, z, gw, 1e-6), [o, z, gw]),
+        rows,
+    )
 
     a = torch.randn(n, 2 * 12288, device=dev, dtype=bf16, requires_grad=True)
 
@@ -136,21 +145,41 @@ def _measure_all(args) -> None:
         return vocab_parallel_cross_entropy(logits, labels.unsqueeze(1)).squeeze(1)
 
     _measure("lm_head + CE: plain (Megatron vocab-parallel)", _fwd_bwd(plain_ce, [h, head], weights), rows)
-    _measure("lm_head + CE: chunked linear_cross_entropy",
-             _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels, kernels=kernels), [h, head], weights), rows)
+    _measure(
+        "lm_head + CE: chunked linear_cross_entropy",
+        _fwd_bwd(lambda: fusion.linear_cross_entropy(h, head, labels, kernels=kernels), [h, head], weights),
+        rows,
+    )
     mask = (weights > 0.3).float()  # the training loss: the masked sum, gradients formed in forward
-    _measure("lm_head + CE: plain, masked sum", _fwd_bwd(lambda: (plain_ce().float() * mask).sum(), [h, head]), rows)
-    _measure("lm_head + CE: chunked weighted_linear_cross_entropy_sum",
-             _fwd_bwd(lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask, kernels=kernels), [h, head]), rows)
+    _measure(
+        "lm_head + CE: plain, masked sum",
+        _fwd_bwd(lambda: (plain_ce().float() * mask).sum(), [h, head]),
+        rows,
+    )
+    _measure(
+        "lm_head + CE: chunked weighted_linear_cross_entropy_sum",
+        _fwd_bwd(
+            lambda: fusion.weighted_linear_cross_entropy_sum(h, head, labels, mask, kernels=kernels),
+            [h, head],
+        ),
+        rows,
+    )
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     except ImportError:
         print("liger-kernel not importable: its row is left out")
     else:
-        _measure("lm_head + CE: liger-kernel 'none'",
-                 _fwd_bwd(lambda: LigerFusedLinearCrossEntropyFunction.apply(h, head, labels, None, None, -100, 0.0,
-                                                                             0.0, "none")[0], [h, head], weights), rows)
-
+        _measure(
+            "lm_head + CE: liger-kernel 'none'",
+            _fwd_bwd(
+                lambda: LigerFusedLinearCrossEntropyFunction.apply(
+                    h, head, labels, None, None, -100, 0.0, 0.0, "none"
+                )[0],
+                [h, head],
+                weights,
+            ),
+            rows,
+        )
 
 
 if __name__ == "__main__":

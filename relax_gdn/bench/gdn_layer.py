@@ -81,11 +81,23 @@ def qwen35_gdn_config(**overrides):
     from megatron.core.transformer import TransformerConfig
 
     kwargs = dict(
-        num_layers=1, hidden_size=4096, num_attention_heads=16, linear_num_key_heads=16,
-        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, normalization="RMSNorm", params_dtype=torch.bfloat16, bf16=True,
-        activation_func=F.silu, recompute_granularity="full", recompute_method="uniform",
-        recompute_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=1,
+        hidden_size=4096,
+        num_attention_heads=16,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        normalization="RMSNorm",
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        activation_func=F.silu,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -100,8 +112,15 @@ def packed_seq_params(cu: list[int], device: torch.device):
 
     t = torch.tensor(cu, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(cu, cu[1:]))
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t, cu_seqlens_q_padded=t,
-                          cu_seqlens_kv_padded=t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    psp = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=t,
+        cu_seqlens_kv=t,
+        cu_seqlens_q_padded=t,
+        cu_seqlens_kv_padded=t,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
     attach_host_cu_seqlens(psp, t, cu)
     return psp
 
@@ -155,8 +174,10 @@ def profile_call(fn, iters: int = 5, top: int = 18, trace: str | None = None) ->
         acc = per_name.setdefault(e.name, [0, 0.0])
         acc[0] += 1
         acc[1] += e.time_range.elapsed_us()
-    lines = [f"    wall {wall_ms:.2f} ms/call, GPU busy {busy / 1e3 / iters:.2f} ms/call, "
-             f"{len(kernels) / iters:.0f} kernels/call, host enqueue {enqueue_ms:.2f} ms/call (no profiler)"]
+    lines = [
+        f"    wall {wall_ms:.2f} ms/call, GPU busy {busy / 1e3 / iters:.2f} ms/call, "
+        f"{len(kernels) / iters:.0f} kernels/call, host enqueue {enqueue_ms:.2f} ms/call (no profiler)"
+    ]
     for name, (count, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"    {us / 1e3 / iters:7.3f} ms {count / iters:5.1f}x  {name[:110]}")
     return "\n".join(lines)
@@ -167,10 +188,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the chunkwise variants")
     parser.add_argument("--only", default=None, help="micro-batch names separated by ;")
-    parser.add_argument("--profile", action="store_true", help="profile chunkwise and one GPU on half the batch")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile chunkwise and one GPU on half the batch"
+    )
     parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--python-hotspots", action="store_true",
-                        help="with --profile: cProfile of chunkwise on rank 0 (host time per Python function)")
+    parser.add_argument(
+        "--python-hotspots",
+        action="store_true",
+        help="with --profile: cProfile of chunkwise on rank 0 (host time per Python function)",
+    )
     args = parser.parse_args()
     require_gpus("relax_gdn.bench.gdn_layer", gpus=2)  # CP 2: the micro-batches are cut in two
 
@@ -243,13 +269,22 @@ def _run(args) -> None:
                 xx = x.detach().requires_grad_(True)
                 out, _ = layer(xx, None, packed_seq_params=p)
                 out.backward(dy)
+
             return run
 
         row = {}
         for label in ("headwise", "headwise (stock MCore)", "all_gather"):
             fn = step(layers[label], x_local, dy_local, psp)
-            row[label] = (cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn), cuda_pipelined_ms(fn))
-            print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms", flush=True)
+            row[label] = (
+                cuda_median_ms(fn, args.iters),
+                count_host_syncs(fn),
+                host_enqueue_ms(fn),
+                cuda_pipelined_ms(fn),
+            )
+            print(
+                f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}: {label} {row[label][0]:.2f} ms",
+                flush=True,
+            )
 
         # Chunkwise and its A/B variants in interleaved rounds (median of the rounds' medians): a
         # host-bound row drifts between one timing and the next, so no variant is timed alone.
@@ -261,8 +296,12 @@ def _run(args) -> None:
                 samples[label][1].append(cuda_pipelined_ms(calls[label]))
         for label in variants:
             latency, pipelined = samples[label]
-            row[label] = (statistics.median(latency), count_host_syncs(calls[label]), host_enqueue_ms(calls[label]),
-                          statistics.median(pipelined))
+            row[label] = (
+                statistics.median(latency),
+                count_host_syncs(calls[label]),
+                host_enqueue_ms(calls[label]),
+                statistics.median(pipelined),
+            )
 
         real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
 
@@ -273,7 +312,11 @@ def _run(args) -> None:
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
             row["chunkwise, per-token route per call"] = (
-                cuda_median_ms(fn, args.iters), count_host_syncs(fn), host_enqueue_ms(fn), cuda_pipelined_ms(fn))
+                cuda_median_ms(fn, args.iters),
+                count_host_syncs(fn),
+                host_enqueue_ms(fn),
+                cuda_pipelined_ms(fn),
+            )
         finally:
             gdn_layer.get_route = real_get_route
 
@@ -283,9 +326,15 @@ def _run(args) -> None:
         half_cu = [c for c in cu if c <= half]
         if half_cu[-1] < half:
             half_cu.append(half)  # the document that crosses T/2 is cut there
-        half_step = step(layers["single GPU"], x_full[:half], dy_full[:half], packed_seq_params(half_cu, device))
+        half_step = step(
+            layers["single GPU"], x_full[:half], dy_full[:half], packed_seq_params(half_cu, device)
+        )
         row["one GPU, half micro-batch"] = (
-            cuda_median_ms(half_step, args.iters), None, host_enqueue_ms(half_step), cuda_pipelined_ms(half_step))
+            cuda_median_ms(half_step, args.iters),
+            None,
+            host_enqueue_ms(half_step),
+            cuda_pipelined_ms(half_step),
+        )
         buf = torch.empty(total // 2, config.hidden_size, device=device, dtype=torch.bfloat16)
         out = torch.empty_like(buf)
 
@@ -294,14 +343,28 @@ def _run(args) -> None:
                 dist.all_to_all_single(out, buf)
 
         a2a_ms, a2a_pipelined_ms = cuda_median_ms(four_swaps, args.iters), cuda_pipelined_ms(four_swaps)
-        row["ideal (single/2 + bare a2a)"] = (single_ms / 2 + a2a_ms, 0, None, single_pipelined_ms / 2 + a2a_pipelined_ms)
+        row["ideal (single/2 + bare a2a)"] = (
+            single_ms / 2 + a2a_ms,
+            0,
+            None,
+            single_pipelined_ms / 2 + a2a_pipelined_ms,
+        )
         row["single GPU, whole micro-batch"] = (single_ms, None, None, single_pipelined_ms)
         table.append((name, row))
         if args.profile:
-            trace = (lambda v: os.path.join(args.trace_dir, f"{name}-{v}-rank{rank}.json".replace(" ", "_").replace(",", ""))
-                     ) if args.trace_dir else (lambda v: None)
+            trace = (
+                (
+                    lambda v: os.path.join(
+                        args.trace_dir, f"{name}-{v}-rank{rank}.json".replace(" ", "_").replace(",", "")
+                    )
+                )
+                if args.trace_dir
+                else (lambda v: None)
+            )
             report = {
-                "chunkwise": profile_call(step(layers["chunkwise"], x_local, dy_local, psp), trace=trace("chunkwise")),
+                "chunkwise": profile_call(
+                    step(layers["chunkwise"], x_local, dy_local, psp), trace=trace("chunkwise")
+                ),
                 "one GPU, half micro-batch": profile_call(half_step, trace=trace("half")),
             }
             if args.python_hotspots:
@@ -313,18 +376,29 @@ def _run(args) -> None:
 
     if rank == 0:
         print(f"\nGDN layer fwd+bwd, Qwen3.5-9B shapes, bf16, TP1 CP2, {torch.cuda.get_device_name()}")
-        order = [*variants, "chunkwise, per-token route per call",
-                 "headwise", "headwise (stock MCore)", "all_gather", "ideal (single/2 + bare a2a)", "single GPU, whole micro-batch",
-                 "one GPU, half micro-batch"]
+        order = [
+            *variants,
+            "chunkwise, per-token route per call",
+            "headwise",
+            "headwise (stock MCore)",
+            "all_gather",
+            "ideal (single/2 + bare a2a)",
+            "single GPU, whole micro-batch",
+            "one GPU, half micro-batch",
+        ]
         for name, row in table:
             stock, stock_pipelined = row["headwise (stock MCore)"][0], row["headwise (stock MCore)"][3]
             print(f"\n{name}")
-            print(f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11} {'host ms':>8} "
-                  f"{'pipelined ms':>13} {'vs stock':>9}")
+            print(
+                f"  {'variant':<38} {'ms':>8} {'vs stock headwise':>18} {'syncs/call':>11} {'host ms':>8} "
+                f"{'pipelined ms':>13} {'vs stock':>9}"
+            )
             for label in order:
                 ms, syncs, host, pipelined = row[label]
-                print(f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11} "
-                      f"{'' if host is None else f'{host:.2f}':>8} {pipelined:>13.2f} {stock_pipelined / pipelined:>8.2f}x")
+                print(
+                    f"  {label:<38} {ms:>8.2f} {stock / ms:>17.2f}x {'' if syncs is None else syncs:>11} "
+                    f"{'' if host is None else f'{host:.2f}':>8} {pipelined:>13.2f} {stock_pipelined / pipelined:>8.2f}x"
+                )
     dist.destroy_process_group()
 
 

@@ -59,7 +59,9 @@ def _kernels(kernels):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--triton-dqkwg", action="store_true", help="FLA's Triton chunk_bwd_dqkwg, not TileLang's")
+    parser.add_argument(
+        "--triton-dqkwg", action="store_true", help="FLA's Triton chunk_bwd_dqkwg, not TileLang's"
+    )
     args = parser.parse_args()
     if args.triton_dqkwg and "fla" in sys.modules:
         raise RuntimeError("--triton-dqkwg must take effect before FLA is imported")
@@ -71,7 +73,9 @@ def main() -> None:
         if args.triton_dqkwg:
             import fla.ops.common.chunk_o as fla_chunk_o
 
-            runtime.replace_attribute(fla_chunk_o, "TRITON_ABOVE_3_7_1", True)  # FLA's Hopper guard, see above
+            runtime.replace_attribute(
+                fla_chunk_o, "TRITON_ABOVE_3_7_1", True
+            )  # FLA's Hopper guard, see above
         if torch.cuda.is_available():
             # Megatron-Core's jit_fuser (torch.compile) cannot compile the gated norm in fp64
             runtime.replace_attribute(torch._dynamo.config, "disable", True)
@@ -102,8 +106,9 @@ def _measure(args) -> None:
 
     def layer(dtype, state=None):
         pgs = ProcessGroupCollection(tp=world, cp=world)
-        built = build_module(gdn_cp_layer_spec(GDNOptions(max_cp_size=1)), config=config, layer_number=1,
-                             pg_collection=pgs).to(device)
+        built = build_module(
+            gdn_cp_layer_spec(GDNOptions(max_cp_size=1)), config=config, layer_number=1, pg_collection=pgs
+        ).to(device)
         if state is not None:
             built.load_state_dict(state)
         return built.to(dtype)
@@ -129,20 +134,26 @@ def _measure(args) -> None:
     truth = run(torch_kernels, torch.float64)
     variants = [("torch, fp32", torch_kernels, torch.float32)]
     if not cpu:
-        fla = FlaKernels(fused_gate=True, zigzag_cp=False, skip_unread_cp_summaries=False)  # CP 1: no summaries
+        fla = FlaKernels(
+            fused_gate=True, zigzag_cp=False, skip_unread_cp_summaries=False
+        )  # CP 1: no summaries
         variants += [
             ("FLA conv + FLA scan, fp32", fla, torch.float32),
             ("torch conv + FLA scan, fp32", _Pairing(torch_kernels, fla), torch.float32),
             ("FLA conv + torch scan, fp32", _Pairing(fla, torch_kernels), torch.float32),
             ("FLA conv + FLA scan, bf16", fla, torch.bfloat16),
         ]
-    print(f"GDN layer vs fp64 torch truth: max |error| / max |truth|; device {device}, "
-          f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT', 'tf32 (Triton default)')}, "
-          f"chunk_bwd_dqkwg {'Triton' if args.triton_dqkwg else 'FLA default'}")
+    print(
+        f"GDN layer vs fp64 torch truth: max |error| / max |truth|; device {device}, "
+        f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT', 'tf32 (Triton default)')}, "
+        f"chunk_bwd_dqkwg {'Triton' if args.triton_dqkwg else 'FLA default'}"
+    )
     print(f"  {'variant':<30}" + "".join(f"{name:>16}" for name in REPORTED))
     for label, kernels, dtype in variants:
         got = run(kernels, dtype)
-        errors = {k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in REPORTED}
+        errors = {
+            k: ((got[k].double() - truth[k]).abs().max() / truth[k].abs().max()).item() for k in REPORTED
+        }
         print(f"  {label:<30}" + "".join(f"{errors[k]:>16.2e}" for k in REPORTED), flush=True)
         print("json " + json.dumps({"variant": label, **errors}), flush=True)
     if created:

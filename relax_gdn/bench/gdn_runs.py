@@ -91,8 +91,8 @@ def main() -> None:
 
     from relax_gdn.bench.gdn_layer import packed_seq_params
     from relax_gdn.gdn.layer import CPGatedDeltaNet
-    from relax_gdn.layout import thd_rank_indices
     from relax_gdn.gdn.options import GDNOptions
+    from relax_gdn.layout import thd_rank_indices
     from relax_gdn.model import build_qwen3_5_preset_model, qwen3_5_config, qwen3_5_preset
 
     cuda = torch.cuda.is_available()
@@ -129,7 +129,10 @@ def main() -> None:
     for label, contiguous in VARIANTS.items():
         torch.manual_seed(0)
         models[label] = build_qwen3_5_preset_model(
-            preset, config, pg_collection=pgs, gdn=GDNOptions(cp_mode="chunkwise"),
+            preset,
+            config,
+            pg_collection=pgs,
+            gdn=GDNOptions(cp_mode="chunkwise"),
             contiguous_between_layers=contiguous,
         ).to(device)
     state = models["per-layer swaps"].state_dict()
@@ -151,6 +154,7 @@ def main() -> None:
         def run():
             backward(forward(model))
             model.zero_grad(set_to_none=True)
+
         return run
 
     losses, swaps = {}, {}
@@ -169,11 +173,15 @@ def main() -> None:
 
     if rank == 0:
         base = ms["per-layer swaps"]
-        kinds = "".join("G" if isinstance(layer.self_attention, CPGatedDeltaNet) else "A"
-                        for layer in models["contiguous runs"].decoder.layers)
-        print(f"\n{preset.name} ({kinds}), CP {world} on {device.type}, {total} tokens "
-              f"({len(lengths)} documents), "
-              f"recompute {args.recompute}, fwd+bwd, {args.rounds} rounds x median of {args.iters}")
+        kinds = "".join(
+            "G" if isinstance(layer.self_attention, CPGatedDeltaNet) else "A"
+            for layer in models["contiguous runs"].decoder.layers
+        )
+        print(
+            f"\n{preset.name} ({kinds}), CP {world} on {device.type}, {total} tokens "
+            f"({len(lengths)} documents), "
+            f"recompute {args.recompute}, fwd+bwd, {args.rounds} rounds x median of {args.iters}"
+        )
         print(f"{'variant':<18}{'ms':>10}{'speed-up':>10}{'swaps fwd':>11}{'swaps bwd':>11}")
         for label in models:
             fwd, bwd = swaps[label]

@@ -74,15 +74,21 @@ def _linear_fn(recipe: str | None, bf16_rows: int, fuse: bool):
 
     if recipe is None:
         return lambda x, w: linear_with_grad_accumulation_and_async_allreduce(
-            x, w, None, gradient_accumulation_fusion=fuse, allreduce_dgrad=False, sequence_parallel=False)
+            x, w, None, gradient_accumulation_fusion=fuse, allreduce_dgrad=False, sequence_parallel=False
+        )
     from torchao.float8 import Float8LinearConfig
 
     from relax_gdn.model.fp8.casts import CastKernels
     from relax_gdn.model.fp8.linear import FP8LinearImpl
     from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
-    impl = FP8LinearImpl(Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]), "column", None,
-                         CastKernels(), bf16_rows=bf16_rows)
+    impl = FP8LinearImpl(
+        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
+        "column",
+        None,
+        CastKernels(),
+        bf16_rows=bf16_rows,
+    )
     return lambda x, w: impl(x, w, gradient_accumulation_fusion=fuse)
 
 
@@ -94,8 +100,10 @@ def _measure_shape(shape: LinearShape, tokens: int, recipes: list[str | None], f
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, shape.in_features, device=dev, dtype=bf16, generator=gen).requires_grad_()
-    w = (torch.randn(shape.out_features, shape.in_features, device=dev, dtype=bf16, generator=gen)
-         * shape.in_features ** -0.5).requires_grad_()
+    w = (
+        torch.randn(shape.out_features, shape.in_features, device=dev, dtype=bf16, generator=gen)
+        * shape.in_features**-0.5
+    ).requires_grad_()
     w.main_grad = torch.zeros(w.shape, device=dev, dtype=torch.float32)
     w.grad_added_to_main_grad = False
     grad = torch.randn(tokens, shape.out_features, device=dev, dtype=bf16, generator=gen)
@@ -121,11 +129,23 @@ def _measure_shape(shape: LinearShape, tokens: int, recipes: list[str | None], f
         fwd_ms = cuda_median_ms(forward, iters=10, warmup=2, align_ranks=False)
         total_ms = cuda_median_ms(forward_backward, iters=10, warmup=2, align_ranks=False)
         bwd_ms = max(total_ms - fwd_ms, 1e-9)
-        rows.append(dict(shape=shape.name, recipe=recipe or "bf16", in_features=shape.in_features,
-                         out_features=shape.out_features, count=shape.count, in_model=shape.in_model,
-                         fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / fwd_ms / 1e9,
-                         bwd_tflops=2 * flops / bwd_ms / 1e9, out_rel_err=_rel(y, reference[0]),
-                         dgrad_rel_err=_rel(x.grad, reference[1]), host_syncs=count_host_syncs(forward_backward)))
+        rows.append(
+            dict(
+                shape=shape.name,
+                recipe=recipe or "bf16",
+                in_features=shape.in_features,
+                out_features=shape.out_features,
+                count=shape.count,
+                in_model=shape.in_model,
+                fwd_ms=fwd_ms,
+                bwd_ms=bwd_ms,
+                fwd_tflops=flops / fwd_ms / 1e9,
+                bwd_tflops=2 * flops / bwd_ms / 1e9,
+                out_rel_err=_rel(y, reference[0]),
+                dgrad_rel_err=_rel(x.grad, reference[1]),
+                host_syncs=count_host_syncs(forward_backward),
+            )
+        )
     base = rows[0]
     for row in rows:
         row["speedup"] = (base["fwd_ms"] + base["bwd_ms"]) / (row["fwd_ms"] + row["bwd_ms"])
@@ -133,12 +153,17 @@ def _measure_shape(shape: LinearShape, tokens: int, recipes: list[str | None], f
 
 
 def _print_rows(rows: list[dict]) -> None:
-    print(f"{'layer':<18}{'recipe':<15}{'fwd ms':>8}{'TFLOP/s':>9}{'bwd ms':>8}{'TFLOP/s':>9}{'x bf16':>8}"
-          f"{'out err':>9}{'dx err':>8}{'syncs':>6}")
+    print(
+        f"{'layer':<18}{'recipe':<15}{'fwd ms':>8}{'TFLOP/s':>9}{'bwd ms':>8}{'TFLOP/s':>9}{'x bf16':>8}"
+        f"{'out err':>9}{'dx err':>8}{'syncs':>6}"
+    )
     for r in rows:
-        print(f"{r['shape']:<18}{r['recipe']:<15}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>9.0f}{r['bwd_ms']:>8.3f}"
-              f"{r['bwd_tflops']:>9.0f}{r['speedup']:>8.2f}{r['out_rel_err']:>9.4f}{r['dgrad_rel_err']:>8.4f}"
-              f"{r['host_syncs']:>6d}", flush=True)
+        print(
+            f"{r['shape']:<18}{r['recipe']:<15}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>9.0f}{r['bwd_ms']:>8.3f}"
+            f"{r['bwd_tflops']:>9.0f}{r['speedup']:>8.2f}{r['out_rel_err']:>9.4f}{r['dgrad_rel_err']:>8.4f}"
+            f"{r['host_syncs']:>6d}",
+            flush=True,
+        )
 
 
 def model_totals(rows: list[dict]) -> dict[str, float]:
@@ -152,7 +177,9 @@ def model_totals(rows: list[dict]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--preset", default="qwen3_5_9b")
     parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_gw_hp")
@@ -176,14 +203,26 @@ def main(argv: list[str] | None = None) -> None:
         _print_rows(rows)
         totals = model_totals(rows)
         base = totals["bf16"]
-        print(f"\n{args.preset} linear layers per micro-batch of {args.tokens} tokens (fwd + bwd, the output layer "
-              "left out):")
+        print(
+            f"\n{args.preset} linear layers per micro-batch of {args.tokens} tokens (fwd + bwd, the output layer "
+            "left out):"
+        )
         for recipe, ms in totals.items():
             print(f"  {recipe:<15}{ms:>9.1f} ms  {base / ms:.2f}x bf16")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"tokens": args.tokens, "preset": args.preset, "fused_wgrad": fuse,
-                           "shapes": [asdict(s) for s in shapes], "rows": rows, "totals_ms": totals}, f, indent=1)
+                json.dump(
+                    {
+                        "tokens": args.tokens,
+                        "preset": args.preset,
+                        "fused_wgrad": fuse,
+                        "shapes": [asdict(s) for s in shapes],
+                        "rows": rows,
+                        "totals_ms": totals,
+                    },
+                    f,
+                    indent=1,
+                )
 
 
 if __name__ == "__main__":

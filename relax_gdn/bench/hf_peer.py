@@ -61,17 +61,22 @@ def existing_init_problem(directory: Path, marker: dict) -> str | None:
         return None
     made = directory / INIT_MARKER
     if not made.is_file():
-        return (f"--init-dir {directory} exists and is not a checkpoint this benchmark wrote: pass it as "
-                "--hf-checkpoint to start from it, or name another --init-dir")
+        return (
+            f"--init-dir {directory} exists and is not a checkpoint this benchmark wrote: pass it as "
+            "--hf-checkpoint to start from it, or name another --init-dir"
+        )
     found = json.loads(made.read_text())
     if found != marker:
-        return (f"--init-dir {directory} holds the random-init checkpoint of {found}, not {marker}: name another "
-                "--init-dir (or delete that one)")
+        return (
+            f"--init-dir {directory} holds the random-init checkpoint of {found}, not {marker}: name another "
+            "--init-dir (or delete that one)"
+        )
     return None
 
 
-def write_random_checkpoint(directory: Path, preset: str, seed: int, dtype: torch.dtype,
-                            device: torch.device) -> Path:
+def write_random_checkpoint(
+    directory: Path, preset: str, seed: int, dtype: torch.dtype, device: torch.device
+) -> Path:
     """A random ``Qwen3_5ForCausalLM`` of ``preset``'s sizes (HF's initialisation, the norms, ``A_log``
     and ``dt_bias`` moved by seeded noise) saved by transformers into ``directory``, unless a
     previous run wrote it there already. Written into ``<directory>.partial`` first and renamed when
@@ -131,8 +136,13 @@ class HFSettings:
     attention: str = "sdpa"
 
     def as_dict(self) -> dict:
-        return {"checkpointing": self.checkpointing, "liger": self.liger, "fp8": self.fp8,
-                "compile": self.compile or self.fp8 is not None, "attention": self.attention}
+        return {
+            "checkpointing": self.checkpointing,
+            "liger": self.liger,
+            "fp8": self.fp8,
+            "compile": self.compile or self.fp8 is not None,
+            "attention": self.attention,
+        }
 
 
 def parse_hf_settings(words: list[str]) -> HFSettings:
@@ -147,8 +157,10 @@ def parse_hf_settings(words: list[str]) -> HFSettings:
         elif key == "attn" and eq and value:
             found["attention"] = value
         else:
-            raise ValueError(f"HF row setting {word!r}: want ckpt, liger, compile, fp8, fp8=<{'|'.join(FP8_RECIPES)}> "
-                             "or attn=<transformers attn_implementation>")
+            raise ValueError(
+                f"HF row setting {word!r}: want ckpt, liger, compile, fp8, fp8=<{'|'.join(FP8_RECIPES)}> "
+                "or attn=<transformers attn_implementation>"
+            )
     return HFSettings(**found)
 
 
@@ -167,7 +179,9 @@ def cannot_run(settings: HFSettings, device: torch.device) -> str | None:
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not installed (torchao==0.18.0)"
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            return "torchao's float8 training needs a CUDA GPU of compute capability 8.9 or above (float8 GEMMs)"
+            return (
+                "torchao's float8 training needs a CUDA GPU of compute capability 8.9 or above (float8 GEMMs)"
+            )
     if (settings.compile or settings.fp8 is not None) and device.type != "cuda":
         return "torch.compile of the decoder blocks: on CPU the Runtime turns TorchDynamo off (a GPU row)"
     return None
@@ -216,8 +230,9 @@ def _to_float8(text_model: torch.nn.Module, recipe: str) -> None:
     def float8_shaped(module: torch.nn.Module, fqn: str) -> bool:  # float8 GEMMs take multiples of 16
         return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-    convert_to_float8_training(text_model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=float8_shaped)
+    convert_to_float8_training(
+        text_model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=float8_shaped
+    )
 
 
 def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
@@ -227,9 +242,13 @@ def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
 
     from relax_gdn.model.lora import AdapterLayout, initial_adapter
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.modules))
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.modules)
+    )
     with warnings.catch_warnings():  # peft 0.21.2 reads transformers 5's deprecated name for the same flag
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         wrapped = get_peft_model(model, config)
     with torch.no_grad():
         for name, module in wrapped.named_modules():
@@ -238,20 +257,25 @@ def _with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
                 continue
             weight = adapter["default"].weight
             hf_module = name.removeprefix("base_model.model.")
-            a, _ = initial_adapter(AdapterLayout(hf_module, None, None, tuple(weight.shape), (0, 0)), lora.init_seed,
-                                   embedding=False)
+            a, _ = initial_adapter(
+                AdapterLayout(hf_module, None, None, tuple(weight.shape), (0, 0)),
+                lora.init_seed,
+                embedding=False,
+            )
             weight.copy_(a)
     return wrapped
 
 
-def build_hf_model(checkpoint: Path, settings: HFSettings, lora, device: torch.device,
-                   dtype: torch.dtype) -> HFModel:
+def build_hf_model(
+    checkpoint: Path, settings: HFSettings, lora, device: torch.device, dtype: torch.dtype
+) -> HFModel:
     """The model of an HF row: the checkpoint in ``dtype`` on ``device`` with ``settings``, and PEFT
     adapters when ``lora`` (LoRAOptions) is given."""
     from transformers import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation=settings.attention,
-                                               device_map={"": device})
+    model = Qwen3_5ForCausalLM.from_pretrained(
+        checkpoint, dtype=dtype, attn_implementation=settings.attention, device_map={"": device}
+    )
     if settings.liger:
         apply_liger(model)
     if settings.fp8 is not None:
@@ -306,8 +330,16 @@ class StepResult:
     seconds: float
 
 
-def hf_step(model: HFModel, docs: list, *, loss_tokens: int, optimizer, clip_grad: float,
-            device: torch.device, measure_norm: bool) -> StepResult:
+def hf_step(
+    model: HFModel,
+    docs: list,
+    *,
+    loss_tokens: int,
+    optimizer,
+    clip_grad: float,
+    device: torch.device,
+    measure_norm: bool,
+) -> StepResult:
     """One optimizer step of ``model`` over ``docs`` (see the module docstring). ``measure_norm``:
     also the fp32 gradient norm of the agreement check, before the timed clock stops (untimed
     steps only)."""
@@ -333,8 +365,14 @@ def hf_step(model: HFModel, docs: list, *, loss_tokens: int, optimizer, clip_gra
 def adamw(model: HFModel, optim, device: torch.device) -> torch.optim.Optimizer:
     """HF Trainer's default optimizer (``adamw_torch_fused``) with relax-gdn's hyper-parameters
     (``optim.*``) at the peak learning rate."""
-    return torch.optim.AdamW(model.trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                             weight_decay=optim.weight_decay, fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        model.trainable,
+        lr=optim.lr,
+        betas=(optim.beta1, optim.beta2),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=device.type == "cuda",
+    )
 
 
 def free_memory(device: torch.device) -> None:
@@ -358,8 +396,11 @@ def out_of_memory(message: str) -> dict | None:
         match = re.search(pattern, message)
         return match.group(1) if match else None
 
-    return {"asked": find(rf"Tried to allocate {_SIZE}"), "in_use": find(rf"this process has {_SIZE} memory in use"),
-            "capacity": find(rf"total capacity of {_SIZE}")}
+    return {
+        "asked": find(rf"Tried to allocate {_SIZE}"),
+        "in_use": find(rf"this process has {_SIZE} memory in use"),
+        "capacity": find(rf"total capacity of {_SIZE}"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +435,17 @@ def _memory_at_start(device: torch.device) -> float | None:
     return round(torch.cuda.memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
 
 
-def _train(model_of: Callable[[], HFModel], batches: Batches, *, steps: int, optimizer: str, optim, shape,
-           device: torch.device, records: list) -> None:
+def _train(
+    model_of: Callable[[], HFModel],
+    batches: Batches,
+    *,
+    steps: int,
+    optimizer: str,
+    optim,
+    shape,
+    device: torch.device,
+    records: list,
+) -> None:
     """Build the model and run ``steps`` steps, appending each step's record to ``records`` (kept
     when a later step fails)."""
     from relax_gdn.train.metrics import MetricsProcessor
@@ -406,21 +456,58 @@ def _train(model_of: Callable[[], HFModel], batches: Batches, *, steps: int, opt
     for step in range(1, steps + 1):
         docs = batches.at(step)
         loss_tokens = sum(s.num_loss_tokens for s in docs)
-        result = hf_step(model, docs, loss_tokens=loss_tokens, optimizer=update, clip_grad=optim.clip_grad,
-                         device=device, measure_norm=step == 1)
+        result = hf_step(
+            model,
+            docs,
+            loss_tokens=loss_tokens,
+            optimizer=update,
+            clip_grad=optim.clip_grad,
+            device=device,
+            measure_norm=step == 1,
+        )
         lengths = [len(s) for s in docs]
-        records.append(metrics.record(step=step, loss=result.loss, grad_norm=result.grad_norm, lr=optim.lr,
-                                      seq_lengths=lengths, loss_tokens=loss_tokens, padded_tokens=sum(lengths),
-                                      num_micro_batches=len(docs), epoch=0, step_time_s=result.seconds).as_dict())
+        records.append(
+            metrics.record(
+                step=step,
+                loss=result.loss,
+                grad_norm=result.grad_norm,
+                lr=optim.lr,
+                seq_lengths=lengths,
+                loss_tokens=loss_tokens,
+                padded_tokens=sum(lengths),
+                num_micro_batches=len(docs),
+                epoch=0,
+                step_time_s=result.seconds,
+            ).as_dict()
+        )
 
 
-def run_hf_row(name: str, settings: HFSettings, *, checkpoint: Path, lora, batches: Batches, steps: int, skip: int,
-               optimizer: str, optim, shape, device: torch.device, dtype: torch.dtype) -> dict:
+def run_hf_row(
+    name: str,
+    settings: HFSettings,
+    *,
+    checkpoint: Path,
+    lora,
+    batches: Batches,
+    steps: int,
+    skip: int,
+    optimizer: str,
+    optim,
+    shape,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict:
     """One HF row: ``steps`` steps, summarised as ``bench.train_e2e`` summarises a variant. A row
     that cannot run here, runs out of memory or fails keeps what it ran and says why in its summary."""
     from relax_gdn.bench.train_e2e import summarize
 
-    entry = {"name": name, "side": "hf", "settings": settings.as_dict(), "optimizer": optimizer, "records": []}
+    entry = {
+        "name": name,
+        "side": "hf",
+        "settings": settings.as_dict(),
+        "optimizer": optimizer,
+        "records": [],
+    }
     why = cannot_run(settings, device)
     if why is not None:
         return entry | {"summary": {"cannot_run": why}}
@@ -428,8 +515,16 @@ def run_hf_row(name: str, settings: HFSettings, *, checkpoint: Path, lora, batch
     records: list[dict] = entry["records"]
     failure = None
     try:
-        _train(lambda: build_hf_model(checkpoint, settings, lora, device, dtype), batches, steps=steps,
-               optimizer=optimizer, optim=optim, shape=shape, device=device, records=records)
+        _train(
+            lambda: build_hf_model(checkpoint, settings, lora, device, dtype),
+            batches,
+            steps=steps,
+            optimizer=optimizer,
+            optim=optim,
+            shape=shape,
+            device=device,
+            records=records,
+        )
     except Exception as e:  # noqa: BLE001 - one row failing (out of memory, a kernel's error) must not end the rest
         failure = f"{type(e).__name__}: {e}"[:2000]
     if settings.compile or settings.fp8 is not None:
@@ -442,6 +537,8 @@ def run_hf_row(name: str, settings: HFSettings, *, checkpoint: Path, lora, batch
     if oom is not None:
         summary["oom"] = oom | {"step": len(records) + 1}
     if records:  # what it ran before failing (the step it got to included nothing)
-        summary |= {"step_tokens_per_s": [r["tokens_per_s"] for r in records],
-                    "peak_mem_gib": max(r["peak_mem_gb"] or 0.0 for r in records) if device.type == "cuda" else None}
+        summary |= {
+            "step_tokens_per_s": [r["tokens_per_s"] for r in records],
+            "peak_mem_gib": max(r["peak_mem_gb"] or 0.0 for r in records) if device.type == "cuda" else None,
+        }
     return entry | {"summary": summary}

@@ -39,17 +39,25 @@ LONG_CASES_FROM = 32768
 # and tunes its kernels), and a row starts only while that much of the call is left. {winner}: the
 # attention kernel of the candidates.
 E2E_CALLS: dict[str, list[tuple[int, str]]] = {
-    "2a": [(270, "mt=65536,recompute=full,model.attention_backend=varlen"),
-           (270, "mt=65536,recompute=mixed,model.attention_backend={winner},profile")],
-    "2b": [(210, "mt=32768,recompute=full,model.attention_backend=varlen"),
-           (150, "mt=32768,recompute=mixed,model.attention_backend={winner}"),
-           (60, "mt=32768,recompute=selective,model.attention_backend={winner}")],
+    "2a": [
+        (270, "mt=65536,recompute=full,model.attention_backend=varlen"),
+        (270, "mt=65536,recompute=mixed,model.attention_backend={winner},profile"),
+    ],
+    "2b": [
+        (210, "mt=32768,recompute=full,model.attention_backend=varlen"),
+        (150, "mt=32768,recompute=mixed,model.attention_backend={winner}"),
+        (60, "mt=32768,recompute=selective,model.attention_backend={winner}"),
+    ],
     "2c": [(450, "mt=131072,recompute=full,model.attention_backend=varlen")],
-    "2d": [(420, "mt=131072,recompute=mixed,model.attention_backend={winner}"),
-           (240, "mt=65536,recompute=full,model.attention_backend={winner}")],
-    "2e": [(120, "mt=8192,recompute=full,model.attention_backend=varlen"),
-           (90, "mt=8192,recompute=full,model.attention_backend={winner}"),
-           (90, "mt=8192,recompute=selective,model.attention_backend={winner}")],
+    "2d": [
+        (420, "mt=131072,recompute=mixed,model.attention_backend={winner}"),
+        (240, "mt=65536,recompute=full,model.attention_backend={winner}"),
+    ],
+    "2e": [
+        (120, "mt=8192,recompute=full,model.attention_backend=varlen"),
+        (90, "mt=8192,recompute=full,model.attention_backend={winner}"),
+        (90, "mt=8192,recompute=selective,model.attention_backend={winner}"),
+    ],
 }
 
 
@@ -87,10 +95,16 @@ def targets(results: list[dict]) -> list[str]:
     varlen row of these results and to the issue's own full-recompute figure, and the target where
     the issue sets one, judged against both."""
     measured = [v for r in results for v in r["variants"]]
-    base = {_tokens(v): v["summary"]["tokens_per_s"] for v in measured
-            if v["summary"].get("tokens_per_s") and v["name"].endswith("recompute=full,model.attention_backend=varlen")}
-    lines = [f"{'variant':<62}{'whole':>6}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'est':>7}{'vs full/varlen':>16}"
-             f"{'vs issue':>10}  target (this run's full row; the issue's)"]
+    base = {
+        _tokens(v): v["summary"]["tokens_per_s"]
+        for v in measured
+        if v["summary"].get("tokens_per_s")
+        and v["name"].endswith("recompute=full,model.attention_backend=varlen")
+    }
+    lines = [
+        f"{'variant':<62}{'whole':>6}{'tok/s':>8}{'MFU':>7}{'GiB':>7}{'est':>7}{'vs full/varlen':>16}"
+        f"{'vs issue':>10}  target (this run's full row; the issue's)"
+    ]
     for v in measured:
         s, tokens = v["summary"], _tokens(v)
         if "refused" in s or "error" in s:
@@ -98,16 +112,20 @@ def targets(results: list[dict]) -> list[str]:
             lines.append(f"{v['name']:<62}  {why}: {(s.get('refused') or s.get('error'))[:140]}")
             continue
         ratio = s["tokens_per_s"] / base[tokens] if base.get(tokens) else None
-        issue_ratio = s["tokens_per_s"] / ISSUE_FULL_RECOMPUTE[tokens] if tokens in ISSUE_FULL_RECOMPUTE else None
+        issue_ratio = (
+            s["tokens_per_s"] / ISSUE_FULL_RECOMPUTE[tokens] if tokens in ISSUE_FULL_RECOMPUTE else None
+        )
         verdict = ""
         if "full,model.attention_backend=varlen" not in v["name"]:
             verdict = _verdict(tokens, s["tokens_per_s"], ratio, issue_ratio)
         estimate = (s.get("memory_estimate_gib") or {}).get("total") or 0.0
         whole = v.get("full_layers")  # mixed: the layers recomputed whole
-        lines.append(f"{v['name']:<62}{'-' if whole is None else whole:>6}{s['tokens_per_s']:>8.0f}"
-                     f"{s['mfu'] or 0:>7.3f}{s['peak_mem_gib'] or 0:>7.1f}"
-                     f"{estimate:>7.1f}{(f'{ratio:.3f}x' if ratio else '-'):>16}"
-                     f"{(f'{issue_ratio:.3f}x' if issue_ratio else '-'):>10}  {verdict}")
+        lines.append(
+            f"{v['name']:<62}{'-' if whole is None else whole:>6}{s['tokens_per_s']:>8.0f}"
+            f"{s['mfu'] or 0:>7.3f}{s['peak_mem_gib'] or 0:>7.1f}"
+            f"{estimate:>7.1f}{(f'{ratio:.3f}x' if ratio else '-'):>16}"
+            f"{(f'{issue_ratio:.3f}x' if issue_ratio else '-'):>10}  {verdict}"
+        )
     return lines
 
 
@@ -120,12 +138,23 @@ def _verdict(tokens: int, tok_s: float, ratio: float | None, issue_ratio: float 
     def judged(r: float | None) -> str:
         return "-" if r is None else ("met" if r >= goal and (floor is None or tok_s >= floor) else "MISSED")
 
-    return (f">= {goal:.2f}x" + (f" and >= {floor} tok/s" if floor else "")
-            + f": {judged(ratio)}; issue's: {judged(issue_ratio)}")
+    return (
+        f">= {goal:.2f}x"
+        + (f" and >= {floor} tok/s" if floor else "")
+        + f": {judged(ratio)}; issue's: {judged(issue_ratio)}"
+    )
 
 
-def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, dp: int = 1,
-         optimizer: str = "none", preset: str = "qwen3_5_9b") -> list[str]:
+def plan(
+    capacity_gib: float,
+    lengths: list[int],
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    dp: int = 1,
+    optimizer: str = "none",
+    preset: str = "qwen3_5_9b",
+) -> list[str]:
     """Per micro-batch size (tokens per GPU), what the memory model says fits a GPU of
     ``capacity_gib``: selective where its estimate fits the share of the GPU that mixed's choice
     keeps to (:data:`~relax_gdn.train.memory.MIXED_HEADROOM`: the rest goes to the allocator's
@@ -138,10 +167,14 @@ def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, d
     vocab = -(-qwen3_5_preset(preset).vocab_size // 1024) * 1024
     shape = ModelShape.from_transformer_config(qwen3_5_config(preset), vocab)
     capacity = capacity_gib * GIB
-    lines = [f"{preset}, {capacity_gib:g} GiB per GPU, TP {tp}{' + SP' if tp > 1 else ''} x CP {cp} x DP {dp}, "
-             f"optimizer {optimizer}:"]
+    lines = [
+        f"{preset}, {capacity_gib:g} GiB per GPU, TP {tp}{' + SP' if tp > 1 else ''} x CP {cp} x DP {dp}, "
+        f"optimizer {optimizer}:"
+    ]
     for tokens in lengths:
-        common = dict(tokens_per_gpu=tokens, tp=tp, sequence_parallel=tp > 1, cp=cp, dp=dp, optimizer=optimizer)
+        common = dict(
+            tokens_per_gpu=tokens, tp=tp, sequence_parallel=tp > 1, cp=cp, dp=dp, optimizer=optimizer
+        )
         layers = fewest_full_layers(shape, capacity, **common)
         full = estimate_memory(shape, recompute="full", **common)
         if layers == 0:
@@ -160,7 +193,9 @@ def plan(capacity_gib: float, lengths: list[int], *, tp: int = 1, cp: int = 1, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("winner")
     w.add_argument("attention_json")
@@ -178,15 +213,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=("adam", "none"), default="none")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        print("\n".join(plan(args.capacity_gib, [int(x) for x in args.lengths.split(",")], tp=args.tp, cp=args.cp,
-                             dp=args.dp, optimizer=args.optimizer)))
+        print(
+            "\n".join(
+                plan(
+                    args.capacity_gib,
+                    [int(x) for x in args.lengths.split(",")],
+                    tp=args.tp,
+                    cp=args.cp,
+                    dp=args.dp,
+                    optimizer=args.optimizer,
+                )
+            )
+        )
         return
     if args.command == "winner":
         path = Path(args.attention_json)
         best, sums = winner(json.loads(path.read_text())) if path.exists() else ("varlen", {})
         print(best)
-        print(f"(summed fwd+bwd ms over the >= 32k cases: {sums or 'no attention results'})",
-              file=sys.stderr)
+        print(f"(summed fwd+bwd ms over the >= 32k cases: {sums or 'no attention results'})", file=sys.stderr)
     elif args.command == "rows":
         print("\n".join(f"{limit}\t{variant}" for limit, variant in rows(args.call, args.winner)))
     else:

@@ -99,13 +99,18 @@ class Row:
     spec: str
     side: str  # "hf" or "relax"
     hf: HFSettings | None = None  # hf rows
-    overrides: dict = field(default_factory=dict)  # config overrides (relax rows); recompute "best" resolved later
+    overrides: dict = field(
+        default_factory=dict
+    )  # config overrides (relax rows); recompute "best" resolved later
 
     @property
     def fp8(self) -> bool:
         if self.side == "hf":
             return self.hf.fp8 is not None
-        return any(k.startswith("model.fp8") and v not in (None, False, "none", "off") for k, v in self.overrides.items())
+        return any(
+            k.startswith("model.fp8") and v not in (None, False, "none", "off")
+            for k, v in self.overrides.items()
+        )
 
 
 def default_rows(docs_per_step: int) -> list[str]:
@@ -150,14 +155,19 @@ def agreement(first: dict | None, reference: dict | None, kind: str) -> dict:
         return out | {"agrees": None, "why": "no HF reference step"}
     loss_rel = abs(first["loss"] - reference["loss"]) / abs(reference["loss"])
     out |= {"loss": first["loss"], "loss_rel": loss_rel, "grad_norm": first.get("grad_norm")}
-    problems = [f"loss {first['loss']:.6g} vs HF {reference['loss']:.6g} (rel {loss_rel:.1e} > {LOSS_RTOL[kind]:g})"
-                ] if not loss_rel <= LOSS_RTOL[kind] else []
+    problems = (
+        [f"loss {first['loss']:.6g} vs HF {reference['loss']:.6g} (rel {loss_rel:.1e} > {LOSS_RTOL[kind]:g})"]
+        if not loss_rel <= LOSS_RTOL[kind]
+        else []
+    )
     if first.get("grad_norm") is not None and reference.get("grad_norm"):
         grad_rel = abs(first["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"]
         out["grad_norm_rel"] = grad_rel
         if not grad_rel <= GRAD_NORM_RTOL[kind]:
-            problems.append(f"grad norm {first['grad_norm']:.6g} vs HF {reference['grad_norm']:.6g} "
-                            f"(rel {grad_rel:.1e} > {GRAD_NORM_RTOL[kind]:g})")
+            problems.append(
+                f"grad norm {first['grad_norm']:.6g} vs HF {reference['grad_norm']:.6g} "
+                f"(rel {grad_rel:.1e} > {GRAD_NORM_RTOL[kind]:g})"
+            )
     return out | {"agrees": not problems, "why": "; ".join(problems) or None}
 
 
@@ -170,15 +180,27 @@ def base_config(args, checkpoint: str, device: torch.device) -> RunConfig:
     """The run configuration every relax-gdn row starts from."""
     from relax_gdn.data import padded_length
 
-    return RunConfig().with_overrides({
-        "model.preset": args.preset, "model.hf_checkpoint": checkpoint, "model.mtp.num_layers": 0,
-        "train.steps": args.steps, "train.global_batch_size": args.docs_per_step,
-        "train.max_tokens_per_gpu": padded_length(args.doc_tokens, 1), "train.device": device.type,
-        "train.seed": args.seed, "data.num_samples": args.docs_per_step * args.steps, "data.max_sample_tokens": None,
-        "optim.warmup_steps": 1, "optim.lr": args.lr, "optim.min_lr": args.lr / 10,
-        # no sync debug mode (a check per CUDA call) that the HF rows would run without
-        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": False,
-    })
+    return RunConfig().with_overrides(
+        {
+            "model.preset": args.preset,
+            "model.hf_checkpoint": checkpoint,
+            "model.mtp.num_layers": 0,
+            "train.steps": args.steps,
+            "train.global_batch_size": args.docs_per_step,
+            "train.max_tokens_per_gpu": padded_length(args.doc_tokens, 1),
+            "train.device": device.type,
+            "train.seed": args.seed,
+            "data.num_samples": args.docs_per_step * args.steps,
+            "data.max_sample_tokens": None,
+            "optim.warmup_steps": 1,
+            "optim.lr": args.lr,
+            "optim.min_lr": args.lr / 10,
+            # no sync debug mode (a check per CUDA call) that the HF rows would run without
+            "logging.console": False,
+            "logging.jsonl": False,
+            "logging.count_host_syncs": False,
+        }
+    )
 
 
 def workload_overrides(workload: str, lora_rank: int) -> dict:
@@ -208,8 +230,10 @@ def workload_optimizer(cfg, device: torch.device, vocab: int, requested: str) ->
     need, have = _memory(cfg, vocab, "adam", recompute="full"), device_memory_bytes(device)
     if need <= have:
         return "adam", "fits"
-    return "none", (f"Adam state does not fit: estimate {need / GIB:.0f} GiB > {have / GIB:.0f} GiB; forward + "
-                    "backward without an update on both sides")
+    return "none", (
+        f"Adam state does not fit: estimate {need / GIB:.0f} GiB > {have / GIB:.0f} GiB; forward + "
+        "backward without an update on both sides"
+    )
 
 
 def best_recompute(cfg, device: torch.device, vocab: int, optimizer: str) -> str:
@@ -227,7 +251,9 @@ def best_recompute(cfg, device: torch.device, vocab: int, optimizer: str) -> str
     return "mixed"
 
 
-def relax_row_config(base, workload_keys: dict, row: Row, *, device: torch.device, vocab: int, optimizer: str):
+def relax_row_config(
+    base, workload_keys: dict, row: Row, *, device: torch.device, vocab: int, optimizer: str
+):
     """The configuration of a relax-gdn row (``recompute=best`` resolved) and its overrides."""
     overrides = {**workload_keys, **row.overrides}
     cfg = base.with_overrides({k: v for k, v in overrides.items() if k != "recompute.granularity"})
@@ -261,19 +287,35 @@ def run_hf(bench: Bench, name: str, settings: HFSettings, *, lora, optimizer: st
     from relax_gdn.train.flops import ModelShape
 
     shape = ModelShape.from_transformer_config(qwen3_5_config(bench.args.preset), bench.vocab, lora=lora)
-    return run_hf_row(name, settings, checkpoint=bench.checkpoint, lora=lora, batches=bench.batches, steps=steps,
-                      skip=bench.args.skip, optimizer=optimizer, optim=bench.base.optim, shape=shape,
-                      device=bench.device, dtype=bench.dtype)
+    return run_hf_row(
+        name,
+        settings,
+        checkpoint=bench.checkpoint,
+        lora=lora,
+        batches=bench.batches,
+        steps=steps,
+        skip=bench.args.skip,
+        optimizer=optimizer,
+        optim=bench.base.optim,
+        shape=shape,
+        device=bench.device,
+        dtype=bench.dtype,
+    )
 
 
 def run_relax(bench: Bench, row: Row, workload_keys: dict, optimizer: str) -> dict:
     from relax_gdn.bench import train_e2e
 
-    cfg, overrides = relax_row_config(bench.base, workload_keys, row, device=bench.device, vocab=bench.vocab,
-                                      optimizer=optimizer)
-    variant_args = argparse.Namespace(optimizer=optimizer, profile=False, skip=bench.args.skip, trace_dir=None)
+    cfg, overrides = relax_row_config(
+        bench.base, workload_keys, row, device=bench.device, vocab=bench.vocab, optimizer=optimizer
+    )
+    variant_args = argparse.Namespace(
+        optimizer=optimizer, profile=False, skip=bench.args.skip, trace_dir=None
+    )
     data = (train_e2e.VocabularyOnly(bench.vocab), bench.batches.dataset())
-    entry = train_e2e.run_variant(row.spec, cfg, variant_args, 1, bench.device, data=data, runtime=bench.runtime)
+    entry = train_e2e.run_variant(
+        row.spec, cfg, variant_args, 1, bench.device, data=data, runtime=bench.runtime
+    )
     entry |= {"side": "relax", "config": overrides}
     error = entry["summary"].get("error")
     if error and (oom := out_of_memory(error)):
@@ -289,14 +331,27 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
     cfg = bench.base.with_overrides(keys)
     optimizer, why = workload_optimizer(cfg, bench.device, bench.vocab, args.optimizer)
     lora = cfg.lora_options
-    reference = run_hf(bench, f"{REFERENCE_ROW} (reference step)", parse_hf_settings(REFERENCE_ROW.split(",")[1:]),
-                       lora=lora, optimizer="none", steps=1)
+    reference = run_hf(
+        bench,
+        f"{REFERENCE_ROW} (reference step)",
+        parse_hf_settings(REFERENCE_ROW.split(",")[1:]),
+        lora=lora,
+        optimizer="none",
+        steps=1,
+    )
     first = reference["records"][0] if reference["records"] else None
-    reference_step = {"row": REFERENCE_ROW, "loss": first["loss"], "grad_norm": first["grad_norm"]} if first else None
-    out = {"name": workload, "optimizer": optimizer, "optimizer_note": why,
-           "lora": lora.as_dict() if lora is not None else None,
-           "reference": reference_step or {"row": REFERENCE_ROW, "loss": None, "grad_norm": None,
-                                           "error": note(reference, None)}, "rows": []}
+    reference_step = (
+        {"row": REFERENCE_ROW, "loss": first["loss"], "grad_norm": first["grad_norm"]} if first else None
+    )
+    out = {
+        "name": workload,
+        "optimizer": optimizer,
+        "optimizer_note": why,
+        "lora": lora.as_dict() if lora is not None else None,
+        "reference": reference_step
+        or {"row": REFERENCE_ROW, "loss": None, "grad_norm": None, "error": note(reference, None)},
+        "rows": [],
+    }
     emit(out, None)
     for row in rows:
         if row.side == "hf":
@@ -304,7 +359,9 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
         else:
             entry = run_relax(bench, row, keys, optimizer)
         records = entry.get("records") or []
-        entry["agreement"] = agreement(records[0] if records else None, reference_step, precision(row, bench.device))
+        entry["agreement"] = agreement(
+            records[0] if records else None, reference_step, precision(row, bench.device)
+        )
         out["rows"].append(entry)
         emit(out, entry)
     return out
@@ -314,8 +371,19 @@ def run_workload(bench: Bench, workload: str, rows: list[Row], emit) -> dict:
 # the table
 # ---------------------------------------------------------------------------------------------
 
-COLUMNS = ("row", "tok/s", "÷ {baseline}", "÷ fastest HF", "MFU", "peak GiB", "first loss", "rel Δ loss",
-           "first grad norm", "rel Δ grad", "note")
+COLUMNS = (
+    "row",
+    "tok/s",
+    "÷ {baseline}",
+    "÷ fastest HF",
+    "MFU",
+    "peak GiB",
+    "first loss",
+    "rel Δ loss",
+    "first grad norm",
+    "rel Δ grad",
+    "note",
+)
 # the console's table fits a terminal: without the first step's values (its title gives the
 # reference's; the deviations stay), and the notes under it, one line per row that has one
 CONSOLE_COLUMNS = tuple(c for c in COLUMNS if c not in ("first loss", "first grad norm", "note"))
@@ -334,8 +402,11 @@ def _oom_note(oom: dict, summary: dict) -> str:
     asked = f": asked {oom['asked']}" if oom.get("asked") else ""
     in_use = f" with {oom['in_use']} in use" if oom.get("in_use") else ""
     ran = summary.get("step_tokens_per_s") or []
-    before = (f" (steps before: {', '.join(f'{t:,.0f}' for t in ran)} tok/s, peak {summary['peak_mem_gib']:.1f} GiB)"
-              if ran and summary.get("peak_mem_gib") else "")
+    before = (
+        f" (steps before: {', '.join(f'{t:,.0f}' for t in ran)} tok/s, peak {summary['peak_mem_gib']:.1f} GiB)"
+        if ran and summary.get("peak_mem_gib")
+        else ""
+    )
     return f"OOM{where}{asked}{in_use}{before}"
 
 
@@ -345,8 +416,10 @@ def note(entry: dict, fastest_hf: float | None) -> str:
     if "cannot_run" in s:
         return f"cannot run: {s['cannot_run']}"
     if "refused" in s:
-        return (f"REFUSED by the memory model: {s['memory_estimate_gib']['total']:.1f} GiB > {s['capacity_gib']:.1f} "
-                f"GiB; fits: {'; '.join(s['fits']) or 'nothing tried'}")
+        return (
+            f"REFUSED by the memory model: {s['memory_estimate_gib']['total']:.1f} GiB > {s['capacity_gib']:.1f} "
+            f"GiB; fits: {'; '.join(s['fits']) or 'nothing tried'}"
+        )
     if "oom" in s:
         return _oom_note(s["oom"], s)
     if "error" in s:
@@ -355,7 +428,9 @@ def note(entry: dict, fastest_hf: float | None) -> str:
         return f"DISAGREES with HF's first step: {agreement_['why']}"
     parts = [f"unchecked: {agreement_['why']}"] if agreement_.get("agrees") is None else []
     if s.get("params_without_gradient"):
-        parts.append(f"NOT A VALID ROW: {len(s['params_without_gradient'])} trainable parameters got no gradient")
+        parts.append(
+            f"NOT A VALID ROW: {len(s['params_without_gradient'])} trainable parameters got no gradient"
+        )
     if entry["side"] == "relax" and fastest_hf and timed(entry) and timed(entry) < fastest_hf:
         parts.append("an HF row is faster")
     return "; ".join(parts)
@@ -377,14 +452,27 @@ def table_rows(workload: dict, baseline: str) -> list[list[str]]:
         label = entry["name"]
         if entry["side"] == "relax" and "recompute=" not in entry["name"]:
             granularity = entry["config"]["recompute.granularity"]
-            whole = f", {entry['full_layers']} layers whole" if granularity == "mixed" and entry.get("full_layers") else ""
+            whole = (
+                f", {entry['full_layers']} layers whole"
+                if granularity == "mixed" and entry.get("full_layers")
+                else ""
+            )
             label += f" (recompute={granularity}{whole})"
-        cells.append([
-            label, _fmt(tok_s, ",.0f"), _fmt(tok_s / base if tok_s and base else None, ".2f"),
-            _fmt(tok_s / fastest if tok_s and fastest else None, ".2f"), _fmt(s.get("mfu") if tok_s else None, ".3f"),
-            _fmt((s.get("peak_mem_gib") or None) if tok_s else None, ".1f"), _fmt(a.get("loss"), ".6g"),
-            _fmt(a.get("loss_rel"), ".1e"), _fmt(a.get("grad_norm"), ".6g"), _fmt(a.get("grad_norm_rel"), ".1e"),
-            note(entry, fastest)])
+        cells.append(
+            [
+                label,
+                _fmt(tok_s, ",.0f"),
+                _fmt(tok_s / base if tok_s and base else None, ".2f"),
+                _fmt(tok_s / fastest if tok_s and fastest else None, ".2f"),
+                _fmt(s.get("mfu") if tok_s else None, ".3f"),
+                _fmt((s.get("peak_mem_gib") or None) if tok_s else None, ".1f"),
+                _fmt(a.get("loss"), ".6g"),
+                _fmt(a.get("loss_rel"), ".1e"),
+                _fmt(a.get("grad_norm"), ".6g"),
+                _fmt(a.get("grad_norm_rel"), ".1e"),
+                note(entry, fastest),
+            ]
+        )
     return cells
 
 
@@ -393,8 +481,11 @@ def workload_title(workload: dict, meta: dict) -> str:
     what = f"LoRA r={lora['rank']} alpha={lora['alpha']:g}" if lora else "full fine-tuning"
     update = "AdamW" if workload["optimizer"] == "adam" else "forward + backward, no update"
     ref = workload["reference"]
-    proof = (f"HF reference step: loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}" if ref["loss"] is not None
-             else f"no HF reference step: {ref['error']}")
+    proof = (
+        f"HF reference step: loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}"
+        if ref["loss"] is not None
+        else f"no HF reference step: {ref['error']}"
+    )
     docs = f"{meta['docs_per_step']} x {meta['doc_tokens']}-token document{'s' if meta['docs_per_step'] > 1 else ''}"
     first, last = meta["skip"] + 1, meta["steps"]
     timed_steps = f"step {last}" if first == last else f"steps {first}-{last}"
@@ -404,14 +495,21 @@ def workload_title(workload: dict, meta: dict) -> str:
 def markdown(result: dict) -> str:
     meta = result["meta"]
     header = [c.format(baseline=meta["baseline_row"]) for c in COLUMNS]
-    lines = [f"`{meta['command']}` — commit {meta['commit']}, {meta['date_utc']}, {meta['device']} "
-             f"(torch {meta['versions'].get('torch')}, transformers {meta['versions'].get('transformers')}, "
-             f"peft {meta['versions'].get('peft')}, liger-kernel {meta['versions'].get('liger-kernel')}, "
-             f"torchao {meta['versions'].get('torchao')}, fla-core {meta['versions'].get('fla-core')})", ""]
+    lines = [
+        f"`{meta['command']}` — commit {meta['commit']}, {meta['date_utc']}, {meta['device']} "
+        f"(torch {meta['versions'].get('torch')}, transformers {meta['versions'].get('transformers')}, "
+        f"peft {meta['versions'].get('peft')}, liger-kernel {meta['versions'].get('liger-kernel')}, "
+        f"torchao {meta['versions'].get('torchao')}, fla-core {meta['versions'].get('fla-core')})",
+        "",
+    ]
     for workload in result["workloads"]:
         cells = table_rows(workload, meta["baseline_row"])
-        lines += [workload_title(workload, meta), "", "| " + " | ".join(header) + " |",
-                  "|" + "|".join("---" if i in (0, len(header) - 1) else "---:" for i in range(len(header))) + "|"]
+        lines += [
+            workload_title(workload, meta),
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" if i in (0, len(header) - 1) else "---:" for i in range(len(header))) + "|",
+        ]
         lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells] + [""]
     return "\n".join(lines)
 
@@ -431,11 +529,16 @@ def print_tables(result: dict, stream=None) -> None:
     for workload in result["workloads"]:
         cells = table_rows(workload, meta["baseline_row"])
         notes = [f"{row[0]}: {row[-1]}" for row in cells if row[-1]]
-        table = Table(title=workload_title(workload, meta), title_justify="left", caption_justify="left",
-                      caption=Text("\n".join(notes)) if notes else None)  # plain text: "[peers]" is no markup
+        table = Table(
+            title=workload_title(workload, meta),
+            title_justify="left",
+            caption_justify="left",
+            caption=Text("\n".join(notes)) if notes else None,
+        )  # plain text: "[peers]" is no markup
         for i, column in enumerate(CONSOLE_COLUMNS):
-            table.add_column(column.format(baseline=meta["baseline_row"]), justify="right" if i else "left",
-                             no_wrap=True)
+            table.add_column(
+                column.format(baseline=meta["baseline_row"]), justify="right" if i else "left", no_wrap=True
+            )
         for row in cells:
             table.add_row(*(Text(row[i]) for i in keep))
         console.print(table)
@@ -447,21 +550,35 @@ def print_tables(result: dict, stream=None) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m relax_gdn.bench.peers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_gdn.bench.peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", default="qwen3_5_9b")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     parser.add_argument("--rows", help="';'-separated rows, each run for every workload (default: see above)")
     parser.add_argument("--baseline-row", default=REFERENCE_ROW, help="the row the '÷' column divides by")
-    parser.add_argument("--doc-tokens", type=int, help=f"tokens per document (default 8192; 256 for {CPU_PRESET})")
+    parser.add_argument(
+        "--doc-tokens", type=int, help=f"tokens per document (default 8192; 256 for {CPU_PRESET})"
+    )
     parser.add_argument("--docs-per-step", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--skip", type=int, help="steps left out of the medians (default 2; at least 1: the first "
-                                                 "step is the agreement check and compiles and tunes kernels)")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        help="steps left out of the medians (default 2; at least 1: the first "
+        "step is the agreement check and compiles and tunes kernels)",
+    )
     parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--hf-checkpoint", help="a Hugging Face Qwen3.5 checkpoint (text layout) both sides start from")
-    parser.add_argument("--init-dir", help="where the random-init checkpoint is written once and reused "
-                                           "(default outputs/peers/init_<preset>_seed<seed>_<dtype>)")
+    parser.add_argument(
+        "--hf-checkpoint", help="a Hugging Face Qwen3.5 checkpoint (text layout) both sides start from"
+    )
+    parser.add_argument(
+        "--init-dir",
+        help="where the random-init checkpoint is written once and reused "
+        "(default outputs/peers/init_<preset>_seed<seed>_<dtype>)",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=1e-5, help="both sides' learning rate (AdamW)")
     parser.add_argument("--optimizer", choices=("auto", "adam", "none"), default="auto")
@@ -484,8 +601,10 @@ def check_args(args, parser: argparse.ArgumentParser, device: torch.device) -> l
     if args.preset not in PRESETS:
         parser.error(f"--preset {args.preset}: one of {', '.join(PRESETS)}")
     if device.type == "cpu" and args.preset != CPU_PRESET:
-        parser.error(f"--preset {args.preset} on CPU: only {CPU_PRESET} trains there in reasonable time "
-                     f"(--preset {CPU_PRESET}), or run it on a GPU host")
+        parser.error(
+            f"--preset {args.preset} on CPU: only {CPU_PRESET} trains there in reasonable time "
+            f"(--preset {CPU_PRESET}), or run it on a GPU host"
+        )
     args.doc_tokens = args.doc_tokens or (256 if args.preset == CPU_PRESET else 8192)
     limit = PRESETS[args.preset].max_sequence_length
     if not 2 <= args.doc_tokens <= limit:
@@ -498,8 +617,14 @@ def check_args(args, parser: argparse.ArgumentParser, device: torch.device) -> l
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
-        parser.error(f"--workloads {','.join(args.workloads)}: a comma-separated subset of {','.join(WORKLOADS)}")
-    specs = [s.strip() for s in args.rows.split(";") if s.strip()] if args.rows else default_rows(args.docs_per_step)
+        parser.error(
+            f"--workloads {','.join(args.workloads)}: a comma-separated subset of {','.join(WORKLOADS)}"
+        )
+    specs = (
+        [s.strip() for s in args.rows.split(";") if s.strip()]
+        if args.rows
+        else default_rows(args.docs_per_step)
+    )
     if args.baseline_row not in specs:
         parser.error(f"--baseline-row {args.baseline_row} is not one of the rows ({'; '.join(specs)})")
     return specs
@@ -511,11 +636,15 @@ def _checkpoint_problem(args, dtype: torch.dtype) -> tuple[Path, str | None]:
         path = Path(args.hf_checkpoint)
         config = path / "config.json"
         if config.is_file() and "text_config" in json.loads(config.read_text()):
-            return path, (f"--hf-checkpoint {path} is in the VLM layout (text_config): the HF side trains "
-                          "Qwen3_5ForCausalLM; save its text model, or leave --hf-checkpoint out")
+            return path, (
+                f"--hf-checkpoint {path} is in the VLM layout (text_config): the HF side trains "
+                "Qwen3_5ForCausalLM; save its text model, or leave --hf-checkpoint out"
+            )
         return path, None
     marker = init_marker(args.preset, args.seed, dtype)
-    path = Path(args.init_dir or Path("outputs") / "peers" / f"init_{args.preset}_seed{args.seed}_{marker['dtype']}")
+    path = Path(
+        args.init_dir or Path("outputs") / "peers" / f"init_{args.preset}_seed{args.seed}_{marker['dtype']}"
+    )
     return path, existing_init_problem(path, marker)
 
 
@@ -535,8 +664,10 @@ def _check_relax_row(base: RunConfig, row: Row, workload: str, args) -> None:
     except ConfigError as e:
         raise ConfigError([f"row {row.spec!r} ({workload}): {p}" for p in e.problems]) from None
     if padded_length(args.doc_tokens, 1) > cfg.train.max_tokens_per_gpu:
-        raise ConfigError(f"row {row.spec!r}: train.max_tokens_per_gpu={cfg.train.max_tokens_per_gpu} holds less "
-                          f"than one {args.doc_tokens}-token document; raise it or lower --doc-tokens")
+        raise ConfigError(
+            f"row {row.spec!r}: train.max_tokens_per_gpu={cfg.train.max_tokens_per_gpu} holds less "
+            f"than one {args.doc_tokens}-token document; raise it or lower --doc-tokens"
+        )
 
 
 def plan(args, specs: list[str], device: torch.device) -> tuple[list[Row], Path]:
@@ -565,8 +696,17 @@ def plan(args, specs: list[str], device: torch.device) -> tuple[list[Row], Path]
 
 def _versions() -> dict:
     found = {"torch": torch.__version__}
-    for package in ("transformers", "peft", "liger-kernel", "torchao", "fla-core", "flash-linear-attention",
-                    "causal-conv1d", "megatron-core", "flash-attn-4"):
+    for package in (
+        "transformers",
+        "peft",
+        "liger-kernel",
+        "torchao",
+        "fla-core",
+        "flash-linear-attention",
+        "causal-conv1d",
+        "megatron-core",
+        "flash-attn-4",
+    ):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -611,19 +751,27 @@ def _write(result: dict, out: str | None, tables: bool) -> None:
 def _progress(result: dict, out: str | None):
     """``emit(workload, entry)``: one line per finished row, and the JSON so far (a run cut short
     keeps what it measured)."""
+
     def emit(workload: dict, entry: dict | None) -> None:
         if workload not in result["workloads"]:
             result["workloads"].append(workload)
         _write(result, out, tables=False)
         if entry is None:
             ref = workload["reference"]
-            said = (f"loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}" if ref["loss"] is not None
-                    else f"none: {ref['error']}")
+            said = (
+                f"loss {ref['loss']:.6g}, grad norm {ref['grad_norm']:.6g}"
+                if ref["loss"] is not None
+                else f"none: {ref['error']}"
+            )
             print(f"[peers] {workload['name']}: HF reference step ({ref['row']}): {said}", flush=True)
             return
         tok_s = timed(entry)
         said = f"{tok_s:,.0f} tok/s" if tok_s else "no timing"
-        print(f"[peers] {workload['name']} / {entry['name']}: {said}; {note(entry, None) or 'agrees'}", flush=True)
+        print(
+            f"[peers] {workload['name']} / {entry['name']}: {said}; {note(entry, None) or 'agrees'}",
+            flush=True,
+        )
+
     return emit
 
 
@@ -641,20 +789,42 @@ def _run(args, rows: list[Row], checkpoint: Path, device: torch.device, runtime)
         checkpoint = write_random_checkpoint(checkpoint, args.preset, args.seed, dtype, device)
     vocab = run_vocab_size(checkpoint, args.preset, 0, 1)
     count, length = args.docs_per_step * args.steps, args.doc_tokens
-    profile = LengthProfile(mean_tokens=length, sigma=0.0, min_tokens=length, max_tokens=length,
-                            prompt_tokens=min(96, length - 1))
-    samples = length_matched_samples(count, vocab_size=vocab, seed=args.seed, profile=profile, lengths=[length] * count,
-                                     eos_id=1)
-    bench = Bench(args, device, dtype, checkpoint, vocab, Batches(samples, args.docs_per_step, args.seed),
-                  base_config(args, str(checkpoint), device), runtime)
-    result = {"meta": {
-        "command": "python -m relax_gdn.bench.peers " + " ".join(args.argv), "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "versions": _versions(),
-        "commit": tree_commit(), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "checkpoint": str(checkpoint), "vocab_size": vocab, "doc_tokens": length, "docs_per_step": args.docs_per_step,
-        "steps": args.steps, "skip": args.skip, "baseline_row": args.baseline_row,
-        "dtype": str(dtype).removeprefix("torch."), "args": {k: v for k, v in vars(args).items() if k != "argv"},
-    }, "workloads": []}
+    profile = LengthProfile(
+        mean_tokens=length, sigma=0.0, min_tokens=length, max_tokens=length, prompt_tokens=min(96, length - 1)
+    )
+    samples = length_matched_samples(
+        count, vocab_size=vocab, seed=args.seed, profile=profile, lengths=[length] * count, eos_id=1
+    )
+    bench = Bench(
+        args,
+        device,
+        dtype,
+        checkpoint,
+        vocab,
+        Batches(samples, args.docs_per_step, args.seed),
+        base_config(args, str(checkpoint), device),
+        runtime,
+    )
+    result = {
+        "meta": {
+            "command": "python -m relax_gdn.bench.peers " + " ".join(args.argv),
+            "preset": args.preset,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "versions": _versions(),
+            "commit": tree_commit(),
+            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "checkpoint": str(checkpoint),
+            "vocab_size": vocab,
+            "doc_tokens": length,
+            "docs_per_step": args.docs_per_step,
+            "steps": args.steps,
+            "skip": args.skip,
+            "baseline_row": args.baseline_row,
+            "dtype": str(dtype).removeprefix("torch."),
+            "args": {k: v for k, v in vars(args).items() if k != "argv"},
+        },
+        "workloads": [],
+    }
     emit = _progress(result, args.out)
     for workload in args.workloads:
         run_workload(bench, workload, rows, emit)

@@ -10,9 +10,11 @@ from pathlib import Path
 def tree_commit() -> str | None:
     """HEAD's short hash, with ``+dirty`` when tracked files differ from it (then the numbers
     belong to a working tree, not to that commit); None outside a git checkout."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
-                              timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
+        ).stdout.strip()
 
     try:
         head = git("rev-parse", "--short", "HEAD")

@@ -45,7 +45,9 @@ def random_packing(total: int, num_seqs: int, cp_size: int, rng: np.random.Gener
     return (np.concatenate([[0], cuts, [units]]) * unit).tolist()
 
 
-def paired_medians(fast, slow, rounds: int, fast_per_round: int = 20, fast_warmup: int = 3) -> tuple[float, float]:
+def paired_medians(
+    fast, slow, rounds: int, fast_per_round: int = 20, fast_warmup: int = 3
+) -> tuple[float, float]:
     """Median seconds of ``fast()`` and ``slow()``, timed interleaved so that both see the same
     machine (a shared VM's speed drifts from one second to the next, which skews a ratio of
     back-to-back medians): each round runs ``slow`` once, then ``fast`` ``fast_warmup`` times
@@ -66,7 +68,9 @@ def paired_medians(fast, slow, rounds: int, fast_per_round: int = 20, fast_warmu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a few rows only (smoke run)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,7 +78,9 @@ def main() -> None:
     grid = [(t, n, w) for t in (8192, 16384, 32768, 65536) for n in (1, 16, 64, 256) for w in (2, 4, 8)]
     if args.quick:
         grid = [(8192, 16, 2), (32768, 64, 4)]
-    print(f"{'T':>6} {'seqs':>5} {'W':>2} | {'interval (both dirs)':>20} | {'per-token x2':>13} | {'speed-up':>8}")
+    print(
+        f"{'T':>6} {'seqs':>5} {'W':>2} | {'interval (both dirs)':>20} | {'per-token x2':>13} | {'speed-up':>8}"
+    )
     for total, num_seqs, cp_size in grid:
         cu_list = random_packing(total, num_seqs, cp_size, rng)
         cu = torch.tensor(cu_list)
@@ -92,7 +98,6 @@ def main() -> None:
             f"{total:>6} {num_seqs:>5} {cp_size:>2} | {interval * 1e3:>17.3f} ms | "
             f"{per_token * 1e3:>10.2f} ms | {per_token / interval:>7.1f}x"
         )
-
 
 
 def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str):
@@ -118,9 +123,17 @@ def per_token_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, t
     pair_rows = torch.stack([torch.bincount(owner[ids], minlength=cp_size) for ids in sources]).tolist()
     recv_blocks = [position[ids[owner[ids] == cp_rank]] for s, ids in enumerate(sources) if s != cp_rank]
     return Route(
-        pair_rows=tuple(map(tuple, pair_rows)), keep_source=keep, keep_target=position[mine[keep]], send_rows=remote,
-        recv_rows=torch.cat(recv_blocks), local_rows=total // cp_size, cp_size=cp_size, cp_rank=cp_rank,
-        source=source, target=target, device=cu.device,
+        pair_rows=tuple(map(tuple, pair_rows)),
+        keep_source=keep,
+        keep_target=position[mine[keep]],
+        send_rows=remote,
+        recv_rows=torch.cat(recv_blocks),
+        local_rows=total // cp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        source=source,
+        target=target,
+        device=cu.device,
     )
 
 

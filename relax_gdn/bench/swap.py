@@ -42,8 +42,15 @@ def _scatter_kernels(x: torch.Tensor, routes: dict, iters: int) -> dict[str, tup
                     continue
                 values = x[: len(rows)].contiguous()
                 # rank-local work: ranks may have different numbers of index row lists
-                row = [cuda_median_ms(lambda rows=rows, wide=wide: put_rows(out, rows, values, as_words=wide), iters, 5,
-                                      align_ranks=False) for wide in (True, False)]
+                row = [
+                    cuda_median_ms(
+                        lambda rows=rows, wide=wide: put_rows(out, rows, values, as_words=wide),
+                        iters,
+                        5,
+                        align_ranks=False,
+                    )
+                    for wide in (True, False)
+                ]
                 timings[f"{name} {r.source}->{r.target} {field} ({len(rows)})"] = tuple(row)
     return timings
 
@@ -79,7 +86,10 @@ def _run(args) -> None:
         "single-doc": [0, total],
         "64 docs": torch.arange(0, total + 1, total // 64).tolist(),
     }
-    routes = {name: build_route(cu, world, rank, "zigzag", "contiguous", device=device) for name, cu in packings.items()}
+    routes = {
+        name: build_route(cu, world, rank, "zigzag", "contiguous", device=device)
+        for name, cu in packings.items()
+    }
 
     for width in (int(w) for w in args.widths.split(",")):
         x = torch.randn(args.rows, width, device=device, dtype=torch.bfloat16)
@@ -88,11 +98,16 @@ def _run(args) -> None:
 
         def timings(fn):
             """(latency ms, pipelined ms per call, host ms to issue one call)"""
+
             def repeated():
                 for _ in range(k):
                     fn()
-            return (cuda_median_ms(fn, args.iters, 5), cuda_median_ms(repeated, args.iters, 2) / k,
-                    host_enqueue_ms(fn, args.iters))
+
+            return (
+                cuda_median_ms(fn, args.iters, 5),
+                cuda_median_ms(repeated, args.iters, 2) / k,
+                host_enqueue_ms(fn, args.iters),
+            )
 
         bare = timings(lambda: dist.all_to_all_single(out, x))
         rows = [("bare all_to_all_single", *bare, 0)]
@@ -110,13 +125,19 @@ def _run(args) -> None:
 
         if rank == 0:
             gb = x.numel() * x.element_size() / 1e9
-            print(f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
-                  f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back")
-            print(f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} "
-                  f"{'host ms':>8} {'host syncs':>10}")
+            print(
+                f"\nswap of {args.rows} x {width} bf16 rows per rank ({gb:.3f} GB), {world} GPUs, "
+                f"{torch.cuda.get_device_name()}; pipelined = {k} calls back to back"
+            )
+            print(
+                f"{'variant':<46} {'latency ms':>10} {'vs bare':>8} {'pipelined ms':>13} {'vs bare':>8} "
+                f"{'host ms':>8} {'host syncs':>10}"
+            )
             for label, latency, pipelined, host, syncs in rows:
-                print(f"{label:<46} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
-                      f"{pipelined / bare[1]:>7.2f}x {host:>8.3f} {syncs:>10}")
+                print(
+                    f"{label:<46} {latency:>10.3f} {latency / bare[0]:>7.2f}x {pipelined:>13.3f} "
+                    f"{pipelined / bare[1]:>7.2f}x {host:>8.3f} {syncs:>10}"
+                )
             print("transports token-identical:", "yes" if not mismatches else f"NO: {mismatches}")
         kernels = _scatter_kernels(x, routes, args.iters)
         if rank == 0:

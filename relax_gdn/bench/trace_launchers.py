@@ -28,8 +28,17 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # "autograd::engine::evaluate_function: MmBackward0" (spaces) nor "MmBackward0" / "ProfilerStep#3"
 _OPERATOR = re.compile(r"^\w+::\w+$")
 # how the profiler spells dtypes -> what a reader expects in one line
-_SHORT_TYPES = {"c10::BFloat16": "bf16", "c10::Half": "f16", "float": "f32", "double": "f64", "long int": "i64",
-                "int": "i32", "bool": "bool", "c10::Float8_e4m3fn": "f8e4m3", "c10::Float8_e5m2": "f8e5m2"}
+_SHORT_TYPES = {
+    "c10::BFloat16": "bf16",
+    "c10::Half": "f16",
+    "float": "f32",
+    "double": "f64",
+    "long int": "i64",
+    "int": "i32",
+    "bool": "bool",
+    "c10::Float8_e4m3fn": "f8e4m3",
+    "c10::Float8_e5m2": "f8e5m2",
+}
 
 
 @dataclass(frozen=True)
@@ -45,14 +54,25 @@ class Launcher:
     input_strides: tuple | None = None
 
     def as_dict(self) -> dict:
-        return {"op": self.op, "context": self.context, "input_dims": _as_lists(self.input_dims),
-                "input_types": _as_lists(self.input_types), "input_strides": _as_lists(self.input_strides),
-                "launch_found": True}
+        return {
+            "op": self.op,
+            "context": self.context,
+            "input_dims": _as_lists(self.input_dims),
+            "input_types": _as_lists(self.input_types),
+            "input_strides": _as_lists(self.input_strides),
+            "launch_found": True,
+        }
 
 
 # a kernel whose launch the trace lacks (no correlation, or its host thread not recorded)
-NOT_FOUND = {"op": None, "context": None, "input_dims": None, "input_types": None, "input_strides": None,
-             "launch_found": False}
+NOT_FOUND = {
+    "op": None,
+    "context": None,
+    "input_dims": None,
+    "input_types": None,
+    "input_strides": None,
+    "launch_found": False,
+}
 
 
 def _as_tuples(value):
@@ -82,9 +102,13 @@ def _launcher(stack: list[tuple[float, float, dict]], ts: float) -> Launcher:
     if op is None:  # e.g. a Triton launch inside an autograd Function: the Function says where
         return Launcher(context=inner_other)
     args = op.get("args") or {}
-    return Launcher(op=op.get("name"), context=context, input_dims=_as_tuples(args.get("Input Dims")),
-                    input_types=_as_tuples(args.get("Input type")),
-                    input_strides=_as_tuples(args.get("Input Strides")))
+    return Launcher(
+        op=op.get("name"),
+        context=context,
+        input_dims=_as_tuples(args.get("Input Dims")),
+        input_types=_as_tuples(args.get("Input type")),
+        input_strides=_as_tuples(args.get("Input Strides")),
+    )
 
 
 def launchers_by_correlation(events: list[dict]) -> dict:
@@ -129,8 +153,10 @@ def short_dims(dims) -> str:
     dims = list(dims or [])
     while dims and dims[-1] in ([], ()):
         dims.pop()
-    return " ".join("[" + ",".join(str(d) for d in dim) + "]" if isinstance(dim, (list, tuple)) else str(dim)
-                    for dim in dims)
+    return " ".join(
+        "[" + ",".join(str(d) for d in dim) + "]" if isinstance(dim, (list, tuple)) else str(dim)
+        for dim in dims
+    )
 
 
 def format_launcher(launcher: dict) -> str:

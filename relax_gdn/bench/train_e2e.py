@@ -141,21 +141,29 @@ def variant_overrides(variant: str, world: int) -> dict:
             continue
         key, eq, value = setting.partition("=")
         if not eq:
-            raise ValueError(f"variant setting {setting!r}: want baseline, static|dynamic:<mode>, recompute=, fused=, "
-                             "mt=, mtp=, fp8= or <group.key>=<value>")
+            raise ValueError(
+                f"variant setting {setting!r}: want baseline, static|dynamic:<mode>, recompute=, fused=, "
+                "mt=, mtp=, fp8= or <group.key>=<value>"
+            )
         key = key.strip()
         if key == "recompute":
             overrides["recompute.granularity"] = value.strip()
         elif key == "fused":
             on = _parse_value(value)
-            overrides |= {"model.fused_norms": on, "model.fused_cross_entropy": on, "model.fused_swiglu": on,
-                          "model.fused_grad_accumulation": on}
+            overrides |= {
+                "model.fused_norms": on,
+                "model.fused_cross_entropy": on,
+                "model.fused_swiglu": on,
+                "model.fused_grad_accumulation": on,
+            }
         elif key == "mt":
             overrides["train.max_tokens_per_gpu"] = int(value)
         elif key == "mtp":
             overrides["model.mtp.num_layers"] = int(value)
         elif key == "fp8":
-            overrides["model.fp8.recipe"] = None if value.strip() in ("off", "none", "null") else value.strip()
+            overrides["model.fp8.recipe"] = (
+                None if value.strip() in ("off", "none", "null") else value.strip()
+            )
         elif "." in key:
             overrides[key] = _parse_value(value)
         else:
@@ -236,22 +244,27 @@ def benchmark_data(args, vocab_size: int, capacity: int, num_samples: int):
     from relax_gdn.data import LengthProfile, SFTDataset, SkipCounts, length_matched_samples
 
     mean, low, high = args.mean_tokens, args.min_tokens, args.max_tokens
-    if args.mean_fraction:  # every micro-batch size its own lengths: mean this fraction of it, up to all of it
+    if (
+        args.mean_fraction
+    ):  # every micro-batch size its own lengths: mean this fraction of it, up to all of it
         mean, high = args.mean_fraction * capacity, capacity
         low = min(low, high)
-    profile = LengthProfile(mean_tokens=mean, sigma=args.sigma, min_tokens=low, max_tokens=high,
-                            prompt_tokens=min(96, low - 1))
+    profile = LengthProfile(
+        mean_tokens=mean, sigma=args.sigma, min_tokens=low, max_tokens=high, prompt_tokens=min(96, low - 1)
+    )
     if args.lengths_file:
         pool = read_length_file(args.lengths_file)
         lengths = np.random.default_rng(args.seed).choice(pool, size=num_samples).tolist()
     else:
         lengths = profile.sample_lengths(num_samples, args.seed)
     lengths = [min(int(n), capacity) for n in lengths]
-    samples = length_matched_samples(num_samples, vocab_size=vocab_size, seed=args.seed, profile=profile,
-                                     lengths=lengths, eos_id=1)
+    samples = length_matched_samples(
+        num_samples, vocab_size=vocab_size, seed=args.seed, profile=profile, lengths=lengths, eos_id=1
+    )
     counts = SkipCounts(total=num_samples, kept=num_samples)
-    return VocabularyOnly(vocab_size), SFTDataset(samples=samples, source="lognormal" if not args.lengths_file
-                                                  else args.lengths_file, counts=counts)
+    return VocabularyOnly(vocab_size), SFTDataset(
+        samples=samples, source="lognormal" if not args.lengths_file else args.lengths_file, counts=counts
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +273,23 @@ def benchmark_data(args, vocab_size: int, capacity: int, num_samples: int):
 
 _CATEGORY_PATTERNS = (  # first match wins; lower-case substrings of kernel names
     ("communication", ("nccl",)),
-    ("gdn", ("chunk_", "gated_delta", "causal_conv", "conv1d", "kkt", "solve_tril", "recompute_w_u", "l2norm",
-             "tilelang", "fla_", "wy_fast", "cumsum")),
+    (
+        "gdn",
+        (
+            "chunk_",
+            "gated_delta",
+            "causal_conv",
+            "conv1d",
+            "kkt",
+            "solve_tril",
+            "recompute_w_u",
+            "l2norm",
+            "tilelang",
+            "fla_",
+            "wy_fast",
+            "cumsum",
+        ),
+    ),
     ("attention", ("flash", "fmha", "attn", "varlen")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "splitk")),
     ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter", "fill", "transpose")),
@@ -279,8 +307,7 @@ def kernel_category(name: str) -> str:
 GAP_BUCKETS_US = (10.0, 100.0, 1000.0)  # idle gaps: launch-bound (< 100 µs) vs stalls (≥ 1 ms)
 
 
-def idle_gaps(intervals: list[tuple[float, float, str]], top: int = 8,
-              host_window=None) -> dict:
+def idle_gaps(intervals: list[tuple[float, float, str]], top: int = 8, host_window=None) -> dict:
     """Where the GPU idles between the kernels of one step (``(start_us, end_us, name)``): seconds
     of idle per gap size (``< 10 µs``, ``< 100 µs``, ``< 1 ms``, ``≥ 1 ms``: many short gaps mean
     the host launches too slowly, a few long ones mean it stalls), the idle seconds before each
@@ -310,20 +337,24 @@ def idle_gaps(intervals: list[tuple[float, float, str]], top: int = 8,
         if host_window is not None:
             row.append(host_window(before, after))
         longest.append(row)
-    return {"seconds_by_gap": {k: round(v, 6) for k, v in seconds.items()},
-            "late_kernels": [[n, round(t, 5)] for n, t in sorted(late.items(), key=lambda kv: -kv[1])[:top]],
-            "longest": longest}
+    return {
+        "seconds_by_gap": {k: round(v, 6) for k, v in seconds.items()},
+        "late_kernels": [[n, round(t, 5)] for n, t in sorted(late.items(), key=lambda kv: -kv[1])[:top]],
+        "longest": longest,
+    }
 
 
 def _host_ops_between(cpu_ops: list[tuple[float, float, str]], launch_ts: dict):
     """``host_window`` for :func:`idle_gaps`: the three longest host (``cpu_op``) events that
     start between the launches of the kernels before and after a gap, as ``"name ms"``."""
+
     def window(before, after) -> list[str]:
         t0, t1 = launch_ts.get(before[3]), launch_ts.get(after[3])
         if t0 is None or t1 is None:
             return []
         inside = [(dur, name) for ts, dur, name in cpu_ops if t0 <= ts < t1]
         return [f"{name[:60]} {dur / 1e3:.3f}ms" for dur, name in sorted(inside, reverse=True)[:3]]
+
     return window
 
 
@@ -347,11 +378,21 @@ def _top_kernels(stats: dict[str, dict], top: int = TOP_KERNELS) -> list[list]:
     rows = []
     for name, st in sorted(stats.items(), key=lambda kv: -kv[1]["seconds"])[:top]:
         launchers = []
-        for launcher, (calls, secs) in sorted(st["launchers"].items(), key=lambda kv: -kv[1][1])[:LAUNCHERS_PER_KERNEL]:
+        for launcher, (calls, secs) in sorted(st["launchers"].items(), key=lambda kv: -kv[1][1])[
+            :LAUNCHERS_PER_KERNEL
+        ]:
             where = trace_launchers.NOT_FOUND if launcher is None else launcher.as_dict()
             launchers.append({**where, "calls": calls, "seconds": round(secs, 5)})
-        rows.append([name, round(st["seconds"], 5), kernel_category(name), st["calls"],
-                     round(st["seconds"] / st["calls"], 7), launchers])
+        rows.append(
+            [
+                name,
+                round(st["seconds"], 5),
+                kernel_category(name),
+                st["calls"],
+                round(st["seconds"] / st["calls"], 7),
+                launchers,
+            ]
+        )
     return rows
 
 
@@ -395,19 +436,26 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
         intervals.append((start, start + dur, name, correlation))
         count += 1
     busy, end = 0.0, float("-inf")
-    for a, b, *_ in sorted(intervals, key=lambda iv: iv[:2]):  # union of the intervals (kernels on several streams overlap)
+    for a, b, *_ in sorted(
+        intervals, key=lambda iv: iv[:2]
+    ):  # union of the intervals (kernels on several streams overlap)
         if b <= end:
             continue
         busy += b - max(a, end)
         end = b
     busy_s = busy / 1e6
-    return {"seconds": {k: round(v, 6) for k, v in seconds.items()}, "kernels": count,
-            "busy_s": round(busy_s, 6), "idle_s": round(max(step_time_s - busy_s, 0.0), 6),
-            "step_time_s": round(step_time_s, 4),
-            "idle_unprofiled_s": (round(max(unprofiled_step_s - busy_s, 0.0), 6)
-                                  if unprofiled_step_s is not None else None),
-            "idle_gaps": idle_gaps(intervals, host_window=_host_ops_between(cpu_ops, launch_ts)),
-            "top_kernels": _top_kernels(by_name)}
+    return {
+        "seconds": {k: round(v, 6) for k, v in seconds.items()},
+        "kernels": count,
+        "busy_s": round(busy_s, 6),
+        "idle_s": round(max(step_time_s - busy_s, 0.0), 6),
+        "step_time_s": round(step_time_s, 4),
+        "idle_unprofiled_s": (
+            round(max(unprofiled_step_s - busy_s, 0.0), 6) if unprofiled_step_s is not None else None
+        ),
+        "idle_gaps": idle_gaps(intervals, host_window=_host_ops_between(cpu_ops, launch_ts)),
+        "top_kernels": _top_kernels(by_name),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +465,9 @@ def kernel_split(trace_path: Path, step_time_s: float, unprofiled_step_s: float 
 
 def _file_stem(variant: str) -> str:
     """A variant's overrides as a file name (``recompute=full,train.seed=1`` -> ``recompute-full_train.seed-1``)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", variant.replace("=", "-").replace(",", "_")).strip("_") or "variant"
+    return (
+        re.sub(r"[^A-Za-z0-9._-]+", "_", variant.replace("=", "-").replace(",", "_")).strip("_") or "variant"
+    )
 
 
 def _median(records, key):
@@ -429,15 +479,20 @@ def summarize(records: list[dict], skip: int, world: int) -> dict:
     timed = [r for r in records[skip:] if not r.get("profiled")] or records
     tok_s = _median(timed, "tokens_per_s")
     return {
-        "steps_timed": len(timed), "tokens_per_s": tok_s,
+        "steps_timed": len(timed),
+        "tokens_per_s": tok_s,
         # the steps' batches differ in size: all their tokens over all their time weighs them fairly
-        "tokens_per_s_total": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed), "tokens_per_s_per_gpu": tok_s / world if tok_s else None,
-        "mfu": _median(timed, "mfu"), "mfu_relax": _median(timed, "mfu_relax"),
-        "tflops_per_gpu": _median(timed, "tflops_per_gpu"), "step_time_s": _median(timed, "step_time_s"),
+        "tokens_per_s_total": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
+        "tokens_per_s_per_gpu": tok_s / world if tok_s else None,
+        "mfu": _median(timed, "mfu"),
+        "mfu_relax": _median(timed, "mfu_relax"),
+        "tflops_per_gpu": _median(timed, "tflops_per_gpu"),
+        "step_time_s": _median(timed, "step_time_s"),
         "optimizer_time_s": _median(timed, "optimizer_time_s"),
         "peak_mem_gib": max((r["peak_mem_gb"] or 0.0 for r in timed), default=None),
         "host_syncs_max": max((r["host_syncs"] or 0 for r in timed), default=None),
-        "loss_last": timed[-1]["loss"], "mtp_loss_last": timed[-1].get("mtp_loss"),
+        "loss_last": timed[-1]["loss"],
+        "mtp_loss_last": timed[-1].get("mtp_loss"),
         "tokens_per_step": _median(timed, "tokens"),
     }
 
@@ -476,7 +531,10 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated(device) / 2**30
     if left > 0.5 and dist.get_rank() == 0:
-        print(f"[train_e2e] {name}: {left:.2f} GiB still allocated from earlier variants as it starts", flush=True)
+        print(
+            f"[train_e2e] {name}: {left:.2f} GiB still allocated from earlier variants as it starts",
+            flush=True,
+        )
     return round(left, 3)
 
 
@@ -485,8 +543,8 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
     ``(tokenizer, SFTDataset)`` pair instead, as ``bench.peers`` gives) in ``runtime``, summarised; a
     refusal by the memory model or a failure while it runs is reported in the summary, not raised."""
     from relax_gdn.model import qwen3_5_preset
-    from relax_gdn.train.build import padded_vocab_size
     from relax_gdn.train import run_training
+    from relax_gdn.train.build import padded_vocab_size
     from relax_gdn.train.memory import GIB
 
     vocab = qwen3_5_preset(cfg.model.preset).vocab_size
@@ -500,36 +558,53 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
             have = torch.cuda.get_device_properties(device).total_memory
             if need > have:
                 optimizer = "none"
-                why = (f"Adam state does not fit: estimate {need / GIB:.0f} GiB > {have / GIB:.0f} GiB; "
-                       "forward + backward + DDP gradient reduction, no update")
+                why = (
+                    f"Adam state does not fit: estimate {need / GIB:.0f} GiB > {have / GIB:.0f} GiB; "
+                    "forward + backward + DDP gradient reduction, no update"
+                )
     capacity = cfg.train.max_tokens_per_gpu * cfg.parallel.cp
     cfg = cfg.with_overrides({"optim.name": optimizer, "data.max_sample_tokens": capacity})
     from relax_gdn.config import ParallelDims
     from relax_gdn.train.build import resolve_full_layers
 
     # recompute.full_layers=null: the memory model's choice, here as in the loop (same GPU)
-    cfg = resolve_full_layers(cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab)
+    cfg = resolve_full_layers(
+        cfg, ParallelDims(world, cfg.parallel.tp, cfg.parallel.cp), device, bf16, padded_vocab
+    )
     estimate = _memory_estimate(cfg, world, bf16, padded_vocab, optimizer)
     data = data if data is not None else benchmark_data(args, vocab, capacity, cfg.data.num_samples)
     from relax_gdn.data import length_stats
     from relax_gdn.errors import MemoryFitError, RecipeError
 
-    entry = {"name": name, "optimizer": optimizer, "optimizer_note": why,
-             "lengths": length_stats(data[1].lengths()), "full_layers": cfg.recompute.full_layers,
-             "memory_at_start_gib": _memory_left_over(device, name)}
+    entry = {
+        "name": name,
+        "optimizer": optimizer,
+        "optimizer_note": why,
+        "lengths": length_stats(data[1].lengths()),
+        "full_layers": cfg.recompute.full_layers,
+        "memory_at_start_gib": _memory_left_over(device, name),
+    }
     retries_before = _alloc_retries(device)
     with tempfile.TemporaryDirectory() as tmp:
         steps = cfg.train.steps
         run_dir = None
         if args.profile:  # one more step under the profiler, left out of the medians
-            cfg = cfg.with_overrides({"train.steps": steps + 1, "logging.profile_steps": [steps + 1, steps + 1]})
+            cfg = cfg.with_overrides(
+                {"train.steps": steps + 1, "logging.profile_steps": [steps + 1, steps + 1]}
+            )
             run_dir = Path(tmp) / name.replace("/", "_")
         try:
             result = run_training(cfg, run_dir, runtime=runtime, data=data)
         except MemoryFitError as e:  # refused before anything was built: report it, go on
-            entry |= {"records": [], "summary": {
-                "refused": str(e), "memory_estimate_gib": e.estimate_gib, "capacity_gib": e.capacity_gib,
-                "fits": e.fits}}
+            entry |= {
+                "records": [],
+                "summary": {
+                    "refused": str(e),
+                    "memory_estimate_gib": e.estimate_gib,
+                    "capacity_gib": e.capacity_gib,
+                    "fits": e.fits,
+                },
+            }
             return entry
         except RecipeError:  # a wrong setting: every variant would need fixing
             raise
@@ -549,10 +624,13 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
             summary["params_without_gradient"] = result.params_without_gradient
         if retries_before is not None:
             summary["alloc_retries"] = _alloc_retries(device) - retries_before
-        trace = result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
+        trace = (
+            result.run_dir / "traces" / f"rank0_steps{steps + 1}-{steps + 1}.json" if result.run_dir else None
+        )
         if trace is not None and trace.exists() and dist.get_rank() == 0:
-            summary["kernel_split"] = kernel_split(trace, records[-1]["step_time_s"],
-                                                   _unprofiled_step_s(records, summary))
+            summary["kernel_split"] = kernel_split(
+                trace, records[-1]["step_time_s"], _unprofiled_step_s(records, summary)
+            )
             if args.trace_dir:  # the run directory is temporary: keep the trace for a closer look
                 kept = Path(args.trace_dir) / f"{_file_stem(name)}.json.gz"
                 kept.parent.mkdir(parents=True, exist_ok=True)
@@ -594,11 +672,19 @@ def format_table(result: dict) -> str:
     rows = [v for v in result["variants"]]
 
     def first_of(v, key):
-        return next((w["summary"].get(key) for w in rows if w["summary"].get(key)
-                     and _micro_batch_tokens(w) == _micro_batch_tokens(v)), None)
+        return next(
+            (
+                w["summary"].get(key)
+                for w in rows
+                if w["summary"].get(key) and _micro_batch_tokens(w) == _micro_batch_tokens(v)
+            ),
+            None,
+        )
 
-    lines = [f"{'variant':<34}{'tok/s':>9}{'/GPU':>8}{'vs 1st':>8}{'Σtok/Σs':>9}{'vs 1st':>8}{'step s':>8}{'opt s':>7}{'MFU':>7}"
-             f"{'MFU-R':>7}{'GiB':>7}{'est':>7}{'syncs':>6}"]
+    lines = [
+        f"{'variant':<34}{'tok/s':>9}{'/GPU':>8}{'vs 1st':>8}{'Σtok/Σs':>9}{'vs 1st':>8}{'step s':>8}{'opt s':>7}{'MFU':>7}"
+        f"{'MFU-R':>7}{'GiB':>7}{'est':>7}{'syncs':>6}"
+    ]
     for v in rows:
         s = v["summary"]
         if "error" in s:
@@ -606,55 +692,86 @@ def format_table(result: dict) -> str:
             continue
         if "refused" in s:
             fits = "; ".join(s["fits"]) or "nothing tried fits"
-            lines.append(f"{v['name']:<34}  REFUSED by the memory model: {s['memory_estimate_gib']['total']:.1f} GiB "
-                         f"> {s['capacity_gib']:.1f} GiB; fits: {fits}")
+            lines.append(
+                f"{v['name']:<34}  REFUSED by the memory model: {s['memory_estimate_gib']['total']:.1f} GiB "
+                f"> {s['capacity_gib']:.1f} GiB; fits: {fits}"
+            )
             continue
         first, first_total = first_of(v, "tokens_per_s"), first_of(v, "tokens_per_s_total")
         ratio = s["tokens_per_s"] / first if first else float("nan")
 
         def fmt(x, spec):
             return format(x, spec) if x is not None else "-".rjust(int(spec.split(".")[0].rstrip("d")))
+
         lines.append(
             f"{v['name']:<34}{fmt(s['tokens_per_s'], '9.0f')}{fmt(s['tokens_per_s_per_gpu'], '8.0f')}"
             f"{ratio:7.3f}x{s['tokens_per_s_total']:9.0f}{s['tokens_per_s_total'] / first_total:7.3f}x"
             f"{fmt(s['step_time_s'], '8.3f')}{fmt(s['optimizer_time_s'], '7.3f')}"
             f"{fmt(s['mfu'], '7.3f')}{fmt(s['mfu_relax'], '7.3f')}{fmt(s['peak_mem_gib'], '7.1f')}"
-            f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}")
+            f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}"
+        )
         untrained = s.get("params_without_gradient")
         if untrained:
-            lines.append(f"  NOT A VALID ROW: {len(untrained)} trainable parameters got no gradient "
-                         f"(first: {untrained[0]}); see the run's warning")
+            lines.append(
+                f"  NOT A VALID ROW: {len(untrained)} trainable parameters got no gradient "
+                f"(first: {untrained[0]}); see the run's warning"
+            )
     for v in rows:
         split = v["summary"].get("kernel_split")
         if split and not split["kernels"]:  # a CPU run: the trace holds host ops only
-            lines.append(f"  {v['name']}: no GPU kernels in the profiled step (trace: {split.get('trace', '-')})")
+            lines.append(
+                f"  {v['name']}: no GPU kernels in the profiled step (trace: {split.get('trace', '-')})"
+            )
         elif split:
             parts = ", ".join(f"{k} {t:.3f}" for k, t in split["seconds"].items())
             unprofiled = split.get("idle_unprofiled_s")
-            lines.append(f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
-                         f"of {split['step_time_s']:.3f} s under the profiler"
-                         + (f", ~{unprofiled:.3f} s at the timed rate" if unprofiled is not None else ""))
+            lines.append(
+                f"  {v['name']}: kernels {split['kernels']}, {parts}, idle {split['idle_s']:.3f} "
+                f"of {split['step_time_s']:.3f} s under the profiler"
+                + (f", ~{unprofiled:.3f} s at the timed rate" if unprofiled is not None else "")
+            )
             gaps = split.get("idle_gaps")
             if gaps:
-                lines.append("    idle by gap size: " + ", ".join(f"{k} {t:.3f} s" for k, t in gaps["seconds_by_gap"].items()))
-                lines.append("    idle before: " + ", ".join(f"{n[:40]} {t:.3f} s" for n, t in gaps["late_kernels"][:4]))
+                lines.append(
+                    "    idle by gap size: "
+                    + ", ".join(f"{k} {t:.3f} s" for k, t in gaps["seconds_by_gap"].items())
+                )
+                lines.append(
+                    "    idle before: "
+                    + ", ".join(f"{n[:40]} {t:.3f} s" for n, t in gaps["late_kernels"][:4])
+                )
             lines.extend(_top_kernel_lines(split.get("top_kernels") or []))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=None,
-                        help="';'-separated variants (default without --grid: baseline,recompute=full;"
-                             "recompute=full;recompute=selective;recompute=none)")
-    parser.add_argument("--grid", help="variants from every combination of axes, e.g. "
-                                       "'mt=32768/65536;recompute=full/mixed;model.attention_backend=varlen/fa4' "
-                                       "(after any --variants)")
-    parser.add_argument("--mean-fraction", type=float, default=None,
-                        help="sample lengths per variant: mean this fraction of its micro-batch, clipped to "
-                             "[--min-tokens, the micro-batch] (replaces --mean-tokens / --max-tokens)")
-    parser.add_argument("--cuda-alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF for this process, set before CUDA "
-                                                  "starts (e.g. expandable_segments:True)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="';'-separated variants (default without --grid: baseline,recompute=full;"
+        "recompute=full;recompute=selective;recompute=none)",
+    )
+    parser.add_argument(
+        "--grid",
+        help="variants from every combination of axes, e.g. "
+        "'mt=32768/65536;recompute=full/mixed;model.attention_backend=varlen/fa4' "
+        "(after any --variants)",
+    )
+    parser.add_argument(
+        "--mean-fraction",
+        type=float,
+        default=None,
+        help="sample lengths per variant: mean this fraction of its micro-batch, clipped to "
+        "[--min-tokens, the micro-batch] (replaces --mean-tokens / --max-tokens)",
+    )
+    parser.add_argument(
+        "--cuda-alloc-conf",
+        help="PYTORCH_CUDA_ALLOC_CONF for this process, set before CUDA "
+        "starts (e.g. expandable_segments:True)",
+    )
     parser.add_argument("--preset", default="qwen3_5_9b_reduced")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
@@ -669,19 +786,32 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--optimizer", choices=("auto", "adam", "none"), default="auto")
     parser.add_argument("--profile", action="store_true", help="kernel-category split of one extra step")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the first variant once, untimed, before the measured ones (fills the shared "
-                             "autotune and compile caches for every batch's shapes, the profiled step's included)")
-    parser.add_argument("--warm-up-every-variant", action=argparse.BooleanOptionalAction, default=True,
-                        help="a warm-up pass of every variant (repeats that differ only in train.seed share one), "
-                             "not only the first: variants whose kernels the first does not run (e.g. the fused "
-                             "paths after fused=off) then compile them outside their timed steps")
+    parser.add_argument(
+        "--warm-up-pass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the first variant once, untimed, before the measured ones (fills the shared "
+        "autotune and compile caches for every batch's shapes, the profiled step's included)",
+    )
+    parser.add_argument(
+        "--warm-up-every-variant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a warm-up pass of every variant (repeats that differ only in train.seed share one), "
+        "not only the first: variants whose kernels the first does not run (e.g. the fused "
+        "paths after fused=off) then compile them outside their timed steps",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--trace-dir", help="with --profile: keep each variant's profiled step here as a gzipped "
-                                            "chrome trace of rank 0 (opens in Perfetto)")
+    parser.add_argument(
+        "--trace-dir",
+        help="with --profile: keep each variant's profiled step here as a gzipped "
+        "chrome trace of rank 0 (opens in Perfetto)",
+    )
     args = parser.parse_args(argv)
     if args.variants is None:
-        args.variants = "" if args.grid else "baseline,recompute=full;recompute=full;recompute=selective;recompute=none"
+        args.variants = (
+            "" if args.grid else "baseline,recompute=full;recompute=full;recompute=selective;recompute=none"
+        )
     if args.mean_fraction is not None and not 0 < args.mean_fraction <= 1:
         parser.error(f"--mean-fraction {args.mean_fraction} must be in (0, 1]")
     if args.cuda_alloc_conf:
@@ -691,7 +821,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
     try:
-        variants = [v for v in (v.strip() for v in args.variants.split(";")) if v] + grid_variants(args.grid or "")
+        variants = [v for v in (v.strip() for v in args.variants.split(";")) if v] + grid_variants(
+            args.grid or ""
+        )
     except ValueError as e:
         parser.error(str(e))
     if args.trace_dir and not (args.profile or any(map(profiled_variant, variants))):
@@ -711,24 +843,41 @@ def _run(args, variants: list[str], runtime) -> dict:
     from relax_gdn.parallel import init_distributed
     from relax_gdn.train.build import select_device
 
-    base = RunConfig().with_overrides({
-        "model.preset": args.preset, "train.steps": args.steps, "train.global_batch_size": args.global_batch_size,
-        "train.max_tokens_per_gpu": args.max_tokens_per_gpu, "train.device": args.device,
-        "train.seed": args.seed, "data.num_samples": args.global_batch_size * (args.steps + 1),
-        "optim.warmup_steps": 1, "optim.lr": 1e-5, "optim.min_lr": 1e-6,
-        "logging.console": False, "logging.jsonl": False, "logging.count_host_syncs": True,
-    })
+    base = RunConfig().with_overrides(
+        {
+            "model.preset": args.preset,
+            "train.steps": args.steps,
+            "train.global_batch_size": args.global_batch_size,
+            "train.max_tokens_per_gpu": args.max_tokens_per_gpu,
+            "train.device": args.device,
+            "train.seed": args.seed,
+            "data.num_samples": args.global_batch_size * (args.steps + 1),
+            "optim.warmup_steps": 1,
+            "optim.lr": 1e-5,
+            "optim.min_lr": 1e-6,
+            "logging.console": False,
+            "logging.jsonl": False,
+            "logging.count_host_syncs": True,
+        }
+    )
     device = select_device(base)
     created = init_distributed(device)
     world = dist.get_world_size()
-    result = {"meta": {
-        "preset": args.preset, "world_size": world, "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu", "torch": torch.__version__, "commit": tree_commit(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "args": vars(args), "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
-        # what every variant starts from: relax_gdn.compare labels a key a variant leaves alone by it
-        "base_config": base.resolved().to_dict(),
-    }, "variants": []}
+    result = {
+        "meta": {
+            "preset": args.preset,
+            "world_size": world,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "commit": tree_commit(),
+            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "args": vars(args),
+            "lengths": "lognormal" if not args.lengths_file else args.lengths_file,
+            # what every variant starts from: relax_gdn.compare labels a key a variant leaves alone by it
+            "base_config": base.resolved().to_dict(),
+        },
+        "variants": [],
+    }
     if args.warm_up_pass and variants:
         untimed = argparse.Namespace(**{**vars(args), "profile": False})
         # the profiled step's batch too: its new shapes would otherwise compile inside the profile
@@ -736,16 +885,32 @@ def _run(args, variants: list[str], runtime) -> dict:
         passes = []
         for variant in warm_up_variants(variants, world, every=args.warm_up_every_variant):
             steps = warm_up_steps or ({"train.steps": args.steps + 1} if profiled_variant(variant) else {})
-            warm_up = run_variant(f"{variant} (warm-up pass)",
-                                  base.with_overrides({**variant_overrides(variant, world), **steps}),
-                                  untimed, world, device, runtime=runtime)
-            passes.append({"variant": variant, "steps": len(warm_up["records"]),
-                           "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused")})
-        result["meta"]["warm_up_pass"] = passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
+            warm_up = run_variant(
+                f"{variant} (warm-up pass)",
+                base.with_overrides({**variant_overrides(variant, world), **steps}),
+                untimed,
+                world,
+                device,
+                runtime=runtime,
+            )
+            passes.append(
+                {
+                    "variant": variant,
+                    "steps": len(warm_up["records"]),
+                    "error": warm_up["summary"].get("error") or warm_up["summary"].get("refused"),
+                }
+            )
+        result["meta"]["warm_up_pass"] = (
+            passes[0] if len(passes) == 1 else {"variant": "every", "runs": passes}
+        )
     for variant in variants:
         overrides = variant_overrides(variant, world)
-        variant_args = args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
-        entry = run_variant(variant, base.with_overrides(overrides), variant_args, world, device, runtime=runtime)
+        variant_args = (
+            args if not profiled_variant(variant) else argparse.Namespace(**{**vars(args), "profile": True})
+        )
+        entry = run_variant(
+            variant, base.with_overrides(overrides), variant_args, world, device, runtime=runtime
+        )
         entry["config"] = overrides
         result["variants"].append(entry)
         if dist.get_rank() == 0:
@@ -756,12 +921,16 @@ def _run(args, variants: list[str], runtime) -> dict:
             if "error" in s or "refused" in s:
                 outcome = s.get("error") or f"refused by the memory model: {s['refused']}"
             else:
-                outcome = (f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} "
-                           f"GiB, optimizer {entry['optimizer']}")
+                outcome = (
+                    f"{s['tokens_per_s']:.0f} tok/s, step {s['step_time_s']:.3f} s, peak {s['peak_mem_gib']} "
+                    f"GiB, optimizer {entry['optimizer']}"
+                )
             print(f"[train_e2e] {variant}: {outcome}", flush=True)
     if dist.get_rank() == 0:
-        print(f"\n{args.preset}, world {world}, global batch {args.global_batch_size}, max_tokens_per_gpu "
-              f"{args.max_tokens_per_gpu}, medians of steps {args.skip + 1}-{args.steps}")
+        print(
+            f"\n{args.preset}, world {world}, global batch {args.global_batch_size}, max_tokens_per_gpu "
+            f"{args.max_tokens_per_gpu}, medians of steps {args.skip + 1}-{args.steps}"
+        )
         print(format_table(result))
     if created:
         dist.destroy_process_group()

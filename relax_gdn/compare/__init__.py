@@ -12,5 +12,13 @@ from relax_gdn.compare.runs import Run, find_runs, load_bench_json, load_run_dir
 from relax_gdn.compare.stats import compare_runs
 from relax_gdn.run_stats import run_summary, warmup_steps
 
-__all__ = ["Run", "compare_runs", "find_runs", "load_bench_json", "load_run_dir", "load_wandb_runs", "run_summary",
-           "warmup_steps"]
+__all__ = [
+    "Run",
+    "compare_runs",
+    "find_runs",
+    "load_bench_json",
+    "load_run_dir",
+    "load_wandb_runs",
+    "run_summary",
+    "warmup_steps",
+]

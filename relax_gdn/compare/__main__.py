@@ -21,19 +21,34 @@ from relax_gdn.known_warnings import silence_known_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m relax_gdn.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m relax_gdn.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("paths", nargs="*", help="run directories, sweep directories or benchmark .json files")
-    p.add_argument("--out", help="output directory (default: beside the first input: <dir>/compare for a "
-                                 "directory, <name>-compare/ next to a .json file; ./compare-<group> for W&B "
-                                 "alone)")
-    p.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
-                   help="the variant others are compared with (repeatable; default: the first variant)")
+    p.add_argument(
+        "--out",
+        help="output directory (default: beside the first input: <dir>/compare for a "
+        "directory, <name>-compare/ next to a .json file; ./compare-<group> for W&B "
+        "alone)",
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the variant others are compared with (repeatable; default: the first variant)",
+    )
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="also read the runs of --group from W&B")
     p.add_argument("--group", help="W&B group (with --wandb or --wandb-report)")
-    p.add_argument("--wandb-report", metavar="ENTITY/PROJECT", help="save a W&B report of --group (needs a server)")
+    p.add_argument(
+        "--wandb-report", metavar="ENTITY/PROJECT", help="save a W&B report of --group (needs a server)"
+    )
     p.add_argument("--group-by", default="gdn.cp_mode", help="config key the W&B report groups runs by")
-    p.add_argument("--print-spec", action="store_true", help="with --wandb-report: print the spec, save nothing")
+    p.add_argument(
+        "--print-spec", action="store_true", help="with --wandb-report: print the spec, save nothing"
+    )
     return p.parse_args(argv)
 
 
@@ -82,7 +97,9 @@ def _main(args: argparse.Namespace) -> int:
                 raise CompareInputError("--wandb needs --group G (the W&B group of the runs)")
             runs += load_wandb_runs(args.wandb, args.group)
         if not runs:
-            raise CompareInputError("nothing to compare: give run/sweep directories, a benchmark .json or --wandb")
+            raise CompareInputError(
+                "nothing to compare: give run/sweep directories, a benchmark .json or --wandb"
+            )
         summary = compare_runs(runs, args.baseline)
         out = Path(args.out) if args.out else default_out_dir(args.paths, args.group)
         paths = write_reports(runs, summary, out)

@@ -20,13 +20,27 @@ from relax_gdn.compare.machine import caution
 from relax_gdn.compare.runs import Run
 from relax_gdn.compare.stats import METRIC_LABELS, group_variants, variant_curves
 
-TABLE_METRICS = ("tokens_per_s", "tokens_per_s_per_gpu", "mfu", "step_time_s", "peak_mem_gb", "host_syncs",
-                 "final_loss", "mean_loss", "final_mtp_loss")
+TABLE_METRICS = (
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "step_time_s",
+    "peak_mem_gb",
+    "host_syncs",
+    "final_loss",
+    "mean_loss",
+    "final_mtp_loss",
+)
 OPTIONAL_COLUMNS = ("final_mtp_loss",)  # shown only when a variant has values (runs that train an MTP layer)
 LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-PLOTTED_CURVES = (("loss", "loss"), ("mtp_loss", "MTP loss"), ("grad_norm", "grad norm"), ("tokens_per_s", "tok/s"),
-                  ("mfu", "MFU"))
+PLOTTED_CURVES = (
+    ("loss", "loss"),
+    ("mtp_loss", "MTP loss"),
+    ("grad_norm", "grad norm"),
+    ("tokens_per_s", "tok/s"),
+    ("mfu", "MFU"),
+)
 AXES_INCHES = (6.4, 3.2)  # width, height of every curve plot's axes
 BAR_INCHES = 0.42  # throughput plot: axes height per variant with a one-line label
 BAR_LINE_INCHES = 0.14  # and per further line of its wrapped label
@@ -58,17 +72,26 @@ def _pct(x: float | None, sign: str = "+") -> str:
 
 
 def table_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    metrics = [m for m in TABLE_METRICS
-               if m not in OPTIONAL_COLUMNS or any(v["stats"].get(m) for v in summary["variants"])]
+    metrics = [
+        m
+        for m in TABLE_METRICS
+        if m not in OPTIONAL_COLUMNS or any(v["stats"].get(m) for v in summary["variants"])
+    ]
     header = ["variant", "runs", "steady steps"] + [METRIC_LABELS[m] for m in metrics] + ["tok/s vs baseline"]
     rows = []
     for v in summary["variants"]:
         ratio = v["ratio_to_baseline"]["tokens_per_s"]
         steady = sum(r["steady_steps"] for r in v["runs"])
-        label = v["label"] + (" (baseline)" if v["baseline"] else "") + (
-            f" (diverged: {v['nonfinite_steps']} non-finite steps)" if v.get("diverged") else "")
-        rows.append([label, str(len(v["runs"])), str(steady)] + [_cell(v["stats"][m]) for m in metrics]
-                    + ["-" if ratio is None else f"{ratio:.3f}x"])
+        label = (
+            v["label"]
+            + (" (baseline)" if v["baseline"] else "")
+            + (f" (diverged: {v['nonfinite_steps']} non-finite steps)" if v.get("diverged") else "")
+        )
+        rows.append(
+            [label, str(len(v["runs"])), str(steady)]
+            + [_cell(v["stats"][m]) for m in metrics]
+            + ["-" if ratio is None else f"{ratio:.3f}x"]
+        )
     return header, rows
 
 
@@ -76,21 +99,30 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     for noise in summary["noise"]["variants"]:
         mtp = noise.get("mtp_loss_max_spread")
-        lines.append(f"A/A {noise['variant']} ({noise['runs']} runs): tok/s spread {_pct(noise['tokens_per_s_spread'], '')}"
-                     f", loss max spread {_num(noise['loss_max_spread'])}, grad-norm max spread "
-                     f"{_num(noise['grad_norm_max_spread'])}" + ("" if mtp is None else f", MTP-loss max spread {_num(mtp)}"))
+        lines.append(
+            f"A/A {noise['variant']} ({noise['runs']} runs): tok/s spread {_pct(noise['tokens_per_s_spread'], '')}"
+            f", loss max spread {_num(noise['loss_max_spread'])}, grad-norm max spread "
+            f"{_num(noise['grad_norm_max_spread'])}"
+            + ("" if mtp is None else f", MTP-loss max spread {_num(mtp)}")
+        )
     for v in summary["variants"]:
         for run in v["runs"]:
             if run.get("diverged"):
-                lines.append(f"{v['label']}: run {run['name']} **diverged**: {run['nonfinite_steps']} non-finite "
-                             f"step(s) from step {run['first_nonfinite_step']} (loss or grad norm not finite); "
-                             "left out of the A/A noise floor")
+                lines.append(
+                    f"{v['label']}: run {run['name']} **diverged**: {run['nonfinite_steps']} non-finite "
+                    f"step(s) from step {run['first_nonfinite_step']} (loss or grad norm not finite); "
+                    "left out of the A/A noise floor"
+                )
     if not summary["noise"]["available"]:
-        lines.append("No variant has two or more runs (seeds): there is no A/A, so the differences below are "
-                     "measured but not judged (no A/A).")
+        lines.append(
+            "No variant has two or more runs (seeds): there is no A/A, so the differences below are "
+            "measured but not judged (no A/A)."
+        )
     for c in summary["comparisons"]:
         named = (("loss", "loss curve"), ("grad_norm", "grad-norm curve"), ("mtp_loss", "MTP-loss curve"))
-        curves = [_curve_text(name, c[key]) for key, name in named if key != "mtp_loss" or c[key].get("steps")]
+        curves = [
+            _curve_text(name, c[key]) for key, name in named if key != "mtp_loss" or c[key].get("steps")
+        ]
         shared = caution(c.get("shared_machine"))
         throughput = _throughput_text(c["throughput"]) + (f" (**caution**: {shared})" if shared else "")
         lines.append(f"{c['variant']} vs {c['baseline']}: " + "; ".join([throughput, *curves]))
@@ -102,26 +134,37 @@ def _throughput_text(t: dict[str, Any]) -> str:
     if "ratio" not in t:
         return text
     noise = "" if t["verdict"] == "no A/A" else f"; A/A noise {_pct(t['noise'], '')}"
-    return (text + f" ({t['ratio']:.3f}x, {_pct(t['diff'])}{noise}; intervals "
-            f"{'overlap' if t['intervals_overlap'] else 'do not overlap'})")
+    return (
+        text + f" ({t['ratio']:.3f}x, {_pct(t['diff'])}{noise}; intervals "
+        f"{'overlap' if t['intervals_overlap'] else 'do not overlap'})"
+    )
 
 
 def _curve_text(name: str, k: dict[str, Any]) -> str:
     text = f"{name} **{k['verdict']}**"
     if not k.get("steps"):
         return text
-    against = ("" if k["verdict"] in ("no A/A", "diverged")
-               else f" = {k['noise_ratio']:.2f}x the A/A noise {_num(k['rms_noise'])}")
-    return (text + f" (RMS diff {_num(k['rms_diff'])}{against} over {k['steps']} steps; max |diff| "
-            f"{_num(k['max_abs_diff'])} at step {k['at_step']})")
+    against = (
+        ""
+        if k["verdict"] in ("no A/A", "diverged")
+        else f" = {k['noise_ratio']:.2f}x the A/A noise {_num(k['rms_noise'])}"
+    )
+    return (
+        text + f" (RMS diff {_num(k['rms_diff'])}{against} over {k['steps']} steps; max |diff| "
+        f"{_num(k['max_abs_diff'])} at step {k['at_step']})"
+    )
 
 
 def markdown(summary: dict[str, Any]) -> str:
     header, rows = table_rows(summary)
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
-    out += ["", f"Steady state: {summary['rules']['warmup']} dropped; cells: median [95 % bootstrap interval].",
-            f"Variants differ in: {', '.join(summary['varying_keys']) or '(nothing: repeats only)'}.", ""]
+    out += [
+        "",
+        f"Steady state: {summary['rules']['warmup']} dropped; cells: median [95 % bootstrap interval].",
+        f"Variants differ in: {', '.join(summary['varying_keys']) or '(nothing: repeats only)'}.",
+        "",
+    ]
     out += [f"- {line}" for line in verdict_lines(summary)]
     return "\n".join(out) + "\n"
 
@@ -132,10 +175,16 @@ def _styles(labels: list[str]) -> dict[str, dict[str, Any]]:
 
     cmap = matplotlib.colormaps["tab10"]
     n = len(labels)
-    return {label: {"color": cmap(i % 10), "ls": LINE_STYLES[i % len(LINE_STYLES)],
-                    "marker": MARKERS[i % len(MARKERS)], "lw": 3.0 - 1.6 * i / (n - 1) if n > 1 else 1.6,
-                    "zorder": 2 + i}
-            for i, label in enumerate(labels)}
+    return {
+        label: {
+            "color": cmap(i % 10),
+            "ls": LINE_STYLES[i % len(LINE_STYLES)],
+            "marker": MARKERS[i % len(MARKERS)],
+            "lw": 3.0 - 1.6 * i / (n - 1) if n > 1 else 1.6,
+            "zorder": 2 + i,
+        }
+        for i, label in enumerate(labels)
+    }
 
 
 def _wrapped(label: str, width: int) -> str:
@@ -163,10 +212,19 @@ def _legend_below(ax, styles: dict[str, dict[str, Any]]) -> None:
 
     longest = max(len(label) for label in styles)
     ncols, wrap = (3, 28) if longest <= 28 else (2, 44) if longest <= 44 else (1, 90)
-    handles = [Line2D([], [], markersize=5, markeredgecolor="white", markeredgewidth=0.6, **style)
-               for style in styles.values()]
-    ax.legend(handles, [_wrapped(label, wrap) for label in styles], loc="upper center",
-              bbox_to_anchor=(0.5, -0.2), ncols=min(ncols, len(styles)), fontsize=8, frameon=False)
+    handles = [
+        Line2D([], [], markersize=5, markeredgecolor="white", markeredgewidth=0.6, **style)
+        for style in styles.values()
+    ]
+    ax.legend(
+        handles,
+        [_wrapped(label, wrap) for label in styles],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncols=min(ncols, len(styles)),
+        fontsize=8,
+        frameon=False,
+    )
 
 
 def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
@@ -186,8 +244,15 @@ def plot_curves(runs: list[Run], out_dir: Path) -> list[Path]:
             for steps, values in lines:
                 # at least one step apart per variant: each variant marks steps the others do not
                 every = max(len(curves), round(len(steps) / MARKS_PER_LINE))
-                ax.plot(steps, values, markersize=5, markeredgecolor="white", markeredgewidth=0.6,
-                        markevery=(n * every // len(curves), every), **styles[label])
+                ax.plot(
+                    steps,
+                    values,
+                    markersize=5,
+                    markeredgecolor="white",
+                    markeredgewidth=0.6,
+                    markevery=(n * every // len(curves), every),
+                    **styles[label],
+                )
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
         ax.set_ylabel(title)
@@ -208,8 +273,10 @@ def plot_throughput_bars(summary: dict[str, Any], out_dir: Path) -> Path:
     labels = [v["label"] for v in variants]
     styles = _styles([v["label"] for v in summary["variants"]])
     medians = [v["stats"]["tokens_per_s"]["median"] for v in variants]
-    errors = [[m - v["stats"]["tokens_per_s"]["lo"] for m, v in zip(medians, variants)],
-              [v["stats"]["tokens_per_s"]["hi"] - m for m, v in zip(medians, variants)]]
+    errors = [
+        [m - v["stats"]["tokens_per_s"]["lo"] for m, v in zip(medians, variants)],
+        [v["stats"]["tokens_per_s"]["hi"] - m for m, v in zip(medians, variants)],
+    ]
     ticks = [_wrapped(lb, BAR_LABEL_CHARS) for lb in labels]
     lines = max((tick.count("\n") + 1 for tick in ticks), default=1)
     per_bar = BAR_INCHES + BAR_LINE_INCHES * (lines - 1)  # room for the wrapped labels
@@ -235,7 +302,9 @@ def html_report(summary: dict[str, Any], images: list[Path]) -> str:
     pictures = "".join(  # the bars (as wide as their labels) get a row of their own
         f'<figure{" class=wide" if p.stem == "throughput" else ""}><img alt="{p.stem}" '
         f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        f"<figcaption>{p.name}</figcaption></figure>" for p in images)
+        f"<figcaption>{p.name}</figcaption></figure>"
+        for p in images
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>relax-gdn comparison</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
@@ -243,8 +312,8 @@ td,th{{border:1px solid #ccc;padding:3px 7px;text-align:right}}td:first-child,th
 .plots{{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1em;align-items:start}}
 figure{{margin:0}}figure.wide{{grid-column:1/-1}}figure img{{max-width:100%;height:auto}}figcaption{{font-size:12px;color:#555}}</style></head><body>
 <h1>relax-gdn comparison</h1>
-<p>Variants differ in: {html.escape(', '.join(summary['varying_keys']) or '(nothing: repeats only)')}.
-Baseline: {html.escape(summary['baseline'])}. Steady state: {html.escape(summary['rules']['warmup'])} dropped;
+<p>Variants differ in: {html.escape(", ".join(summary["varying_keys"]) or "(nothing: repeats only)")}.
+Baseline: {html.escape(summary["baseline"])}. Steady state: {html.escape(summary["rules"]["warmup"])} dropped;
 cells: median [95 % bootstrap interval].</p>
 {table}
 <h2>A/A and A/B</h2><ul>{verdicts}</ul>
@@ -257,7 +326,11 @@ def write_reports(runs: list[Run], summary: dict[str, Any], out_dir: str | Path)
     """summary.md, summary.json, the PNGs and report.html in ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"summary.md": out / "summary.md", "summary.json": out / "summary.json", "report.html": out / "report.html"}
+    paths = {
+        "summary.md": out / "summary.md",
+        "summary.json": out / "summary.json",
+        "report.html": out / "report.html",
+    }
     paths["summary.md"].write_text(markdown(summary))
     paths["summary.json"].write_text(json.dumps(summary, indent=2) + "\n")
     images = plot_curves(runs, out)

@@ -140,8 +140,9 @@ def load_run_dir(path: str | Path) -> Run:
     try:
         config = flatten(yaml.safe_load(config_path.read_text()) or {}) if config_path.exists() else {}
     except yaml.YAMLError as e:
-        raise CompareInputError(f"{config_path} is not YAML ({e}); restore the run's config.yaml or leave "
-                                "that run out") from e
+        raise CompareInputError(
+            f"{config_path} is not YAML ({e}); restore the run's config.yaml or leave that run out"
+        ) from e
     return Run(name=path.name, source=str(path), config=config, records=clean_records(read_jsonl(metrics)))
 
 
@@ -162,8 +163,7 @@ def load_bench_json(path: str | Path) -> list[Run]:
     except json.JSONDecodeError as e:
         raise CompareInputError(f"{path} is not JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(data, dict) or not isinstance(data.get("variants"), list):
-        raise CompareInputError(
-            f"{path}: expected {{\"variants\": [{{\"name\", \"config\", \"records\"}}, ...]}}")
+        raise CompareInputError(f'{path}: expected {{"variants": [{{"name", "config", "records"}}, ...]}}')
     configs = [flatten(variant.get("config") or {}) for variant in data["variants"]]
     set_somewhere = {key for config in configs for key in config}
     start = {**recipe_defaults(), **flatten((data.get("meta") or {}).get("base_config") or {})}
@@ -173,8 +173,14 @@ def load_bench_json(path: str | Path) -> list[Run]:
         resolved = {key: start[key] for key in set_somewhere if key in start} | config
         if "config" not in variant:  # nothing says what it ran: its name does
             resolved[BENCH_VARIANT_KEY] = name
-        runs.append(Run(name=f"{name}#{i}", source=f"{path}#{i}", config=resolved,
-                        records=clean_records(variant.get("records") or [])))
+        runs.append(
+            Run(
+                name=f"{name}#{i}",
+                source=f"{path}#{i}",
+                config=resolved,
+                records=clean_records(variant.get("records") or []),
+            )
+        )
     return runs
 
 
@@ -216,8 +222,11 @@ def records_from_wandb_history(rows: Iterable[dict[str, Any]]) -> list[dict[str,
     records = []
     for row in rows:
         # a NaN loss is a non-finite step (kept); other NaNs are values the row does not hold
-        fields = {k[len(WANDB_HISTORY_PREFIX):]: v for k, v in row.items()
-                  if k.startswith(WANDB_HISTORY_PREFIX) and (k == f"{WANDB_HISTORY_PREFIX}loss" or not _is_nan(v))}
+        fields = {
+            k[len(WANDB_HISTORY_PREFIX) :]: v
+            for k, v in row.items()
+            if k.startswith(WANDB_HISTORY_PREFIX) and (k == f"{WANDB_HISTORY_PREFIX}loss" or not _is_nan(v))
+        }
         if "loss" not in fields or row.get("_step") is None:
             continue
         records.append({"step": int(row["_step"]), **fields})
@@ -231,8 +240,12 @@ def _is_nan(value: Any) -> bool:
 def run_from_wandb(run: Any, path: str) -> Run:
     """A W&B public-API run object (``.id``, ``.name``, ``.config``, ``.scan_history()``) -> Run."""
     config = flatten({k: v for k, v in dict(run.config).items() if not str(k).startswith("_")})
-    return Run(name=run.name or run.id, source=f"wandb:{path}/{run.id}", config=config,
-               records=records_from_wandb_history(run.scan_history()))
+    return Run(
+        name=run.name or run.id,
+        source=f"wandb:{path}/{run.id}",
+        config=config,
+        records=records_from_wandb_history(run.scan_history()),
+    )
 
 
 def load_wandb_runs(path: str, group: str, api: Any = None) -> list[Run]:
@@ -245,8 +258,10 @@ def load_wandb_runs(path: str, group: str, api: Any = None) -> list[Run]:
         runs: Iterator[Any] = iter(api.runs(path, filters={"group": group}))
         out = [run_from_wandb(r, path) for r in runs]
     except Exception as e:  # noqa: BLE001 - no server, no key, no such project: one message
-        raise CompareInputError(f"reading W&B {path} group {group!r} failed ({type(e).__name__}: {e}); it needs "
-                                "the W&B server and an API key (wandb login / WANDB_API_KEY)") from e
+        raise CompareInputError(
+            f"reading W&B {path} group {group!r} failed ({type(e).__name__}: {e}); it needs "
+            "the W&B server and an API key (wandb login / WANDB_API_KEY)"
+        ) from e
     if not out:
         raise CompareInputError(f"W&B project {path} has no runs in group {group!r}")
     return [r for r in out if r.records]

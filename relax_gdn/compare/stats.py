@@ -155,8 +155,10 @@ def find_baseline(variants: list[Variant], selectors: list[str]) -> Variant:
         run_config = variant.runs[0].config
         if all(_fmt_value(run_config.get(k)) == v for k, v in wanted):
             return variant
-    raise CompareInputError(f"--baseline {' '.join(selectors)} matches no variant; variants: "
-                     + "; ".join(v.label for v in variants))
+    raise CompareInputError(
+        f"--baseline {' '.join(selectors)} matches no variant; variants: "
+        + "; ".join(v.label for v in variants)
+    )
 
 
 # ---- statistics and verdicts ---------------------------------------------------------------------
@@ -178,8 +180,11 @@ def _run_median_tps(run: Run) -> float | None:
 
 
 def _curve(run: Run, key: str) -> dict[int, float]:
-    return {int(r["step"]): float(r[key]) for r in run.records if r.get(key) is not None
-            and math.isfinite(float(r[key]))}
+    return {
+        int(r["step"]): float(r[key])
+        for r in run.records
+        if r.get(key) is not None and math.isfinite(float(r[key]))
+    }
 
 
 def _mean_curve(variant: Variant, key: str) -> dict[int, float]:
@@ -190,7 +195,9 @@ def _mean_curve(variant: Variant, key: str) -> dict[int, float]:
 
 def _healthy(variant: Variant) -> Variant:
     """``variant`` with only its runs that did not diverge."""
-    return Variant(variant.label, variant.config, [run for run in variant.runs if not nonfinite_steps(run.records)])
+    return Variant(
+        variant.label, variant.config, [run for run in variant.runs if not nonfinite_steps(run.records)]
+    )
 
 
 def noise_floor(variants: list[Variant]) -> dict[str, Any]:
@@ -219,11 +226,17 @@ def noise_floor(variants: list[Variant]) -> dict[str, Any]:
             entry[f"{key}_max_spread"] = max(spreads) if spreads else None
         per_variant.append(entry)
     variance = {key: {s: total / dof for s, (total, dof) in by_step.items()} for key, by_step in sums.items()}
-    return {"available": bool(repeated), "tokens_per_s_spread": throughput, "curve_variance": variance,
-            "variants": per_variant}
+    return {
+        "available": bool(repeated),
+        "tokens_per_s_spread": throughput,
+        "curve_variance": variance,
+        "variants": per_variant,
+    }
 
 
-def throughput_verdict(variant: dict[str, Any], baseline: dict[str, Any], noise: dict[str, Any]) -> dict[str, Any]:
+def throughput_verdict(
+    variant: dict[str, Any], baseline: dict[str, Any], noise: dict[str, Any]
+) -> dict[str, Any]:
     v, b = variant["tokens_per_s"], baseline["tokens_per_s"]
     if v is None or b is None or not b["median"]:
         return {"verdict": "no data"}
@@ -251,12 +264,17 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
     rms_diff = math.sqrt(float(np.mean([d * d for d in diffs.values()])))
     rms_noise = math.sqrt(float(np.mean(list(expected.values()))))
     worst = max(steps, key=lambda s: diffs[s])
-    out = {"steps": len(steps), "rms_diff": rms_diff, "rms_noise": rms_noise,
-           "noise_ratio": rms_diff / rms_noise if rms_noise else (math.inf if rms_diff else 0.0),
-           "outside": sum(diffs[s] > 2.0 * math.sqrt(expected[s]) for s in steps),
-           "max_abs_diff": diffs[worst], "at_step": worst,
-           "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
-           "mean_abs_diff": float(np.mean(list(diffs.values())))}
+    out = {
+        "steps": len(steps),
+        "rms_diff": rms_diff,
+        "rms_noise": rms_noise,
+        "noise_ratio": rms_diff / rms_noise if rms_noise else (math.inf if rms_diff else 0.0),
+        "outside": sum(diffs[s] > 2.0 * math.sqrt(expected[s]) for s in steps),
+        "max_abs_diff": diffs[worst],
+        "at_step": worst,
+        "max_rel_diff": diffs[worst] / abs(a[worst]) if a[worst] else None,
+        "mean_abs_diff": float(np.mean(list(diffs.values()))),
+    }
     if _diverged(variant) or _diverged(baseline):  # a curve with non-finite steps is not compared
         out |= {"verdict": "diverged", "rms_noise": None, "noise_ratio": None, "outside": None}
     elif not noise["available"]:  # no repeats: no noise to weigh the difference against, none quoted
@@ -273,9 +291,17 @@ def _diverged(variant: Variant) -> bool:
 def _run_entry(run: Run) -> dict[str, Any]:
     """A run as ``summary.json`` lists it (``nonfinite_steps`` > 0: diverged)."""
     bad = [r["step"] for r in run.records if is_nonfinite(r)]
-    return {"name": run.name, "source": run.source, "steps": len(run.records), "world_size": run.world_size,
-            "steady_steps": len(steady_records(run.records)), "nonfinite_steps": len(bad), "diverged": bool(bad),
-            "first_nonfinite_step": bad[0] if bad else None, "summary": run_summary(run.records, run.world_size)}
+    return {
+        "name": run.name,
+        "source": run.source,
+        "steps": len(run.records),
+        "world_size": run.world_size,
+        "steady_steps": len(steady_records(run.records)),
+        "nonfinite_steps": len(bad),
+        "diverged": bool(bad),
+        "first_nonfinite_step": bad[0] if bad else None,
+        "summary": run_summary(run.records, run.world_size),
+    }
 
 
 def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str, Any]:
@@ -292,40 +318,56 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
         for metric in METRIC_LABELS:
             s, b = stats[variant.label][metric], stats[base.label][metric]
             ratios[metric] = s["median"] / b["median"] if s and b and b["median"] else None
-        out_variants.append({
-            "label": variant.label, "config": {k: v for k, v in variant.config.items() if v is not UNSET},
-            "baseline": variant is base, "diverged": _diverged(variant),
-            "nonfinite_steps": sum(nonfinite_steps(r.records) for r in variant.runs),
-            "runs": [_run_entry(r) for r in variant.runs],
-            "stats": stats[variant.label], "ratio_to_baseline": ratios,
-        })
+        out_variants.append(
+            {
+                "label": variant.label,
+                "config": {k: v for k, v in variant.config.items() if v is not UNSET},
+                "baseline": variant is base,
+                "diverged": _diverged(variant),
+                "nonfinite_steps": sum(nonfinite_steps(r.records) for r in variant.runs),
+                "runs": [_run_entry(r) for r in variant.runs],
+                "stats": stats[variant.label],
+                "ratio_to_baseline": ratios,
+            }
+        )
     comparisons = []
     for variant in variants:
         if variant is base:
             continue
-        comparisons.append({
-            "variant": variant.label, "baseline": base.label, "diverged": _diverged(variant) or _diverged(base),
-            "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
-            "shared_machine": shared_machine(variant.runs, base.runs, steady_records),
-            **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
-        })
+        comparisons.append(
+            {
+                "variant": variant.label,
+                "baseline": base.label,
+                "diverged": _diverged(variant) or _diverged(base),
+                "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
+                "shared_machine": shared_machine(variant.runs, base.runs, steady_records),
+                **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
+            }
+        )
     noise_out = {k: v for k, v in noise.items() if k != "curve_variance"}
     return {
         "schema": "relax_gdn.compare/1",
-        "rules": {"warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
-                  "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
-                  "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
-                           f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
-                           f"({CURVE_RTOL:g} x baseline value)^2)",
-                  "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
-                  "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
-                              "curves not compared"},
-        "varying_keys": varying, "baseline": base.label, "variants": out_variants,
-        "noise": noise_out, "comparisons": comparisons,
+        "rules": {
+            "warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
+            "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
+            "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
+            f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
+            f"({CURVE_RTOL:g} x baseline value)^2)",
+            "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
+            "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
+            "curves not compared",
+        },
+        "varying_keys": varying,
+        "baseline": base.label,
+        "variants": out_variants,
+        "noise": noise_out,
+        "comparisons": comparisons,
     }
 
 
-def variant_curves(runs_by_variant: dict[str, list[Run]], key: str) -> dict[str, list[tuple[list[int], list[float]]]]:
+def variant_curves(
+    runs_by_variant: dict[str, list[Run]], key: str
+) -> dict[str, list[tuple[list[int], list[float]]]]:
     """Per variant, one (steps, values) line per run (for plots)."""
     out = {}
     for label, runs in runs_by_variant.items():

@@ -27,11 +27,17 @@ def apply_cpu_shims() -> Callable[[], None]:
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims() is for machines without CUDA; it would hide the GPU")
     if _applied:
-        raise RuntimeError("the CPU shims are already applied in this process "
-                           "(relax_gdn.runtime.Runtime owns them)")
+        raise RuntimeError(
+            "the CPU shims are already applied in this process (relax_gdn.runtime.Runtime owns them)"
+        )
     # dynamo first: the other shims import Megatron-Core, whose import decorates its fused functions
-    undo = [_no_dynamo(), _current_device_is_cpu(), _inference_rng_tracker(), _no_cuda_rng_state(),
-            _blocking_staging()]
+    undo = [
+        _no_dynamo(),
+        _current_device_is_cpu(),
+        _inference_rng_tracker(),
+        _no_cuda_rng_state(),
+        _blocking_staging(),
+    ]
     _applied = True
 
     def restore() -> None:
@@ -63,7 +69,9 @@ def _inference_rng_tracker() -> Callable[[], None]:
     assert hasattr(mcore_random, "initialize_rng_tracker")
     assert hasattr(mcore_random, "_CUDA_RNG_STATE_TRACKER")
     before = (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    mcore_random.initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=True, force_reset=True)
+    mcore_random.initialize_rng_tracker(
+        use_te_rng_tracker=False, inference_rng_tracker=True, force_reset=True
+    )
 
     def undo() -> None:
         mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = before
@@ -97,7 +105,8 @@ def _blocking_staging() -> Callable[[], None]:
     assert isinstance(original, staticmethod)
     preload_tensors = FileSystemWriterAsync.preload_tensors
     FileSystemWriterAsync.preload_tensors = staticmethod(
-        lambda write_buckets, non_blocking=True: preload_tensors(write_buckets, False))
+        lambda write_buckets, non_blocking=True: preload_tensors(write_buckets, False)
+    )
 
     def undo() -> None:
         FileSystemWriterAsync.preload_tensors = original

@@ -29,8 +29,9 @@ def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main
     torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
 
 
-FUSED_WGRAD_MODULE = types.SimpleNamespace(wgrad_gemm_accum_fp32=_wgrad_gemm_accum,
-                                           wgrad_gemm_accum_fp16=_wgrad_gemm_accum)
+FUSED_WGRAD_MODULE = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=_wgrad_gemm_accum, wgrad_gemm_accum_fp16=_wgrad_gemm_accum
+)
 
 
 def _works_here() -> bool:
@@ -43,7 +44,9 @@ def _works_here() -> bool:
         _wgrad_gemm_accum(x, g, acc)
         return bool(torch.allclose(acc, want, rtol=1e-3, atol=1e-3))  # once at start: one sync
     except (RuntimeError, TypeError) as e:
-        logger.warning("gradient accumulation fusion unavailable (torch.addmm out_dtype: %s); using DDP's adds", e)
+        logger.warning(
+            "gradient accumulation fusion unavailable (torch.addmm out_dtype: %s); using DDP's adds", e
+        )
         return False
 
 

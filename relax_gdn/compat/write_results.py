@@ -76,9 +76,12 @@ def use_write_results_queue(background: bool) -> Callable[[], None]:
     stops the server."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    assert hasattr(filesystem_async, "_results_queue") and hasattr(filesystem_async, "get_write_results_queue"), (
+    assert hasattr(filesystem_async, "_results_queue") and hasattr(
+        filesystem_async, "get_write_results_queue"
+    ), (
         "Megatron-Core's filesystem_async no longer keeps its write-results queue in _results_queue: "
-        "see relax_gdn/compat/write_results.py")
+        "see relax_gdn/compat/write_results.py"
+    )
     before = filesystem_async._results_queue
     manager = None
     if background:

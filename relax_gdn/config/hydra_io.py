@@ -64,7 +64,9 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=omegaconf_schema(RunConfig))
 
 
-def compose_run_config(config_dir: str | Path, overrides: list[str], config_name: str = "config") -> RunConfig:
+def compose_run_config(
+    config_dir: str | Path, overrides: list[str], config_name: str = "config"
+) -> RunConfig:
     """What ``python train.py <overrides>`` composes, as the typed config; every Hydra composition
     error (unknown key, wrong type, unknown group option, bad syntax) as one :class:`ConfigError`."""
     from hydra import compose, initialize_config_dir
@@ -94,8 +96,10 @@ def hydra_problem(error: Exception) -> str:
     if missing:
         group, option = missing.groups()
         options = re.findall(r"^\t(\S+)$", text.split("Config search path")[0], flags=re.M)
-        return (f"{group}={option} is not an option of the {group} group; use one of {', '.join(options)} "
-                f"(conf/{group}/)")
+        return (
+            f"{group}={option} is not an option of the {group} group; use one of {', '.join(options)} "
+            f"(conf/{group}/)"
+        )
     again = re.search(r"Multiple values for (\S+)\. To override a value use 'override \S+ (\S+)'", text)
     if again:
         group, option = again.groups()
@@ -108,7 +112,9 @@ def run_config_from_hydra(cfg: DictConfig) -> RunConfig:
     """Resolve interpolations and build the typed config; a ``???`` left unset names its key."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise ConfigError([f"{key} is required (it is ??? in the chosen config group); pass {key}=..." for key in missing])
+        raise ConfigError(
+            [f"{key} is required (it is ??? in the chosen config group); pass {key}=..." for key in missing]
+        )
     try:
         values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:  # pragma: no cover - missing_keys catches these first

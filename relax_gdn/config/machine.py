@@ -47,8 +47,11 @@ class Machine:
         if not (cuda and gpu_details):
             return cls(cuda=cuda)
         props = torch.cuda.get_device_properties(0)
-        return cls(cuda=True, gpu=(props.name, props.major, props.total_memory / 2**30),
-                   capability=(props.major, props.minor))
+        return cls(
+            cuda=True,
+            gpu=(props.name, props.major, props.total_memory / 2**30),
+            capability=(props.major, props.minor),
+        )
 
     def describe(self) -> str:
         if not self.cuda:
@@ -136,8 +139,12 @@ def _fp8_problems(cfg: RunConfig, machine: Machine) -> list[str]:
 def machine_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     """Every choice of ``cfg`` that ``machine`` cannot run, one message each naming the key and what
     to set instead (a configuration :func:`~relax_gdn.config.validate` accepted)."""
-    return (_device_problems(cfg, machine) + _attention_problems(cfg, machine) + _gdn_problems(cfg, machine)
-            + _fp8_problems(cfg, machine))
+    return (
+        _device_problems(cfg, machine)
+        + _attention_problems(cfg, machine)
+        + _gdn_problems(cfg, machine)
+        + _fp8_problems(cfg, machine)
+    )
 
 
 def check_machine(cfg: RunConfig, machine: Machine) -> None:

@@ -19,7 +19,6 @@ from relax_gdn.choices import (
     RECOMPUTE_MODULES,
     CPMode,
     DataSource,
-    RecordFormat,
     Device,
     FP8Recipe,
     KernelBackend,
@@ -31,6 +30,7 @@ from relax_gdn.choices import (
     OptimizerName,
     Precision,
     RecomputeGranularity,
+    RecordFormat,
     RouteStrategy,
     SpecProvider,
     SwapTransport,
@@ -103,7 +103,9 @@ class GDNConfig:
     cp_mode: CPMode = "chunkwise"
     route: RouteStrategy = "lazy_cache"  # zigzag<->contiguous routes: built on first use / by the data side
     kernel_backend: KernelBackend = "auto"  # auto: FLA kernels on CUDA, the pure-torch reference on CPU
-    swap_transport: SwapTransport = "auto"  # auto: peer memory when the CP group is on one host, else all_to_all
+    swap_transport: SwapTransport = (
+        "auto"  # auto: peer memory when the CP group is on one host, else all_to_all
+    )
     # chunkwise: a document crossing a CP rank cut with at most this many tokens before the cut is
     # recomputed by the next rank instead of passing the recurrent state between ranks (0: always pass)
     max_recomputed_prefix: int = DEFAULT_MAX_RECOMPUTED_PREFIX
@@ -131,7 +133,9 @@ class ParallelConfig:
 class RecomputeConfig:
     granularity: RecomputeGranularity = "none"  # full: whole layers (what all_gather CP needs)
     # what granularity=selective (and mixed's other layers) recomputes (relax_gdn.model.recompute)
-    modules: list[str] = field(default_factory=lambda: list(RECOMPUTE_MODULES))  # of relax_gdn.choices.RecomputeModule
+    modules: list[str] = field(
+        default_factory=lambda: list(RECOMPUTE_MODULES)
+    )  # of relax_gdn.choices.RecomputeModule
     # granularity=full: leave out what no gradient reads (the last layer's recompute, each recomputed
     # layer's linear_fc2 GEMM; relax_gdn.model.recompute); false: Megatron-Core's plain full recompute
     skip_unused: bool = True
@@ -143,13 +147,17 @@ class RecomputeConfig:
 @dataclass
 class DataConfig:
     source: DataSource = "synthetic"  # synthetic: a deterministic math SFT set, no files needed
-    path: str | None = None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
+    path: str | None = (
+        None  # jsonl/parquet: a file (parquet: or a directory); hf_disk: a save_to_disk directory
+    )
     eval_path: str | None = None  # evaluation records (any source/record format); None: eval.holdout_fraction
     format: RecordFormat = "auto"  # records: {role, content} turns (messages) or prompt/response fields
     prompt_field: str = "problem"
     response_field: str = "generated_solution"
     split: str = "train"  # hf_disk: the split of a saved DatasetDict
-    tokenizer: str | None = "embedded"  # embedded (small, built in) or a local Hugging Face tokenizer directory
+    tokenizer: str | None = (
+        "embedded"  # embedded (small, built in) or a local Hugging Face tokenizer directory
+    )
     # longer samples are skipped (counted and reported); None: what one micro-batch holds,
     # train.max_tokens_per_gpu x the largest CP size (RunConfig.sample_token_limit)
     max_sample_tokens: int | None = 512
@@ -264,12 +272,14 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_name: str | None = None  # W&B run name and run directory suffix; None: derived from mode/route/CP/TP/model
+    run_name: str | None = (
+        None  # W&B run name and run directory suffix; None: derived from mode/route/CP/TP/model
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "RunConfig":
+    def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
         """A copy with dotted-key overrides (``{"train.steps": 3, "parallel.dynamic_cp.enabled": True}``),
         for code that builds runs without Hydra (benchmarks, tests); an unknown key names itself."""
         values = self.to_dict()
@@ -278,7 +288,9 @@ class RunConfig:
             *parents, leaf = key.split(".")
             for i, part in enumerate(parents):
                 if not isinstance(node.get(part), dict):
-                    raise ConfigError([f"unknown config key {key!r}: {'.'.join(parents[:i + 1])} is not a group"])
+                    raise ConfigError(
+                        [f"unknown config key {key!r}: {'.'.join(parents[: i + 1])} is not a group"]
+                    )
                 node = node[part]
             if leaf not in node:
                 raise ConfigError([unknown_key_problem(key)])
@@ -296,10 +308,16 @@ class RunConfig:
         """What every GDN layer of this run is told (``gdn.*``, the largest CP size and whether
         ``recompute.*`` recomputes its core), built once and passed to the model builder."""
         g = self.gdn
-        return GDNOptions(cp_mode=g.cp_mode, route=g.route, kernel_backend=g.kernel_backend,
-                          swap_transport=g.swap_transport, max_recomputed_prefix=g.max_recomputed_prefix,
-                          max_cp_size=self.effective_max_cp, training=True,
-                          recompute_core=recomputes(self.recompute.granularity, self.recompute.modules, "gdn_core"))
+        return GDNOptions(
+            cp_mode=g.cp_mode,
+            route=g.route,
+            kernel_backend=g.kernel_backend,
+            swap_transport=g.swap_transport,
+            max_recomputed_prefix=g.max_recomputed_prefix,
+            max_cp_size=self.effective_max_cp,
+            training=True,
+            recompute_core=recomputes(self.recompute.granularity, self.recompute.modules, "gdn_core"),
+        )
 
     @property
     def lora_options(self) -> LoRAOptions | None:
@@ -309,8 +327,13 @@ class RunConfig:
         if not lora.rank:
             return None
         alpha = lora.alpha if lora.alpha is not None else 2 * lora.rank
-        return LoRAOptions(rank=lora.rank, alpha=float(alpha), dropout=float(lora.dropout),
-                           modules=resolve_targets(lora.targets), init_seed=self.train.seed)
+        return LoRAOptions(
+            rank=lora.rank,
+            alpha=float(alpha),
+            dropout=float(lora.dropout),
+            modules=resolve_targets(lora.targets),
+            init_seed=self.train.seed,
+        )
 
     @property
     def fp8_options(self) -> FP8Options | None:
@@ -319,8 +342,9 @@ class RunConfig:
         fp8 = self.model.fp8
         if fp8.recipe is None:
             return None
-        return FP8Options(recipe=fp8.recipe, bf16_modules=tuple(fp8.bf16_modules),
-                          bf16_gdn_gates=bool(fp8.bf16_gdn_gates))
+        return FP8Options(
+            recipe=fp8.recipe, bf16_modules=tuple(fp8.bf16_modules), bf16_gdn_gates=bool(fp8.bf16_gdn_gates)
+        )
 
     @property
     def learning_rates(self) -> tuple[float, float]:
@@ -332,7 +356,7 @@ class RunConfig:
         lr = self.optim.lr if self.optim.lr is not None else default
         return lr, self.optim.min_lr if self.optim.min_lr is not None else lr / 10
 
-    def resolved(self) -> "RunConfig":
+    def resolved(self) -> RunConfig:
         """A copy with every null that stands for a derived value filled in (the learning rates):
         what ``config.yaml`` records, so a run's file says what it trained with."""
         lr, min_lr = self.learning_rates
@@ -354,7 +378,9 @@ def _build(cls, values: Any, where: str):
     if isinstance(values, cls):
         return values
     if not isinstance(values, dict):
-        raise ConfigError([f"{where or 'config'} must be a group of keys, got {type(values).__name__} {values!r}"])
+        raise ConfigError(
+            [f"{where or 'config'} must be a group of keys, got {type(values).__name__} {values!r}"]
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -395,8 +421,10 @@ def unknown_key_problem(key: str) -> str:
         if cls is None:
             return f"unknown config key {key!r}: {'.'.join(parents)} is not a group"
     group = ".".join(parents) or "the top level"
-    return (f"unknown config key {key!r}: {group} has no key {leaf!r}; its keys are "
-            f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py)")
+    return (
+        f"unknown config key {key!r}: {group} has no key {leaf!r}; its keys are "
+        f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py)"
+    )
 
 
 def run_config_from_dict(values: dict[str, Any]) -> RunConfig:

@@ -77,20 +77,34 @@ def _check_eval(cfg: RunConfig, add) -> None:
         add(f"eval.every_steps={ev.every_steps!r} must be an integer >= 0 (0: no evaluation)")
     if ev.num_samples is not None and (not _is_int(ev.num_samples) or ev.num_samples < 1):
         add(f"eval.num_samples={ev.num_samples!r} must be an integer >= 1 or null (all)")
-    fraction_ok = isinstance(ev.holdout_fraction, (int, float)) and not isinstance(ev.holdout_fraction, bool) \
+    fraction_ok = (
+        isinstance(ev.holdout_fraction, (int, float))
+        and not isinstance(ev.holdout_fraction, bool)
         and 0 <= ev.holdout_fraction < 1
+    )
     if not fraction_ok:
         add(f"eval.holdout_fraction={ev.holdout_fraction!r} must be a number in [0, 1)")
     if eval_path is not None and not os.path.exists(eval_path):
-        add(f"data.eval_path={eval_path!r} does not exist; point it at evaluation records (jsonl/parquet/"
-            "hf_disk) or drop it to hold out eval.holdout_fraction of the training set")
+        add(
+            f"data.eval_path={eval_path!r} does not exist; point it at evaluation records (jsonl/parquet/"
+            "hf_disk) or drop it to hold out eval.holdout_fraction of the training set"
+        )
     if eval_path is not None and fraction_ok and ev.holdout_fraction > 0:
-        add("data.eval_path and eval.holdout_fraction are both set: evaluate on the file OR on a held-out "
-            "fraction (set eval.holdout_fraction=0 or data.eval_path=null)")
-    if _is_int(ev.every_steps) and ev.every_steps > 0 and eval_path is None and fraction_ok \
-            and ev.holdout_fraction == 0:
-        add(f"eval.every_steps={ev.every_steps} needs evaluation samples: set data.eval_path=<file> or "
-            "eval.holdout_fraction (e.g. 0.05)")
+        add(
+            "data.eval_path and eval.holdout_fraction are both set: evaluate on the file OR on a held-out "
+            "fraction (set eval.holdout_fraction=0 or data.eval_path=null)"
+        )
+    if (
+        _is_int(ev.every_steps)
+        and ev.every_steps > 0
+        and eval_path is None
+        and fraction_ok
+        and ev.holdout_fraction == 0
+    ):
+        add(
+            f"eval.every_steps={ev.every_steps} needs evaluation samples: set data.eval_path=<file> or "
+            "eval.holdout_fraction (e.g. 0.05)"
+        )
 
 
 def validate(cfg: RunConfig, world_size: int) -> ParallelDims:
@@ -138,12 +152,21 @@ def _choices(cfg: RunConfig) -> list[str]:
     problems += _mtp(cfg)
     problems += _fp8(cfg)
     lora, lora_defaults = cfg.model.lora, LoRAConfig()
-    problems += lora_problems(lora.rank, lora.alpha, lora.dropout, lora.targets, spec_provider=m.spec_provider,
-                              fused_cross_entropy=m.fused_cross_entropy,
-                              set_without_rank=[k for k in ("targets", "alpha", "dropout")
-                                                if getattr(lora, k) != getattr(lora_defaults, k)])
+    problems += lora_problems(
+        lora.rank,
+        lora.alpha,
+        lora.dropout,
+        lora.targets,
+        spec_provider=m.spec_provider,
+        fused_cross_entropy=m.fused_cross_entropy,
+        set_without_rank=[
+            k for k in ("targets", "alpha", "dropout") if getattr(lora, k) != getattr(lora_defaults, k)
+        ],
+    )
     if not isinstance(cfg.gdn.contiguous_between_layers, bool):
-        problems.append(f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false")
+        problems.append(
+            f"gdn.contiguous_between_layers={cfg.gdn.contiguous_between_layers!r} must be true or false"
+        )
     return problems + gdn_option_problems(cfg.gdn_options)
 
 
@@ -154,21 +177,29 @@ def _mtp(cfg: RunConfig) -> list[str]:
     mtp, problems = cfg.model.mtp, []
     layers = mtp.num_layers
     if layers is not None and (not _is_int(layers) or layers not in (0, 1)):
-        problems.append(f"model.mtp.num_layers={layers!r} must be 0 (off), 1 (Qwen3.5's one MTP layer: mtp.fc, "
-                        "mtp.layers.0, mtp.norm) or null (as model.hf_checkpoint has)")
+        problems.append(
+            f"model.mtp.num_layers={layers!r} must be 0 (off), 1 (Qwen3.5's one MTP layer: mtp.fc, "
+            "mtp.layers.0, mtp.norm) or null (as model.hf_checkpoint has)"
+        )
     weight = mtp.loss_weight
     if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < float("inf"):
-        problems.append(f"model.mtp.loss_weight={weight!r} must be a number > 0 (the MTP loss's weight in the "
-                        "objective, e.g. 0.1); model.mtp.num_layers=0 turns the MTP layer off")
+        problems.append(
+            f"model.mtp.loss_weight={weight!r} must be a number > 0 (the MTP loss's weight in the "
+            "objective, e.g. 0.1); model.mtp.num_layers=0 turns the MTP layer off"
+        )
     if layers == 1 and cfg.model.spec_provider == "te":
-        problems.append("model.mtp.num_layers=1 (or null with a model.hf_checkpoint that holds an MTP layer) builds "
-                        "the MTP layer from the local specs, not Transformer Engine's: "
-                        "use model.spec_provider=auto (or local), or model.mtp.num_layers=0")
+        problems.append(
+            "model.mtp.num_layers=1 (or null with a model.hf_checkpoint that holds an MTP layer) builds "
+            "the MTP layer from the local specs, not Transformer Engine's: "
+            "use model.spec_provider=auto (or local), or model.mtp.num_layers=0"
+        )
     if layers == 1 and cfg.model.lora.rank:
         # LoRA trains adapters on a frozen base; an MTP layer trained whole beside them is another recipe
-        problems.append(f"model.mtp.num_layers=1 with model.lora.rank={cfg.model.lora.rank}: a LoRA run trains "
-                        "adapters only and does not train an MTP layer; use model.mtp.num_layers=0 (a checkpoint's "
-                        "MTP layer is copied into the export unchanged) or model.lora.rank=0")
+        problems.append(
+            f"model.mtp.num_layers=1 with model.lora.rank={cfg.model.lora.rank}: a LoRA run trains "
+            "adapters only and does not train an MTP layer; use model.mtp.num_layers=0 (a checkpoint's "
+            "MTP layer is copied into the export unchanged) or model.lora.rank=0"
+        )
     return problems
 
 
@@ -178,11 +209,19 @@ def _fp8(cfg: RunConfig) -> list[str]:
     fp8 = cfg.model.fp8
     if fp8.recipe is None:
         return []
-    if not isinstance(fp8.bf16_modules, (list, tuple)) or not all(isinstance(p, str) for p in fp8.bf16_modules):
-        return [f"model.fp8.bf16_modules={fp8.bf16_modules!r} must be a list of module-name patterns "
-                "(e.g. [output_layer, 'decoder.layers.0.*'])"]
-    return fp8_problems(fp8.recipe, fp8.bf16_modules, spec_provider=cfg.model.spec_provider,
-                        fused_cross_entropy=cfg.model.fused_cross_entropy)
+    if not isinstance(fp8.bf16_modules, (list, tuple)) or not all(
+        isinstance(p, str) for p in fp8.bf16_modules
+    ):
+        return [
+            f"model.fp8.bf16_modules={fp8.bf16_modules!r} must be a list of module-name patterns "
+            "(e.g. [output_layer, 'decoder.layers.0.*'])"
+        ]
+    return fp8_problems(
+        fp8.recipe,
+        fp8.bf16_modules,
+        spec_provider=cfg.model.spec_provider,
+        fused_cross_entropy=cfg.model.fused_cross_entropy,
+    )
 
 
 def _full_layers(cfg: RunConfig) -> list[str]:
@@ -191,13 +230,17 @@ def _full_layers(cfg: RunConfig) -> list[str]:
     if n is None:
         return []
     if granularity != "mixed":
-        return [f"recompute.full_layers={n!r} applies to recompute.granularity=mixed only (got {granularity!r}); "
-                "set recompute.granularity=mixed or recompute.full_layers=null"]
+        return [
+            f"recompute.full_layers={n!r} applies to recompute.granularity=mixed only (got {granularity!r}); "
+            "set recompute.granularity=mixed or recompute.full_layers=null"
+        ]
     preset = PRESETS.get(cfg.model.preset)
     layers = preset.config["num_layers"] if preset is not None else None
     if not _is_int(n) or n < 0 or (layers is not None and n > layers):
-        return [f"recompute.full_layers={n!r} must be null (the memory model chooses) or an integer from 0 to the "
-                f"model's {layers} layers"]
+        return [
+            f"recompute.full_layers={n!r} must be null (the memory model chooses) or an integer from 0 to the "
+            f"model's {layers} layers"
+        ]
     return []
 
 
@@ -208,7 +251,9 @@ def _mesh(cfg: RunConfig, world_size: int) -> tuple[ParallelDims | None, list[st
         if not _is_int(value) or value < 1:
             problems.append(f"{key}={value!r} must be an integer >= 1")
     if not _is_int(world_size) or world_size < 1:
-        problems.append(f"world size {world_size!r} must be an integer >= 1 (torchrun --nproc-per-node / WORLD_SIZE)")
+        problems.append(
+            f"world size {world_size!r} must be an integer >= 1 (torchrun --nproc-per-node / WORLD_SIZE)"
+        )
     if problems:
         return None, problems
     if world_size % (par.tp * par.cp):
@@ -227,11 +272,18 @@ def _model_and_gdn(cfg: RunConfig, dims: ParallelDims) -> list[str]:
     if preset is None or not _is_int(max_cp) or max_cp < 1:
         return []  # reported by _choices / _parallel
     shapes = preset.config
-    problems = [f"{name}={shapes[name]} is not divisible by parallel.tp={dims.tp} (model.preset={preset.name})"
-                for name in ("num_attention_heads", "num_query_groups") if shapes[name] % dims.tp]
+    problems = [
+        f"{name}={shapes[name]} is not divisible by parallel.tp={dims.tp} (model.preset={preset.name})"
+        for name in ("num_attention_heads", "num_query_groups")
+        if shapes[name] % dims.tp
+    ]
     return problems + gdn_shape_problems(
-        cfg.gdn_options, key_heads=shapes["linear_num_key_heads"], value_heads=shapes["linear_num_value_heads"],
-        tp_size=dims.tp, max_cp_size=max_cp, deterministic=cfg.train.deterministic,
+        cfg.gdn_options,
+        key_heads=shapes["linear_num_key_heads"],
+        value_heads=shapes["linear_num_value_heads"],
+        tp_size=dims.tp,
+        max_cp_size=max_cp,
+        deterministic=cfg.train.deterministic,
         recompute_granularity=cfg.recompute.granularity,
     )
 
@@ -240,17 +292,22 @@ def _parallel(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
     """Sequence parallelism and dynamic CP."""
     par, problems = cfg.parallel, []
     if par.sp and dims is not None and par.tp == 1:
-        problems.append("parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP "
-                        "ranks); set parallel.sp=false or parallel.tp >= 2")
+        problems.append(
+            "parallel.sp=true needs parallel.tp > 1 (sequence parallelism splits activations over TP "
+            "ranks); set parallel.sp=false or parallel.tp >= 2"
+        )
     dyn = par.dynamic_cp
     if dyn.enabled and dims is not None:
         if not _is_power_of_two(dyn.max_cp):
-            problems.append(f"parallel.dynamic_cp.max_cp={dyn.max_cp!r} must be a power of two (CP groups of 1, 2, "
-                            "4, ...)")
+            problems.append(
+                f"parallel.dynamic_cp.max_cp={dyn.max_cp!r} must be a power of two (CP groups of 1, 2, "
+                "4, ...)"
+            )
         elif dyn.max_cp != par.cp:
             problems.append(
                 f"parallel.dynamic_cp.max_cp={dyn.max_cp} must equal parallel.cp={par.cp}: each micro-batch runs at "
-                "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value")
+                "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value"
+            )
     return problems
 
 
@@ -265,19 +322,29 @@ def _batch(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
         problems.append(
             f"train.global_batch_size={train.global_batch_size} is not divisible by the data-parallel size "
             f"{dims.dp} (= world {dims.world_size} / (tp {dims.tp} x cp {dims.cp})): every DP rank takes the same "
-            "number of samples; use a multiple of the DP size")
+            "number of samples; use a multiple of the DP size"
+        )
     mtpg, max_cp = train.max_tokens_per_gpu, cfg.effective_max_cp
     if not _is_int(mtpg) or mtpg < 2 or mtpg % 2:
-        problems.append(f"train.max_tokens_per_gpu={mtpg!r} must be an even integer >= 2 (documents are padded to "
-                        "multiples of 2*cp; the per-GPU budget must hold a whole number of those units)")
-    elif dims is not None and _is_int(data.max_sample_tokens) and _is_int(max_cp) and \
-            data.max_sample_tokens > mtpg * max_cp:
+        problems.append(
+            f"train.max_tokens_per_gpu={mtpg!r} must be an even integer >= 2 (documents are padded to "
+            "multiples of 2*cp; the per-GPU budget must hold a whole number of those units)"
+        )
+    elif (
+        dims is not None
+        and _is_int(data.max_sample_tokens)
+        and _is_int(max_cp)
+        and data.max_sample_tokens > mtpg * max_cp
+    ):
         cp_key = "parallel.dynamic_cp.max_cp" if cfg.parallel.dynamic_cp.enabled else "parallel.cp"
         problems.append(
             f"data.max_sample_tokens={data.max_sample_tokens} exceeds what one micro-batch holds, "
             f"train.max_tokens_per_gpu x {cp_key} = {mtpg} x {max_cp} = {mtpg * max_cp}: lower "
-            "data.max_sample_tokens (or set it to null: skip what does not fit) or raise train.max_tokens_per_gpu")
-    if data.max_sample_tokens is not None and (not _is_int(data.max_sample_tokens) or data.max_sample_tokens < 2):
+            "data.max_sample_tokens (or set it to null: skip what does not fit) or raise train.max_tokens_per_gpu"
+        )
+    if data.max_sample_tokens is not None and (
+        not _is_int(data.max_sample_tokens) or data.max_sample_tokens < 2
+    ):
         problems.append(f"data.max_sample_tokens={data.max_sample_tokens!r} must be an integer >= 2 or null")
     return problems
 
@@ -290,14 +357,20 @@ def _safety(cfg: RunConfig) -> list[str]:
     """What ends a run that goes wrong: non-finite steps, collective and step timeouts."""
     train, problems = cfg.train, []
     if not _is_int(train.max_nonfinite_steps) or train.max_nonfinite_steps < 1:
-        problems.append(f"train.max_nonfinite_steps={train.max_nonfinite_steps!r} must be an integer >= 1 (the "
-                        "non-finite steps in a row that end a run with train.on_nonfinite=skip)")
+        problems.append(
+            f"train.max_nonfinite_steps={train.max_nonfinite_steps!r} must be an integer >= 1 (the "
+            "non-finite steps in a row that end a run with train.on_nonfinite=skip)"
+        )
     if not _is_number(train.collective_timeout_s) or train.collective_timeout_s <= 0:
-        problems.append(f"train.collective_timeout_s={train.collective_timeout_s!r} must be a number of seconds > 0")
+        problems.append(
+            f"train.collective_timeout_s={train.collective_timeout_s!r} must be a number of seconds > 0"
+        )
     hang = train.hang_timeout_s
     if hang is not None and hang != "auto" and (not _is_number(hang) or hang <= 0):
-        problems.append(f"train.hang_timeout_s={hang!r} must be a number of seconds > 0, auto (from the run's "
-                        "median step time) or null (no watchdog)")
+        problems.append(
+            f"train.hang_timeout_s={hang!r} must be a number of seconds > 0, auto (from the run's "
+            "median step time) or null (no watchdog)"
+        )
     return problems
 
 
@@ -306,24 +379,38 @@ def _data(cfg: RunConfig) -> list[str]:
     data, train, problems = cfg.data, cfg.train, []
     if data.source == "synthetic":
         if not _is_int(data.num_samples) or data.num_samples < 1:
-            problems.append(f"data.num_samples={data.num_samples!r} must be an integer >= 1 for data.source=synthetic")
+            problems.append(
+                f"data.num_samples={data.num_samples!r} must be an integer >= 1 for data.source=synthetic"
+            )
         elif _is_int(train.global_batch_size) and data.num_samples < train.global_batch_size:
-            problems.append(f"data.num_samples={data.num_samples} is below train.global_batch_size="
-                            f"{train.global_batch_size}")
+            problems.append(
+                f"data.num_samples={data.num_samples} is below train.global_batch_size="
+                f"{train.global_batch_size}"
+            )
     elif data.source in DATA_SOURCES:
         if not data.path:
-            problems.append(f"data.path is required for data.source={data.source} (a file or directory to read)")
+            problems.append(
+                f"data.path is required for data.source={data.source} (a file or directory to read)"
+            )
         elif not os.path.exists(data.path):
-            problems.append(f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the "
-                            "data file or directory")
+            problems.append(
+                f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the "
+                "data file or directory"
+            )
     if data.tokenizer is None:
-        problems.append(f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer "
-                        "directory (e.g. the checkpoint's), or 'embedded'")
+        problems.append(
+            f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer "
+            "directory (e.g. the checkpoint's), or 'embedded'"
+        )
     elif data.tokenizer not in ("embedded", "byte") and not os.path.isdir(str(data.tokenizer)):
-        problems.append(f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
-                        "tokenizer directory")
+        problems.append(
+            f"data.tokenizer={data.tokenizer!r} is neither 'embedded' nor an existing local Hugging Face "
+            "tokenizer directory"
+        )
     if cfg.model.hf_checkpoint is not None and not os.path.isdir(cfg.model.hf_checkpoint):
-        problems.append(f"model.hf_checkpoint={cfg.model.hf_checkpoint!r} is not a directory (a local HF checkpoint)")
+        problems.append(
+            f"model.hf_checkpoint={cfg.model.hf_checkpoint!r} is not a directory (a local HF checkpoint)"
+        )
     return problems
 
 
@@ -336,10 +423,16 @@ def _optim(cfg: RunConfig) -> list[str]:
         if not 0 <= min_lr <= lr:
             problems.append(f"optim.min_lr={min_lr!r} must be within [0, optim.lr={lr}]")
     warmup = optim.warmup_steps
-    if not isinstance(warmup, (int, float)) or isinstance(warmup, bool) or warmup < 0 or \
-            (warmup >= 1 and warmup != int(warmup)):
-        problems.append(f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or "
-                        "a whole number of steps")
+    if (
+        not isinstance(warmup, (int, float))
+        or isinstance(warmup, bool)
+        or warmup < 0
+        or (warmup >= 1 and warmup != int(warmup))
+    ):
+        problems.append(
+            f"optim.warmup_steps={warmup!r} must be a fraction of train.steps in [0, 1) (e.g. 0.1) or "
+            "a whole number of steps"
+        )
     if optim.decay_steps is not None and (not _is_int(optim.decay_steps) or optim.decay_steps < 1):
         problems.append(f"optim.decay_steps={optim.decay_steps!r} must be an integer >= 1 or null")
     for key, beta in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):
@@ -355,20 +448,34 @@ def _optim(cfg: RunConfig) -> list[str]:
 def _logging_and_checkpoint(cfg: RunConfig) -> list[str]:
     log, ckpt, problems = cfg.logging, cfg.checkpoint, []
     window = log.profile_steps
-    if window is not None and not (isinstance(window, (list, tuple)) and len(window) == 2
-                                   and all(_is_int(v) for v in window) and 1 <= window[0] <= window[1]):
-        problems.append(f"logging.profile_steps={window!r} must be null or [first, last] with 1 <= first <= last "
-                        "(steps to trace with the torch profiler), e.g. logging.profile_steps=[10,12]")
+    if window is not None and not (
+        isinstance(window, (list, tuple))
+        and len(window) == 2
+        and all(_is_int(v) for v in window)
+        and 1 <= window[0] <= window[1]
+    ):
+        problems.append(
+            f"logging.profile_steps={window!r} must be null or [first, last] with 1 <= first <= last "
+            "(steps to trace with the torch profiler), e.g. logging.profile_steps=[10,12]"
+        )
     if not _is_int(log.log_every) or log.log_every < 1:
         problems.append(f"logging.log_every={log.log_every!r} must be an integer >= 1")
     if not _is_int(ckpt.every_steps) or ckpt.every_steps < 0:
-        problems.append(f"checkpoint.every_steps={ckpt.every_steps!r} must be an integer >= 0 (0: no periodic saves)")
+        problems.append(
+            f"checkpoint.every_steps={ckpt.every_steps!r} must be an integer >= 0 (0: no periodic saves)"
+        )
     if ckpt.resume not in (None, "auto") and not os.path.isdir(ckpt.resume):
-        problems.append(f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint or its "
-                        "parent) nor auto")
+        problems.append(
+            f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint or its "
+            "parent) nor auto"
+        )
     if ckpt.resume == "auto" and not ckpt.dir:
-        problems.append("checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and "
-                        "read from)")
+        problems.append(
+            "checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and "
+            "read from)"
+        )
     if not _is_int(ckpt.keep_last) or ckpt.keep_last < 0:
-        problems.append(f"checkpoint.keep_last={ckpt.keep_last!r} must be an integer >= 0 (0: keep every checkpoint)")
+        problems.append(
+            f"checkpoint.keep_last={ckpt.keep_last!r} must be an integer >= 0 (0: keep every checkpoint)"
+        )
     return problems

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from relax_gdn.data.sample import Sample, check_sample
 from relax_gdn.layout import ROUTE_STRATEGIES, attach_host_cu_seqlens, prebuild_routes, thd_rank_indices
 from relax_gdn.layout.partition import check_cp, padded_length
@@ -186,7 +187,9 @@ def _split_to_multiple(bins: list[list[int]], loads: list[int], padded: list[int
         loads.append(sum(padded[i] for i in second))
 
 
-def _assign_to_ranks(bins: list[list[int]], loads: list[int], dp_size: int, *, no_sample: int) -> list[list[int]]:
+def _assign_to_ranks(
+    bins: list[list[int]], loads: list[int], dp_size: int, *, no_sample: int
+) -> list[list[int]]:
     """Bin indices per DP rank, the same count on each: heaviest bin first, to the rank with the
     fewest tokens so far among those with room (``no_sample``: the sort key of an empty bin)."""
     per_rank = len(bins) // dp_size
@@ -201,8 +204,15 @@ def _assign_to_ranks(bins: list[list[int]], loads: list[int], dp_size: int, *, n
 
 
 def make_micro_batch(
-    samples: list[Sample], *, cp_size: int, cp_rank: int, device: torch.device | str, pad_id: int,
-    route_strategy: str = "lazy_cache", cp_group: dist.ProcessGroup | None = None, carries_cp_group: bool = False,
+    samples: list[Sample],
+    *,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device | str,
+    pad_id: int,
+    route_strategy: str = "lazy_cache",
+    cp_group: dist.ProcessGroup | None = None,
+    carries_cp_group: bool = False,
     mtp: bool = False,
 ) -> MicroBatch:
     """Pack ``samples`` (in order) into this CP rank's zigzag shard.
@@ -221,42 +231,107 @@ def make_micro_batch(
     whole packed sequence and sharded like the rest, so no CP rank needs another's tokens.
     An empty ``samples`` gives a padding-only micro-batch of ``2·cp_size`` tokens, no loss.
     """
-    _check_micro_batch_args(samples, cp_size=cp_size, cp_rank=cp_rank, pad_id=pad_id, route_strategy=route_strategy,
-                            cp_group=cp_group)
+    _check_micro_batch_args(
+        samples,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        pad_id=pad_id,
+        route_strategy=route_strategy,
+        cp_group=cp_group,
+    )
     lengths = [len(s) for s in samples]
     padded = [padded_length(n, cp_size) for n in lengths] or [2 * cp_size]
-    tokens, labels, loss_mask = pack_host_arrays(samples, padded, pad_id)
     cu_host = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
-    # Positions restart at 0 in every document; its padding continues them.
-    position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(cu_host[:-1], padded)
     # CP 1 holds every row in order: no gather
     index = None if cp_size == 1 else thd_rank_indices(cu_host, cp_size, cp_rank, "zigzag").numpy()
+    params = _micro_batch_params(
+        cu_host,
+        max(padded),
+        device,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_group=cp_group,
+        carries_cp_group=carries_cp_group,
+        route_strategy=route_strategy,
+    )
+    return _sharded(
+        samples, padded, cu_host, index, params, cp_size=cp_size, device=device, pad_id=pad_id, mtp=mtp
+    )
+
+
+def _sharded(
+    samples: list[Sample],
+    padded: list[int],
+    cu_host: np.ndarray,
+    index: np.ndarray | None,
+    params,
+    *,
+    cp_size: int,
+    device,
+    pad_id: int,
+    mtp: bool,
+) -> MicroBatch:
+    """The packed host arrays of ``samples`` (each document padded to ``padded``), this rank's rows
+    ``index`` of them (None: all) uploaded, with ``params``."""
+    tokens, labels, loss_mask = pack_host_arrays(samples, padded, pad_id)
+    # Positions restart at 0 in every document; its padding continues them.
+    position_ids = np.arange(len(tokens), dtype=np.int64) - np.repeat(cu_host[:-1], padded)
 
     # Uploads are queued without the host waiting: a plain .to(cuda) of a pageable tensor waits
     # for every kernel queued before it, leaving the GPU idle while the host builds the rest.
     def shard(values: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return upload_rows(values if index is None else values[index], device, dtype).unsqueeze(0)
 
-    params = _packed_seq_params(cu_host, max(padded), device)
+    mtp_labels, mtp_loss_mask = pack_mtp_host_arrays(samples, padded, pad_id) if mtp else (None, None)
+    lengths = [len(s) for s in samples]
+    return MicroBatch(
+        tokens=shard(tokens),
+        labels=shard(labels),
+        loss_mask=shard(loss_mask, torch.float32),
+        position_ids=shard(position_ids),
+        packed_seq_params=params,
+        num_loss_tokens=int(loss_mask.sum()),
+        num_real_tokens=sum(lengths),
+        num_samples=len(samples),
+        cp_size=cp_size,
+        seq_lengths=lengths,
+        mtp_labels=None if mtp_labels is None else shard(mtp_labels),
+        mtp_loss_mask=None if mtp_loss_mask is None else shard(mtp_loss_mask, torch.float32),
+    )
+
+
+def _micro_batch_params(
+    cu_host: np.ndarray,
+    max_len: int,
+    device,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    cp_group: dist.ProcessGroup | None,
+    carries_cp_group: bool,
+    route_strategy: str,
+):
+    """The micro-batch's ``PackedSeqParams``: with its CP group where it carries one (dynamic CP),
+    with both routes where the data side builds them (``route_strategy="prebuild"``)."""
+    params = _packed_seq_params(cu_host, max_len, device)
     if carries_cp_group:
         if cp_group is None:
             raise ValueError("carries_cp_group=True needs the micro-batch's cp_group")
         params.cp_group, params.local_cp_size = cp_group, cp_size
     if route_strategy == "prebuild" and cp_size > 1:
         prebuild_routes(params, cp_group, cp_size=cp_size, cp_rank=cp_rank)
-    mtp_labels, mtp_loss_mask = pack_mtp_host_arrays(samples, padded, pad_id) if mtp else (None, None)
-    return MicroBatch(
-        tokens=shard(tokens), labels=shard(labels), loss_mask=shard(loss_mask, torch.float32),
-        position_ids=shard(position_ids),
-        packed_seq_params=params, num_loss_tokens=int(loss_mask.sum()), num_real_tokens=sum(lengths),
-        num_samples=len(samples), cp_size=cp_size, seq_lengths=lengths,
-        mtp_labels=None if mtp_labels is None else shard(mtp_labels),
-        mtp_loss_mask=None if mtp_loss_mask is None else shard(mtp_loss_mask, torch.float32),
-    )
+    return params
 
 
-def _check_micro_batch_args(samples: list[Sample], *, cp_size: int, cp_rank: int, pad_id: int, route_strategy: str,
-                            cp_group: dist.ProcessGroup | None) -> None:
+def _check_micro_batch_args(
+    samples: list[Sample],
+    *,
+    cp_size: int,
+    cp_rank: int,
+    pad_id: int,
+    route_strategy: str,
+    cp_group: dist.ProcessGroup | None,
+) -> None:
     """What :func:`make_micro_batch` needs of its arguments; ``ValueError`` names the broken rule."""
     check_cp(cp_size, cp_rank)
     if route_strategy not in ROUTE_STRATEGIES:
@@ -287,8 +362,9 @@ def _mask_values(mask) -> np.ndarray:
     return np.asarray(mask, dtype=np.float32)
 
 
-def pack_host_arrays(samples: list[Sample], padded: list[int], pad_id: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack_host_arrays(
+    samples: list[Sample], padded: list[int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The whole micro-batch's tokens, labels and loss mask (host arrays), each document followed by
     its padding to ``padded`` tokens: labels are the next token within the document (``pad_id``
     after its last one), the mask is the sample's (float32), 0 on the last token and padding."""
@@ -300,16 +376,18 @@ def pack_host_arrays(samples: list[Sample], padded: list[int], pad_id: int
     for sample, p in zip(samples, padded):
         n = len(sample)
         ids = np.asarray(sample.input_ids, dtype=np.int64)
-        tokens[start:start + n] = ids
-        labels[start:start + n - 1] = ids[1:]  # the document's last token has no label in the document
-        loss_mask[start:start + n - 1] = _mask_values(sample.loss_mask)[: n - 1]
+        tokens[start : start + n] = ids
+        labels[start : start + n - 1] = ids[1:]  # the document's last token has no label in the document
+        loss_mask[start : start + n - 1] = _mask_values(sample.loss_mask)[: n - 1]
         start += p
     if samples and tokens.min() < 0:
         raise ValueError("negative token id in a sample: token ids must be in [0, vocab_size)")
     return tokens, labels, loss_mask
 
 
-def pack_mtp_host_arrays(samples: list[Sample], padded: list[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_mtp_host_arrays(
+    samples: list[Sample], padded: list[int], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The multi-token-prediction targets of the whole micro-batch (host arrays, laid out like
     :func:`pack_host_arrays`'): at each position the label of the NEXT position of the same
     document (the token two ahead), ``pad_id`` where that is not in the document; and its loss mask,
@@ -322,8 +400,8 @@ def pack_mtp_host_arrays(samples: list[Sample], padded: list[int], pad_id: int) 
     for sample, p in zip(samples, padded):
         n = len(sample)
         if n > 2:
-            labels[start:start + n - 2] = np.asarray(sample.input_ids[2:], dtype=np.int64)
-            loss_mask[start:start + n - 2] = _mask_values(sample.loss_mask)[1: n - 1]
+            labels[start : start + n - 2] = np.asarray(sample.input_ids[2:], dtype=np.int64)
+            loss_mask[start : start + n - 2] = _mask_values(sample.loss_mask)[1 : n - 1]
         start += p
     return labels, loss_mask
 
@@ -335,15 +413,24 @@ def _packed_seq_params(cu_host: np.ndarray, max_seqlen: int, device: torch.devic
 
     cu = upload_rows(cu_host, device, torch.int32)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
     )
     attach_host_cu_seqlens(params, cu, cu_host)
     return params
 
 
 def global_batches(
-    dataset_samples: list[Sample], global_batch_size: int, seed: int, epoch: int = 0, *,
+    dataset_samples: list[Sample],
+    global_batch_size: int,
+    seed: int,
+    epoch: int = 0,
+    *,
     drop_last: bool = True,
 ) -> list[list[Sample]]:
     """One epoch's global batches: a permutation seeded by ``(seed, epoch)`` cut into batches of
@@ -361,7 +448,7 @@ def global_batches(
     order = np.random.default_rng([abs(int(seed)), int(int(seed) < 0), int(epoch)]).permutation(n)
     stop = n - n % global_batch_size if drop_last else n
     starts = range(0, stop, global_batch_size)
-    return [[dataset_samples[i] for i in order[b:b + global_batch_size]] for b in starts]
+    return [[dataset_samples[i] for i in order[b : b + global_batch_size]] for b in starts]
 
 
 def global_batch_at_step(

@@ -38,7 +38,7 @@ class Sample:
     def num_mtp_loss_tokens(self) -> int:
         """Positions whose token two ahead is a target of the multi-token-prediction loss: position
         i predicts token i + 2, counted where the prediction of token i + 2 counts (mask[i + 1])."""
-        return sum(self.loss_mask[1: len(self.input_ids) - 1])
+        return sum(self.loss_mask[1 : len(self.input_ids) - 1])
 
 
 def check_sample(sample: Sample) -> None:

@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from relax_gdn.choices import RECORD_FORMATS
 from relax_gdn.data.sample import Sample, SFTDataset, SkipCounts
 from relax_gdn.data.tokenizer import ROLES, SFTTokenizer
-from relax_gdn.choices import RECORD_FORMATS
 from relax_gdn.errors import DataError
 
 DEFAULT_PROMPT_FIELD = "problem"
@@ -110,8 +110,9 @@ def _check_columns(where: str, available: list[str], fields: list[str]) -> None:
         )
 
 
-def _parquet_records(path: Path, record_format: str,
-                     fields: tuple[str, str]) -> Iterator[tuple[str, str, object]]:
+def _parquet_records(
+    path: Path, record_format: str, fields: tuple[str, str]
+) -> Iterator[tuple[str, str, object]]:
     import pyarrow.parquet as pq
 
     for file in _files(path, "*.parquet"):
@@ -127,8 +128,9 @@ def _parquet_records(path: Path, record_format: str,
                 yield f"{file} row {row}", file_format, record
 
 
-def _hf_disk_records(path: Path, record_format: str, fields: tuple[str, str],
-                     split: str) -> Iterator[tuple[str, str, object]]:
+def _hf_disk_records(
+    path: Path, record_format: str, fields: tuple[str, str], split: str
+) -> Iterator[tuple[str, str, object]]:
     import datasets  # imported here: it takes seconds, and only this format needs it
 
     loaded = datasets.load_from_disk(str(path))
@@ -147,9 +149,14 @@ def _hf_disk_records(path: Path, record_format: str, fields: tuple[str, str],
         yield f"{path} [{split}] row {row}", file_format, record
 
 
-def read_located_records(path: str | os.PathLike, *, fields: tuple[str, str], format: str | None = None,
-                         split: str = "train",
-                         record_format: str = "auto") -> Iterator[tuple[str, str, object]]:
+def read_located_records(
+    path: str | os.PathLike,
+    *,
+    fields: tuple[str, str],
+    format: str | None = None,
+    split: str = "train",
+    record_format: str = "auto",
+) -> Iterator[tuple[str, str, object]]:
     """Yield ``(where, record format, record)`` for every record of the source in storage order:
     ``where`` is ``file:line`` (jsonl) or ``file row N``; unreadable jsonl lines are a sentinel
     that the tokenizing loop counts as ``unparsable``. Directories are read file by file, sorted."""
@@ -225,8 +232,13 @@ def _conversation(record: dict) -> list[dict]:
 
 
 def tokenize_records(
-    records, tokenizer: SFTTokenizer, *, prompt_field: str, response_field: str,
-    max_sample_tokens: int | None = None, max_samples: int | None = None,
+    records,
+    tokenizer: SFTTokenizer,
+    *,
+    prompt_field: str,
+    response_field: str,
+    max_sample_tokens: int | None = None,
+    max_samples: int | None = None,
     record_format: str = "prompt_response",
 ) -> tuple[list[Sample], SkipCounts]:
     """Tokenize records into samples (``sample_id`` = the record's index in the source), skipping
@@ -257,8 +269,10 @@ def tokenize_records(
             else:
                 input_ids, loss_mask = tokenizer.encode_sft(record[prompt_field], record[response_field])
             if max_sample_tokens is not None and len(input_ids) > max_sample_tokens:
-                problem = ("too_long",
-                           f"{len(input_ids)} tokens > {max_sample_tokens} allowed ({SAMPLE_LIMIT_KEYS})")
+                problem = (
+                    "too_long",
+                    f"{len(input_ids)} tokens > {max_sample_tokens} allowed ({SAMPLE_LIMIT_KEYS})",
+                )
         if problem is not None:
             counts.skip(problem[0], where=where, detail=problem[1])
             continue
@@ -308,15 +322,23 @@ def load_sft_dataset(
             raise DataError(
                 f"field name {name!r} must be a non-empty string (data.prompt_field / data.response_field)"
             )
-    records = read_located_records(path, fields=fields, format=format, split=split,
-                                   record_format=record_format)
+    records = read_located_records(
+        path, fields=fields, format=format, split=split, record_format=record_format
+    )
     samples, counts = tokenize_records(
-        records, tokenizer, prompt_field=prompt_field, response_field=response_field,
-        max_sample_tokens=max_sample_tokens, max_samples=max_samples,
+        records,
+        tokenizer,
+        prompt_field=prompt_field,
+        response_field=response_field,
+        max_sample_tokens=max_sample_tokens,
+        max_samples=max_samples,
     )
     if not samples:
-        expected = {"auto": f"{list(fields)} or {MESSAGES_FIELD!r}", "messages": repr(MESSAGES_FIELD),
-                    "prompt_response": str(list(fields))}[record_format]
+        expected = {
+            "auto": f"{list(fields)} or {MESSAGES_FIELD!r}",
+            "messages": repr(MESSAGES_FIELD),
+            "prompt_response": str(list(fields)),
+        }[record_format]
         raise DataError(
             f"data source {str(path)!r} has no usable record (expected the field(s) {expected}; "
             f"{counts.summary()}): {_unusable_source_fix(counts, fields, max_sample_tokens)}"

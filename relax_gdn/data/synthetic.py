@@ -54,9 +54,14 @@ def _num_steps(rng: random.Random, min_steps: int, max_steps: int, mean_extra_st
 
 
 def synthetic_math_records(
-    num_samples: int, *, seed: int = 0, min_steps: int = 1, max_steps: int = 20,
+    num_samples: int,
+    *,
+    seed: int = 0,
+    min_steps: int = 1,
+    max_steps: int = 20,
     mean_extra_steps: float = 6.0,
-    prompt_field: str = DEFAULT_PROMPT_FIELD, response_field: str = DEFAULT_RESPONSE_FIELD,
+    prompt_field: str = DEFAULT_PROMPT_FIELD,
+    response_field: str = DEFAULT_RESPONSE_FIELD,
 ) -> list[dict[str, str]]:
     """``num_samples`` word problems as records ``{prompt_field: ..., response_field: ...}``.
 
@@ -91,14 +96,21 @@ def synthetic_math_records(
 
 
 def synthetic_math_dataset(
-    num_samples: int, tokenizer: SFTTokenizer, *, seed: int = 0, max_sample_tokens: int | None = None,
+    num_samples: int,
+    tokenizer: SFTTokenizer,
+    *,
+    seed: int = 0,
+    max_sample_tokens: int | None = None,
     **kwargs,
 ) -> SFTDataset:
     """The embedded default SFT set, tokenized. ``kwargs`` go to :func:`synthetic_math_records`;
     samples longer than ``max_sample_tokens`` are skipped and counted like any source's."""
     records = synthetic_math_records(num_samples, seed=seed, **kwargs)
     samples, counts = tokenize_records(
-        records, tokenizer, prompt_field=DEFAULT_PROMPT_FIELD, response_field=DEFAULT_RESPONSE_FIELD,
+        records,
+        tokenizer,
+        prompt_field=DEFAULT_PROMPT_FIELD,
+        response_field=DEFAULT_RESPONSE_FIELD,
         max_sample_tokens=max_sample_tokens,
     )
     if not samples:
@@ -141,8 +153,13 @@ class LengthProfile:
 
 
 def length_matched_samples(
-    num_samples: int, *, vocab_size: int, seed: int = 0, profile: LengthProfile | None = None,
-    lengths: list[int] | None = None, eos_id: int | None = None,
+    num_samples: int,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    profile: LengthProfile | None = None,
+    lengths: list[int] | None = None,
+    eos_id: int | None = None,
 ) -> list[Sample]:
     """Random-token SFT samples with lengths from ``profile`` (or exactly ``lengths``).
 
@@ -165,10 +182,13 @@ def length_matched_samples(
         ids = rng.integers(0, vocab_size, size=length).tolist()
         if eos_id is not None:
             ids[-1] = eos_id
-        samples.append(Sample(
-            input_ids=ids, loss_mask=next_token_loss_mask([False] * prompt + [True] * (length - prompt)),
-            sample_id=sample_id,
-        ))
+        samples.append(
+            Sample(
+                input_ids=ids,
+                loss_mask=next_token_loss_mask([False] * prompt + [True] * (length - prompt)),
+                sample_id=sample_id,
+            )
+        )
     return samples
 
 
@@ -178,7 +198,11 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
     if arr.size == 0:
         return {"count": 0}
     return {
-        "count": int(arr.size), "mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-        "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99)), "max": float(arr.max()),
+        "count": int(arr.size),
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
         "s_eff": float((arr**2).sum() / arr.sum()),  # sum L^2 / sum L: what attention FLOPs see
     }

@@ -134,8 +134,12 @@ class ByteChatTokenizer:
         backend.decoder = decoders.ByteLevel()
         names = [self._special_names.get(i, f"<|reserved_{i}|>") for i in range(256, self.vocab_size)]
         backend.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>", pad_token="<|pad|>",
-                                     chat_template=self.CHAT_TEMPLATE)
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            eos_token="<|end|>",
+            pad_token="<|pad|>",
+            chat_template=self.CHAT_TEMPLATE,
+        )
         return [Path(f).name for f in hf.save_pretrained(str(directory))]
 
     def __repr__(self) -> str:

@@ -62,8 +62,13 @@ def skip_unread_summaries_of(context) -> None:
 
 def _skippable(context, use_graph: bool) -> bool:
     # Only FLA's contiguous, eager branch of a marked context is re-expressed here; the rest stays FLA's.
-    return (context is not None and getattr(context, _SKIP_MARK, False) and context.group is not None
-            and context.layout == "contiguous" and not use_graph)
+    return (
+        context is not None
+        and getattr(context, _SKIP_MARK, False)
+        and context.group is not None
+        and context.layout == "contiguous"
+        and not use_graph
+    )
 
 
 def _value_blocks(K: int) -> int:
@@ -79,8 +84,24 @@ def _fwd_h_columns(k, w, u, hm, g, cu_seqlens, chunk_size: int) -> None:
     HV, V = u.shape[2:]
     BV = _value_blocks(K)
     chunk_cp_fwd_kernel_h[(triton.cdiv(V, BV), HV)](
-        k=k, v=u, w=w, g=g, gk=None, bg=None, u=u, hm=hm, cu_seqlens=cu_seqlens, T=T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, BK=triton.next_power_of_2(K), MULTI_SEQS=False,
+        k=k,
+        v=u,
+        w=w,
+        g=g,
+        gk=None,
+        bg=None,
+        u=u,
+        hm=hm,
+        cu_seqlens=cu_seqlens,
+        T=T,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BV=BV,
+        BK=triton.next_power_of_2(K),
+        MULTI_SEQS=False,
     )
 
 
@@ -93,8 +114,25 @@ def _bwd_dh_columns(q, k, w, do, dv, dhm, g, scale, cu_seqlens, chunk_size: int)
     HV, V = do.shape[2:]
     BV = _value_blocks(K)
     chunk_cp_bwd_kernel_dh[(triton.cdiv(V, BV), HV)](
-        q=q, k=k, w=w, g=g, gk=None, do=do, dhm=dhm, dv=dv, cu_seqlens=cu_seqlens, scale=scale, T=T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, BK=triton.next_power_of_2(K), USE_BG=False,
+        q=q,
+        k=k,
+        w=w,
+        g=g,
+        gk=None,
+        do=do,
+        dhm=dhm,
+        dv=dv,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        T=T,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BT=chunk_size,
+        BV=BV,
+        BK=triton.next_power_of_2(K),
+        USE_BG=False,
     )
 
 
@@ -102,6 +140,9 @@ def _state_zeros(like: torch.Tensor, n: int, HV: int, K: int, V: int, state_v_fi
     return like.new_zeros(n, HV, *((V, K) if state_v_first else (K, V)), dtype=torch.float32)
 
 
+# fmt: off
+# (FLA's pre-process hooks, their argument lists passed on as FLA writes them: one line per
+# call instead of the formatter's one argument per line)
 def _make_fwd(original):
     def fwd_h_pre_process(k, w, u, g=None, gk=None, bg=None, v=None, chunk_size=64, state_v_first=False,
                           cu_seqlens=None, initial_state=None, context=None, use_graph=False):
@@ -160,6 +201,7 @@ def _make_bwd(original):
         return dht, None
 
     return bwd_dhu_pre_process
+# fmt: on
 
 
 def _parameters(fn) -> list[tuple[str, object, object]]:
@@ -186,7 +228,9 @@ def install() -> None:
         if getattr(current, "relax_gdn_original", None) is not None:
             continue  # already installed
         if current is not getattr(chunk_delta_h, name):
-            raise RuntimeError(f"{_PATCHED_MODULE}.{name} is not FLA's own function; something else replaced it")
+            raise RuntimeError(
+                f"{_PATCHED_MODULE}.{name} is not FLA's own function; something else replaced it"
+            )
         replacement = make(current)
         # Same parameters as FLA's, so every call FLA makes is understood (checked once, here,
         # instead of binding arguments on every call).
@@ -201,7 +245,9 @@ def installed() -> bool:
     import importlib
 
     chunk = importlib.import_module(_PATCHED_MODULE)
-    return all(getattr(getattr(chunk, n), "relax_gdn_original", None) is not None for n in (_FWD_NAME, _BWD_NAME))
+    return all(
+        getattr(getattr(chunk, n), "relax_gdn_original", None) is not None for n in (_FWD_NAME, _BWD_NAME)
+    )
 
 
 def uninstall() -> None:

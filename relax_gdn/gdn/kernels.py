@@ -95,12 +95,20 @@ class GDNKernels(Protocol):
     name: str
     zigzag_cp: bool  # scans one-document micro-batches on their zigzag rows (GDNOptions.fla_zigzag_cp)
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ScanRows) -> torch.Tensor:
+    def conv(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: ScanRows
+    ) -> torch.Tensor:
         """SiLU(depthwise causal conv) of ``x [B, S, D]`` with ``weight [D, Wc]``."""
 
     def scan(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: GateInputs, beta: torch.Tensor,
-        rows: ScanRows, use_qk_l2norm: bool,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gate: GateInputs,
+        beta: torch.Tensor,
+        rows: ScanRows,
+        use_qk_l2norm: bool,
     ) -> torch.Tensor:
         """Gated delta rule output ``[B, S, HV, V]`` (q, k ``[B, S, H, K]``, GVA when HV > H)."""
 
@@ -124,8 +132,14 @@ class TorchKernels:
         g = gate.log_decay()
         if rows.cp_group is not None:
             o, _ = reference.cp_gated_delta_rule(
-                q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                cu_seqlens_global=rows.cu_host, group=rows.cp_group,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+                cu_seqlens_global=rows.cu_host,
+                group=rows.cp_group,
             )
         else:
             o, _ = reference.gated_delta_rule_chunked(
@@ -157,7 +171,11 @@ class FlaKernels:
         from fla.ops.cp import build_cp_context
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        self._conv, self._scan, self._build_cp_context = causal_conv1d, chunk_gated_delta_rule, build_cp_context
+        self._conv, self._scan, self._build_cp_context = (
+            causal_conv1d,
+            chunk_gated_delta_rule,
+            build_cp_context,
+        )
         self.fused_gate, self.zigzag_cp = fused_gate, zigzag_cp
         self.skip_unread_cp_summaries = skip_unread_cp_summaries
 
@@ -165,8 +183,11 @@ class FlaKernels:
         context = rows._fla_contexts.get(self.skip_unread_cp_summaries)
         if context is None:  # once per micro-batch: ScanRows is cached per micro-batch
             context = self._build_cp_context(
-                rows.cu_device, rows.cp_group, conv1d_kernel_size=rows.conv_kernel_size,
-                cu_seqlens_cpu=rows.cu_host, layout=rows.cp_layout,
+                rows.cu_device,
+                rows.cp_group,
+                conv1d_kernel_size=rows.conv_kernel_size,
+                cu_seqlens_cpu=rows.cu_host,
+                layout=rows.cp_layout,
             )
             if self.skip_unread_cp_summaries:
                 fla_cp_summaries.skip_unread_summaries_of(context)
@@ -184,12 +205,17 @@ class FlaKernels:
     def _where(self, rows: ScanRows) -> dict:
         if rows.cp_group is not None:
             context = self._context(rows)  # the scan and conv run on its LOCAL boundaries
-            return {"cp_context": context,
-                    "chunk_indices": self._chunk_indices(rows, context.cu_seqlens, context.cu_seqlens_cpu)}
+            return {
+                "cp_context": context,
+                "chunk_indices": self._chunk_indices(rows, context.cu_seqlens, context.cu_seqlens_cpu),
+            }
         if rows.cu_device is None:
             return {}
-        return {"cu_seqlens": rows.cu_device, "cu_seqlens_cpu": rows.cu_host,
-                "chunk_indices": self._chunk_indices(rows, rows.cu_device, rows.cu_host)}
+        return {
+            "cu_seqlens": rows.cu_device,
+            "cu_seqlens_cpu": rows.cu_host,
+            "chunk_indices": self._chunk_indices(rows, rows.cu_device, rows.cu_host),
+        }
 
     def conv(self, x, weight, bias, rows):
         y, _ = self._conv(x=x, weight=weight, bias=bias, activation="silu", **self._where(rows))
@@ -203,8 +229,16 @@ class FlaKernels:
         else:
             g, fused = gate.log_decay(), {}
         o, _ = self._scan(
-            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=use_qk_l2norm, **fused, **self._where(rows),
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            **fused,
+            **self._where(rows),
         )
         return o
 
@@ -212,21 +246,30 @@ class FlaKernels:
 def select_kernels(options: GDNOptions, device: torch.device) -> GDNKernels:
     """The kernels a layer told ``options`` runs for activations on ``device``: ``auto`` is FLA on
     CUDA, the torch reference elsewhere (one stateless instance per distinct choice)."""
-    return _kernels(options.kernel_backend, device.type, options.fla_fused_gate, options.fla_zigzag_cp,
-                    options.fla_skip_unread_cp_summaries)
+    return _kernels(
+        options.kernel_backend,
+        device.type,
+        options.fla_fused_gate,
+        options.fla_zigzag_cp,
+        options.fla_skip_unread_cp_summaries,
+    )
 
 
 @functools.cache
-def _kernels(backend: str, device_type: str, fused_gate: bool, zigzag_cp: bool,
-             skip_unread_cp_summaries: bool) -> GDNKernels:  # noqa: D103 - see select_kernels
+def _kernels(
+    backend: str, device_type: str, fused_gate: bool, zigzag_cp: bool, skip_unread_cp_summaries: bool
+) -> GDNKernels:  # noqa: D103 - see select_kernels
     problem = choice_problem("gdn.kernel_backend", backend, KERNEL_BACKENDS)
     if problem:
         raise ValueError(problem)
     if backend == "auto":
         backend = "fla" if device_type == "cuda" else "torch"
     if backend == "fla" and device_type != "cuda":
-        raise ValueError(f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto")
+        raise ValueError(
+            f"gdn.kernel_backend=fla needs CUDA activations, got {device_type}; use torch or auto"
+        )
     if backend == "torch":
         return TorchKernels()
-    return FlaKernels(fused_gate=fused_gate, zigzag_cp=zigzag_cp,
-                      skip_unread_cp_summaries=skip_unread_cp_summaries)
+    return FlaKernels(
+        fused_gate=fused_gate, zigzag_cp=zigzag_cp, skip_unread_cp_summaries=skip_unread_cp_summaries
+    )

@@ -64,12 +64,18 @@ from relax_gdn.layout.route import upload_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
 
-def check_gdn_cp_config(config: TransformerConfig, options: GDNOptions, tp_size: int, max_cp_size: int) -> None:
+def check_gdn_cp_config(
+    config: TransformerConfig, options: GDNOptions, tp_size: int, max_cp_size: int
+) -> None:
     """Refuse impossible combinations before anything is built (``gdn_cp_problems``, the rules the
     run configuration is validated with); the message names the setting to fix."""
     problems = gdn_cp_problems(
-        options, key_heads=config.linear_num_key_heads, value_heads=config.linear_num_value_heads, tp_size=tp_size,
-        max_cp_size=max_cp_size, deterministic=config.deterministic_mode,
+        options,
+        key_heads=config.linear_num_key_heads,
+        value_heads=config.linear_num_value_heads,
+        tp_size=tp_size,
+        max_cp_size=max_cp_size,
+        deterministic=config.deterministic_mode,
         recompute_granularity=config.recompute_granularity,
     )
     if problems:
@@ -144,7 +150,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
                 )
             return self._forward_local(hidden_states, None)
         if hidden_states.shape[1] != 1:
-            raise ValueError(f"packed (thd) input must have batch 1, got hidden_states {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"packed (thd) input must have batch 1, got hidden_states {tuple(hidden_states.shape)}"
+            )
         seq_len = hidden_states.shape[0] * self.sp_size * cp.size
         resolved = resolve_cu_seqlens(packed_seq_params, seq_len, cp.size)
         if cp.size == 1:
@@ -153,7 +161,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
             return self._forward_chunkwise(hidden_states, packed_seq_params, resolved, cp)
         if self.cp_mode == "headwise":
             return self._forward_headwise(hidden_states, packed_seq_params, resolved, cp)
-        if torch.is_grad_enabled() and (problem := all_gather_recompute_problem(self.config.recompute_granularity)):
+        if torch.is_grad_enabled() and (
+            problem := all_gather_recompute_problem(self.config.recompute_granularity)
+        ):
             raise ValueError(problem)
         return self._forward_all_gather(hidden_states, packed_seq_params, resolved, cp)
 
@@ -166,31 +176,59 @@ class CPGatedDeltaNet(GatedDeltaNet):
         cp = resolve_cp_group(packed_seq_params, self.pg_collection.cp)
         if cp.size == 1 or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return hidden_states  # (unpacked input at CP > 1 is refused by forward)
-        resolved = resolve_cu_seqlens(packed_seq_params, hidden_states.shape[0] * self.sp_size * cp.size, cp.size)
+        resolved = resolve_cu_seqlens(
+            packed_seq_params, hidden_states.shape[0] * self.sp_size * cp.size, cp.size
+        )
         route = self._route(packed_seq_params, resolved, cp, hidden_states.device, source, target)
         return swap_layout(hidden_states, route, cp.group, 0, self.options.swap_transport)
 
     def _route(
-        self, psp: PackedSeqParams, resolved, cp: CPGroup, device: torch.device, source: str = CP_LAYOUT_PAIR[0],
+        self,
+        psp: PackedSeqParams,
+        resolved,
+        cp: CPGroup,
+        device: torch.device,
+        source: str = CP_LAYOUT_PAIR[0],
         target: str = CP_LAYOUT_PAIR[1],
     ) -> Route:
         """The micro-batch's cached ``source -> target`` route (``reverse()`` goes back)."""
         return get_route(
-            psp, resolved.cu_seqlens, cp.size, cp.rank, source, target, strategy=self.route_strategy, device=device
+            psp,
+            resolved.cu_seqlens,
+            cp.size,
+            cp.rank,
+            source,
+            target,
+            strategy=self.route_strategy,
+            device=device,
         )
 
-    def _scan_rows(self, host: np.ndarray, device: torch.device, cp_group=None, cp_layout="contiguous") -> ScanRows:
-        return ScanRows(cu_host=torch.from_numpy(host), cu_device=upload_rows(host, device), cp_group=cp_group,
-                        conv_kernel_size=self.conv_kernel_dim, cp_layout=cp_layout)
+    def _scan_rows(
+        self, host: np.ndarray, device: torch.device, cp_group=None, cp_layout="contiguous"
+    ) -> ScanRows:
+        return ScanRows(
+            cu_host=torch.from_numpy(host),
+            cu_device=upload_rows(host, device),
+            cp_group=cp_group,
+            conv_kernel_size=self.conv_kernel_dim,
+            cp_layout=cp_layout,
+        )
 
     def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
         """Kernel-side boundaries, built once per micro-batch (and FLA's CP context with them)."""
         device = resolved.cu_seqlens.device
         key = (id(cp_group), str(device))  # the group objects live as long as the run
-        return per_micro_batch(psp, "gdn_scan_rows", key, (resolved.cu_seqlens,),
-                               lambda: self._scan_rows(resolved.host, device, cp_group))
+        return per_micro_batch(
+            psp,
+            "gdn_scan_rows",
+            key,
+            (resolved.cu_seqlens,),
+            lambda: self._scan_rows(resolved.host, device, cp_group),
+        )
 
-    def _contiguous_rows(self, psp: PackedSeqParams, resolved, cp: CPGroup) -> tuple[ScanRows, RecomputedPrefix | None]:
+    def _contiguous_rows(
+        self, psp: PackedSeqParams, resolved, cp: CPGroup
+    ) -> tuple[ScanRows, RecomputedPrefix | None]:
         """This rank's contiguous slice for conv + scan, and how it is extended. When every rank
         cut falls on a sequence boundary, or every sequence that crosses one has at most
         ``max_recomputed_prefix`` tokens before it (``RecomputedPrefix``), no state or conv halo
@@ -218,19 +256,24 @@ class CPGatedDeltaNet(GatedDeltaNet):
         if self.hidden_layout == "zigzag" and self._scans_zigzag_rows(resolved, hidden_states.device):
             return self._forward_zigzag_scan(hidden_states, psp, resolved, cp)
         rows, prefix = self._contiguous_rows(psp, resolved, cp)
-        route = None if self.hidden_layout == "contiguous" else self._route(psp, resolved, cp, hidden_states.device)
+        route = (
+            None
+            if self.hidden_layout == "contiguous"
+            else self._route(psp, resolved, cp, hidden_states.device)
+        )
         transport = self.options.swap_transport
         if route is None:  # the rows already are this rank's contiguous slice
             qkvzba, _ = self.in_proj(self._with_prefix(hidden_states, prefix, cp))
         elif self.sp_size == 1:  # projections are per token: swap the narrower input instead
-            qkvzba, _ = self.in_proj(self._with_prefix(swap_layout(hidden_states, route, cp.group, 0, transport),
-                                                       prefix, cp))
+            qkvzba, _ = self.in_proj(
+                self._with_prefix(swap_layout(hidden_states, route, cp.group, 0, transport), prefix, cp)
+            )
         else:
             qkvzba, _ = self.in_proj(hidden_states)
             qkvzba = self._with_prefix(swap_layout(qkvzba, route, cp.group, 0, transport), prefix, cp)
         core = self._core(qkvzba, rows, parts=1, part=0)
         if prefix is not None and prefix.recv:
-            core = core[prefix.recv:]  # the recomputed rows belong to the previous rank
+            core = core[prefix.recv :]  # the recomputed rows belong to the previous rank
         if route is None:
             return self.out_proj(core)
         return self.out_proj(swap_layout(core, route.reverse(), cp.group, 0, transport))
@@ -246,7 +289,10 @@ class CPGatedDeltaNet(GatedDeltaNet):
         device = resolved.cu_seqlens.device
         whole = np.array([0, int(resolved.host[-1])], dtype=np.int64)  # empty padding slots dropped
         rows = per_micro_batch(
-            psp, "gdn_zigzag_scan_rows", (id(cp.group), str(device)), (resolved.cu_seqlens,),
+            psp,
+            "gdn_zigzag_scan_rows",
+            (id(cp.group), str(device)),
+            (resolved.cu_seqlens,),
             lambda: self._scan_rows(whole, device, cp.group, cp_layout="zigzag"),
         )
         qkvzba, _ = self.in_proj(hidden_states)
@@ -270,7 +316,10 @@ class CPGatedDeltaNet(GatedDeltaNet):
             tuple(self.in_proj_split_sections), cp.size, qkvzba.device
         )
         qkvzba = tensor_a2a_cp2hp(
-            qkvzba.index_select(-1, head_perm), seq_dim=0, head_dim=-1, cp_group=cp.group,
+            qkvzba.index_select(-1, head_perm),
+            seq_dim=0,
+            head_dim=-1,
+            cp_group=cp.group,
             undo_attention_load_balancing=False,
         )
         order = cached_gathered_zigzag_order(psp, resolved, cp.size, resolved.cu_seqlens.device)
@@ -304,7 +353,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
     def _core(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
         # never inside a whole-layer recompute (full, or a full layer of mixed): nothing to save there
         if self.recompute_core and torch.is_grad_enabled() and not is_checkpointing():
-            return torch.utils.checkpoint.checkpoint(self._core_body, qkvzba, rows, parts, part, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(
+                self._core_body, qkvzba, rows, parts, part, use_reentrant=False
+            )
         return self._core_body(qkvzba, rows, parts, part)
 
     def _core_body(self, qkvzba: torch.Tensor, rows: ScanRows | None, parts: int, part: int) -> torch.Tensor:
@@ -314,7 +365,11 @@ class CPGatedDeltaNet(GatedDeltaNet):
         rank's heads); returns ``[S, B, v_dim/(tp*parts)]``.
         """
         seq, batch, _ = qkvzba.shape
-        qk, v_dim, hv = self.qk_dim_local_tp // parts, self.v_dim_local_tp // parts, self.num_v_heads_local_tp // parts
+        qk, v_dim, hv = (
+            self.qk_dim_local_tp // parts,
+            self.v_dim_local_tp // parts,
+            self.num_v_heads_local_tp // parts,
+        )
         x = qkvzba.transpose(0, 1)  # [B, S, D]
         query, key, value, gate, beta, alpha = torch.split(x, [qk, qk, v_dim, v_dim, hv, hv], dim=-1)
 
@@ -330,7 +385,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
         sections = [qk, qk, v_dim]
         weights = weight.split(sections)
         biases = bias.split(sections) if bias is not None else (None,) * 3
-        query, key, value = (kernels.conv(t, w, b, rows) for t, w, b in zip((query, key, value), weights, biases))
+        query, key, value = (
+            kernels.conv(t, w, b, rows) for t, w, b in zip((query, key, value), weights, biases)
+        )
         query = query.reshape(batch, seq, -1, self.key_head_dim)
         key = key.reshape(batch, seq, -1, self.key_head_dim)
         value = value.reshape(batch, seq, -1, self.value_head_dim)
@@ -361,7 +418,11 @@ def one_document(cu_host: np.ndarray) -> bool:
 
 
 def gdn_cp_layer_spec(
-    options: GDNOptions, in_proj=None, out_norm=None, out_proj=None, hidden_layout: str = "zigzag",
+    options: GDNOptions,
+    in_proj=None,
+    out_norm=None,
+    out_proj=None,
+    hidden_layout: str = "zigzag",
 ) -> ModuleSpec:
     """A ModuleSpec for the CP-mode GDN told ``options`` (local Megatron-Core linears and norm
     unless given; ``hidden_layout``: see :class:`CPGatedDeltaNet`)."""

@@ -77,24 +77,36 @@ def max_recomputed_prefix_problem(tokens: object) -> str | None:
     """The rule for ``gdn.max_recomputed_prefix`` (None when ``tokens`` keeps it)."""
     if _is_count(tokens, 0):
         return None
-    return (f"gdn.max_recomputed_prefix={tokens!r} must be an integer >= 0 tokens (0: chunkwise always passes the "
-            f"recurrent state between ranks; the default is {DEFAULT_MAX_RECOMPUTED_PREFIX})")
+    return (
+        f"gdn.max_recomputed_prefix={tokens!r} must be an integer >= 0 tokens (0: chunkwise always passes the "
+        f"recurrent state between ranks; the default is {DEFAULT_MAX_RECOMPUTED_PREFIX})"
+    )
 
 
 def gdn_option_problems(options: GDNOptions) -> list[str]:
     """The options that are not one of their choices (or a negative prefix limit)."""
-    return [p for p in (
-        choice_problem("gdn.cp_mode", options.cp_mode, CP_MODES),
-        choice_problem("gdn.route", options.route, ROUTE_STRATEGIES),
-        choice_problem("gdn.kernel_backend", options.kernel_backend, KERNEL_BACKENDS),
-        choice_problem("gdn.swap_transport", options.swap_transport, SWAP_TRANSPORTS),
-        max_recomputed_prefix_problem(options.max_recomputed_prefix),
-    ) if p]
+    return [
+        p
+        for p in (
+            choice_problem("gdn.cp_mode", options.cp_mode, CP_MODES),
+            choice_problem("gdn.route", options.route, ROUTE_STRATEGIES),
+            choice_problem("gdn.kernel_backend", options.kernel_backend, KERNEL_BACKENDS),
+            choice_problem("gdn.swap_transport", options.swap_transport, SWAP_TRANSPORTS),
+            max_recomputed_prefix_problem(options.max_recomputed_prefix),
+        )
+        if p
+    ]
 
 
 def gdn_shape_problems(
-    options: GDNOptions, *, key_heads: int, value_heads: int, tp_size: int, max_cp_size: int,
-    deterministic: bool, recompute_granularity: str | None,
+    options: GDNOptions,
+    *,
+    key_heads: int,
+    value_heads: int,
+    tp_size: int,
+    max_cp_size: int,
+    deterministic: bool,
+    recompute_granularity: str | None,
 ) -> list[str]:
     """The rules between the CP mode and the layer's head counts, TP size, largest CP size,
     determinism and recompute setting."""
@@ -105,10 +117,13 @@ def gdn_shape_problems(
         elif options.cp_mode == "headwise" and n % (tp_size * max_cp_size):
             problems.append(
                 f"gdn.cp_mode=headwise splits GDN heads over TP x CP but {name}={n} is not divisible by "
-                f"parallel.tp x cp = {tp_size} x {max_cp_size}; use gdn.cp_mode=chunkwise or a smaller parallel.cp")
+                f"parallel.tp x cp = {tp_size} x {max_cp_size}; use gdn.cp_mode=chunkwise or a smaller parallel.cp"
+            )
     if max_cp_size > 1 and options.cp_mode == "chunkwise" and deterministic:
-        problems.append("gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels: set train.deterministic=false "
-                        "or use gdn.cp_mode=headwise")
+        problems.append(
+            "gdn.cp_mode=chunkwise uses FLA's non-deterministic CP kernels: set train.deterministic=false "
+            "or use gdn.cp_mode=headwise"
+        )
     if max_cp_size > 1 and options.cp_mode == "all_gather" and options.training:
         problems += filter(None, [all_gather_recompute_problem(recompute_granularity)])
     return problems
@@ -118,8 +133,10 @@ def all_gather_recompute_problem(recompute_granularity: str | None) -> str | Non
     """all_gather CP trains only under whole-layer recompute (None when ``recompute_granularity`` is full)."""
     if recompute_granularity == "full":
         return None
-    return ("gdn.cp_mode=all_gather recomputes the whole sequence on every CP rank (activations grow with the global "
-            f"length): training needs recompute.granularity=full (got {recompute_granularity or 'none'!r})")
+    return (
+        "gdn.cp_mode=all_gather recomputes the whole sequence on every CP rank (activations grow with the global "
+        f"length): training needs recompute.granularity=full (got {recompute_granularity or 'none'!r})"
+    )
 
 
 def gdn_cp_problems(options: GDNOptions, **layer) -> list[str]:

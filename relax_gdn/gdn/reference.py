@@ -520,8 +520,12 @@ def recomputed_prefix(
     mine = shards[rank]
     send = shards[rank + 1].pre_tokens if rank + 1 < world_size else 0
     extended = (0, *(b + mine.pre_tokens for b in mine.cu_seqlens[1:]))
-    return RecomputedPrefix(recv=mine.pre_tokens, send=send, cu_seqlens=extended,
-                            any_rank_has_one=any(s.pre_tokens for s in shards))
+    return RecomputedPrefix(
+        recv=mine.pre_tokens,
+        send=send,
+        cu_seqlens=extended,
+        any_rank_has_one=any(s.pre_tokens for s in shards),
+    )
 
 
 def _shard_of(group: dist.ProcessGroup | None, cu_seqlens_global: HostCuSeqlens) -> ContiguousShard:

@@ -88,7 +88,12 @@ def _check_strategy(strategy: str) -> None:
 
 
 def _route_matches(
-    route: Route, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str,
+    route: Route,
+    cu_seqlens: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    source: str,
+    target: str,
     device: torch.device,
 ) -> bool:
     return (
@@ -109,7 +114,7 @@ def _same_sources(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(ta is tb and va == vb for (ta, va), (tb, vb) in zip(a, b))
 
 
-def per_micro_batch(
+def per_micro_batch[T](
     packed_seq_params: PackedSeqParams,
     name: str,
     key: tuple,
@@ -168,8 +173,13 @@ def get_route(
             stacklevel=2,
         )
     route = build_route(
-        host_cu_seqlens(packed_seq_params, cu_seqlens), cp_size, cp_rank, source, target,
-        device=device, provenance=cu_seqlens,
+        host_cu_seqlens(packed_seq_params, cu_seqlens),
+        cp_size,
+        cp_rank,
+        source,
+        target,
+        device=device,
+        provenance=cu_seqlens,
     )
     routes[key] = route
     return route.oriented(source, target)
@@ -215,7 +225,10 @@ def resolve_cu_seqlens(packed_seq_params: PackedSeqParams, seq_len: int, cp_size
     p = packed_seq_params
     boundary_fields = (p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)
     return per_micro_batch(
-        p, "resolved_cu_seqlens", (seq_len, cp_size), boundary_fields,
+        p,
+        "resolved_cu_seqlens",
+        (seq_len, cp_size),
+        boundary_fields,
         lambda: _resolve(p, seq_len, cp_size),
     )
 
@@ -239,7 +252,9 @@ def _resolve(packed_seq_params: PackedSeqParams, seq_len: int, cp_size: int) -> 
         )
     validated_boundaries(host_q, cp_size, 0, "zigzag")
     lengths = np.diff(host_q)
-    return ResolvedCuSeqlens(cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0)
+    return ResolvedCuSeqlens(
+        cu_seqlens=cu_q, host=host_q, max_seqlen=int(lengths.max()) if lengths.size else 0
+    )
 
 
 def cached_gathered_zigzag_order(
@@ -248,6 +263,9 @@ def cached_gathered_zigzag_order(
     """``gathered_zigzag_order`` once per micro-batch, shared by every layer that gathers the
     zigzag shards (GDN headwise / all_gather, CP attention)."""
     return per_micro_batch(
-        packed_seq_params, "gathered_zigzag_order", (cp_size, str(device)), (resolved.cu_seqlens,),
+        packed_seq_params,
+        "gathered_zigzag_order",
+        (cp_size, str(device)),
+        (resolved.cu_seqlens,),
         lambda: gathered_zigzag_order(resolved.host, cp_size, device),
     )

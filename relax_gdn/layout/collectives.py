@@ -56,8 +56,9 @@ def _rows_to_neighbour(rows: torch.Tensor, send: int, recv: int, step: int, grou
         send_splits[rank + step] = send
     if 0 <= rank - step < size:
         recv_splits[rank - step] = recv
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group)
+    dist.all_to_all_single(
+        out, rows.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group
+    )
     return out
 
 
@@ -68,14 +69,14 @@ class _LastRowsToNextRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: int, recv: int, group) -> torch.Tensor:
         ctx.rows, ctx.send, ctx.recv, ctx.group = x.shape[0], send, recv, group
-        return _rows_to_neighbour(x[x.shape[0] - send:], send, recv, +1, group)
+        return _rows_to_neighbour(x[x.shape[0] - send :], send, recv, +1, group)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         back = _rows_to_neighbour(grad, ctx.recv, ctx.send, -1, ctx.group)
         grad_x = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        grad_x[ctx.rows - ctx.send:] = back
+        grad_x[ctx.rows - ctx.send :] = back
         return grad_x, None, None, None
 
 

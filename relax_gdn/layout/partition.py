@@ -14,7 +14,6 @@ global intervals, which is what the route builder intersects.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,7 +147,9 @@ def layout_segments(cu: np.ndarray, cp_size: int, layout: str) -> Segments:
     total = int(cu[-1])
     j, owner, second, ranks = _zigzag_chunk_constants(cp_size)
     if layout == "contiguous" or cp_size == 1:  # with one rank both layouts are the identity
-        return Segments(start=ranks * (total // cp_size), rank=ranks, local_start=np.zeros(cp_size, dtype=np.int64))
+        return Segments(
+            start=ranks * (total // cp_size), rank=ranks, local_start=np.zeros(cp_size, dtype=np.int64)
+        )
     seq_start, lengths = cu[:-1], cu[1:] - cu[:-1]
     if not lengths.all():  # repeated boundaries are empty padding slots
         keep = lengths > 0

@@ -18,7 +18,6 @@ import torch
 
 from relax_gdn.layout.partition import CuSeqlens, layout_segments, validated_boundaries
 
-
 Rows = slice | torch.Tensor
 """A selection of local rows: a ``slice`` when they are one contiguous range (zero-copy view),
 else a device index tensor."""
@@ -184,7 +183,9 @@ def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def upload_rows(rows: np.ndarray, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def upload_rows(
+    rows: np.ndarray, device: torch.device | str, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
     """Host values (integers unless ``dtype`` says otherwise) to ``device`` without making the host
     wait for the device."""
     device = torch.device(device)
@@ -208,7 +209,9 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> Rows
     return upload_rows(expand_runs(starts, lengths), device)
 
 
-def _locate(run_start: np.ndarray, segments, cp_size: int, total: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
+def _locate(
+    run_start: np.ndarray, segments, cp_size: int, total: int, layout: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(rank, local row) of every run start in ``layout``: arithmetic for contiguous (rank r holds
     ``[r T/W, (r+1) T/W)``), a sorted lookup in the interval list otherwise."""
     if layout == "contiguous" or cp_size == 1:
@@ -311,5 +314,6 @@ def gathered_zigzag_order(cu_seqlens: CuSeqlens, cp_size: int, device: torch.dev
     natural = expand_runs(seg.rank * local_rows + seg.local_start, lengths)
     by_rank = np.lexsort((seg.local_start, seg.rank))  # rank-major order of the segments
     rank_major = expand_runs(seg.start[by_rank], lengths[by_rank])
-    return GatheredOrder(upload_rows(natural, device), upload_rows(rank_major, device), local_rows,
-                         rank_major_host=rank_major)
+    return GatheredOrder(
+        upload_rows(natural, device), upload_rows(rank_major, device), local_rows, rank_major_host=rank_major
+    )

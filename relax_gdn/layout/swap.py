@@ -36,11 +36,20 @@ def _uses_peer_memory(x: torch.Tensor, group: dist.ProcessGroup, transport: str)
         _on_one_host[group.group_name] = group_is_on_this_host(group)
     return _on_one_host[group.group_name]
 
+
 # gloo's all-to-all handles only some dtypes (int16 fails, for one). An all-to-all just moves
 # bytes, so any other dtype travels as the raw bytes of the same rows.
 _GLOO_NATIVE = {
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 }
 
 
@@ -96,8 +105,9 @@ class _SwapLayout(torch.autograd.Function):
     """Forward moves rows along the route; backward moves gradients along its mirror."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None,
-                transport: str) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, route: Route, group: dist.ProcessGroup | None, transport: str
+    ) -> torch.Tensor:
         ctx.route, ctx.group, ctx.transport = route, group, transport
         return _exchange(x, route, group, transport)
 
@@ -107,7 +117,10 @@ class _SwapLayout(torch.autograd.Function):
 
 
 def swap_layout(
-    x: torch.Tensor, route: Route, cp_group: dist.ProcessGroup | None, seq_dim: int = 0,
+    x: torch.Tensor,
+    route: Route,
+    cp_group: dist.ProcessGroup | None,
+    seq_dim: int = 0,
     transport: str = "auto",
 ) -> torch.Tensor:
     """Convert ``x`` (this rank's rows in ``route.source`` layout along ``seq_dim``) to ``route.target``.

@@ -18,11 +18,21 @@ _LAZY = {
     "CPDotProductAttention": "relax_gdn.model.attention",
     "RMSNorm": "relax_gdn.model.norms",
     "MTPOptions": "relax_gdn.model.mtp",
-    **{name: "relax_gdn.model.qwen3_5" for name in (
-        "Qwen3_5Model", "Qwen3_5Options", "Qwen3_5SelfAttention", "TokenRotaryEmbedding",
-        "build_qwen3_5_model", "build_qwen3_5_preset_model", "qwen3_5_block_spec", "qwen3_5_config", "resolve_spec_provider",
-        "transformer_engine_import_error",
-    )},
+    **{
+        name: "relax_gdn.model.qwen3_5"
+        for name in (
+            "Qwen3_5Model",
+            "Qwen3_5Options",
+            "Qwen3_5SelfAttention",
+            "TokenRotaryEmbedding",
+            "build_qwen3_5_model",
+            "build_qwen3_5_preset_model",
+            "qwen3_5_block_spec",
+            "qwen3_5_config",
+            "resolve_spec_provider",
+            "transformer_engine_import_error",
+        )
+    },
 }
 
 

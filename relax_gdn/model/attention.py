@@ -113,7 +113,7 @@ class ZigzagAttentionPlan:
         k_pos = self.order.rank_major_host
         if k_pos is None:  # an order built elsewhere without its host copy: rebuild it on the host
             k_pos = gathered_zigzag_order(self.cu_seqlens, self.cp_size, "cpu").rank_major_host
-        q_pos = k_pos[self.cp_rank * self.local_rows:(self.cp_rank + 1) * self.local_rows]
+        q_pos = k_pos[self.cp_rank * self.local_rows : (self.cp_rank + 1) * self.local_rows]
         return q_pos, q_start, k_pos
 
     @functools.cached_property

@@ -49,6 +49,7 @@ try:  # torch >= 2.9; its signature differs between versions: see varlen_unsuppo
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
 
+
 @dataclass(frozen=True)
 class DenseIndex:
     """What the dense (``sdpa``) kernel masks with: key ``j`` is visible to query ``i`` iff
@@ -264,8 +265,15 @@ def fa4_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.T
     seg = plan.varlen
     k, v = _segment_keys(k_all, v_all, plan)
     out = _fa4_varlen()(
-        q.contiguous(), k, v, cu_seqlens_q=seg.cu_q, cu_seqlens_k=seg.cu_k, max_seqlen_q=seg.max_q,
-        max_seqlen_k=seg.max_k, softmax_scale=scale, causal=True,  # causal: bottom-right aligned, as FA2
+        q.contiguous(),
+        k,
+        v,
+        cu_seqlens_q=seg.cu_q,
+        cu_seqlens_k=seg.cu_k,
+        max_seqlen_q=seg.max_q,
+        max_seqlen_k=seg.max_k,
+        softmax_scale=scale,
+        causal=True,  # causal: bottom-right aligned, as FA2
     )
     return out[0] if isinstance(out, tuple) else out
 
@@ -288,8 +296,9 @@ def _ordered(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return counts, indices
 
 
-def flex_block_classes(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray,
-                       block: int = FLEX_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def flex_block_classes(
+    q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray, block: int = FLEX_BLOCK
+) -> tuple[np.ndarray, np.ndarray]:
     """Which (query block, key block) tiles FlexAttention visits: ``(partial, full)`` bool matrices.
 
     Query ``i`` sees key ``j`` iff ``q_start[i] <= k_pos[j] <= q_pos[i]``. A tile is full when that
@@ -305,8 +314,14 @@ def flex_block_classes(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray
     return any_visible & ~full, full
 
 
-def build_flex_block_mask(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndarray, index,
-                          device: torch.device, block: int = FLEX_BLOCK):
+def build_flex_block_mask(
+    q_pos: np.ndarray,
+    q_start: np.ndarray,
+    k_pos: np.ndarray,
+    index,
+    device: torch.device,
+    block: int = FLEX_BLOCK,
+):
     """FlexAttention ``BlockMask`` for the plan's visibility rule; ``index`` holds the same three
     arrays on ``device`` (:class:`DenseIndex`), which the mask reads."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -322,8 +337,9 @@ def build_flex_block_mask(q_pos: np.ndarray, q_start: np.ndarray, k_pos: np.ndar
     for counts, indices in (_ordered(partial), _ordered(full)):
         tensors.append(torch.from_numpy(counts)[None, None].to(device))
         tensors.append(torch.from_numpy(indices)[None, None].to(device))
-    return BlockMask.from_kv_blocks(*tensors, BLOCK_SIZE=block, mask_mod=document_causal,
-                                    seq_lengths=(q_pos.size, k_pos.size))
+    return BlockMask.from_kv_blocks(
+        *tensors, BLOCK_SIZE=block, mask_mod=document_causal, seq_lengths=(q_pos.size, k_pos.size)
+    )
 
 
 @functools.cache
@@ -337,19 +353,36 @@ def _flex_kernel(device_type: str):
 
 def flex_attention(q, k_all, v_all, plan: AttentionPlan, scale: float) -> torch.Tensor:
     eager = q.device.type != "cuda"
-    with warnings.catch_warnings(), torch._dynamo.config.patch(disable=False) if eager else contextlib.nullcontext():
+    with (
+        warnings.catch_warnings(),
+        torch._dynamo.config.patch(disable=False) if eager else contextlib.nullcontext(),
+    ):
         # the eager path is chosen on purpose off CUDA; torch warns that it is unfused. It still
         # traces the attention with Dynamo's eager backend, which CPU runs may have switched off
         # (relax_gdn.compat.cpu turns off compilation for Megatron-Core's fused kernels)
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         out = _flex_kernel(q.device.type)(
-            q.transpose(0, 1).unsqueeze(0), k_all.transpose(0, 1).unsqueeze(0), v_all.transpose(0, 1).unsqueeze(0),
-            block_mask=plan.flex_block_mask, scale=scale, enable_gqa=q.shape[1] != k_all.shape[1],
+            q.transpose(0, 1).unsqueeze(0),
+            k_all.transpose(0, 1).unsqueeze(0),
+            v_all.transpose(0, 1).unsqueeze(0),
+            block_mask=plan.flex_block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k_all.shape[1],
         )
     return out[0].transpose(0, 1)
 
 
 KERNELS = {"sdpa": dense_attention, "varlen": varlen_attention, "flex": flex_attention, "fa4": fa4_attention}
 
-__all__ = ["AUTO_ATTENTION_BACKEND", "FA4_SM_MAJORS", "FLEX_BLOCK", "KERNELS", "build_flex_block_mask", "choose_backend",
-           "fa4_import_error", "flex_block_classes", "unsupported_reason", "varlen_unsupported_reason"]
+__all__ = [
+    "AUTO_ATTENTION_BACKEND",
+    "FA4_SM_MAJORS",
+    "FLEX_BLOCK",
+    "KERNELS",
+    "build_flex_block_mask",
+    "choose_backend",
+    "fa4_import_error",
+    "flex_block_classes",
+    "unsupported_reason",
+    "varlen_unsupported_reason",
+]

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Fusion:
     """Which fused forms a model runs, fixed when it is built (passed builder -> spec -> module).
@@ -84,7 +85,9 @@ def gated_rms_norm_applies(x: torch.Tensor, fusion: Fusion) -> bool:
     return fusion.norms and x.is_cuda
 
 
-def fused_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def fused_gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """``rmsnorm(x) · w · silu(gate)`` over the last dimension in one Triton kernel per direction
     (FLA's ``rms_norm_gated``); ``x``, ``gate`` ``[N, D]``; output in ``x.dtype``."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -131,8 +134,9 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         weight = ctx.weight
         del ctx.weight
         main_grad = weight.main_grad
-        main_grad.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype),
-                             accumulate=True)
+        main_grad.index_put_(
+            (ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype), accumulate=True
+        )
         return None, handed_to_main_grad(weight)
 
 
@@ -160,7 +164,9 @@ def _chunk_lse(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1)
 
 
-def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+def _chunk_grad(
+    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad_loss: torch.Tensor
+) -> torch.Tensor:
     """``(softmax(logits) - onehot(labels)) · grad_loss`` per row, in the logits' dtype."""
     probs = (logits.float() - lse[:, None]).exp()
     onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == labels[:, None]
@@ -213,15 +219,19 @@ class ChunkKernels:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - a torch without a working inductor still trains
-            logger.warning("torch.compile failed for the chunked cross-entropy (%s: %s); running it eager, "
-                           "with several fp32 copies of each chunk's logits more than the memory model counts",
-                           type(e).__name__, e)
+            logger.warning(
+                "torch.compile failed for the chunked cross-entropy (%s: %s); running it eager, "
+                "with several fp32 copies of each chunk's logits more than the memory model counts",
+                type(e).__name__,
+                e,
+            )
             self._forms[fn] = fn
             return fn(*args)
 
 
-def _chunk_token_loss(kernels: ChunkKernels, logits: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_token_loss(
+    kernels: ChunkKernels, logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's fp32 log-sum-exp per row and per-token cross-entropy ``lse - logit[label]``."""
     lse = kernels(_chunk_lse, logits)
     return lse, lse - logits.gather(1, labels[:, None]).squeeze(1).float()
@@ -258,7 +268,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:end]
             logits = h @ weight.t()
-            grad_logits = ctx.kernels(_chunk_grad, logits, lse[start:end], labels[start:end], grad_loss[start:end])
+            grad_logits = ctx.kernels(
+                _chunk_grad, logits, lse[start:end], labels[start:end], grad_loss[start:end]
+            )
             del logits
             if want_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
@@ -276,8 +288,17 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
     No host syncs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk: int, want_hidden: bool, want_weight: bool,
-                kernels: ChunkKernels):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        weights,
+        chunk: int,
+        want_hidden: bool,
+        want_weight: bool,
+        kernels: ChunkKernels,
+    ):
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -290,7 +311,9 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
             if not (want_hidden or want_weight):
                 total += (_chunk_token_loss(kernels, logits, labels[start:end])[1] * weights[start:end]).sum()
                 continue
-            loss_sum, grad_logits = kernels(_chunk_loss_and_grad, logits, labels[start:end], weights[start:end])
+            loss_sum, grad_logits = kernels(
+                _chunk_loss_and_grad, logits, labels[start:end], weights[start:end]
+            )
             total += loss_sum
             del logits
             if want_hidden:
@@ -312,9 +335,14 @@ class _WeightedLinearCrossEntropySum(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def weighted_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                      token_weights: torch.Tensor, chunk_tokens: int | None = None,
-                                      kernels: ChunkKernels | None = None) -> torch.Tensor:
+def weighted_linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    chunk_tokens: int | None = None,
+    kernels: ChunkKernels | None = None,
+) -> torch.Tensor:
     """``Σ token_weights · cross-entropy`` of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]``
     (an fp32 scalar: the loop's masked loss sum), never holding more than one chunk's logits and
     forming each chunk's logits once (:class:`_WeightedLinearCrossEntropySum`). Same value as
@@ -322,13 +350,25 @@ def weighted_linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor
     ``kernels``: the model's compiled chunk functions (:class:`ChunkKernels`; None: this call's own)."""
     chunk = chunk_tokens or cross_entropy_chunk_tokens(weight.shape[0])
     grad = torch.is_grad_enabled()
-    return _WeightedLinearCrossEntropySum.apply(hidden, weight, labels.long(), token_weights, chunk,
-                                                grad and hidden.requires_grad, grad and weight.requires_grad,
-                                                kernels or ChunkKernels())
+    return _WeightedLinearCrossEntropySum.apply(
+        hidden,
+        weight,
+        labels.long(),
+        token_weights,
+        chunk,
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        kernels or ChunkKernels(),
+    )
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: int | None = None, kernels: ChunkKernels | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+    kernels: ChunkKernels | None = None,
+) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden [N, H] @ weight [V, H]ᵀ`` against ``labels [N]`` (fp32
     ``[N]``), never holding more than one chunk's logits. Same value as
     ``F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none")``. ``kernels``: as for
@@ -337,8 +377,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return _LinearCrossEntropy.apply(hidden, weight, labels.long(), chunk, kernels or ChunkKernels())
 
 
-def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, loss_mask=None,
-                      kernels: ChunkKernels | None = None, **unused) -> torch.Tensor:
+def fused_output_loss(
+    *,
+    hidden_states,
+    output_layer,
+    output_weight,
+    labels,
+    loss_mask=None,
+    kernels: ChunkKernels | None = None,
+    **unused,
+) -> torch.Tensor:
     """A Megatron-Core ``GPTModel`` ``output_processor``: the output layer and the loss in one
     chunked pass (``hidden_states [s, b, h]``, ``labels [b, s]``). Returns ``Σ loss · loss_mask``
     (an fp32 scalar, :func:`weighted_linear_cross_entropy_sum`) when given ``loss_mask [b, s]``,
@@ -348,8 +396,9 @@ def fused_output_loss(*, hidden_states, output_layer, output_weight, labels, los
     s, b, h = hidden_states.shape
     hidden, flat_labels = hidden_states.reshape(s * b, h), labels.t().reshape(s * b)
     if loss_mask is not None:
-        return weighted_linear_cross_entropy_sum(hidden, weight, flat_labels, loss_mask.t().reshape(s * b),
-                                                 kernels=kernels)
+        return weighted_linear_cross_entropy_sum(
+            hidden, weight, flat_labels, loss_mask.t().reshape(s * b), kernels=kernels
+        )
     loss = linear_cross_entropy(hidden, weight, flat_labels, kernels=kernels)
     return loss.view(s, b).t()
 

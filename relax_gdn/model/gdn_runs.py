@@ -85,14 +85,19 @@ class ContiguousGDNLayer(TransformerLayer):
 
 
 def with_contiguous_gdn_runs(
-    block: TransformerBlockSubmodules, *, contiguous_between_layers: bool, cp_mode: str,
+    block: TransformerBlockSubmodules,
+    *,
+    contiguous_between_layers: bool,
+    cp_mode: str,
     sequence_parallel: bool,
 ) -> TransformerBlockSubmodules:
     """``block`` with every GDN layer that touches a contiguous boundary (:func:`residual_layouts`)
     turned into a :class:`ContiguousGDNLayer` whose mixer has ``hidden_layout="contiguous"``."""
     is_gdn = [_is_gdn_layer(spec) for spec in block.layer_specs]
     layouts = residual_layouts(
-        is_gdn, contiguous_between_layers=contiguous_between_layers, cp_mode=cp_mode,
+        is_gdn,
+        contiguous_between_layers=contiguous_between_layers,
+        cp_mode=cp_mode,
         sequence_parallel=sequence_parallel,
     )
     layers = [

@@ -94,7 +94,9 @@ class LoRAAdapter(torch.nn.Module):
         self.lora_A = torch.nn.Parameter(a)
         self.lora_B = torch.nn.Parameter(b)
         for param, split in ((self.lora_A, layout.a_split), (self.lora_B, layout.b_split)):
-            set_tensor_model_parallel_attributes(param, split is not None, -1 if split is None else split.dim, 1)
+            set_tensor_model_parallel_attributes(
+                param, split is not None, -1 if split is None else split.dim, 1
+            )
             setattr(param, LORA_PARAMETER, True)
             # a replicated matrix fed by (or feeding) sequence-sharded rows has a partial gradient
             # on each TP rank: summed over TP where the norms' are (finalize_model_grads, CPU optimizer)
@@ -107,16 +109,24 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         layout = self.layout
-        axes = {name: split.dim for name, split in (("lora_A", layout.a_split), ("lora_B", layout.b_split))
-                if split is not None}
+        axes = {
+            name: split.dim
+            for name, split in (("lora_A", layout.a_split), ("lora_B", layout.b_split))
+            if split is not None
+        }
         state = {"lora_A": self.lora_A, "lora_B": self.lora_B}
-        sharded = make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=tp_group,
-                                                      dp_cp_group=dp_cp_group)
+        sharded = make_sharded_tensors_for_checkpoint(
+            state, prefix, axes, sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group
+        )
         sections = layout.b_split.sections if layout.b_split is not None else None
         if sections and len(sections) > 1:
             tp = tp_group.size()
             sharded[f"{prefix}lora_B"] = _split_tensor_factory(
-                sharded[f"{prefix}lora_B"], [s // tp for s in sections], [str(i) for i in range(len(sections))], 0)
+                sharded[f"{prefix}lora_B"],
+                [s // tp for s in sections],
+                [str(i) for i in range(len(sections))],
+                0,
+            )
         return sharded
 
 
@@ -150,11 +160,17 @@ class _LoRALayer:
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         # the base layer's (its own tensors; it would take the adapters' as replicated), then the adapters'
-        sharded = {k: v for k, v in super().sharded_state_dict(prefix, sharded_offsets, metadata).items()
-                   if not k.startswith(f"{prefix}lora.")}
+        sharded = {
+            k: v
+            for k, v in super().sharded_state_dict(prefix, sharded_offsets, metadata).items()
+            if not k.startswith(f"{prefix}lora.")
+        }
         for name, adapter in self.lora.items():
-            sharded.update(adapter.sharded_state_dict(f"{prefix}lora.{name}.", sharded_offsets, self.tp_group,
-                                                      metadata["dp_cp_group"]))
+            sharded.update(
+                adapter.sharded_state_dict(
+                    f"{prefix}lora.{name}.", sharded_offsets, self.tp_group, metadata["dp_cp_group"]
+                )
+            )
         return sharded
 
 
@@ -221,14 +237,19 @@ class LoRAEmbedding(_LoRALayer):
         if self.tp_group.size() > 1:
             u = u.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
-            u = reduce_scatter_to_sequence_parallel_region(u.transpose(0, 1).contiguous(), group=self.tp_group)
+            u = reduce_scatter_to_sequence_parallel_region(
+                u.transpose(0, 1).contiguous(), group=self.tp_group
+            )
         elif self.tp_group.size() > 1:
             u = reduce_from_tensor_model_parallel_region(u, group=self.tp_group)
         return output + F.linear(u, adapter.lora_B) * self.lora_scaling
 
 
-_KINDS = ((RowParallelLinear, LoRARowParallel), (ColumnParallelLinear, LoRAColumnParallel),
-          (VocabParallelEmbedding, LoRAEmbedding))
+_KINDS = (
+    (RowParallelLinear, LoRARowParallel),
+    (ColumnParallelLinear, LoRAColumnParallel),
+    (VocabParallelEmbedding, LoRAEmbedding),
+)
 
 
 @functools.cache
@@ -253,7 +274,9 @@ def _part_splits(rule: TensorRule) -> list[TPSplit]:
         while sum(taken) < n:
             taken.append(sections.pop(0))
         if sum(taken) != n:
-            raise ValueError(f"{rule.mcore}: TP sections {rule.tp.sections} do not fall on its HF tensors {counts}")
+            raise ValueError(
+                f"{rule.mcore}: TP sections {rule.tp.sections} do not fall on its HF tensors {counts}"
+            )
         splits.append(TPSplit(0, tuple(taken)) if len(taken) > 1 else COLUMN)
     return splits
 
@@ -280,8 +303,10 @@ def _column_rows(rule: TensorRule, leaves: list[str], tp_size: int, tp_rank: int
         share = shard_for_tp(torch.arange(counts[i])[:, None], split, tp_size, tp_rank)[:, 0] + offsets[i]
         at = where[share]
         if (at < 0).any():
-            raise ValueError(f"LoRA on {leaf} of {rule.mcore}: TP {tp_size} does not keep its rows on one rank; "
-                             "use a parallel.tp that divides the attention query groups")
+            raise ValueError(
+                f"LoRA on {leaf} of {rule.mcore}: TP {tp_size} does not keep its rows on one rank; "
+                "use a parallel.tp that divides the attention query groups"
+            )
         splits[leaf] = split
         rows.append(at)
     return splits, torch.cat(rows), local.numel()
@@ -333,24 +358,43 @@ def _adapters_for(module, rule: TensorRule, leaves: list[str], options: LoRAOpti
     if kind is LoRAColumnParallel:  # A [r, in] replicated, B [HF rows, r] cut like them
         splits, rows, total = _column_rows(rule, leaves, group.size(), group.rank())
         rows = _rows_mode(rows, total)
-        layouts = {leaf: AdapterLayout(hf_module[leaf], None, splits[leaf], (r, weight.shape[1]),
-                                       (rule.hf_shapes[names.index(leaf)][0], r)) for leaf in leaves}
+        layouts = {
+            leaf: AdapterLayout(
+                hf_module[leaf],
+                None,
+                splits[leaf],
+                (r, weight.shape[1]),
+                (rule.hf_shapes[names.index(leaf)][0], r),
+            )
+            for leaf in leaves
+        }
     elif kind is LoRARowParallel:  # A [r, in] cut like the input columns, B [out, r] replicated
         if rule.tp != ROW or len(leaves) != 1:
             raise ValueError(f"LoRA on {rule.mcore}: a row-parallel weight of one HF tensor was expected")
-        layouts = {leaves[0]: AdapterLayout(hf_module[leaves[0]], ROW, None, (r, weight.shape[1] * group.size()),
-                                            (weight.shape[0], r))}
+        layouts = {
+            leaves[0]: AdapterLayout(
+                hf_module[leaves[0]], ROW, None, (r, weight.shape[1] * group.size()), (weight.shape[0], r)
+            )
+        }
     else:  # the embedding: A [r, vocab] cut like the embedding's rows, B [hidden, r] replicated
-        layouts = {leaves[0]: AdapterLayout(hf_module[leaves[0]], ROW, None, (r, module.num_embeddings),
-                                            (module.embedding_dim, r))}
+        layouts = {
+            leaves[0]: AdapterLayout(
+                hf_module[leaves[0]], ROW, None, (r, module.num_embeddings), (module.embedding_dim, r)
+            )
+        }
     # rows fed by (or feeding) sequence-sharded activations: sequence parallelism
-    sequence_parallel = bool(getattr(module, "sequence_parallel", False)
-                             or getattr(module, "reduce_scatter_embeddings", False))
+    sequence_parallel = bool(
+        getattr(module, "sequence_parallel", False) or getattr(module, "reduce_scatter_embeddings", False)
+    )
     adapters = {}
     for leaf, layout in layouts.items():
         a, b = initial_adapter(layout, options.init_seed, kind is LoRAEmbedding)
-        adapter = LoRAAdapter(layout, _local(a, layout.a_split, group, weight),
-                              _local(b, layout.b_split, group, weight), sequence_parallel=sequence_parallel)
+        adapter = LoRAAdapter(
+            layout,
+            _local(a, layout.a_split, group, weight),
+            _local(b, layout.b_split, group, weight),
+            sequence_parallel=sequence_parallel,
+        )
         # the factor next to the one that starts at zero has a zero gradient until that one moves
         setattr(adapter.lora_B if kind is LoRAEmbedding else adapter.lora_A, STARTS_WITHOUT_GRADIENT, True)
         adapters[leaf] = adapter
@@ -388,14 +432,18 @@ def add_lora_adapters(model: torch.nn.Module, options: LoRAOptions) -> int:
     for param in model.parameters():
         param.requires_grad_(False)
     # the layouts need the shapes only: a plan on rows of width 1
-    plan = {rule.mcore: rule for rule in conversion_plan(replace(dims_from_model(model, probe_norms=False),
-                                                                 hidden_size=1))}
+    plan = {
+        rule.mcore: rule
+        for rule in conversion_plan(replace(dims_from_model(model, probe_norms=False), hidden_size=1))
+    }
     count = 0
     for module, name, leaves in _lora_targets(model, options):
         kind = next((mixin for base, mixin in _KINDS if isinstance(module, base)), None)
         if kind is None:
-            raise ValueError(f"model.lora cannot adapt {name.removesuffix('.weight')} ({type(module).__name__}): "
-                             "adapters go on Megatron-Core's own parallel linears (model.spec_provider=local)")
+            raise ValueError(
+                f"model.lora cannot adapt {name.removesuffix('.weight')} ({type(module).__name__}): "
+                "adapters go on Megatron-Core's own parallel linears (model.spec_provider=local)"
+            )
         adapters, rows = _adapters_for(module, plan[name], leaves, options, kind)
         base_class = type(module)
         module.__class__ = _adapted_class(base_class, kind)
@@ -515,8 +563,8 @@ def _seeded_values(rule: TensorRule, target: torch.Tensor, tp_group, key: int, l
     rows, cols = rows.to(target.device), cols.to(target.device)
     out = torch.empty(rows.shape[0], cols.shape[1], dtype=target.dtype, device=target.device)
     for start in range(0, rows.shape[0], _SEED_ROWS):
-        index = rows[start:start + _SEED_ROWS] * width + cols
-        out[start:start + _SEED_ROWS] = low_high(_uniform_at(index, key)).to(target.dtype)
+        index = rows[start : start + _SEED_ROWS] * width + cols
+        out[start : start + _SEED_ROWS] = low_high(_uniform_at(index, key)).to(target.dtype)
     return out.reshape(target.shape)
 
 

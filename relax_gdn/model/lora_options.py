@@ -58,7 +58,9 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "output": ("lm_head",),
 }
 
-assert set(LORA_TARGETS) == set(LORA_GROUPS) | set(LORA_MODULES), "relax_gdn.choices.LoRATarget lists these names"
+assert set(LORA_TARGETS) == set(LORA_GROUPS) | set(LORA_MODULES), (
+    "relax_gdn.choices.LoRATarget lists these names"
+)
 
 # a parameter attribute set where an adapter's parameters are made: the HF checkpoint import and
 # export leave them out, the checkpoint of a LoRA run holds only them
@@ -113,8 +115,16 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def lora_problems(rank, alpha, dropout, targets, *, spec_provider: str, fused_cross_entropy: bool,
-                  set_without_rank: Sequence[str] = ()) -> list[str]:
+def lora_problems(
+    rank,
+    alpha,
+    dropout,
+    targets,
+    *,
+    spec_provider: str,
+    fused_cross_entropy: bool,
+    set_without_rank: Sequence[str] = (),
+) -> list[str]:
     """Every rule ``model.lora`` (``rank``, ``alpha``, ``dropout``, ``targets``) breaks, alone or
     with the model settings LoRA depends on (``model.spec_provider``, ``model.fused_cross_entropy``).
     ``set_without_rank``: the other ``model.lora`` keys the configuration sets away from their
@@ -126,30 +136,40 @@ def lora_problems(rank, alpha, dropout, targets, *, spec_provider: str, fused_cr
         if not set_without_rank:
             return []
         given = ", ".join(f"model.lora.{key}" for key in set_without_rank)
-        return [f"{given} set but model.lora.rank is 0 (no LoRA: the whole model would train and {given} "
-                "would do nothing): set model.lora.rank (e.g. 16) to train adapters, or leave model.lora.* "
-                "out to train the whole model"]
+        return [
+            f"{given} set but model.lora.rank is 0 (no LoRA: the whole model would train and {given} "
+            "would do nothing): set model.lora.rank (e.g. 16) to train adapters, or leave model.lora.* "
+            "out to train the whole model"
+        ]
     problems = []
     if alpha is not None and not (_number(alpha) and alpha > 0):
-        problems.append(f"model.lora.alpha={alpha!r} must be a number > 0 (the adapters are scaled by alpha / rank) "
-                        "or null (2 x rank)")
+        problems.append(
+            f"model.lora.alpha={alpha!r} must be a number > 0 (the adapters are scaled by alpha / rank) "
+            "or null (2 x rank)"
+        )
     if not (_number(dropout) and 0 <= dropout < 1):
         problems.append(f"model.lora.dropout={dropout!r} must be a number in [0, 1)")
     names = list(targets) if isinstance(targets, (list, tuple)) else None
     unknown = sorted({str(t) for t in names if t not in LORA_TARGETS}) if names is not None else None
     if not names or unknown:
-        problems.append(f"model.lora.targets={targets!r} must be a non-empty list of {list(LORA_GROUPS)} (groups) "
-                        f"or Hugging Face module names {list(LORA_MODULES)}"
-                        + (f"; unknown: {unknown}" if unknown else ""))
+        problems.append(
+            f"model.lora.targets={targets!r} must be a non-empty list of {list(LORA_GROUPS)} (groups) "
+            f"or Hugging Face module names {list(LORA_MODULES)}"
+            + (f"; unknown: {unknown}" if unknown else "")
+        )
         return problems
     if spec_provider == "te":
-        problems.append("model.lora needs the local layer specs: Transformer Engine's (model.spec_provider=te) fuse "
-                        "each norm into the next linear, whose normalised input the adapters read; set "
-                        "model.spec_provider=auto")
+        problems.append(
+            "model.lora needs the local layer specs: Transformer Engine's (model.spec_provider=te) fuse "
+            "each norm into the next linear, whose normalised input the adapters read; set "
+            "model.spec_provider=auto"
+        )
     if "lm_head" in resolve_targets(names) and fused_cross_entropy:
-        problems.append("model.lora.targets adapts the output layer (lm_head), but the fused cross-entropy "
-                        "(model.fused_cross_entropy=true) forms the logits from the output layer's weight alone: "
-                        "set model.fused_cross_entropy=false or leave lm_head / output out of the targets")
+        problems.append(
+            "model.lora.targets adapts the output layer (lm_head), but the fused cross-entropy "
+            "(model.fused_cross_entropy=true) forms the logits from the output layer's weight alone: "
+            "set model.fused_cross_entropy=false or leave lm_head / output out of the targets"
+        )
     return problems
 
 

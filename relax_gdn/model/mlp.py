@@ -48,8 +48,9 @@ class Qwen3_5MLP(MLP):
     skip_unread_gemm: bool = False
 
     @classmethod
-    def as_mlp_submodule(cls, *args, recompute_activation: bool = False, skip_unread_gemm: bool = False,
-                         **kwargs) -> "Qwen3_5MLP":
+    def as_mlp_submodule(
+        cls, *args, recompute_activation: bool = False, skip_unread_gemm: bool = False, **kwargs
+    ) -> Qwen3_5MLP:
         """Megatron-Core's builder (a TransformerLayer's ``mlp`` submodule), told the recompute options."""
         mlp = super().as_mlp_submodule(*args, **kwargs)
         mlp.recompute_activation = recompute_activation
@@ -58,15 +59,23 @@ class Qwen3_5MLP(MLP):
 
     def _plain_swiglu(self, per_token_scale) -> bool:
         """Whether this MLP's activation is the SwiGLU :meth:`_swiglu` computes."""
-        return (per_token_scale is None and self.config.gated_linear_unit and self.config.activation_func is F.silu
-                and self.config.activation_func_clamp_value is None)
+        return (
+            per_token_scale is None
+            and self.config.gated_linear_unit
+            and self.config.activation_func is F.silu
+            and self.config.activation_func_clamp_value is None
+        )
 
     def _recomputing_one_layer(self) -> bool:
         """Inside Megatron-Core's full-recompute checkpoint, re-running this layer for backward
         (the first forward runs under no_grad), with one layer per checkpoint."""
         config = self.config
-        return (config.recompute_granularity == "full" and is_checkpointing() and torch.is_grad_enabled()
-                and (config.recompute_method == "block" or config.recompute_num_layers == 1))
+        return (
+            config.recompute_granularity == "full"
+            and is_checkpointing()
+            and torch.is_grad_enabled()
+            and (config.recompute_method == "block" or config.recompute_num_layers == 1)
+        )
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         plain = self._plain_swiglu(per_token_scale)

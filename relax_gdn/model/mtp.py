@@ -95,8 +95,9 @@ class Qwen3_5MTPLayer(MultiTokenPredictionLayer):
     token of each position: it embeds ``input_ids`` as they are instead of rolling them over the
     sequence and the CP ranks (module docstring)."""
 
-    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None,
-                        padding_mask=None):
+    def _get_embeddings(
+        self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None, padding_mask=None
+    ):
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         return input_ids, position_ids, padding_mask, decoder_input, hidden_states
@@ -108,14 +109,20 @@ def mtp_config(config: TransformerConfig, options: MTPOptions) -> TransformerCon
     if options.recompute_whole_layer:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif options.recompute_core_attention:
-        recompute = dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
-                         recompute_modules=["core_attn"])
+        recompute = dict(
+            recompute_granularity="selective",
+            recompute_method=None,
+            recompute_num_layers=None,
+            recompute_modules=["core_attn"],
+        )
     else:
         recompute = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     return dataclasses.replace(config, mtp_num_layers=options.num_layers, **recompute)
 
 
-def mtp_block_spec(attention_layer: ModuleSpec, num_layers: int, fusion: Fusion) -> MultiTokenPredictionBlockSubmodules:
+def mtp_block_spec(
+    attention_layer: ModuleSpec, num_layers: int, fusion: Fusion
+) -> MultiTokenPredictionBlockSubmodules:
     """``num_layers`` MTP layers around ``attention_layer`` (the model's gated-attention
     ``TransformerLayer`` spec) with the model's RMSNorm as the three norms and a column-parallel
     ``eh_proj`` (HF ``mtp.fc``), as Megatron-Core's local MTP spec builds them."""
@@ -123,19 +130,32 @@ def mtp_block_spec(attention_layer: ModuleSpec, num_layers: int, fusion: Fusion)
     layer = ModuleSpec(
         module=Qwen3_5MTPLayer,
         submodules=MultiTokenPredictionLayerSubmodules(
-            enorm=norm, hnorm=norm, layer_norm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=attention_layer,
+            enorm=norm,
+            hnorm=norm,
+            layer_norm=norm,
+            eh_proj=ColumnParallelLinear,
+            mtp_model_layer=attention_layer,
         ),
     )
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers)
 
 
-def build_mtp_block(config: TransformerConfig, options: MTPOptions, attention_layer: ModuleSpec, *,
-                    pg_collection, fusion: Fusion) -> MultiTokenPredictionBlock:
+def build_mtp_block(
+    config: TransformerConfig,
+    options: MTPOptions,
+    attention_layer: ModuleSpec,
+    *,
+    pg_collection,
+    fusion: Fusion,
+) -> MultiTokenPredictionBlock:
     """The model's ``mtp`` module (Megatron-Core's block of :class:`Qwen3_5MTPLayer`)."""
     if not options.num_layers:
-        raise ValueError("build_mtp_block with MTPOptions.num_layers=0: a model without MTP has no mtp module")
+        raise ValueError(
+            "build_mtp_block with MTPOptions.num_layers=0: a model without MTP has no mtp module"
+        )
     return MultiTokenPredictionBlock(
-        config=mtp_config(config, options), spec=mtp_block_spec(attention_layer, options.num_layers, fusion),
+        config=mtp_config(config, options),
+        spec=mtp_block_spec(attention_layer, options.num_layers, fusion),
         pg_collection=pg_collection,
     )
 
@@ -143,23 +163,35 @@ def build_mtp_block(config: TransformerConfig, options: MTPOptions, attention_la
 def check_mtp_inputs(inputs: MTPInputs, labels, loss_mask) -> None:
     """The MTP targets come with the model's: labels with labels, a loss mask with a loss mask."""
     if (labels is None) != (inputs.labels is None):
-        raise ValueError("mtp_labels must be given exactly when labels are (the MTP loss and the LM loss go together)")
+        raise ValueError(
+            "mtp_labels must be given exactly when labels are (the MTP loss and the LM loss go together)"
+        )
     if labels is not None and (loss_mask is None) != (inputs.loss_mask is None):
-        raise ValueError("mtp_loss_mask must be given exactly when loss_mask is (summed losses) and not otherwise")
+        raise ValueError(
+            "mtp_loss_mask must be given exactly when loss_mask is (summed losses) and not otherwise"
+        )
 
 
-def mtp_postprocess(model, hidden_states: torch.Tensor, inputs: MTPInputs, lm_output, kwargs: dict) -> torch.Tensor:
+def mtp_postprocess(
+    model, hidden_states: torch.Tensor, inputs: MTPInputs, lm_output, kwargs: dict
+) -> torch.Tensor:
     """The language-model output and the MTP layers' outputs, stacked on a new first dimension
     (``[1 + num_layers, ...]``): logits without labels, per-token losses with labels, the masked
     loss sums (fp32) with loss masks. ``lm_output(hidden, **kwargs)`` is the model's output layer
     and loss on one set of hidden states; ``kwargs`` are ``GPTModel._postprocess``'s."""
     check_mtp_inputs(inputs, kwargs.get("labels"), kwargs.get("loss_mask"))
     stacked = model.mtp(
-        input_ids=inputs.input_ids, position_ids=kwargs.get("position_ids"), hidden_states=hidden_states,
-        attention_mask=kwargs.get("attention_mask"), padding_mask=kwargs.get("padding_mask"),
-        rotary_pos_emb=kwargs.get("rotary_pos_emb"), rotary_pos_cos=kwargs.get("rotary_pos_cos"),
-        rotary_pos_sin=kwargs.get("rotary_pos_sin"), packed_seq_params=kwargs.get("packed_seq_params"),
-        sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=model.embedding,
+        input_ids=inputs.input_ids,
+        position_ids=kwargs.get("position_ids"),
+        hidden_states=hidden_states,
+        attention_mask=kwargs.get("attention_mask"),
+        padding_mask=kwargs.get("padding_mask"),
+        rotary_pos_emb=kwargs.get("rotary_pos_emb"),
+        rotary_pos_cos=kwargs.get("rotary_pos_cos"),
+        rotary_pos_sin=kwargs.get("rotary_pos_sin"),
+        packed_seq_params=kwargs.get("packed_seq_params"),
+        sequence_len_offset=kwargs.get("sequence_len_offset"),
+        embedding=model.embedding,
     )
     depths = stacked.chunk(1 + len(model.mtp.layers), dim=0)[1:]  # the block returns [decoder; mtp 1; ...]
     mtp_kwargs = {**kwargs, "labels": inputs.labels, "loss_mask": inputs.loss_mask}

@@ -45,9 +45,12 @@ class MTPReferenceShape:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
         return cls(
-            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=head_dim, rotary_dims=int(head_dim * partial),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e7)), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=head_dim,
+            rotary_dims=int(head_dim * partial),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e7)),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         )
 
 
@@ -68,15 +71,23 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, shape: MTPReferenceShape) 
     return torch.cat([head * cos + rotated * sin, rest], dim=-1)
 
 
-def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, positions: torch.Tensor,
-               cu_seqlens: list[int], shape: MTPReferenceShape) -> torch.Tensor:
+def _attention(
+    x: torch.Tensor,
+    w: Mapping[str, torch.Tensor],
+    prefix: str,
+    positions: torch.Tensor,
+    cu_seqlens: list[int],
+    shape: MTPReferenceShape,
+) -> torch.Tensor:
     """Qwen3.5's gated full attention of ``x [T, hidden]`` (weights under ``prefix``), each
     document of ``cu_seqlens`` causal on its own."""
     heads, groups, d = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
     query, gate = (x @ w[f"{prefix}q_proj.weight"].T).view(-1, heads, 2, d).unbind(2)
     key = (x @ w[f"{prefix}k_proj.weight"].T).view(-1, groups, d)
     value = (x @ w[f"{prefix}v_proj.weight"].T).view(-1, groups, d)
-    query = _rotate(rms_norm_one_plus(query, w[f"{prefix}q_norm.weight"], shape.rms_norm_eps), positions, shape)
+    query = _rotate(
+        rms_norm_one_plus(query, w[f"{prefix}q_norm.weight"], shape.rms_norm_eps), positions, shape
+    )
     key = _rotate(rms_norm_one_plus(key, w[f"{prefix}k_norm.weight"], shape.rms_norm_eps), positions, shape)
     key, value = key.repeat_interleave(heads // groups, 1), value.repeat_interleave(heads // groups, 1)
     out = torch.zeros_like(query)
@@ -91,8 +102,14 @@ def _attention(x: torch.Tensor, w: Mapping[str, torch.Tensor], prefix: str, posi
     return out.reshape(len(x), heads * d) @ w[f"{prefix}o_proj.weight"].T
 
 
-def mtp_reference_hidden(weights: Mapping[str, torch.Tensor], hidden: torch.Tensor, next_ids: torch.Tensor,
-                         positions: torch.Tensor, cu_seqlens: list[int], shape: MTPReferenceShape) -> torch.Tensor:
+def mtp_reference_hidden(
+    weights: Mapping[str, torch.Tensor],
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: list[int],
+    shape: MTPReferenceShape,
+) -> torch.Tensor:
     """The MTP layer's output before the shared output layer (after ``mtp.norm``), ``[T, hidden]``.
 
     ``weights``: HF names (``model.embed_tokens.weight`` or the VLM's
@@ -103,23 +120,43 @@ def mtp_reference_hidden(weights: Mapping[str, torch.Tensor], hidden: torch.Tens
     """
     eps, w = shape.rms_norm_eps, weights
     embedding = w.get("model.embed_tokens.weight", w.get("model.language_model.embed_tokens.weight"))
-    fused = torch.cat([rms_norm_one_plus(embedding[next_ids], w["mtp.pre_fc_norm_embedding.weight"], eps),
-                       rms_norm_one_plus(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1)
+    fused = torch.cat(
+        [
+            rms_norm_one_plus(embedding[next_ids], w["mtp.pre_fc_norm_embedding.weight"], eps),
+            rms_norm_one_plus(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps),
+        ],
+        dim=-1,
+    )
     x = fused @ w["mtp.fc.weight"].T
     layer = "mtp.layers.0."
-    x = x + _attention(rms_norm_one_plus(x, w[f"{layer}input_layernorm.weight"], eps), w, f"{layer}self_attn.",
-                       positions, cu_seqlens, shape)
+    x = x + _attention(
+        rms_norm_one_plus(x, w[f"{layer}input_layernorm.weight"], eps),
+        w,
+        f"{layer}self_attn.",
+        positions,
+        cu_seqlens,
+        shape,
+    )
     y = rms_norm_one_plus(x, w[f"{layer}post_attention_layernorm.weight"], eps)
     mlp = F.silu(y @ w[f"{layer}mlp.gate_proj.weight"].T) * (y @ w[f"{layer}mlp.up_proj.weight"].T)
     x = x + mlp @ w[f"{layer}mlp.down_proj.weight"].T
     return rms_norm_one_plus(x, w["mtp.norm.weight"], eps)
 
 
-def mtp_reference_logits(weights: Mapping[str, torch.Tensor], hidden: torch.Tensor, next_ids: torch.Tensor,
-                         positions: torch.Tensor, cu_seqlens: list[int], shape: MTPReferenceShape) -> torch.Tensor:
+def mtp_reference_logits(
+    weights: Mapping[str, torch.Tensor],
+    hidden: torch.Tensor,
+    next_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cu_seqlens: list[int],
+    shape: MTPReferenceShape,
+) -> torch.Tensor:
     """The MTP layer's logits ``[T, vocab]`` (the shared ``lm_head``): at position ``i`` the
     prediction of the token two ahead. Arguments as :func:`mtp_reference_hidden`."""
-    return mtp_reference_hidden(weights, hidden, next_ids, positions, cu_seqlens, shape) @ weights["lm_head.weight"].T
+    return (
+        mtp_reference_hidden(weights, hidden, next_ids, positions, cu_seqlens, shape)
+        @ weights["lm_head.weight"].T
+    )
 
 
 __all__ = ["MTPReferenceShape", "mtp_reference_hidden", "mtp_reference_logits", "rms_norm_one_plus"]

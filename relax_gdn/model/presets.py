@@ -73,7 +73,9 @@ PRESETS: dict[str, Qwen3_5Preset] = {
     # one 3:1 block at full width: what fits a 2-GPU benchmark
     # (randomly initialised in benchmarks and comparisons, so it trains at a from-scratch rate)
     "qwen3_5_9b_reduced": Qwen3_5Preset(
-        "qwen3_5_9b_reduced", _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS), sft_lr=2e-4,
+        "qwen3_5_9b_reduced",
+        _qwen3_5_shapes(num_layers=4, **_NINE_B_WIDTHS),
+        sft_lr=2e-4,
         lora_lr=1e-3,
     ),
     # trains on CPU in seconds; keeps GQA (4 Q / 2 KV heads), the gate, partial RoPE (4 of 16

@@ -53,11 +53,15 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from relax_gdn.choices import MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS, ModelAttentionBackend, SpecProvider
 from relax_gdn.gdn.layer import check_gdn_cp_config, gdn_cp_layer_spec, with_standard_strides
 from relax_gdn.gdn.options import GDNOptions
-from relax_gdn.model.fusion import (
-    ChunkKernels, Fusion, embedding_into_main_grad, fused_output_loss, takes_main_grad,
-)
 from relax_gdn.model.attention import CPDotProductAttention
 from relax_gdn.model.fp8.options import FP8Options
+from relax_gdn.model.fusion import (
+    ChunkKernels,
+    Fusion,
+    embedding_into_main_grad,
+    fused_output_loss,
+    takes_main_grad,
+)
 from relax_gdn.model.gdn_runs import with_contiguous_gdn_runs
 from relax_gdn.model.lora_options import LoRAOptions, lora_problems
 from relax_gdn.model.mlp import Qwen3_5MLP
@@ -154,8 +158,12 @@ class Qwen3_5Options:
         """The options of ``preset``'s vocabulary, sequence length and RoPE, with ``fields``
         (any of the fields above) given or overriding them."""
         p = qwen3_5_preset(preset)
-        shapes = dict(vocab_size=p.vocab_size, max_sequence_length=p.max_sequence_length,
-                      rotary_percent=p.rotary_percent, rotary_base=p.rotary_base)
+        shapes = dict(
+            vocab_size=p.vocab_size,
+            max_sequence_length=p.max_sequence_length,
+            rotary_percent=p.rotary_percent,
+            rotary_base=p.rotary_base,
+        )
         return cls(**{**shapes, **fields})
 
 
@@ -171,7 +179,6 @@ def transformer_engine_import_error() -> str | None:
     """Why ``transformer_engine`` does not import here (None when it does); asked once."""
     try:
         import transformer_engine  # noqa: F401
-
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken TE install fails in many ways
         return f"{type(e).__name__}: {e}"
@@ -199,8 +206,11 @@ def resolve_spec_provider(spec_provider: str = "auto") -> str:
         chosen, why = "local", "requested"
     else:
         chosen = "local"
-        why = ("the verified path; Transformer Engine imports here, model.spec_provider=te selects its specs"
-               if te_error is None else f"no transformer_engine ({te_error})")
+        why = (
+            "the verified path; Transformer Engine imports here, model.spec_provider=te selects its specs"
+            if te_error is None
+            else f"no transformer_engine ({te_error})"
+        )
     if (spec_provider, chosen) not in _logged_choices:
         _logged_choices.add((spec_provider, chosen))
         logger.info("Qwen3.5 spec provider: %s (spec_provider=%r: %s)", chosen, spec_provider, why)
@@ -240,8 +250,16 @@ class Qwen3_5SelfAttention(SelfAttention):
 
     _token_rotary: torch.Tensor | None = None
 
-    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, *args, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        *args,
+        **kwargs,
+    ):
         if isinstance(rotary_pos_emb, tuple):
             raise ValueError("Qwen3_5SelfAttention takes one per-token rotary tensor, not a (q, k) pair")
         self._token_rotary = rotary_pos_emb
@@ -295,8 +313,9 @@ def _core_attention_spec(provider: str, attention_backend: str, te_core):
 
 def _gdn_output_norm_spec(tp_group, fusion: Fusion) -> ModuleSpec:
     # HF's Qwen3_5RMSNormGated: plain weight (init 1) whatever layernorm_zero_centered_gamma says
-    return ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group,
-                                              "fusion": fusion})
+    return ModuleSpec(
+        module=RMSNorm, params={"zero_centered_gamma": False, "grad_sum_group": tp_group, "fusion": fusion}
+    )
 
 
 def _local_block_spec(config, gdn_spec_for, options: Qwen3_5Options) -> TransformerBlockSubmodules:
@@ -322,9 +341,13 @@ def _local_block_spec(config, gdn_spec_for, options: Qwen3_5Options) -> Transfor
     )
     gdn = gdn_spec_for(ColumnParallelLinear, RowParallelLinear)
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
-    mlp = functools.partial(Qwen3_5MLP.as_mlp_submodule, *mlp.args,  # same submodules
-                            recompute_activation=options.recompute_mlp_activation,
-                            skip_unread_gemm=options.recompute_skips_unread_gemm, **mlp.keywords)
+    mlp = functools.partial(
+        Qwen3_5MLP.as_mlp_submodule,
+        *mlp.args,  # same submodules
+        recompute_activation=options.recompute_mlp_activation,
+        skip_unread_gemm=options.recompute_skips_unread_gemm,
+        **mlp.keywords,
+    )
     layers = [
         ModuleSpec(
             module=TransformerLayer,
@@ -375,7 +398,8 @@ def _te_block_spec(config, gdn_spec_for, attention_backend: str) -> TransformerB
 
 
 def qwen3_5_block_spec(
-    config: TransformerConfig, options: Qwen3_5Options,
+    config: TransformerConfig,
+    options: Qwen3_5Options,
     tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> TransformerBlockSubmodules:
     """Layer specs of the decoder (GDN : attention = 3 : 1) and its final norm, as ``options`` say
@@ -401,7 +425,9 @@ def qwen3_5_block_spec(
     else:
         block = _local_block_spec(config, gdn_spec_for, options)
     return with_contiguous_gdn_runs(
-        block, contiguous_between_layers=options.contiguous_between_layers, cp_mode=options.gdn.cp_mode,
+        block,
+        contiguous_between_layers=options.contiguous_between_layers,
+        cp_mode=options.gdn.cp_mode,
         sequence_parallel=config.sequence_parallel,
     )
 
@@ -421,9 +447,14 @@ class _VocabEmbeddingIntoMainGrad(VocabParallelEmbedding):
 
     def forward(self, input_):
         weight = self.weight
-        if (self.tp_group.size() == 1 and getattr(self, "gtp_remat_size", 1) == 1 and torch.is_grad_enabled()
-                and weight.requires_grad and self.fusion.embedding_grad_into_main_grad
-                and takes_main_grad(weight)):
+        if (
+            self.tp_group.size() == 1
+            and getattr(self, "gtp_remat_size", 1) == 1
+            and torch.is_grad_enabled()
+            and weight.requires_grad
+            and self.fusion.embedding_grad_into_main_grad
+            and takes_main_grad(weight)
+        ):
             return embedding_into_main_grad(input_, weight)
         return super().forward(input_)
 
@@ -442,9 +473,19 @@ class Qwen3_5Model(GPTModel):
 
     _mtp_inputs: MTPInputs | None = None  # during a forward given MTP inputs
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, *,
-                 rotary_percent: float, rotary_base: float, pg_collection: ProcessGroupCollection,
-                 fusion: Fusion = Fusion(), **kwargs):
+    def __init__(
+        self,
+        config,
+        transformer_layer_spec,
+        vocab_size,
+        max_sequence_length,
+        *,
+        rotary_percent: float,
+        rotary_base: float,
+        pg_collection: ProcessGroupCollection,
+        fusion: Fusion = Fusion(),
+        **kwargs,
+    ):
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
@@ -486,16 +527,29 @@ class Qwen3_5Model(GPTModel):
         # the embedding's [S, 1, H] is a transposed [1, S, H]: the first layer's projections need
         # standard strides (with_standard_strides says why)
         decoder_input = out[0] if out[0] is None else with_standard_strides(out[0])
-        if (decoder_input is not None and self.config.recompute_granularity == "full"
-                and torch.is_grad_enabled() and not decoder_input.requires_grad):
+        if (
+            decoder_input is not None
+            and self.config.recompute_granularity == "full"
+            and torch.is_grad_enabled()
+            and not decoder_input.requires_grad
+        ):
             # A frozen embedding (LoRA) gives an input without grad. Megatron-Core's whole-layer
             # recompute is a reentrant autograd Function: with no input that requires grad, its output
             # does not either, and no gradient reaches the adapters inside the recomputed layers.
             decoder_input.requires_grad_(True)
         return (decoder_input, self.rotary_pos_emb.for_positions(position_ids), *out[2:])
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, mtp_input_ids=None, mtp_labels=None,
-                mtp_loss_mask=None, **kwargs):
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        *args,
+        mtp_input_ids=None,
+        mtp_labels=None,
+        mtp_loss_mask=None,
+        **kwargs,
+    ):
         """``GPTModel.forward``; with ``mtp_input_ids`` (a model built with MTP) the MTP layer runs
         too and the output gains a first dimension: ``[LM, MTP]`` logits, per-token losses or
         masked loss sums (:func:`relax_gdn.model.mtp.mtp_postprocess`). ``mtp_input_ids``: each
@@ -503,7 +557,9 @@ class Qwen3_5Model(GPTModel):
         given with ``labels`` / ``loss_mask``."""
         if mtp_input_ids is not None and getattr(self, "mtp", None) is None:
             raise ValueError("mtp_input_ids given to a model built without an MTP layer (Qwen3_5Options.mtp)")
-        self._mtp_inputs = None if mtp_input_ids is None else MTPInputs(mtp_input_ids, mtp_labels, mtp_loss_mask)
+        self._mtp_inputs = (
+            None if mtp_input_ids is None else MTPInputs(mtp_input_ids, mtp_labels, mtp_loss_mask)
+        )
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
@@ -519,9 +575,13 @@ class Qwen3_5Model(GPTModel):
         # model.fused_cross_entropy: the output layer + loss in token chunks (no full-vocabulary
         # logits); the vocabulary split of TP > 1 keeps Megatron-Core's vocab-parallel loss
         loss_mask = kwargs.get("loss_mask") if kwargs.get("labels") is not None else None
-        if (self.fusion.cross_entropy and kwargs.get("labels") is not None
-                and kwargs.get("output_processor") is None and not self.config.mtp_num_layers
-                and self.pg_collection.tp.size() == 1):
+        if (
+            self.fusion.cross_entropy
+            and kwargs.get("labels") is not None
+            and kwargs.get("output_processor") is None
+            and not self.config.mtp_num_layers
+            and self.pg_collection.tp.size() == 1
+        ):
             kwargs["output_processor"] = functools.partial(fused_output_loss, kernels=self.loss_kernels)
             return super()._postprocess(hidden_states, *args, **kwargs)
         out = super()._postprocess(hidden_states, *args, **kwargs)
@@ -551,7 +611,9 @@ def _ensure_global_memory_buffer() -> None:
 
 
 def build_qwen3_5_model(
-    config: TransformerConfig, options: Qwen3_5Options, pg_collection: ProcessGroupCollection | None = None,
+    config: TransformerConfig,
+    options: Qwen3_5Options,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> Qwen3_5Model:
     """The Qwen3.5 ``GPTModel`` for ``config`` (from :func:`qwen3_5_config`) built as ``options`` say.
 
@@ -568,10 +630,52 @@ def build_qwen3_5_model(
     check_gdn_cp_config(config, options.gdn, tp_size, options.gdn.max_cp_size or pgs.cp.size())
     if config.sequence_parallel:
         _ensure_global_memory_buffer()
+    config, provider = _config_for_provider(config, options, pgs)
+    lora = _checked_lora(options, provider)
+    spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
+    model = Qwen3_5Model(
+        config,
+        spec,
+        options.vocab_size,
+        options.max_sequence_length,
+        rotary_percent=options.rotary_percent,
+        rotary_base=options.rotary_base,
+        pg_collection=pgs,
+        parallel_output=options.parallel_output,
+        fusion=options.fusion,
+    )
+    if options.mtp.num_layers:  # built after the decoder: the decoder's initial weights do not depend on it
+        model.mtp = build_mtp_block(
+            config,
+            options.mtp,
+            _mtp_attention_layer_spec(config, options, pgs.tp),
+            pg_collection=pgs,
+            fusion=options.fusion,
+        )
+    if lora is not None:  # after the MTP layer: its projections get adapters too
+        from relax_gdn.model.lora import add_lora_adapters
+
+        add_lora_adapters(model, lora)
+    if options.fp8 is not None:  # last: the MTP layer's and the adapted layers' linears get it too
+        from relax_gdn.model.fp8.plan import install_fp8
+
+        install_fp8(
+            model, options.fp8, spec_provider=provider, fused_cross_entropy=options.fusion.cross_entropy
+        )
+    return model
+
+
+def _config_for_provider(
+    config: TransformerConfig, options: Qwen3_5Options, pgs: ProcessGroupCollection
+) -> tuple[TransformerConfig, str]:
+    """The spec provider ``options`` resolve to and ``config`` aligned with it (its
+    ``transformer_impl``; with Transformer Engine, the CP size its attention joins)."""
     provider = resolve_spec_provider(options.spec_provider)
     if options.mtp.num_layers and provider == "te":
-        raise ValueError("the MTP layer is built from the local specs; use spec_provider='local' (or 'auto') "
-                         "with Qwen3_5Options.mtp (model.mtp.num_layers > 0)")
+        raise ValueError(
+            "the MTP layer is built from the local specs; use spec_provider='local' (or 'auto') "
+            "with Qwen3_5Options.mtp (model.mtp.num_layers > 0)"
+        )
     impl = "transformer_engine" if provider == "te" else "local"
     aligned = {"transformer_impl": impl}
     if provider == "te":
@@ -581,29 +685,24 @@ def build_qwen3_5_model(
         aligned["context_parallel_size"] = pgs.cp.size()
     if any(getattr(config, k) != v for k, v in aligned.items()):
         config = dataclasses.replace(config, **aligned)
+    return config, provider
+
+
+def _checked_lora(options: Qwen3_5Options, provider: str) -> LoRAOptions | None:
+    """The adapters ``options`` ask for (None: none), refused as ``model.lora``'s rules say."""
     lora = options.lora if options.lora is not None and options.lora.enabled else None
-    if lora is not None and (problems := lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.modules),
-                                                       spec_provider=provider,
-                                                       fused_cross_entropy=options.fusion.cross_entropy)):
+    if lora is not None and (
+        problems := lora_problems(
+            lora.rank,
+            lora.alpha,
+            lora.dropout,
+            list(lora.modules),
+            spec_provider=provider,
+            fused_cross_entropy=options.fusion.cross_entropy,
+        )
+    ):
         raise ValueError("; ".join(problems))
-    spec = qwen3_5_block_spec(config, options, tp_group=pgs.tp)
-    model = Qwen3_5Model(
-        config, spec, options.vocab_size, options.max_sequence_length,
-        rotary_percent=options.rotary_percent, rotary_base=options.rotary_base, pg_collection=pgs,
-        parallel_output=options.parallel_output, fusion=options.fusion,
-    )
-    if options.mtp.num_layers:  # built after the decoder: the decoder's initial weights do not depend on it
-        model.mtp = build_mtp_block(config, options.mtp, _mtp_attention_layer_spec(config, options, pgs.tp),
-                                    pg_collection=pgs, fusion=options.fusion)
-    if lora is not None:  # after the MTP layer: its projections get adapters too
-        from relax_gdn.model.lora import add_lora_adapters
-
-        add_lora_adapters(model, lora)
-    if options.fp8 is not None:  # last: the MTP layer's and the adapted layers' linears get it too
-        from relax_gdn.model.fp8.plan import install_fp8
-
-        install_fp8(model, options.fp8, spec_provider=provider, fused_cross_entropy=options.fusion.cross_entropy)
-    return model
+    return lora
 
 
 def _mtp_attention_layer_spec(config: TransformerConfig, options: Qwen3_5Options, tp_group) -> ModuleSpec:
@@ -634,8 +733,10 @@ def _check_parallel_sizes(config: TransformerConfig, pgs: ProcessGroupCollection
 
 
 def build_qwen3_5_preset_model(
-    preset: str | Qwen3_5Preset, config: TransformerConfig | None = None,
-    pg_collection: ProcessGroupCollection | None = None, **fields,
+    preset: str | Qwen3_5Preset,
+    config: TransformerConfig | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    **fields,
 ) -> Qwen3_5Model:
     """:func:`build_qwen3_5_model` with ``Qwen3_5Options.for_preset(preset, **fields)`` (the
     vocabulary, sequence length and RoPE of ``preset`` unless ``fields`` give them); ``config``

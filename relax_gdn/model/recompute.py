@@ -54,14 +54,22 @@ def check_recompute_modules(modules) -> None:
         raise ValueError(f"recompute.modules: unknown {unknown}; choose from {list(SELECTIVE_MODULES)}")
 
 
-def recompute_config_fields(granularity: str, modules=SELECTIVE_MODULES, *, skip_unused: bool = False,
-                            num_layers: int | None = None, full_layers: int | None = None) -> dict[str, Any]:
+def recompute_config_fields(
+    granularity: str,
+    modules=SELECTIVE_MODULES,
+    *,
+    skip_unused: bool = False,
+    num_layers: int | None = None,
+    full_layers: int | None = None,
+) -> dict[str, Any]:
     """``recompute.granularity`` (+ ``recompute.modules``, ``recompute.skip_unused`` with the model's
     ``num_layers``, ``recompute.full_layers`` resolved to a number for ``mixed``) -> TransformerConfig
     fields."""
     if granularity == "mixed":
         if full_layers is None or full_layers < 0:
-            raise ValueError(f"recompute.granularity=mixed needs full_layers >= 0 resolved, got {full_layers!r}")
+            raise ValueError(
+                f"recompute.granularity=mixed needs full_layers >= 0 resolved, got {full_layers!r}"
+            )
         if not full_layers:  # nothing recomputed whole: plain selective
             return recompute_config_fields("selective", modules)
         # "block": the first full_layers layers are checkpointed, one per unit; the others run plain
@@ -69,15 +77,20 @@ def recompute_config_fields(granularity: str, modules=SELECTIVE_MODULES, *, skip
     if granularity == "full":  # every layer recomputed as a whole (what all_gather CP needs)
         if skip_unused and num_layers is not None and num_layers > 1:
             # "block": the first num_layers - 1 layers are checkpointed, one per unit; the last is kept
-            return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=num_layers - 1)
+            return dict(
+                recompute_granularity="full", recompute_method="block", recompute_num_layers=num_layers - 1
+            )
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if granularity == "selective":
         check_recompute_modules(modules)
         megatron = [m for m in modules if m in MEGATRON_MODULES]
         # Megatron-Core treats an empty list as "core_attn"; with none of its modules asked for,
         # its selective machinery stays off and only ours runs
-        return dict(recompute_granularity="selective", recompute_modules=megatron) if megatron else \
-            dict(recompute_granularity=None)
+        return (
+            dict(recompute_granularity="selective", recompute_modules=megatron)
+            if megatron
+            else dict(recompute_granularity=None)
+        )
     return dict(recompute_granularity=None)
 
 
@@ -116,5 +129,12 @@ def apply_mixed_recompute(model, full_layers: int, modules) -> int:
     return switched
 
 
-__all__ = ["MEGATRON_MODULES", "SELECTIVE_MODULES", "apply_mixed_recompute", "check_recompute_modules",
-           "mtp_recompute", "recompute_config_fields", "recomputes"]
+__all__ = [
+    "MEGATRON_MODULES",
+    "SELECTIVE_MODULES",
+    "apply_mixed_recompute",
+    "check_recompute_modules",
+    "mtp_recompute",
+    "recompute_config_fields",
+    "recomputes",
+]

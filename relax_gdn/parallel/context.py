@@ -30,8 +30,9 @@ class ParallelContext:
     dynamic_groups: DynamicCPGroups | None  # dynamic CP: the CP group's sub-groups of every size
 
     @classmethod
-    def initialize(cls, *, tp: int, cp: int, dynamic_max_cp: int | None,
-                   timeout: timedelta | None = None) -> ParallelContext:
+    def initialize(
+        cls, *, tp: int, cp: int, dynamic_max_cp: int | None, timeout: timedelta | None = None
+    ) -> ParallelContext:
         """Create the TP / CP / DP groups in the default process group, and with ``dynamic_max_cp``
         (dynamic CP; it must equal ``cp``) the CP sub-groups of every size up to it. A collective
         over every rank. ``timeout``: every group's collective timeout (``train.collective_timeout_s``;
@@ -42,17 +43,24 @@ class ParallelContext:
             # one for SP gathers); initialize_model_parallel makes its own and refuses an existing one
             parallel_state.destroy_global_memory_buffer()
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False, **minutes,
+            tensor_model_parallel_size=tp,
+            context_parallel_size=cp,
+            create_gloo_process_groups=False,
+            **minutes,
         )
         cp_group = parallel_state.get_context_parallel_group()
         return cls(
-            tp=tp, cp=cp, dp=parallel_state.get_data_parallel_world_size(),
+            tp=tp,
+            cp=cp,
+            dp=parallel_state.get_data_parallel_world_size(),
             dp_rank=parallel_state.get_data_parallel_rank(),
             cp_rank=parallel_state.get_context_parallel_rank(),
             tp_group=parallel_state.get_tensor_model_parallel_group(),
             cp_group=cp_group,
             dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            dynamic_groups=DynamicCPGroups(cp_group, dynamic_max_cp, timeout) if dynamic_max_cp is not None else None,
+            dynamic_groups=DynamicCPGroups(cp_group, dynamic_max_cp, timeout)
+            if dynamic_max_cp is not None
+            else None,
         )
 
     @staticmethod

@@ -18,9 +18,8 @@ attention find them through :func:`relax_gdn.parallel.resolve_cp_group`.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -127,8 +126,11 @@ def plan_dynamic_cp_over_dp(
         row = []
         for i, lengths in enumerate(mbs):
             d = max(p[i].cp_size for p in plans)
-            row.append(plans[dp_rank][i] if plans[dp_rank][i].cp_size == d
-                       else plan_dynamic_cp(lengths, max_tokens_per_gpu=max_tokens_per_gpu, max_cp=max_cp, min_cp=d))
+            row.append(
+                plans[dp_rank][i]
+                if plans[dp_rank][i].cp_size == d
+                else plan_dynamic_cp(lengths, max_tokens_per_gpu=max_tokens_per_gpu, max_cp=max_cp, min_cp=d)
+            )
         agreed.append(row)
     return agreed
 
@@ -174,7 +176,9 @@ class DynamicCPGroups:
         return self.cp_rank % cp_size
 
 
-def dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups: DynamicCPGroups, max_tokens_per_gpu: int):
+def dynamic_cp_micro_batches(
+    plan, dp_rank: int, cp_rank: int, groups: DynamicCPGroups, max_tokens_per_gpu: int
+):
     """Dynamic CP on top of a step's static micro-batch plan (``plan[dp][i]``: the samples of
     micro-batch ``i`` of DP rank ``dp``): micro-batch ``i`` of every DP rank runs at one CP size
     ``d`` (the MAX over DP ranks), its samples split over the CP group's sub-groups of size ``d``.
@@ -185,7 +189,9 @@ def dynamic_cp_micro_batches(plan, dp_rank: int, cp_rank: int, groups: DynamicCP
     mine = []
     for samples, cp_plan in zip(plan[dp_rank], cp_plans[dp_rank]):
         d = cp_plan.cp_size
-        mine.append(([samples[j] for j in cp_plan.samples_for(cp_rank)], d, groups.rank_in(d), groups.group(d)))
+        mine.append(
+            ([samples[j] for j in cp_plan.samples_for(cp_rank)], d, groups.rank_in(d), groups.group(d))
+        )
     padded_tokens, counts = 0, {}
     for mbs, plans in zip(plan, cp_plans):
         for samples, cp_plan in zip(mbs, plans):

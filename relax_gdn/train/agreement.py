@@ -33,7 +33,7 @@ def _agreed(error: RecipeError, found_on_rank: int | None) -> RecipeError:
     return error
 
 
-def decided_by_rank0(decide: Callable[[], T]) -> T:
+def decided_by_rank0[T](decide: Callable[[], T]) -> T:
     """``decide()`` on rank 0; its value (picklable) on every rank, or the RecipeError it raised
     raised on every rank."""
     box: list = [None]
@@ -49,7 +49,7 @@ def decided_by_rank0(decide: Callable[[], T]) -> T:
     return payload
 
 
-def agree_on_errors(work: Callable[[], T]) -> T:
+def agree_on_errors[T](work: Callable[[], T]) -> T:
     """``work()`` on every rank; its value when it succeeded everywhere, else the RecipeError of the
     lowest rank that raised one, raised on every rank (``found_on_rank`` names that rank unless
     every rank raised)."""

@@ -50,11 +50,13 @@ def step_line(record: dict[str, Any], total: int) -> str:
     """The plain one-line account of a step (non-terminal output)."""
     per = "gpu" if record.get("peak_mem_gb") is not None else "process"  # GPU runs alone measure memory
     mtp = f"mtp_loss {_fmt(record['mtp_loss'])} " if record.get("mtp_loss") is not None else ""
-    line = (f"step {record['step']}/{total} loss {_fmt(record['loss'])} {mtp}"
-            f"grad_norm {_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} "
-            f"{record['tokens_per_s']:.0f} tok/s "
-            f"{record['tflops_per_gpu']:.3g} TFLOP/s/{per} mfu {_fmt(record.get('mfu'), 3)} "
-            f"{record['step_time_s']:.2f} s")
+    line = (
+        f"step {record['step']}/{total} loss {_fmt(record['loss'])} {mtp}"
+        f"grad_norm {_fmt(record['grad_norm'], 3)} lr {_fmt(record['lr'], 3)} "
+        f"{record['tokens_per_s']:.0f} tok/s "
+        f"{record['tflops_per_gpu']:.3g} TFLOP/s/{per} mfu {_fmt(record.get('mfu'), 3)} "
+        f"{record['step_time_s']:.2f} s"
+    )
     if record.get("cp_sizes"):  # dynamic CP: micro-batches per CP size this step
         line += f" [{format_cp_sizes(record['cp_sizes'])}]"
     if record.get(EVAL_LOSS) is not None:
@@ -65,8 +67,9 @@ def step_line(record: dict[str, Any], total: int) -> str:
 class ConsoleProgress:
     """The console sink of :class:`~relax_gdn.train.loggers.RunLoggers` (rank 0 only)."""
 
-    def __init__(self, total_steps: int, every: int = 1, stream=None, start_step: int = 0,
-                 terminal: bool | None = None):
+    def __init__(
+        self, total_steps: int, every: int = 1, stream=None, start_step: int = 0, terminal: bool | None = None
+    ):
         self.total = total_steps
         self.every = every
         self.stream = stream or sys.stdout
@@ -76,13 +79,26 @@ class ConsoleProgress:
         self._progress = None
         if self.terminal:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             console = Console(file=self.stream, force_terminal=True)
             self._progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TextColumn("eta"),
-                TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=console, transient=False,
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"),
+                console=console,
+                transient=False,
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self._progress.start()
@@ -91,8 +107,10 @@ class ConsoleProgress:
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if self._progress is not None:
-            stats = (f"loss {_fmt(record['loss'])}  {record['tokens_per_s']:.0f} tok/s  "
-                     f"mfu {_fmt(record.get('mfu'), 3)}")
+            stats = (
+                f"loss {_fmt(record['loss'])}  {record['tokens_per_s']:.0f} tok/s  "
+                f"mfu {_fmt(record.get('mfu'), 3)}"
+            )
             if record.get(EVAL_LOSS) is not None:
                 self._progress.console.print(f"step {step}: eval/loss {_fmt(record[EVAL_LOSS])}")
             self._progress.update(self._task, completed=step, stats=stats)
@@ -121,8 +139,11 @@ def _log_through(console) -> list[tuple[logging.StreamHandler, Any]]:
 
     moved = []
     for handler in logging.getLogger().handlers:
-        if (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-                and _is_terminal(handler.stream)):
+        if (
+            isinstance(handler, logging.StreamHandler)
+            and not isinstance(handler, logging.FileHandler)
+            and _is_terminal(handler.stream)
+        ):
             moved.append((handler, handler.setStream(FileProxy(console, handler.stream))))
     return moved
 
@@ -133,18 +154,36 @@ def log_run_start(run_name: str, cfg, dims, *, device, bf16: bool, model, data) 
     dataset, eval_set = data.dataset, data.eval_set
     n_params = sum(p.numel() for p in model.parameters())
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    params = f"{n_params:,} params/rank" + (f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else "")
+    params = f"{n_params:,} params/rank" + (
+        f" ({n_trained:,} train: LoRA adapters)" if n_trained < n_params else ""
+    )
     run_logger = logging.getLogger("relax_gdn.train")
-    run_logger.info("run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
-                    run_name, dims.world_size, dims.dp, dims.cp, dims.tp, device,
-                    "bf16" if bf16 else "fp32", params, len(dataset), dataset.counts.summary())
+    run_logger.info(
+        "run %s: world %d = dp %d x cp %d x tp %d on %s (%s); %s; %d samples (%s)",
+        run_name,
+        dims.world_size,
+        dims.dp,
+        dims.cp,
+        dims.tp,
+        device,
+        "bf16" if bf16 else "fp32",
+        params,
+        len(dataset),
+        dataset.counts.summary(),
+    )
     fp8_plan = fp8_plan_of(model)
     if fp8_plan is not None:
-        emulated = " (emulated on CPU: the same casts, the GEMMs in fp32)" if str(device).startswith("cpu") else ""
+        emulated = (
+            " (emulated on CPU: the same casts, the GEMMs in fp32)" if str(device).startswith("cpu") else ""
+        )
         run_logger.info("%s%s", fp8_plan.startup_line(), emulated)
     if eval_set is not None and cfg.eval.every_steps:
-        run_logger.info("evaluation every %d steps on %d samples from %s", cfg.eval.every_steps,
-                        len(eval_set.samples), eval_set.source)
+        run_logger.info(
+            "evaluation every %d steps on %d samples from %s",
+            cfg.eval.every_steps,
+            len(eval_set.samples),
+            eval_set.source,
+        )
 
 
 def steady_state(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -170,10 +209,16 @@ def run_summary(result) -> list[tuple[str, str]]:
     rows = [
         ("steps", f"{first['step']}..{last['step']}" if result.start_step else str(last["step"])),
         ("tokens", f"{sum(r['tokens'] for r in records):,} (real, all ranks)"),
-        ("median tok/s", f"{_median([r['tokens_per_s'] for r in steady]):,.0f}"
-                         + (f" (first {skipped} step(s) left out as warm-up)" if skipped else "")),
-        ("median MFU", _fmt(_median([r.get("mfu") for r in steady]), 3)
-         + ("" if last.get("mfu") is not None else " (accelerator peak unknown)")),
+        (
+            "median tok/s",
+            f"{_median([r['tokens_per_s'] for r in steady]):,.0f}"
+            + (f" (first {skipped} step(s) left out as warm-up)" if skipped else ""),
+        ),
+        (
+            "median MFU",
+            _fmt(_median([r.get("mfu") for r in steady]), 3)
+            + ("" if last.get("mfu") is not None else " (accelerator peak unknown)"),
+        ),
     ]
     peak = [r.get("peak_mem_gb") for r in records if r.get("peak_mem_gb") is not None]
     rows.append(("peak memory", f"{max(peak):.1f} GiB (rank 0)" if peak else "- (not measured off GPU)"))
@@ -182,8 +227,12 @@ def run_summary(result) -> list[tuple[str, str]]:
         rows.append(("MTP loss", f"{_fmt(first.get('mtp_loss'))} -> {_fmt(last['mtp_loss'])}"))
     evals = [r for r in records if r.get(EVAL_LOSS) is not None]
     if evals:
-        rows.append(("eval loss", f"{_fmt(evals[-1][EVAL_LOSS])} (step {evals[-1]['step']}, "
-                                  f"{len(evals)} evaluation(s))"))
+        rows.append(
+            (
+                "eval loss",
+                f"{_fmt(evals[-1][EVAL_LOSS])} (step {evals[-1]['step']}, {len(evals)} evaluation(s))",
+            )
+        )
     if getattr(result, "fp8", None):
         rows.append(("FP8 GEMMs", result.fp8))
     histogram = cp_size_histogram(records)

@@ -58,28 +58,44 @@ def split_eval_set(cfg, tokenizer, dataset: SFTDataset) -> tuple[SFTDataset, Eva
         return dataset, None
     if d.eval_path:
         loaded = load_sft_dataset(
-            d.eval_path, tokenizer, prompt_field=d.prompt_field, response_field=d.response_field,
-            max_sample_tokens=cfg.sample_token_limit, max_samples=ev.num_samples, split=d.split,
+            d.eval_path,
+            tokenizer,
+            prompt_field=d.prompt_field,
+            response_field=d.response_field,
+            max_sample_tokens=cfg.sample_token_limit,
+            max_samples=ev.num_samples,
+            split=d.split,
             record_format=d.format,
         )
         return dataset, EvalSet(loaded.samples, f"data.eval_path={d.eval_path}")
     held = holdout_indices(len(dataset), ev.holdout_fraction, cfg.train.seed)
     if len(held) >= len(dataset):
-        raise DataError(f"eval.holdout_fraction={ev.holdout_fraction} of {len(dataset)} samples leaves none "
-                              "to train on: lower it or use data.eval_path")
+        raise DataError(
+            f"eval.holdout_fraction={ev.holdout_fraction} of {len(dataset)} samples leaves none "
+            "to train on: lower it or use data.eval_path"
+        )
     held_set = set(held)
     train = [s for i, s in enumerate(dataset.samples) if i not in held_set]
     eval_samples = [dataset.samples[i] for i in held][: ev.num_samples]
-    return (SFTDataset(samples=train, source=dataset.source, counts=dataset.counts),
-            EvalSet(eval_samples, f"{len(held)} held-out training samples (eval.holdout_fraction)"))
+    return (
+        SFTDataset(samples=train, source=dataset.source, counts=dataset.counts),
+        EvalSet(eval_samples, f"{len(held)} held-out training samples (eval.holdout_fraction)"),
+    )
 
 
 class Evaluator:
     """Eval loss on a fixed set; ``micro_batches(samples)`` yields this rank's built micro-batches
     of those samples exactly as the training loop packs a global batch."""
 
-    def __init__(self, eval_set: EvalSet | None, every_steps: int, total_steps: int,
-                 micro_batches: Callable[[list[Sample]], Iterable], tp: int, device: torch.device):
+    def __init__(
+        self,
+        eval_set: EvalSet | None,
+        every_steps: int,
+        total_steps: int,
+        micro_batches: Callable[[list[Sample]], Iterable],
+        tp: int,
+        device: torch.device,
+    ):
         self.eval_set = eval_set
         self.every = every_steps if eval_set is not None else 0
         self.total = total_steps
@@ -96,8 +112,14 @@ class Evaluator:
         return {EVAL_LOSS: loss, EVAL_LOSS_TOKENS: self.eval_set.num_loss_tokens}
 
 
-def evaluate_loss(model, samples: list[Sample], micro_batches: Callable[[list[Sample]], Iterable], *, tp: int,
-                  device: torch.device) -> float:
+def evaluate_loss(
+    model,
+    samples: list[Sample],
+    micro_batches: Callable[[list[Sample]], Iterable],
+    *,
+    tp: int,
+    device: torch.device,
+) -> float:
     """Mean loss per loss token of ``samples`` (no gradients, eval mode; train mode restored)."""
     was_training = model.training
     model.eval()

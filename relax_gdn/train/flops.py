@@ -64,20 +64,31 @@ class ModelShape:
     lora_modules: tuple[str, ...] = ()  # HF module names (relax_gdn.model.lora_options.LORA_MODULES)
 
     @classmethod
-    def from_transformer_config(cls, config, vocab_size: int, *, mtp_num_layers: int = 0, lora=None) -> "ModelShape":
+    def from_transformer_config(
+        cls, config, vocab_size: int, *, mtp_num_layers: int = 0, lora=None
+    ) -> ModelShape:
         """The shape of a model of Megatron-Core ``config`` with ``vocab_size`` words, ``mtp_num_layers``
         MTP layers and the adapters of ``lora`` (:class:`~relax_gdn.model.lora_options.LoRAOptions`,
         None: none)."""
         adapters = dict(lora_rank=lora.rank, lora_modules=tuple(lora.modules)) if lora is not None else {}
         return cls(
-            num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
-            vocab_size=vocab_size, num_attention_heads=config.num_attention_heads,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size,
+            vocab_size=vocab_size,
+            num_attention_heads=config.num_attention_heads,
             num_query_groups=config.num_query_groups or config.num_attention_heads,
-            kv_channels=config.kv_channels, attention_output_gate=bool(config.attention_output_gate),
-            linear_attention_freq=config.linear_attention_freq, linear_num_key_heads=config.linear_num_key_heads,
-            linear_num_value_heads=config.linear_num_value_heads, linear_key_head_dim=config.linear_key_head_dim,
-            linear_value_head_dim=config.linear_value_head_dim, linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-            swiglu=bool(config.gated_linear_unit), mtp_num_layers=mtp_num_layers, **adapters,
+            kv_channels=config.kv_channels,
+            attention_output_gate=bool(config.attention_output_gate),
+            linear_attention_freq=config.linear_attention_freq,
+            linear_num_key_heads=config.linear_num_key_heads,
+            linear_num_value_heads=config.linear_num_value_heads,
+            linear_key_head_dim=config.linear_key_head_dim,
+            linear_value_head_dim=config.linear_value_head_dim,
+            linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+            swiglu=bool(config.gated_linear_unit),
+            mtp_num_layers=mtp_num_layers,
+            **adapters,
         )
 
     @property
@@ -99,12 +110,20 @@ class ModelShape:
         hv = self.linear_num_value_heads
         gdn, attn, layers = self.num_gdn_layers, self.num_attention_layers, self.num_layers
         table = {
-            "in_proj_qkv": (h, 2 * qk + v, gdn, True), "in_proj_z": (h, v, gdn, True),
-            "in_proj_b": (h, hv, gdn, True), "in_proj_a": (h, hv, gdn, True), "out_proj": (v, h, gdn, False),
-            "q_proj": (h, 2 * q if self.attention_output_gate else q, attn, True), "k_proj": (h, kv, attn, True),
-            "v_proj": (h, kv, attn, True), "o_proj": (q, h, attn, False),
-            "gate_proj": (h, ffn, layers, True), "up_proj": (h, ffn, layers, True), "down_proj": (ffn, h, layers, False),
-            "embed_tokens": (vocab, h, 1, False), "lm_head": (h, vocab, 1, True),
+            "in_proj_qkv": (h, 2 * qk + v, gdn, True),
+            "in_proj_z": (h, v, gdn, True),
+            "in_proj_b": (h, hv, gdn, True),
+            "in_proj_a": (h, hv, gdn, True),
+            "out_proj": (v, h, gdn, False),
+            "q_proj": (h, 2 * q if self.attention_output_gate else q, attn, True),
+            "k_proj": (h, kv, attn, True),
+            "v_proj": (h, kv, attn, True),
+            "o_proj": (q, h, attn, False),
+            "gate_proj": (h, ffn, layers, True),
+            "up_proj": (h, ffn, layers, True),
+            "down_proj": (ffn, h, layers, False),
+            "embed_tokens": (vocab, h, 1, False),
+            "lm_head": (h, vocab, 1, True),
         }
         return {m: table[m] for m in self.lora_modules} if self.lora_rank else {}
 
@@ -125,23 +144,40 @@ class FlopsBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.mlp + self.gdn_projections + self.gdn_conv + self.gdn_core + self.attention_projections
-                + self.attention_core + self.logits + self.mtp + self.lora_adapters)
+        return (
+            self.mlp
+            + self.gdn_projections
+            + self.gdn_conv
+            + self.gdn_core
+            + self.attention_projections
+            + self.attention_core
+            + self.logits
+            + self.mtp
+            + self.lora_adapters
+        )
 
 
-def megatron_flops_breakdown(shape: ModelShape, num_tokens: float, seqlen_squared_sum: float) -> FlopsBreakdown:
+def megatron_flops_breakdown(
+    shape: ModelShape, num_tokens: float, seqlen_squared_sum: float
+) -> FlopsBreakdown:
     """Megatron-Core's accounting of one step, by part (``num_tokens``: real tokens Σ L_i); with
     LoRA, the work done (module docstring)."""
     full = _full_breakdown(shape, num_tokens, seqlen_squared_sum)
     if not shape.lora_rank:
         return full
     frozen = _FROZEN_PASSES / _FWD_BWD
-    adapters = sum(count * shape.lora_rank * ((0 if name == "embed_tokens" else inp) + out)
-                   for name, (inp, out, count, _) in shape.lora_adapter_shapes().items())
+    adapters = sum(
+        count * shape.lora_rank * ((0 if name == "embed_tokens" else inp) + out)
+        for name, (inp, out, count, _) in shape.lora_adapter_shapes().items()
+    )
     return FlopsBreakdown(
-        mlp=full.mlp * frozen, gdn_projections=full.gdn_projections * frozen, gdn_conv=full.gdn_conv * frozen,
-        gdn_core=full.gdn_core, attention_projections=full.attention_projections * frozen,
-        attention_core=full.attention_core, logits=full.logits * frozen,
+        mlp=full.mlp * frozen,
+        gdn_projections=full.gdn_projections * frozen,
+        gdn_conv=full.gdn_conv * frozen,
+        gdn_core=full.gdn_core,
+        attention_projections=full.attention_projections * frozen,
+        attention_core=full.attention_core,
+        logits=full.logits * frozen,
         lora_adapters=_FWD_BWD * _FMA * num_tokens * adapters,
     )
 
@@ -162,8 +198,10 @@ def _full_breakdown(shape: ModelShape, num_tokens: float, seqlen_squared_sum: fl
     mtp_per_token = mlp_per_token + attention_per_token + 2 * h * h + 3 * h + h * shape.vocab_size
     return FlopsBreakdown(
         mlp=k * num_tokens * mlp_per_token * shape.num_layers,
-        gdn_projections=k * num_tokens * n_gdn * (h * (2 * qk_dim + 2 * v_dim + 2 * shape.linear_num_value_heads)
-                                                  + h * v_dim),
+        gdn_projections=k
+        * num_tokens
+        * n_gdn
+        * (h * (2 * qk_dim + 2 * v_dim + 2 * shape.linear_num_value_heads) + h * v_dim),
         gdn_conv=k * num_tokens * n_gdn * shape.linear_conv_kernel_dim * (2 * qk_dim + v_dim),
         gdn_core=k * num_tokens * n_gdn * shape.linear_num_value_heads * shape.linear_value_head_dim**2 * 4,
         attention_projections=k * num_tokens * n_attn * attention_per_token,

@@ -47,8 +47,11 @@ def parameters_without_gradient(model: torch.nn.Module, device: torch.device) ->
     Under Megatron-Core's distributed optimizer the reduce-scatter writes each rank's shard in
     place and leaves the rest of the buffer as this rank accumulated it, so "non-zero somewhere on
     some rank" holds for every parameter that got a gradient anywhere."""
-    checked = [(name, p) for name, p in model.named_parameters()
-               if p.requires_grad and not getattr(p, STARTS_WITHOUT_GRADIENT, False)]
+    checked = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and not getattr(p, STARTS_WITHOUT_GRADIENT, False)
+    ]
     if not checked:
         return []
     flags = torch.stack([_nonzero(_gradient(p), device) for _, p in checked]).to(torch.int32)
@@ -66,4 +69,9 @@ def warn_parameters_without_gradient(names: list[str], step: int) -> None:
     logger.warning(
         "step %d: %d trainable parameters got no gradient on any rank, so they do not train: %s%s. "
         "A tensor detached on the way to them, a recompute whose inputs need no gradient, or a loss "
-        "term that does not reach them does this.", step, len(names), ", ".join(names[:NAMED]), more)
+        "term that does not reach them does this.",
+        step,
+        len(names),
+        ", ".join(names[:NAMED]),
+        more,
+    )

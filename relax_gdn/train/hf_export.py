@@ -55,8 +55,9 @@ class HFExportSpec:
     dtype: torch.dtype | None = None  # text layout: the dtype written (None: the model's); drop-in: unused
 
 
-def export_spec(manifest: dict, *, like: Path | None | str = "recorded", dtype: torch.dtype | None = None
-                ) -> HFExportSpec:
+def export_spec(
+    manifest: dict, *, like: Path | None | str = "recorded", dtype: torch.dtype | None = None
+) -> HFExportSpec:
     """The export of the run a checkpoint manifest (or a run's ``manifest_base``) describes:
     ``like="recorded"`` keeps the layout of the checkpoint the run started from (the manifest's
     ``model.hf_checkpoint``), a path another checkpoint's, None the text layout."""
@@ -68,7 +69,10 @@ def export_spec(manifest: dict, *, like: Path | None | str = "recorded", dtype: 
         vocab_size=model["vocab_size"],
         # a run started from a checkpoint has its vocabulary, unpadded: nothing to trim
         tokenizer_vocab_size=None if source else (manifest.get("tokenizer") or {}).get("vocab_size"),
-        tokenizer=manifest["config"]["data"]["tokenizer"], like=like, dtype=dtype)
+        tokenizer=manifest["config"]["data"]["tokenizer"],
+        like=like,
+        dtype=dtype,
+    )
 
 
 def local_tokenizer_dir(tokenizer_key: str | None) -> str | None:
@@ -78,8 +82,15 @@ def local_tokenizer_dir(tokenizer_key: str | None) -> str | None:
     return None
 
 
-def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainParams | None = None,
-                    unchanged: Collection[str] = (), writer: bool | None = None) -> ExportReport | None:
+def write_hf_export(
+    model,
+    out: Path,
+    spec: HFExportSpec,
+    *,
+    main_params: MainParams | None = None,
+    unchanged: Collection[str] = (),
+    writer: bool | None = None,
+) -> ExportReport | None:
     """Write the export (module docstring): a collective over the model's TP group, ``writer``
     (default: global rank 0) writes and gets the report (None elsewhere). ``main_params``: the fp32
     main parameters of a bf16 run, for the tensors written in float32; ``unchanged``: the HF tensors
@@ -87,13 +98,21 @@ def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainPa
     tokenizer_dir = local_tokenizer_dir(spec.tokenizer)
     if spec.like is not None:
         same_tokenizer = tokenizer_dir is not None and Path(tokenizer_dir).resolve() == spec.like.resolve()
-        report = save_drop_in_checkpoint(model, out, spec.like, main_params=main_params, writer=writer,
-                                         keep_source_tokenizer=same_tokenizer, unchanged=unchanged)
+        report = save_drop_in_checkpoint(
+            model,
+            out,
+            spec.like,
+            main_params=main_params,
+            writer=writer,
+            keep_source_tokenizer=same_tokenizer,
+            unchanged=unchanged,
+        )
     else:
         same_tokenizer = False
         vocab = min(spec.tokenizer_vocab_size or spec.vocab_size, spec.vocab_size)
-        report = save_hf_checkpoint(model, out, vocab_size=vocab, dtype=spec.dtype, main_params=main_params,
-                                    writer=writer)
+        report = save_hf_checkpoint(
+            model, out, vocab_size=vocab, dtype=spec.dtype, main_params=main_params, writer=writer
+        )
     if report is None:  # not the writer
         return None
     if not same_tokenizer:
@@ -106,8 +125,9 @@ def write_hf_export(model, out: Path, spec: HFExportSpec, *, main_params: MainPa
     return report
 
 
-def write_merged_lora_export(model, out: Path, spec: HFExportSpec, writer: bool | None = None
-                             ) -> ExportReport | None:
+def write_merged_lora_export(
+    model, out: Path, spec: HFExportSpec, writer: bool | None = None
+) -> ExportReport | None:
     """A LoRA run's model with its adapters merged (``W + scaling · B·A``) as the export of
     :func:`write_hf_export`: in a drop-in export the tensors no adapter changed are copied from the
     source bit for bit. Takes the adapters out of ``model`` (a collective like the export)."""
@@ -121,15 +141,19 @@ def write_merged_lora_export(model, out: Path, spec: HFExportSpec, writer: bool 
     return write_hf_export(model, out, spec, unchanged=unchanged, writer=writer)
 
 
-def write_adapter_export(model, out: Path, spec: HFExportSpec, dropout: float = 0.0, writer: bool | None = None):
+def write_adapter_export(
+    model, out: Path, spec: HFExportSpec, dropout: float = 0.0, writer: bool | None = None
+):
     """A LoRA run's adapters as a PEFT adapter directory for the Hugging Face base the run started
     from (``spec.like``); a collective over the model's TP groups, the report on global rank 0."""
     from relax_gdn.model.hf_checkpoint.peft import save_peft_adapter
 
     if spec.like is None:
-        raise RecipeError("the run's base is the preset's seeded initialisation (no model.hf_checkpoint), which no "
-                          "Hugging Face model holds, so a PEFT adapter has nothing to load onto: export the merged "
-                          "model instead (without --adapter)")
+        raise RecipeError(
+            "the run's base is the preset's seeded initialisation (no model.hf_checkpoint), which no "
+            "Hugging Face model holds, so a PEFT adapter has nothing to load onto: export the merged "
+            "model instead (without --adapter)"
+        )
     return save_peft_adapter(model, out, spec.like, dropout=dropout, writer=writer)
 
 
@@ -142,8 +166,12 @@ def write_run_export(model, out: Path, spec: HFExportSpec, *, lora, main_params:
         _log_export(_written_whole(out, lambda d: write_hf_export(model, d, spec, main_params=main_params)))
         return
     if spec.like is not None:  # the adapters for the HF base, then (which takes them out) merged
-        _log_export(_written_whole(out.with_name("hf_adapter"),
-                                   lambda d: write_adapter_export(model, d, spec, dropout=lora.dropout)))
+        _log_export(
+            _written_whole(
+                out.with_name("hf_adapter"),
+                lambda d: write_adapter_export(model, d, spec, dropout=lora.dropout),
+            )
+        )
     _log_export(_written_whole(out, lambda d: write_merged_lora_export(model, d, spec)))
 
 
@@ -173,8 +201,10 @@ def _write_tokenizer(out: Path, tokenizer: str | None) -> tuple[bool, str]:
         ByteChatTokenizer().save_pretrained(out)
         return True, "tokenizer: the embedded byte tokenizer the run trained with, as a Hugging Face one"
     if local_tokenizer_dir(tokenizer) is None:  # a relative path, exported from another directory
-        return False, (f"tokenizer: NOT written: data.tokenizer={tokenizer} is not a directory from here; "
-                       f"copy its tokenizer files into {out}")
+        return False, (
+            f"tokenizer: NOT written: data.tokenizer={tokenizer} is not a directory from here; "
+            f"copy its tokenizer files into {out}"
+        )
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(out)

@@ -26,8 +26,12 @@ def run_tags(cfg) -> list[str]:
     """Tags that say what a run compares: mode, route, CP, TP, model, recompute (+ the user's)."""
     p = cfg.parallel
     tags = [
-        f"mode:{cfg.gdn.cp_mode}", f"route:{cfg.gdn.route}", f"cp:{p.cp}", f"tp:{p.tp}",
-        f"model:{cfg.model.preset}", f"recompute:{cfg.recompute.granularity}",
+        f"mode:{cfg.gdn.cp_mode}",
+        f"route:{cfg.gdn.route}",
+        f"cp:{p.cp}",
+        f"tp:{p.tp}",
+        f"model:{cfg.model.preset}",
+        f"recompute:{cfg.recompute.granularity}",
         f"max_tokens_per_gpu:{cfg.train.max_tokens_per_gpu}",
     ]
     if p.sp:
@@ -61,8 +65,12 @@ def where_and_when() -> dict[str, Any]:
     """When a step ended and on what machine, how busy (the fields of :data:`MACHINE_FIELDS`): what
     ``relax_gdn.compare`` needs to tell runs that shared a machine, at once or one after another
     on a loaded one, whose tok/s then measure the machine as much as the code."""
-    return {"time": time.time(), "host": socket.gethostname(), "cpus": os.cpu_count(),
-            "load_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "time": time.time(),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 MACHINE_FIELDS = ("time", "host", "cpus", "load_1m")
@@ -103,21 +111,33 @@ class WandbLogger:
 
             self.run = wandb.init(
                 settings=wandb.Settings(silent=True) if self._one_line else None,
-                project=w.project, entity=w.entity, group=w.group or f"{cfg.model.preset}",
-                name=w.name or default_run_name(cfg), job_type=w.job_type, tags=run_tags(cfg), config=config_dict,
+                project=w.project,
+                entity=w.entity,
+                group=w.group or f"{cfg.model.preset}",
+                name=w.name or default_run_name(cfg),
+                job_type=w.job_type,
+                tags=run_tags(cfg),
+                config=config_dict,
                 mode=w.mode,
-                dir=os.environ.get("WANDB_DIR") or str(run_dir), reinit="finish_previous",
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
+                reinit="finish_previous",
                 # a resumed run continues the W&B run its checkpoint names
-                id=run_id, resume="allow" if run_id else None,
+                id=run_id,
+                resume="allow" if run_id else None,
             )
         except Exception as e:  # noqa: BLE001 - any W&B problem must not stop training
             self._fail("init", e)
 
     def _fail(self, what: str, error: Exception) -> None:
         if not self._failed:
-            warnings.warn(f"W&B {what} failed ({type(error).__name__}: {error}); continuing without W&B",
-                          RuntimeWarning, stacklevel=3)
-            logger.warning("W&B %s failed (%s: %s); continuing without W&B", what, type(error).__name__, error)
+            warnings.warn(
+                f"W&B {what} failed ({type(error).__name__}: {error}); continuing without W&B",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            logger.warning(
+                "W&B %s failed (%s: %s); continuing without W&B", what, type(error).__name__, error
+            )
         self._failed = True
         self.run = None
 
@@ -135,8 +155,14 @@ class WandbLogger:
         self._records.append(record)
         try:
             # evaluation fields keep their own namespace (``eval/loss``); the rest is ``train/<field>``
-            self.run.log({(k if k.startswith("eval/") else f"train/{k}"): v for k, v in record.items()
-                          if k != "step" and v is not None}, step=record["step"])
+            self.run.log(
+                {
+                    (k if k.startswith("eval/") else f"train/{k}"): v
+                    for k, v in record.items()
+                    if k != "step" and v is not None
+                },
+                step=record["step"],
+            )
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
@@ -165,8 +191,17 @@ class RunLoggers:
         self.sinks = sinks
 
     @classmethod
-    def create(cls, cfg, run_dir: Path | None, *, is_rank0: bool, config_dict: dict[str, Any],
-               append: bool = False, start_step: int = 0, wandb_run_id: str | None = None) -> "RunLoggers":
+    def create(
+        cls,
+        cfg,
+        run_dir: Path | None,
+        *,
+        is_rank0: bool,
+        config_dict: dict[str, Any],
+        append: bool = False,
+        start_step: int = 0,
+        wandb_run_id: str | None = None,
+    ) -> RunLoggers:
         if not is_rank0:
             return cls([])
         sinks: list = []
@@ -175,7 +210,9 @@ class RunLoggers:
         if cfg.logging.jsonl and run_dir is not None:
             sinks.append(JsonlLogger(Path(run_dir) / "metrics.jsonl", append=append))
         if cfg.logging.wandb.mode != "disabled":
-            sinks.append(WandbLogger(cfg, Path(run_dir) if run_dir else Path.cwd(), config_dict, wandb_run_id))
+            sinks.append(
+                WandbLogger(cfg, Path(run_dir) if run_dir else Path.cwd(), config_dict, wandb_run_id)
+            )
         return cls(sinks)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -194,20 +231,47 @@ class RunLoggers:
             sink.close()
 
 
-def start_run_loggers(cfg, run_dir: Path | None, *, dims, device, bf16: bool, vocab_size: int, dataset,
-                      is_rank0: bool, start_step: int, append: bool, wandb_run_id: str | None) -> RunLoggers:
+def start_run_loggers(
+    cfg,
+    run_dir: Path | None,
+    *,
+    dims,
+    device,
+    bf16: bool,
+    vocab_size: int,
+    dataset,
+    is_rank0: bool,
+    start_step: int,
+    append: bool,
+    wandb_run_id: str | None,
+) -> RunLoggers:
     """A run's loggers (console, JSONL, W&B; rank 0), after rank 0 wrote ``config.yaml`` into
     ``run_dir``; what the run decided beyond its config (``dims``, ``device``, ``bf16``, the
     vocabulary, the data's size and skips) is logged with it as ``derived``. ``append``: a resumed
     run continues its metrics and W&B run (``wandb_run_id``)."""
     from relax_gdn.config.hydra_io import save_run_config
 
-    derived = {"world_size": dims.world_size, "dp": dims.dp, "device": str(device), "bf16": bf16,
-               "vocab_size": vocab_size, "run_name": default_run_name(cfg), "tags": run_tags(cfg),
-               "num_samples": len(dataset), "data_skips": dataset.counts.as_dict()}
+    derived = {
+        "world_size": dims.world_size,
+        "dp": dims.dp,
+        "device": str(device),
+        "bf16": bf16,
+        "vocab_size": vocab_size,
+        "run_name": default_run_name(cfg),
+        "tags": run_tags(cfg),
+        "num_samples": len(dataset),
+        "data_skips": dataset.counts.as_dict(),
+    }
     if is_rank0 and run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, run_dir)
     config_dict = {**cfg.to_dict(), "derived": derived}
-    return RunLoggers.create(cfg, run_dir, is_rank0=is_rank0, config_dict=config_dict, start_step=start_step,
-                             append=append, wandb_run_id=wandb_run_id)
+    return RunLoggers.create(
+        cfg,
+        run_dir,
+        is_rank0=is_rank0,
+        config_dict=config_dict,
+        start_step=start_step,
+        append=append,
+        wandb_run_id=wandb_run_id,
+    )

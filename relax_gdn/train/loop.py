@@ -81,9 +81,7 @@ class Trainer:
         ``(tokenizer, SFTDataset)`` pair instead of what ``cfg.data`` names; ``on_continue``: rank 0
         calls it with the run directory a resumed run continues, when that is not ``run_dir``."""
         self.cfg, self.run_dir, self.dims, self.device, self.bf16 = cfg, run_dir, dims, device, bf16
-        self.runtime = runtime
-        self._given_data = data
-        self.on_continue = on_continue
+        self.runtime, self._given_data, self.on_continue = runtime, data, on_continue
         # what close() releases, set as setup() gets to it
         self.created_group = False
         self.loggers: RunLoggers | None = None
@@ -97,8 +95,10 @@ class Trainer:
         groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoints,
         resume and the run directory, loggers, the step (planner, metrics), evaluator, watchdog."""
         cfg = self.cfg
-        self.stop = StopRequest(self.runtime, rank=launcher_rank(), checkpoints=checkpoint_root(cfg, self.run_dir),
-                                resume=cfg.checkpoint.resume)
+        root = checkpoint_root(cfg, self.run_dir)  # what a stop saves into, for its messages
+        self.stop = StopRequest(
+            self.runtime, rank=launcher_rank(), checkpoints=root, resume=cfg.checkpoint.resume
+        )
         self.parallel, self.created_group = start_process_groups(cfg, self.dims, self.device, self.runtime)
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0

@@ -21,8 +21,14 @@ def summed_token_loss(model, mb) -> torch.Tensor:
     Summed, not averaged: the caller divides by the loss tokens of the whole global batch (or
     eval set) so that every loss token counts once across micro-batches, CP and DP ranks."""
     # given the mask, the model sums (the fused loss then forms its gradients in one pass)
-    return model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
-                 packed_seq_params=mb.packed_seq_params)
+    return model(
+        mb.tokens,
+        mb.position_ids,
+        None,
+        labels=mb.labels,
+        loss_mask=mb.loss_mask,
+        packed_seq_params=mb.packed_seq_params,
+    )
 
 
 def summed_token_losses(model, mb) -> torch.Tensor:
@@ -31,13 +37,22 @@ def summed_token_losses(model, mb) -> torch.Tensor:
     layer's input at each position is the next token of its document: ``mb.labels``."""
     if mb.mtp_labels is None:
         return summed_token_loss(model, mb).reshape(1)
-    return model(mb.tokens, mb.position_ids, None, labels=mb.labels, loss_mask=mb.loss_mask,
-                 packed_seq_params=mb.packed_seq_params, mtp_input_ids=mb.labels, mtp_labels=mb.mtp_labels,
-                 mtp_loss_mask=mb.mtp_loss_mask)
+    return model(
+        mb.tokens,
+        mb.position_ids,
+        None,
+        labels=mb.labels,
+        loss_mask=mb.loss_mask,
+        packed_seq_params=mb.packed_seq_params,
+        mtp_input_ids=mb.labels,
+        mtp_labels=mb.mtp_labels,
+        mtp_loss_mask=mb.mtp_loss_mask,
+    )
 
 
-def training_objective(sums: torch.Tensor, loss_tokens: int, mtp_loss_tokens: int, mtp_loss_weight: float
-                       ) -> torch.Tensor:
+def training_objective(
+    sums: torch.Tensor, loss_tokens: int, mtp_loss_tokens: int, mtp_loss_weight: float
+) -> torch.Tensor:
     """This micro-batch's share of the step's objective (module docstring) from its
     :func:`summed_token_losses`: every loss token of the global batch (``loss_tokens``, and
     ``mtp_loss_tokens`` for the MTP loss) counts once across micro-batches, CP and DP ranks."""

@@ -100,17 +100,27 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.workspace
-                + self.fp8)
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.workspace
+            + self.fp8
+        )
 
     def as_gib(self) -> dict[str, float]:
         return {k: round(v / GIB, 2) for k, v in {**asdict(self), "total": self.total}.items()}
 
     def summary(self) -> str:
         g = self.as_gib()
-        return (f"weights {g['weights']:.1f} + grads {g['gradients']:.1f} + optimizer {g['optimizer']:.1f} + "
-                f"activations {g['activations']:.1f} + logits {g['logits']:.1f} + workspace {g['workspace']:.1f} "
-                + (f"+ FP8 casts {g['fp8']:.1f} " if self.fp8 else "") + f"= {g['total']:.1f} GiB per GPU")
+        return (
+            f"weights {g['weights']:.1f} + grads {g['gradients']:.1f} + optimizer {g['optimizer']:.1f} + "
+            f"activations {g['activations']:.1f} + logits {g['logits']:.1f} + workspace {g['workspace']:.1f} "
+            + (f"+ FP8 casts {g['fp8']:.1f} " if self.fp8 else "")
+            + f"= {g['total']:.1f} GiB per GPU"
+        )
 
 
 def parameter_count(shape: ModelShape) -> int:
@@ -124,13 +134,23 @@ def parameter_count(shape: ModelShape) -> int:
     hv = shape.linear_num_value_heads
     mlp = h * ffn * (3 if shape.swiglu else 2)
     norms = 2 * h
-    gdn = (h * (2 * qk + 2 * v + 2 * hv) + (2 * qk + v) * shape.linear_conv_kernel_dim + 2 * hv
-           + shape.linear_value_head_dim + v * h)
+    gdn = (
+        h * (2 * qk + 2 * v + 2 * hv)
+        + (2 * qk + v) * shape.linear_conv_kernel_dim
+        + 2 * hv
+        + shape.linear_value_head_dim
+        + v * h
+    )
     attention = h * (q + gate + 2 * kv) + q * h + 2 * shape.kv_channels
     per_layer = mlp + norms
     mtp = per_layer + attention + 2 * h * h + 3 * h  # an attention layer, eh_proj, its three norms
-    return (2 * shape.vocab_size * h + h + shape.num_gdn_layers * (per_layer + gdn)
-            + shape.num_attention_layers * (per_layer + attention) + shape.mtp_num_layers * mtp)
+    return (
+        2 * shape.vocab_size * h
+        + h
+        + shape.num_gdn_layers * (per_layer + gdn)
+        + shape.num_attention_layers * (per_layer + attention)
+        + shape.mtp_num_layers * mtp
+    )
 
 
 def fp8_linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
@@ -143,9 +163,18 @@ def fp8_linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     qk = shape.linear_key_head_dim * shape.linear_num_key_heads
     v = shape.linear_value_head_dim * shape.linear_num_value_heads
     attention = shape.num_attention_layers + shape.mtp_num_layers
-    mlp = [(h, 2 * ffn, shape.num_layers + shape.mtp_num_layers), (ffn, h, shape.num_layers + shape.mtp_num_layers)]
-    return [(h, 2 * qk + 2 * v, shape.num_gdn_layers), (v, h, shape.num_gdn_layers),
-            (h, q + gate + 2 * kv, attention), (q, h, attention), (2 * h, h, shape.mtp_num_layers), *mlp]
+    mlp = [
+        (h, 2 * ffn, shape.num_layers + shape.mtp_num_layers),
+        (ffn, h, shape.num_layers + shape.mtp_num_layers),
+    ]
+    return [
+        (h, 2 * qk + 2 * v, shape.num_gdn_layers),
+        (v, h, shape.num_gdn_layers),
+        (h, q + gate + 2 * kv, attention),
+        (q, h, attention),
+        (2 * h, h, shape.mtp_num_layers),
+        *mlp,
+    ]
 
 
 def _fp8_bytes(shape: ModelShape, recipe: str, tokens: float, tp: int) -> float:
@@ -154,7 +183,9 @@ def _fp8_bytes(shape: ModelShape, recipe: str, tokens: float, tp: int) -> float:
     linears = [(i, o) for i, o, n in fp8_linear_shapes(shape) if n]
     widest = max(i + o for i, o in linears) / tp
     largest = max(i * o for i, o in linears) / tp
-    transient = tokens * widest * 2 + largest * (2 + 2)  # operands + transposed copies; weight casts, bf16 wgrad
+    transient = tokens * widest * 2 + largest * (
+        2 + 2
+    )  # operands + transposed copies; weight casts, bf16 wgrad
     if not shape.lora_rank:
         return transient
     per_weight = 1 if recipe == "tensorwise" else 2
@@ -166,12 +197,17 @@ def lora_parameter_count(shape: ModelShape, tp: int = 1) -> float:
     replicated and its ``B [out, r]`` split over TP, a row-parallel layer's (and the embedding's)
     the other way round (relax_gdn.model.lora)."""
     r = shape.lora_rank
-    return sum(count * r * (inp + out / tp if column else inp / tp + out)
-               for inp, out, count, column in shape.lora_adapter_shapes().values())
+    return sum(
+        count * r * (inp + out / tp if column else inp / tp + out)
+        for inp, out, count, column in shape.lora_adapter_shapes().values()
+    )
 
 
-def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int) -> float:
+def _activation_bytes_per_token(
+    shape: ModelShape, recompute: str, fused_norms: bool, full_layers: int
+) -> float:
     """Peak bytes kept for backward per local token, all layers (see the module docstring)."""
+
     def kept(granularity: str, layers: range) -> float:
         gdn_bytes, attn_bytes = ACTIVATION_BYTES_PER_TOKEN[(granularity, fused_norms)]
         return sum(attn_bytes if (i + 1) % shape.linear_attention_freq == 0 else gdn_bytes for i in layers)
@@ -191,10 +227,22 @@ def _activation_bytes_per_token(shape: ModelShape, recompute: str, fused_norms: 
     return (peak + shape.mtp_num_layers * mtp) * shape.hidden_size / 4096
 
 
-def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: int = 1, dp: int = 1,
-                    sequence_parallel: bool = False, bf16: bool = True, recompute: str = "none",
-                    full_layers: int = 0, fused_norms: bool = True, fused_cross_entropy: bool = True,
-                    optimizer: str = "adam", fp8: str | None = None) -> MemoryEstimate:
+def estimate_memory(
+    shape: ModelShape,
+    *,
+    tokens_per_gpu: int,
+    tp: int = 1,
+    cp: int = 1,
+    dp: int = 1,
+    sequence_parallel: bool = False,
+    bf16: bool = True,
+    recompute: str = "none",
+    full_layers: int = 0,
+    fused_norms: bool = True,
+    fused_cross_entropy: bool = True,
+    optimizer: str = "adam",
+    fp8: str | None = None,
+) -> MemoryEstimate:
     """The per-GPU memory of one training step (see the module docstring); ``full_layers``: the
     layers recomputed whole under ``recompute="mixed"``; ``fp8``: the FP8 recipe (None: bf16 GEMMs)."""
     params = parameter_count(shape) / tp
@@ -206,12 +254,20 @@ def estimate_memory(shape: ModelShape, *, tokens_per_gpu: int, tp: int = 1, cp: 
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
     fp8_bytes = _fp8_bytes(shape, fp8, act_tokens * (tp if sequence_parallel else 1), tp) if fp8 else 0.0
-    return MemoryEstimate(weights=weights, gradients=gradients, optimizer=optimizer_bytes, activations=activations,
-                          logits=logits, workspace=WORKSPACE_BYTES, fp8=fp8_bytes)
+    return MemoryEstimate(
+        weights=weights,
+        gradients=gradients,
+        optimizer=optimizer_bytes,
+        activations=activations,
+        logits=logits,
+        workspace=WORKSPACE_BYTES,
+        fp8=fp8_bytes,
+    )
 
 
-def _loss_bytes(shape: ModelShape, tokens_per_gpu: int, tp: int, act_tokens: float, dtype_bytes: int, *,
-                fused: bool) -> float:
+def _loss_bytes(
+    shape: ModelShape, tokens_per_gpu: int, tp: int, act_tokens: float, dtype_bytes: int, *, fused: bool
+) -> float:
     """What the loss holds at the end of forward (see the module docstring)."""
     vocab, hidden = shape.vocab_size / tp, shape.hidden_size
     final_norm = act_tokens * hidden * dtype_bytes * 2  # its input (kept for backward) and output
@@ -258,6 +314,7 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
     with its fewest full layers), else the largest power-of-two ``train.max_tokens_per_gpu`` with
     full recompute, the optimizer state off (benchmarks) and the smallest CP size that shards the
     optimizer state enough; only those whose estimate fits."""
+
     def fits(**change) -> MemoryEstimate | None:
         estimate = estimate_memory(shape, **{**settings, **change})
         return estimate if estimate.total <= capacity_bytes else None
@@ -282,8 +339,12 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
         tokens = settings["tokens_per_gpu"]
         while tokens > 1024 and fits(tokens_per_gpu=tokens, recompute="full") is None:
             tokens //= 2
-        if tokens < settings["tokens_per_gpu"] and (estimate := fits(tokens_per_gpu=tokens, recompute="full")):
-            found.append(Alternative({"train.max_tokens_per_gpu": tokens, "recompute.granularity": "full"}, estimate))
+        if tokens < settings["tokens_per_gpu"] and (
+            estimate := fits(tokens_per_gpu=tokens, recompute="full")
+        ):
+            found.append(
+                Alternative({"train.max_tokens_per_gpu": tokens, "recompute.granularity": "full"}, estimate)
+            )
     if settings.get("optimizer", "adam") != "none" and (estimate := fits(optimizer="none")):
         found.append(Alternative({"optim.name": "none"}, estimate))
     cp = settings.get("cp", 1)
@@ -294,6 +355,17 @@ def settings_that_fit(shape: ModelShape, capacity_bytes: float, **settings) -> l
     return found
 
 
-__all__ = ["ACTIVATION_BYTES_PER_TOKEN", "GIB", "MIXED_HEADROOM", "MTP_FUSION_BYTES_PER_TOKEN", "Alternative",
-           "MemoryEstimate", "estimate_memory", "fewest_full_layers", "fp8_linear_shapes", "lora_parameter_count",
-           "parameter_count", "settings_that_fit"]
+__all__ = [
+    "ACTIVATION_BYTES_PER_TOKEN",
+    "GIB",
+    "MIXED_HEADROOM",
+    "MTP_FUSION_BYTES_PER_TOKEN",
+    "Alternative",
+    "MemoryEstimate",
+    "estimate_memory",
+    "fewest_full_layers",
+    "fp8_linear_shapes",
+    "lora_parameter_count",
+    "parameter_count",
+    "settings_that_fit",
+]

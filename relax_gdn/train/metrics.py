@@ -81,7 +81,7 @@ class HostSyncCounter:
         self.count = 0
         self.locations.clear()
 
-    def __enter__(self) -> "HostSyncCounter":
+    def __enter__(self) -> HostSyncCounter:
         if self.enabled:
             self._catch = warnings.catch_warnings(record=True)
             self._caught = self._catch.__enter__()
@@ -127,7 +127,10 @@ class OptimizerTimer:
     def __init__(self, device: torch.device):
         self._cuda = device.type == "cuda"
         if self._cuda:
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start, self._end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             self._start.record()
         else:
             self._t0 = time.perf_counter()
@@ -156,9 +159,21 @@ class MetricsProcessor:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def record(self, *, step: int, loss: float, grad_norm: float | None, lr: float, seq_lengths: list[int],
-               loss_tokens: int, padded_tokens: int, num_micro_batches: int, epoch: int,
-               step_time_s: float, host_syncs: int | None = None) -> StepRecord:
+    def record(
+        self,
+        *,
+        step: int,
+        loss: float,
+        grad_norm: float | None,
+        lr: float,
+        seq_lengths: list[int],
+        loss_tokens: int,
+        padded_tokens: int,
+        num_micro_batches: int,
+        epoch: int,
+        step_time_s: float,
+        host_syncs: int | None = None,
+    ) -> StepRecord:
         tokens = int(sum(seq_lengths))
         flops, flops_relax = step_flops(self.shape, seq_lengths)
         seconds = max(step_time_s, 1e-9)
@@ -170,9 +185,22 @@ class MetricsProcessor:
         mfu = tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
         mfu_relax = tflops_relax / self.peak_tflops if self.peak_tflops else None
         return StepRecord(
-            step=step, loss=loss, grad_norm=grad_norm,  # a non-finite norm stays: the step is marked by it
-            lr=lr, tokens=tokens, tokens_per_s=tokens / seconds, mfu=mfu, mfu_relax=mfu_relax,
-            tflops_per_gpu=tflops_per_gpu, step_time_s=step_time_s, loss_tokens=loss_tokens,
-            padded_tokens=padded_tokens, num_micro_batches=num_micro_batches, num_samples=len(seq_lengths),
-            epoch=epoch, peak_mem_gb=peak_mem, host_syncs=host_syncs, world_size=self.world_size,
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,  # a non-finite norm stays: the step is marked by it
+            lr=lr,
+            tokens=tokens,
+            tokens_per_s=tokens / seconds,
+            mfu=mfu,
+            mfu_relax=mfu_relax,
+            tflops_per_gpu=tflops_per_gpu,
+            step_time_s=step_time_s,
+            loss_tokens=loss_tokens,
+            padded_tokens=padded_tokens,
+            num_micro_batches=num_micro_batches,
+            num_samples=len(seq_lengths),
+            epoch=epoch,
+            peak_mem_gb=peak_mem,
+            host_syncs=host_syncs,
+            world_size=self.world_size,
         )

@@ -42,15 +42,23 @@ class StepPlan:
 class MicroBatchPlanner:
     """Plans and builds this rank's micro-batches under the run's parallel layout."""
 
-    def __init__(self, parallel: ParallelContext, *, max_tokens_per_gpu: int, device: torch.device, pad_id: int,
-                 route_strategy: str, mtp: bool = False):
+    def __init__(
+        self,
+        parallel: ParallelContext,
+        *,
+        max_tokens_per_gpu: int,
+        device: torch.device,
+        pad_id: int,
+        route_strategy: str,
+        mtp: bool = False,
+    ):
         """Args:
-            parallel: the run's process groups (DP / CP ranks, dynamic-CP sub-groups).
-            max_tokens_per_gpu: packed tokens per micro-batch per rank (``train.max_tokens_per_gpu``).
-            device: where the micro-batch tensors go.
-            pad_id: the tokenizer's padding id.
-            route_strategy: when zigzag<->contiguous routes are built (``gdn.route``).
-            mtp: the micro-batches carry the multi-token-prediction targets (``model.mtp.num_layers``).
+        parallel: the run's process groups (DP / CP ranks, dynamic-CP sub-groups).
+        max_tokens_per_gpu: packed tokens per micro-batch per rank (``train.max_tokens_per_gpu``).
+        device: where the micro-batch tensors go.
+        pad_id: the tokenizer's padding id.
+        route_strategy: when zigzag<->contiguous routes are built (``gdn.route``).
+        mtp: the micro-batches carry the multi-token-prediction targets (``model.mtp.num_layers``).
         """
         self.parallel = parallel
         self.max_tokens_per_gpu = max_tokens_per_gpu
@@ -62,20 +70,30 @@ class MicroBatchPlanner:
     def plan(self, batch: list[Sample]) -> StepPlan:
         """This rank's micro-batches of the global batch ``batch``."""
         p = self.parallel
-        plan = plan_micro_batches(batch, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_size=p.cp, dp_size=p.dp)
+        plan = plan_micro_batches(
+            batch, max_tokens_per_gpu=self.max_tokens_per_gpu, cp_size=p.cp, dp_size=p.dp
+        )
         if p.dynamic_groups is not None:
-            mine, padded_tokens, counts = dynamic_cp_micro_batches(plan, p.dp_rank, p.cp_rank, p.dynamic_groups,
-                                                                   self.max_tokens_per_gpu)
+            mine, padded_tokens, counts = dynamic_cp_micro_batches(
+                plan, p.dp_rank, p.cp_rank, p.dynamic_groups, self.max_tokens_per_gpu
+            )
             return StepPlan([PlannedMicroBatch(*planned) for planned in mine], padded_tokens, counts)
         mine = [PlannedMicroBatch(samples, p.cp, p.cp_rank, p.cp_group) for samples in plan[p.dp_rank]]
         return StepPlan(mine, sum(padded_length(len(s), p.cp) for s in batch), None)
 
     def build(self, planned: PlannedMicroBatch) -> MicroBatch:
         """The micro-batch's tensors on the device (this rank's zigzag shard)."""
-        return make_micro_batch(planned.samples, cp_size=planned.cp_size, cp_rank=planned.cp_rank,
-                                device=self.device, pad_id=self.pad_id, route_strategy=self.route_strategy,
-                                cp_group=planned.cp_group, carries_cp_group=self.parallel.dynamic_groups is not None,
-                                mtp=self.mtp)
+        return make_micro_batch(
+            planned.samples,
+            cp_size=planned.cp_size,
+            cp_rank=planned.cp_rank,
+            device=self.device,
+            pad_id=self.pad_id,
+            route_strategy=self.route_strategy,
+            cp_group=planned.cp_group,
+            carries_cp_group=self.parallel.dynamic_groups is not None,
+            mtp=self.mtp,
+        )
 
     def micro_batches(self, samples: list[Sample]) -> Iterator[MicroBatch]:
         """This rank's built micro-batches of ``samples``, packed as a training global batch."""

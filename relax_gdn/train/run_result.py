@@ -40,7 +40,9 @@ class TrainResult:
     params_without_gradient: list[str] = field(default_factory=list)
     # per checkpoint saved: (step, seconds the loop was blocked, seconds until it was complete)
     save_timings: list[tuple[int, float, float]] = field(default_factory=list)
-    fp8: str | None = None  # which linear layers ran their GEMMs in FP8 (relax_gdn.model.fp8.plan), with model.fp8
+    fp8: str | None = (
+        None  # which linear layers ran their GEMMs in FP8 (relax_gdn.model.fp8.plan), with model.fp8
+    )
 
 
 def how_to_continue(cfg: RunConfig, checkpoint: Path | None) -> str:

@@ -63,8 +63,11 @@ class StopRequest:
         if self._launched:
             handlers[AT_ONCE_SIGNAL] = self._on_at_once
         # run as the signal arrives: a stop at once must not wait for a main thread inside a collective
-        self._installed = [signum for signum, handler in handlers.items()
-                           if runtime.handle_signal(signum, handler, on_arrival=True)]
+        self._installed = [
+            signum
+            for signum, handler in handlers.items()
+            if runtime.handle_signal(signum, handler, on_arrival=True)
+        ]
 
     @property
     def exit_code(self) -> int:
@@ -79,16 +82,23 @@ class StopRequest:
         now = time.monotonic()
         if self._first_sigint is None:
             self._first_sigint, self.interrupted = now, True
-            then = (", then saving a checkpoint" if self.checkpoints is not None
-                    else " (nothing is saved: no checkpoint directory)")
-            self._say(f"Ctrl-C: stopping after the step in progress{then}; Ctrl-C again stops at once "
-                      "without saving it")
+            then = (
+                ", then saving a checkpoint"
+                if self.checkpoints is not None
+                else " (nothing is saved: no checkpoint directory)"
+            )
+            self._say(
+                f"Ctrl-C: stopping after the step in progress{then}; Ctrl-C again stops at once "
+                "without saving it"
+            )
         elif not self._launched and now - self._first_sigint > self._echo_s:
             self._on_at_once(signum, frame)
 
     def _on_at_once(self, signum, frame) -> None:
-        self._say(f"second Ctrl-C: stopped at once {self._where()}; "
-                  + saved_state(self.checkpoints, self.step, self.resume))
+        self._say(
+            f"second Ctrl-C: stopped at once {self._where()}; "
+            + saved_state(self.checkpoints, self.step, self.resume)
+        )
         record_exit_code(INTERRUPTED_EXIT_CODE)
         os._exit(INTERRUPTED_EXIT_CODE)  # at once: no teardown that could wait on the other ranks
 
@@ -118,14 +128,19 @@ def saved_state(checkpoints: Path | None, step: int | None, resume: str | None) 
     if latest is None:
         saved = "saved: no checkpoint, nothing to continue from"
     else:
-        again = ("the same command continues from it" if resume == "auto"
-                 else f"checkpoint.resume={latest} continues from it")
+        again = (
+            "the same command continues from it"
+            if resume == "auto"
+            else f"checkpoint.resume={latest} continues from it"
+        )
         saved = f"saved: checkpoint {latest} (step {saved_step}), {again}"
     lost = []
     if step is not None and step > saved_step:
         lost.append(f"step {step}" if step == saved_step + 1 else f"steps {saved_step + 1}-{step}")
     cut = sorted(p.name for p in checkpoints.glob(".step_*.partial")) if checkpoints.is_dir() else []
     if cut:
-        lost.append(f"the checkpoint being written ({checkpoints / cut[-1]}, incomplete: never read, removed "
-                    "by the next save)")
+        lost.append(
+            f"the checkpoint being written ({checkpoints / cut[-1]}, incomplete: never read, removed "
+            "by the next save)"
+        )
     return saved + (f"; not saved: {', '.join(lost)}" if lost else "")

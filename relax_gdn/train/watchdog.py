@@ -122,8 +122,10 @@ class StepWatchdog:
 
     def _fire(self) -> None:
         last = f"step {self.last_step}" if self.last_step is not None else "none"
-        head = (f"rank {self.rank}: no training step completed in {self._timeout:.0f} s "
-                f"(train.hang_timeout_s={self.setting}; last step completed: {last})")
+        head = (
+            f"rank {self.rank}: no training step completed in {self._timeout:.0f} s "
+            f"(train.hang_timeout_s={self.setting}; last step completed: {last})"
+        )
         where = self._dump_stacks(head)
         record_exit_code(HANG_EXIT_CODE)
         os.write(2, f"relax-gdn: {head}; stacks in {where}; exiting with {HANG_EXIT_CODE} (hang)\n".encode())

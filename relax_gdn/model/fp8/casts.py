@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 # torch._scaled_mm: the reduction dimension a multiple of 16
 ALIGN = 16
 _RECOMPILE_LIMIT = 64
-_RECOMPILE_LIMIT_KEY = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+_RECOMPILE_LIMIT_KEY = (
+    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+)
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,11 @@ class CastKernels:
             with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_KEY: _RECOMPILE_LIMIT}):
                 return compiled(x, *args)
         except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
-            logger.warning("torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
-                           type(e).__name__, e)
+            logger.warning(
+                "torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
+                type(e).__name__,
+                e,
+            )
             self._compile = False
             return fn(x, *args)
 
@@ -133,9 +138,16 @@ class CastKernels:
         return self._call("amax_and_cast", _amax_and_cast, x, axiswise_dim, dtype, pow2, rows, cols)
 
 
-def cast_to_fp8(x: torch.Tensor, op: Operand, *, layouts: tuple[str, ...], pow2: bool,
-                tp_group: dist.ProcessGroup | None, kernels: CastKernels,
-                amax: torch.Tensor | None = None) -> tuple[dict[str, FP8Data], torch.Tensor]:
+def cast_to_fp8(
+    x: torch.Tensor,
+    op: Operand,
+    *,
+    layouts: tuple[str, ...],
+    pow2: bool,
+    tp_group: dist.ProcessGroup | None,
+    kernels: CastKernels,
+    amax: torch.Tensor | None = None,
+) -> tuple[dict[str, FP8Data], torch.Tensor]:
     """``x`` (2-D) cast as ``op`` says into ``layouts`` (``rows``: as stored, ``cols``: transposed, the
     first dimension padded to a multiple of 16): ({layout: FP8Data}, the amax it was scaled by).
     ``amax``: one computed earlier for the same operand (the backward's cast of a tensorwise input)."""
@@ -146,7 +158,9 @@ def cast_to_fp8(x: torch.Tensor, op: Operand, *, layouts: tuple[str, ...], pow2:
         amax = kernels.amax(x, op.axiswise_dim)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
     if amax is None:
-        as_stored, transposed, scale, amax = kernels.amax_and_cast(x, op.axiswise_dim, dtype, pow2, rows, cols)
+        as_stored, transposed, scale, amax = kernels.amax_and_cast(
+            x, op.axiswise_dim, dtype, pow2, rows, cols
+        )
     else:
         as_stored, transposed, scale, amax = kernels.cast(x, amax, dtype, pow2, rows, cols)
     out = {}
@@ -157,7 +171,9 @@ def cast_to_fp8(x: torch.Tensor, op: Operand, *, layouts: tuple[str, ...], pow2:
     return out, amax
 
 
-def fp8_mm(a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, *, fast_accum: bool, emulate: bool) -> torch.Tensor:
+def fp8_mm(
+    a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, *, fast_accum: bool, emulate: bool
+) -> torch.Tensor:
     """``a @ b_tᵀ`` in FP8 (``a [m, k]``, ``b_t [n, k]``, both row-major): Hopper's ``torch._scaled_mm``,
     or on CPU torchao's emulation (the dequantised operands multiplied in fp32)."""
     if emulate:
@@ -173,7 +189,9 @@ def fp8_mm(a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, *, fast_accum: bool
         one = torch.ones((), device=a.data.device)
         out = torch._scaled_mm(a.data, b_t.data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
         return out.mul_(scale_a).mul_(scale_b)
-    return torch._scaled_mm(a.data, b_t.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(
+        a.data, b_t.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
 
 
 __all__ = ["ALIGN", "CastKernels", "FP8Data", "Operand", "cast_to_fp8", "fp8_mm", "operand"]

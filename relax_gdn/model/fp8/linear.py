@@ -61,7 +61,9 @@ class LinearOperands:
             input=operand(c.cast_config_input, -1, x_split),
             weight=operand(c.cast_config_weight, -1, w_split),  # over K, per output row
             grad_output=operand(c.cast_config_grad_output, -1, g_split),
-            weight_for_grad_input=operand(c.cast_config_weight_for_grad_input, 0, w_split),  # over N, per input
+            weight_for_grad_input=operand(
+                c.cast_config_weight_for_grad_input, 0, w_split
+            ),  # over N, per input
             grad_output_for_grad_weight=operand(c.cast_config_grad_output_for_grad_weight, 0, g_split),
             input_for_grad_weight=operand(c.cast_config_input_for_grad_weight, 0, x_split),
         )
@@ -97,9 +99,20 @@ class FP8LinearImpl:
     def __post_init__(self):
         self.operands = LinearOperands.of(self.config, self.parallel)
 
-    def __call__(self, input, weight, *, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                 sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
-                 gtp_remat_size=1):
+    def __call__(
+        self,
+        input,
+        weight,
+        *,
+        bias=None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        grad_output_buffer=None,
+        wgrad_deferral_limit=None,
+        tp_group=None,
+        gtp_remat_size=1,
+    ):
         """Megatron-Core's ``_forward_impl`` arguments (it passes them by keyword)."""
         if grad_output_buffer is not None or gtp_remat_size > 1:
             raise NotImplementedError("FP8 linears do not defer weight gradients or shard weights over GTP")
@@ -112,8 +125,15 @@ class FP8LinearImpl:
 
     def cast(self, x: torch.Tensor, op: Operand, layout: str, amax: torch.Tensor | None = None):
         """(``x`` cast as ``op`` says into ``layout``, its amax)."""
-        casts, amax = cast_to_fp8(x, op, layouts=(layout,), pow2=self.config.round_scales_to_power_of_2,
-                                  tp_group=self.tp_group, kernels=self.kernels, amax=amax)
+        casts, amax = cast_to_fp8(
+            x,
+            op,
+            layouts=(layout,),
+            pow2=self.config.round_scales_to_power_of_2,
+            tp_group=self.tp_group,
+            kernels=self.kernels,
+            amax=amax,
+        )
         return casts[layout], amax
 
     def weight(self, weight: torch.Tensor, op: Operand, layout: str, amax: torch.Tensor | None = None):
@@ -131,8 +151,14 @@ class FP8LinearImpl:
             ops = self.operands
             both = ops.weight == ops.weight_for_grad_input
             layouts = ("rows", "cols") if both else (layout,)
-            casts, amax = cast_to_fp8(self.fp8_rows(weight), op, layouts=layouts, tp_group=self.tp_group,
-                                      pow2=self.config.round_scales_to_power_of_2, kernels=self.kernels)
+            casts, amax = cast_to_fp8(
+                self.fp8_rows(weight),
+                op,
+                layouts=layouts,
+                tp_group=self.tp_group,
+                pow2=self.config.round_scales_to_power_of_2,
+                kernels=self.kernels,
+            )
             self.weight_casts += 1
             for name in layouts:
                 self._frozen_casts[op, name] = (casts[name], amax)
@@ -188,7 +214,11 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, impl: FP8LinearImpl, comm: _Communication):
-        ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = impl, comm.allreduce_dgrad, comm.sequence_parallel
+        ctx.impl, ctx.allreduce_dgrad, ctx.sequence_parallel = (
+            impl,
+            comm.allreduce_dgrad,
+            comm.sequence_parallel,
+        )
         fuse = comm.grad_accumulation_fusion and hasattr(weight, "main_grad")
         ctx.main_grad = weight.main_grad if fuse else None  # on ctx, as Megatron-Core's: layers may share it
         total = _gather_sequence(input, impl.tp_group) if comm.sequence_parallel else input
@@ -203,7 +233,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(input, weight, x_amax, w_amax)
         out = impl.mm(x8, w8, x.dtype, impl.config.gemm_config_output)
         if impl.bf16_rows:
-            out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows:].t())], dim=-1)
+            out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows :].t())], dim=-1)
         return out.reshape(shape)
 
     @staticmethod
@@ -213,19 +243,28 @@ class _FP8LinearFunction(torch.autograd.Function):
         group = impl.tp_group
         g = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g_hp = impl.split_out(g)
-        need_input, need_weight = ctx.needs_input_grad[0], weight.requires_grad  # LoRA: no input grad in layer 0
+        need_input, need_weight = (
+            ctx.needs_input_grad[0],
+            weight.requires_grad,
+        )  # LoRA: no input grad in layer 0
         casts = _grad_output_casts(impl, g8, need_input, need_weight and impl.operands.weight_grad_in_fp8)
         grad_input, handle = None, None
         if need_input:
             grad_input = _grad_input(impl, casts["rows"], g_hp, weight, w_amax)
-            grad_input, handle = _reduce_grad_input(grad_input.reshape(*grad_output.shape[:-1], weight.shape[1]),
-                                                    input, ctx.sequence_parallel, ctx.allreduce_dgrad, group)
+            grad_input, handle = _reduce_grad_input(
+                grad_input.reshape(*grad_output.shape[:-1], weight.shape[1]),
+                input,
+                ctx.sequence_parallel,
+                ctx.allreduce_dgrad,
+                group,
+            )
         grad_weight = None
         if need_weight:
             total = _gather_sequence(input, group) if ctx.sequence_parallel else input
             x = total.reshape(-1, total.shape[-1])
-            grad_weight = _grad_weight(impl, casts.get("cols"), g8, g_hp, x, weight, main_grad=ctx.main_grad,
-                                       x_amax=x_amax)
+            grad_weight = _grad_weight(
+                impl, casts.get("cols"), g8, g_hp, x, weight, main_grad=ctx.main_grad, x_amax=x_amax
+            )
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, None, None
@@ -258,33 +297,47 @@ def _reduce_grad_input(grad_input, input, sequence_parallel: bool, allreduce: bo
     return grad_input, None
 
 
-def _grad_input(impl: FP8LinearImpl, g8: FP8Data, g_hp: torch.Tensor | None, weight: torch.Tensor,
-                w_amax) -> torch.Tensor:
+def _grad_input(
+    impl: FP8LinearImpl, g8: FP8Data, g_hp: torch.Tensor | None, weight: torch.Tensor, w_amax
+) -> torch.Tensor:
     ops = impl.operands
-    w_t8, _ = impl.weight(weight, ops.weight_for_grad_input, "cols",
-                          _reusable(ops.weight, ops.weight_for_grad_input, w_amax))
+    w_t8, _ = impl.weight(
+        weight, ops.weight_for_grad_input, "cols", _reusable(ops.weight, ops.weight_for_grad_input, w_amax)
+    )
     grad = impl.mm(g8, w_t8, weight.dtype, impl.config.gemm_config_grad_input)
     if g_hp is not None:
-        grad.addmm_(g_hp, weight[-impl.bf16_rows:])
+        grad.addmm_(g_hp, weight[-impl.bf16_rows :])
     return grad
 
 
-def _grad_weight(impl: FP8LinearImpl, g_t8: FP8Data | None, g8: torch.Tensor, g_hp: torch.Tensor | None,
-                 x: torch.Tensor, weight: torch.Tensor, *, main_grad: torch.Tensor | None, x_amax) -> torch.Tensor:
+def _grad_weight(
+    impl: FP8LinearImpl,
+    g_t8: FP8Data | None,
+    g8: torch.Tensor,
+    g_hp: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    main_grad: torch.Tensor | None,
+    x_amax,
+) -> torch.Tensor:
     """The weight gradient (FP8 from ``g_t8``, the output gradient's transposed cast, or in high
     precision from ``g8`` where the recipe says so; the bf16 rows from ``g_hp``), added into ``main_grad``
     when given (then Megatron-Core's placeholder is returned), else returned in the weight's dtype."""
     ops = impl.operands
     into = impl.fp8_rows(main_grad) if main_grad is not None else None
     if g_t8 is not None:
-        x_t8, _ = impl.cast(x, ops.input_for_grad_weight, "cols", _reusable(ops.input, ops.input_for_grad_weight,
-                                                                            x_amax))
+        x_t8, _ = impl.cast(
+            x, ops.input_for_grad_weight, "cols", _reusable(ops.input, ops.input_for_grad_weight, x_amax)
+        )
         gw = impl.mm(g_t8, x_t8, weight.dtype, impl.config.gemm_config_grad_weight)
         grads = [gw if into is None else into.add_(gw)]
     else:
         grads = [_hp_weight_grad(g8, x, into)]
     if g_hp is not None:
-        grads.append(_hp_weight_grad(g_hp, x, main_grad[-impl.bf16_rows:] if main_grad is not None else None))
+        grads.append(
+            _hp_weight_grad(g_hp, x, main_grad[-impl.bf16_rows :] if main_grad is not None else None)
+        )
     if main_grad is not None:
         return handed_to_main_grad(weight)
     return grads[0] if len(grads) == 1 else torch.cat(grads, dim=0)
@@ -297,7 +350,9 @@ def _hp_weight_grad(g: torch.Tensor, x: torch.Tensor, into: torch.Tensor | None)
         return g.t().matmul(x)
     from megatron.core.tensor_parallel import layers
 
-    fused = getattr(layers, "fused_weight_gradient_mlp_cuda", None)  # apex's, or relax_gdn.compat.wgrad's (CUDA)
+    fused = getattr(
+        layers, "fused_weight_gradient_mlp_cuda", None
+    )  # apex's, or relax_gdn.compat.wgrad's (CUDA)
     if fused is None:
         into.add_(g.t().matmul(x))
         return None

@@ -69,12 +69,20 @@ def fp8_gpu_problem(recipe: str | None, cuda_capability: tuple[int, int] | None)
     if recipe is None or cuda_capability is None or tuple(cuda_capability) >= MIN_CUDA_CAPABILITY:
         return None
     major, minor = cuda_capability
-    return (f"model.fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
-            f"newer); this GPU is {major}.{minor}: set model.fp8.recipe=null")
+    return (
+        f"model.fp8.recipe={recipe} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or "
+        f"newer); this GPU is {major}.{minor}: set model.fp8.recipe=null"
+    )
 
 
-def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], *, spec_provider: str,
-                 fused_cross_entropy: bool, cuda_capability: tuple[int, int] | None = None) -> list[str]:
+def fp8_problems(
+    recipe: str | None,
+    bf16_modules: list[str] | tuple[str, ...],
+    *,
+    spec_provider: str,
+    fused_cross_entropy: bool,
+    cuda_capability: tuple[int, int] | None = None,
+) -> list[str]:
     """Why ``model.fp8`` cannot run as set (empty when it can; nothing to say without a recipe);
     ``cuda_capability``: the GPU's when known (:func:`fp8_gpu_problem`)."""
     if recipe is None:
@@ -83,14 +91,18 @@ def fp8_problems(recipe: str | None, bf16_modules: list[str] | tuple[str, ...], 
         return [problem + " (or null for bf16 GEMMs)"]
     problems = []
     if spec_provider == "te":
-        problems.append("model.fp8.recipe needs the local specs (Megatron-Core's own linears); with "
-                        "model.spec_provider=te use Transformer Engine's FP8 instead, or model.spec_provider=local")
+        problems.append(
+            "model.fp8.recipe needs the local specs (Megatron-Core's own linears); with "
+            "model.spec_provider=te use Transformer Engine's FP8 instead, or model.spec_provider=local"
+        )
     if gpu := fp8_gpu_problem(recipe, cuda_capability):
         problems.append(gpu)
     if OUTPUT_LAYER not in bf16_modules and fused_cross_entropy:
-        problems.append("model.fp8.bf16_modules leaves out output_layer, but model.fused_cross_entropy=true "
-                        "computes the output layer inside the chunked loss, never through the layer: add "
-                        "output_layer back or set model.fused_cross_entropy=false")
+        problems.append(
+            "model.fp8.bf16_modules leaves out output_layer, but model.fused_cross_entropy=true "
+            "computes the output layer inside the chunked loss, never through the layer: add "
+            "output_layer back or set model.fused_cross_entropy=false"
+        )
     return problems
 
 

@@ -59,22 +59,30 @@ class FP8Plan:
     def startup_line(self) -> str:
         """One line: the recipe, the layers in FP8 by kind, and what stays in bf16 with why."""
         fp8 = Counter(layer.kind for layer in self.layers if layer.impl is not None)
-        gated = Counter(layer.kind for layer in self.layers if layer.impl is not None and layer.impl.bf16_rows)
-        parts = [f"{kind} x{n}" + (" (beta/alpha rows bf16)" if gated[kind] else "") for kind, n in fp8.items()]
+        gated = Counter(
+            layer.kind for layer in self.layers if layer.impl is not None and layer.impl.bf16_rows
+        )
+        parts = [
+            f"{kind} x{n}" + (" (beta/alpha rows bf16)" if gated[kind] else "") for kind, n in fp8.items()
+        ]
         kept = [f"{layer.name} ({layer.bf16_reason})" for layer in self.layers if layer.impl is None]
         total = sum(layer.out_features * layer.in_features for layer in self.layers)
         share = sum(layer.fp8_weights for layer in self.layers) / max(total, 1)
-        return (f"FP8 GEMMs ({self.options.recipe}, torchao): {sum(fp8.values())} linear layers: "
-                f"{', '.join(parts) or 'none'} ({share:.0%} of the linear weights); bf16: "
-                f"{', '.join(kept + ['the embedding (a lookup)'])}")
+        return (
+            f"FP8 GEMMs ({self.options.recipe}, torchao): {sum(fp8.values())} linear layers: "
+            f"{', '.join(parts) or 'none'} ({share:.0%} of the linear weights); bf16: "
+            f"{', '.join(kept + ['the embedding (a lookup)'])}"
+        )
 
     def ran_line(self) -> str:
         """After training: how many layers ran their GEMMs in FP8, and any that were planned for FP8
         but never ran (a path that bypasses the layer)."""
         planned = [layer for layer in self.layers if layer.impl is not None]
         idle = [layer.name for layer in planned if layer.impl.calls == 0]
-        line = (f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
-                f"ran forward, input-gradient and weight-gradient GEMMs in FP8")
+        line = (
+            f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
+            f"ran forward, input-gradient and weight-gradient GEMMs in FP8"
+        )
         return line + (f"; planned but never called: {', '.join(idle)}" if idle else "")
 
 
@@ -87,12 +95,16 @@ def _gdn_gate_rows(model: torch.nn.Module) -> dict[str, int]:
     of Megatron-Core's ``in_proj_split_sections``)."""
     from megatron.core.ssm.gated_delta_net.gdn import GatedDeltaNet
 
-    return {f"{name}.in_proj": sum(module.in_proj_split_sections[-2:]) for name, module in model.named_modules()
-            if isinstance(module, GatedDeltaNet)}
+    return {
+        f"{name}.in_proj": sum(module.in_proj_split_sections[-2:])
+        for name, module in model.named_modules()
+        if isinstance(module, GatedDeltaNet)
+    }
 
 
-def _plan_layer(name: str, module, options: FP8Options, gate_rows: dict[str, int],
-                kernels: CastKernels) -> PlannedLayer:
+def _plan_layer(
+    name: str, module, options: FP8Options, gate_rows: dict[str, int], kernels: CastKernels
+) -> PlannedLayer:
     from megatron.core.tensor_parallel import RowParallelLinear
 
     out_features, in_features = module.weight.shape
@@ -111,21 +123,33 @@ def _plan_layer(name: str, module, options: FP8Options, gate_rows: dict[str, int
     layer.impl = FP8LinearImpl(
         Float8LinearConfig.from_recipe_name(options.torchao_recipe),
         "row" if isinstance(module, RowParallelLinear) else "column",
-        module.tp_group, kernels, bf16_rows=bf16_rows,
+        module.tp_group,
+        kernels,
+        bf16_rows=bf16_rows,
     )
     return layer
 
 
-def install_fp8(model: torch.nn.Module, options: FP8Options, *, spec_provider: str = "local",
-                fused_cross_entropy: bool = True) -> FP8Plan:
+def install_fp8(
+    model: torch.nn.Module,
+    options: FP8Options,
+    *,
+    spec_provider: str = "local",
+    fused_cross_entropy: bool = True,
+) -> FP8Plan:
     """Give ``model``'s parallel linears their FP8 GEMMs as ``options`` say (their
     ``_forward_impl``); returns the plan (also kept as ``model.fp8_plan``)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from relax_gdn.model.fp8.casts import CastKernels
 
-    if problems := fp8_problems(options.recipe, options.bf16_modules, spec_provider=spec_provider,
-                                fused_cross_entropy=fused_cross_entropy, cuda_capability=None):
+    if problems := fp8_problems(
+        options.recipe,
+        options.bf16_modules,
+        spec_provider=spec_provider,
+        fused_cross_entropy=fused_cross_entropy,
+        cuda_capability=None,
+    ):
         raise ValueError("; ".join(problems))
     kernels, gate_rows, layers = CastKernels(), _gdn_gate_rows(model), []
     for name, module in model.named_modules():

@@ -14,7 +14,6 @@ from relax_gdn.model.hf_checkpoint.dims import Qwen3_5Dims
 from relax_gdn.model.hf_checkpoint.plan import TensorRule, conversion_plan
 from relax_gdn.model.lora_options import LORA_PARAMETER
 
-
 VLM_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -174,8 +173,11 @@ _FUSED_NORM_ALIASES = (
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state-dict tensors as the live parameters (``keep_vars``), no ``_extra_state``
     and no LoRA adapter (an HF checkpoint holds the base model; the adapters have their own export)."""
-    return {k: v for k, v in model.state_dict(keep_vars=True).items()
-            if not k.endswith("_extra_state") and not getattr(v, LORA_PARAMETER, False)}
+    return {
+        k: v
+        for k, v in model.state_dict(keep_vars=True).items()
+        if not k.endswith("_extra_state") and not getattr(v, LORA_PARAMETER, False)
+    }
 
 
 def resolve_model_names(plan: list[TensorRule], tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-
 LINEAR_ATTENTION = "linear_attention"
 # how many MTP layers a Qwen3.5 config.json says the checkpoint holds (vLLM reads it; transformers keeps
 # it as an unknown field)

@@ -74,7 +74,9 @@ def load_hf_checkpoint(
     tp_size, tp_rank = _group_size(tp_group), _group_rank(tp_group)
     reader = _SafetensorsReader(checkpoint_dir)
     try:
-        has_mtp = getattr(model, "mtp", None) is not None and any(k.startswith(MTP_PREFIXES) for k in reader.keys())
+        has_mtp = getattr(model, "mtp", None) is not None and any(
+            k.startswith(MTP_PREFIXES) for k in reader.keys()
+        )
         text = TextKeys(reader.keys(), VISION_PREFIXES if has_mtp else IGNORED_PREFIXES)
         dims = _dims_for_checkpoint(model, reader, text, Path(checkpoint_dir))
         dims = dims if has_mtp else replace(dims, mtp_num_layers=0)

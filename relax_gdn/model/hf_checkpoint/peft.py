@@ -40,9 +40,11 @@ class AdapterReport:
     alpha: float
 
     def lines(self) -> list[str]:
-        return [f"wrote {self.out}: a PEFT LoRA adapter (r={self.rank}, lora_alpha={self.alpha:g}) of "
-                f"{self.adapters} modules for the base model {self.base}",
-                f"  target_modules: {', '.join(self.target_modules)}"]
+        return [
+            f"wrote {self.out}: a PEFT LoRA adapter (r={self.rank}, lora_alpha={self.alpha:g}) of "
+            f"{self.adapters} modules for the base model {self.base}",
+            f"  target_modules: {', '.join(self.target_modules)}",
+        ]
 
 
 def _key(module: str, matrix: str) -> str:
@@ -51,8 +53,9 @@ def _key(module: str, matrix: str) -> str:
     return f"{_PREFIX}{module}.lora_{matrix}.weight"
 
 
-def peft_adapter_state(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], source: HFCheckpoint,
-                       vocab_size: int) -> dict[str, torch.Tensor]:
+def peft_adapter_state(
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], source: HFCheckpoint, vocab_size: int
+) -> dict[str, torch.Tensor]:
     """PEFT's tensors for ``adapters`` (HF text-layout module -> whole ``(A, B)``) on the base
     ``source``: module names in its layout, the embedding's and output layer's vocabulary trimmed to
     ``vocab_size`` (a model padded beyond it)."""
@@ -69,20 +72,41 @@ def peft_adapter_state(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], s
     return state
 
 
-def peft_adapter_config(*, rank: int, alpha: float, dropout: float, target_modules: list[str],
-                        base: str | None) -> dict:
+def peft_adapter_config(
+    *, rank: int, alpha: float, dropout: float, target_modules: list[str], base: str | None
+) -> dict:
     """``adapter_config.json`` of a LoRA adapter with PEFT's defaults for everything else."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
-        "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules, "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
     }
 
 
-def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, source_dir: str | os.PathLike, *,
-                      dropout: float = 0.0, writer: bool | None = None) -> AdapterReport | None:
+def save_peft_adapter(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike,
+    *,
+    dropout: float = 0.0,
+    writer: bool | None = None,
+) -> AdapterReport | None:
     """Write ``model``'s LoRA adapters as a PEFT adapter directory for the HF base ``source_dir``.
     A collective over the model's TP groups; ``writer`` (default: global rank 0) writes and gets
     the report (None elsewhere)."""
@@ -104,12 +128,25 @@ def save_peft_adapter(model: torch.nn.Module, out_dir: str | os.PathLike, source
     write_safetensors(state, out / ADAPTER_WEIGHTS)
     alpha = scaling * rank
     alpha = int(alpha) if float(alpha).is_integer() else alpha
-    config = peft_adapter_config(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
-                                 base=str(Path(source_dir).absolute()))
+    config = peft_adapter_config(
+        rank=rank, alpha=alpha, dropout=dropout, target_modules=targets, base=str(Path(source_dir).absolute())
+    )
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return AdapterReport(out=out, base=Path(source_dir).absolute(), target_modules=targets, adapters=len(adapters),
-                         rank=rank, alpha=alpha)
+    return AdapterReport(
+        out=out,
+        base=Path(source_dir).absolute(),
+        target_modules=targets,
+        adapters=len(adapters),
+        rank=rank,
+        alpha=alpha,
+    )
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterReport", "peft_adapter_config", "peft_adapter_state",
-           "save_peft_adapter"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterReport",
+    "peft_adapter_config",
+    "peft_adapter_state",
+    "save_peft_adapter",
+]

@@ -38,7 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from relax_gdn.model.hf_checkpoint.dims import FULL_ATTENTION, HF_NORM_CONVENTIONS, LINEAR_ATTENTION, Qwen3_5Dims
+from relax_gdn.model.hf_checkpoint.dims import (
+    FULL_ATTENTION,
+    HF_NORM_CONVENTIONS,
+    LINEAR_ATTENTION,
+    Qwen3_5Dims,
+)
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,9 @@ def conversion_plan(dims: Qwen3_5Dims) -> list[TensorRule]:
     for i, kind in enumerate(d.layer_types):
         plan += _layer_rules(kind, f"model.layers.{i}.", f"decoder.layers.{i}.", d)
     plan.append(
-        _norm_rule("decoder.final_layernorm.weight", "model.norm.weight", hidden, True, d.norms.hidden_one_plus)
+        _norm_rule(
+            "decoder.final_layernorm.weight", "model.norm.weight", hidden, True, d.norms.hidden_one_plus
+        )
     )
     if not d.tie_word_embeddings:
         source = "model.embed_tokens.weight" if d.lm_head_from_embedding else "lm_head.weight"
@@ -91,17 +98,36 @@ def _layer_rules(kind: str, hf: str, mc: str, d: Qwen3_5Dims) -> list[TensorRule
     """One decoder layer (``kind``: GDN or full attention) under the prefixes ``hf`` / ``mc``."""
     hidden, norms = d.hidden_size, d.norms
     rules = [
-        _norm_rule(f"{mc}input_layernorm.weight", f"{hf}input_layernorm.weight", hidden,
-                   HF_NORM_CONVENTIONS.hidden_one_plus, norms.hidden_one_plus)
+        _norm_rule(
+            f"{mc}input_layernorm.weight",
+            f"{hf}input_layernorm.weight",
+            hidden,
+            HF_NORM_CONVENTIONS.hidden_one_plus,
+            norms.hidden_one_plus,
+        )
     ]
-    rules += _gdn_rules(f"{hf}linear_attn.", f"{mc}self_attention.", d) if kind == LINEAR_ATTENTION else \
-        _attention_rules(f"{hf}self_attn.", f"{mc}self_attention.", d)
+    rules += (
+        _gdn_rules(f"{hf}linear_attn.", f"{mc}self_attention.", d)
+        if kind == LINEAR_ATTENTION
+        else _attention_rules(f"{hf}self_attn.", f"{mc}self_attention.", d)
+    )
     return rules + [
-        _norm_rule(f"{mc}pre_mlp_layernorm.weight", f"{hf}post_attention_layernorm.weight", hidden,
-                   HF_NORM_CONVENTIONS.hidden_one_plus, norms.hidden_one_plus),
-        _stack_rule(f"{mc}mlp.linear_fc1.weight", (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
-                    (d.ffn_hidden_size, d.ffn_hidden_size), hidden),
-        _copy_rule(f"{mc}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight", (hidden, d.ffn_hidden_size), ROW),
+        _norm_rule(
+            f"{mc}pre_mlp_layernorm.weight",
+            f"{hf}post_attention_layernorm.weight",
+            hidden,
+            HF_NORM_CONVENTIONS.hidden_one_plus,
+            norms.hidden_one_plus,
+        ),
+        _stack_rule(
+            f"{mc}mlp.linear_fc1.weight",
+            (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
+            (d.ffn_hidden_size, d.ffn_hidden_size),
+            hidden,
+        ),
+        _copy_rule(
+            f"{mc}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight", (hidden, d.ffn_hidden_size), ROW
+        ),
     ]
 
 
@@ -121,12 +147,20 @@ def _gdn_rules(a: str, m: str, d: Qwen3_5Dims) -> list[TensorRule]:
             tp_sections=(qk, qk, v, v, hv, hv),
         ),
         _copy_rule(
-            f"{m}conv1d.weight", f"{a}conv1d.weight", (2 * qk + v, 1, d.linear_conv_kernel_dim), TPSplit(0, (qk, qk, v))
+            f"{m}conv1d.weight",
+            f"{a}conv1d.weight",
+            (2 * qk + v, 1, d.linear_conv_kernel_dim),
+            TPSplit(0, (qk, qk, v)),
         ),
         _copy_rule(f"{m}dt_bias", f"{a}dt_bias", (hv,), COLUMN),
         _copy_rule(f"{m}A_log", f"{a}A_log", (hv,), COLUMN),
-        _norm_rule(f"{m}out_norm.weight", f"{a}norm.weight", d.linear_value_head_dim,
-                   HF_NORM_CONVENTIONS.gdn_out_one_plus, d.norms.gdn_out_one_plus),
+        _norm_rule(
+            f"{m}out_norm.weight",
+            f"{a}norm.weight",
+            d.linear_value_head_dim,
+            HF_NORM_CONVENTIONS.gdn_out_one_plus,
+            d.norms.gdn_out_one_plus,
+        ),
         _copy_rule(f"{m}out_proj.weight", f"{a}out_proj.weight", (hidden, v), ROW),
     ]
 
@@ -137,8 +171,12 @@ def _attention_rules(a: str, m: str, d: Qwen3_5Dims) -> list[TensorRule]:
         _gated_qkv_rule(f"{m}linear_qkv.weight", a, d),
         _norm_rule(f"{m}q_layernorm.weight", f"{a}q_norm.weight", d.head_dim, *qk_norm),
         _norm_rule(f"{m}k_layernorm.weight", f"{a}k_norm.weight", d.head_dim, *qk_norm),
-        _copy_rule(f"{m}linear_proj.weight", f"{a}o_proj.weight", (d.hidden_size, d.num_attention_heads * d.head_dim),
-                   ROW),
+        _copy_rule(
+            f"{m}linear_proj.weight",
+            f"{a}o_proj.weight",
+            (d.hidden_size, d.num_attention_heads * d.head_dim),
+            ROW,
+        ),
     ]
 
 
@@ -146,7 +184,11 @@ def _attention_rules(a: str, m: str, d: Qwen3_5Dims) -> list[TensorRule]:
 # fusion ``eh_proj`` is ``mtp.fc`` (input [embedding, hidden] on both sides), its norms the
 # ``pre_fc_norm_*`` ones, the gated-attention layer inside ``mtp.layers.<i>``, the norm before the
 # shared output layer ``mtp.norm``.
-_MTP_NORMS = (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("final_layernorm", "norm"))
+_MTP_NORMS = (
+    ("enorm", "pre_fc_norm_embedding"),
+    ("hnorm", "pre_fc_norm_hidden"),
+    ("final_layernorm", "norm"),
+)
 
 
 def _mtp_rules(i: int, d: Qwen3_5Dims) -> list[TensorRule]:
@@ -154,8 +196,13 @@ def _mtp_rules(i: int, d: Qwen3_5Dims) -> list[TensorRule]:
     hidden, mc = d.hidden_size, f"mtp.layers.{i}."
     rules = [_copy_rule(f"{mc}eh_proj.weight", "mtp.fc.weight", (hidden, 2 * hidden), COLUMN)]
     rules += [
-        _norm_rule(f"{mc}{ours}.weight", f"mtp.{theirs}.weight", hidden, HF_NORM_CONVENTIONS.hidden_one_plus,
-                   d.norms.hidden_one_plus)
+        _norm_rule(
+            f"{mc}{ours}.weight",
+            f"mtp.{theirs}.weight",
+            hidden,
+            HF_NORM_CONVENTIONS.hidden_one_plus,
+            d.norms.hidden_one_plus,
+        )
         for ours, theirs in _MTP_NORMS
     ]
     return rules + _layer_rules(FULL_ATTENTION, f"mtp.layers.{i}.", f"{mc}mtp_model_layer.", d)
