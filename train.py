@@ -27,7 +27,6 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import hydra
 from omegaconf import DictConfig
@@ -94,12 +93,12 @@ def memory_verdict(cfg: RunConfig, dims: ParallelDims, machine: Machine) -> str:
     import torch
 
     from relax_gdn.model.presets import PRESETS
-    from relax_gdn.train.loop import _vocab_size, check_memory_fits, memory_inputs, resolve_full_layers
+    from relax_gdn.train.build import check_memory_fits, memory_inputs, padded_vocab_size, resolve_full_layers
     from relax_gdn.train.memory import estimate_memory
 
     device, bf16 = torch.device("cuda", 0), cfg.train.precision != "fp32"
     # the preset's vocabulary stands for the tokenizer's, padded as the run pads it
-    vocab = _vocab_size(cfg, SimpleNamespace(vocab_size=PRESETS[cfg.model.preset].vocab_size), dims.tp)
+    vocab = padded_vocab_size(cfg, PRESETS[cfg.model.preset].vocab_size, dims.tp)
     cfg = resolve_full_layers(cfg, dims, device, bf16, vocab)
     check_memory_fits(cfg, dims, device, bf16, vocab, log=False)
     shape, settings = memory_inputs(cfg, dims, bf16, vocab)

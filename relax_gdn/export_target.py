@@ -26,10 +26,10 @@ from relax_gdn.train.checkpoint import (
     MANIFEST,
     CheckpointError,
     complete_checkpoints,
-    disk_size,
     read_latest,
     verify_checkpoint,
 )
+from relax_gdn.train.checkpoint_disk import disk_size
 
 RUN_CHECKPOINTS = "checkpoints"  # where a run keeps its checkpoints without checkpoint.dir
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its directory

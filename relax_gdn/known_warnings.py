@@ -134,7 +134,7 @@ KNOWN_LOG_LINES = (
         "megatron.core.optimizer_param_scheduler",
         r" > (using checkpoint value|overriding)",
         "one line per schedule value when a run resumes; the recipe compares the saved schedule "
-        "with the run's itself and says what changed (relax_gdn.train.lifecycle.apply_schedule)",
+        "with the run's itself and says what changed (relax_gdn.train.resume.apply_schedule)",
     ),
     KnownLogLine(
         "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",

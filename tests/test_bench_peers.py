@@ -27,9 +27,10 @@ from relax_gdn.bench.hf_peer import HFSettings, out_of_memory, parse_hf_settings
 from tests.distributed import child_env
 from tests.helpers import ROOT
 
-# alpha 64 instead of the workload's 32: the same first loss (B starts at zero), twice the adapters'
-# gradient, so the LoRA workload must mark it as disagreeing (the full workload has no adapters)
-OFF_SCALE_ROW = "relax,model.lora.alpha=64"
+# alpha 64 instead of the LoRA workload's 32: the same first loss (B starts at zero), twice the
+# adapters' gradient, so the LoRA workload must mark it as disagreeing (in the full workload the row
+# trains adapters where HF trains every weight, and disagrees too; LoRA options without a rank are refused)
+OFF_SCALE_ROW = "relax,model.lora.rank=16,model.lora.alpha=64"
 CPU_RUN = [
     "--preset",
     "qwen3_5_tiny",
@@ -56,7 +57,8 @@ def cpu_run(tmp_path_factory):
     """``(result, stdout, the --out path)`` of one CPU run; the kernels transformers' Qwen3.5 module
     names before it, and after."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
+
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
 
     tmp = tmp_path_factory.mktemp("peers")
     out = tmp / "peers.json"
@@ -83,8 +85,6 @@ def test_every_row_that_runs_agrees_with_the_hf_reference_step(cpu_run, workload
     assert reference["loss"] > 1.0 and reference["grad_norm"] > 0.0 and "error" not in reference
     rows = _rows(result, workload)
     agreeing = {"hf", "hf,ckpt", "relax", "relax,recompute=full", "relax,packed"}
-    if workload == "full":
-        agreeing.add(OFF_SCALE_ROW)  # no adapters to scale
     for name in agreeing:
         entry = rows[name]
         check = entry["agreement"]

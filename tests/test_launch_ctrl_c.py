@@ -44,11 +44,15 @@ AT_ONCE_LIMIT_S = 30  # the issue's bound for a second Ctrl-C to end the job
 
 
 def _start(command: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
-    """In a session of its own: its process group is the job's, as a terminal's is."""
+    """In a session of its own: its process group is the job's, as a terminal's is; without the
+    environment of a make that runs the tests (``make test``), as a command typed in a terminal."""
+    environ = child_env({EXIT_CODE_FILE_ENV: str(tmp_path / "exit_code"), "PYTHONPATH": str(ROOT), **env})
+    for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):  # else make says "make[1]:", as a sub-make
+        environ.pop(name, None)
     return subprocess.Popen(
         command,
         cwd=tmp_path,
-        env=child_env({EXIT_CODE_FILE_ENV: str(tmp_path / "exit_code"), "PYTHONPATH": str(ROOT), **env}),
+        env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

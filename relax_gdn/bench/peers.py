@@ -210,7 +210,7 @@ def workload_overrides(workload: str, lora_rank: int) -> dict:
 def _memory(cfg, vocab: int, optimizer: str, **change) -> float:
     """The memory model's estimate (bytes) of ``cfg`` on one bf16 GPU, with ``change``."""
     from relax_gdn.config import ParallelDims
-    from relax_gdn.train.loop import memory_inputs
+    from relax_gdn.train.build import memory_inputs
     from relax_gdn.train.memory import estimate_memory
 
     shape, settings = memory_inputs(cfg, ParallelDims(1, 1, 1), True, vocab)
@@ -224,7 +224,7 @@ def workload_optimizer(cfg, device: torch.device, vocab: int, requested: str) ->
         return requested, "requested"
     if device.type != "cuda":
         return "adam", "no GPU memory to fit"
-    from relax_gdn.train.loop import device_memory_bytes
+    from relax_gdn.train.build import device_memory_bytes
     from relax_gdn.train.memory import GIB
 
     need, have = _memory(cfg, vocab, "adam", recompute="full"), device_memory_bytes(device)
@@ -241,7 +241,7 @@ def best_recompute(cfg, device: torch.device, vocab: int, optimizer: str) -> str
     mixed (whose whole layers the run picks); none without a GPU."""
     if device.type != "cuda":
         return "none"
-    from relax_gdn.train.loop import device_memory_bytes
+    from relax_gdn.train.build import device_memory_bytes
     from relax_gdn.train.memory import MIXED_HEADROOM
 
     budget = device_memory_bytes(device) * MIXED_HEADROOM
@@ -721,8 +721,8 @@ def _process_settings(runtime, device: torch.device) -> None:
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
     from transformers.utils import logging as hf_logging
 
+    from relax_gdn.compat.transformers_kernels import KERNEL_HANDLES
     from relax_gdn.model.hf_checkpoint import use_torch_kernels_in_transformers
-    from relax_gdn.model.hf_checkpoint.transformers_kernels import KERNEL_HANDLES
 
     if hf_logging.is_progress_bar_enabled():
         hf_logging.disable_progress_bar()
@@ -780,7 +780,7 @@ def _run(args, rows: list[Row], checkpoint: Path, device: torch.device, runtime)
     from relax_gdn.bench.provenance import tree_commit
     from relax_gdn.data import LengthProfile, length_matched_samples
     from relax_gdn.model.hf_checkpoint import run_vocab_size
-    from relax_gdn.train.loop import init_distributed
+    from relax_gdn.parallel.default_group import init_distributed
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     created = init_distributed(device)
