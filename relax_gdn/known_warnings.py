@@ -109,6 +109,18 @@ class KnownLogLine:
 
 KNOWN_LOG_LINES = (
     KnownLogLine(
+        "torch.utils._pytree",
+        r"<enum '(KernelPreference|ScaleCalculationMode)'> is an Enum subclass",
+        "torchao 0.18 registers its enums with torch.compile the way older torch needed, once per process "
+        "that builds a model with model.fp8; nothing to change on the user's side",
+    ),
+    KnownLogLine(
+        "tilelang.jit.kernel",
+        r"TileLang (begins|completes) to compile kernel",
+        "TileLang's JIT (FLA's GDN backward on Hopper with triton < 3.7.1) reports each kernel it compiles "
+        "on a fresh machine; the compiled kernels are cached",
+    ),
+    KnownLogLine(
         "torch.utils.cpp_extension",
         r"No CUDA runtime is found",
         "torch's extension loader on a machine without a GPU; no extension is compiled",
