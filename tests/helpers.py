@@ -122,6 +122,36 @@ def train_records_in_this_process(runtime, **overrides) -> list[dict]:
     return run_training(cfg, None, runtime=runtime).records
 
 
+# two steps of the reduced 9B on one GPU in bf16 with host syncs counted: what the GPU tests of a
+# model-level change train (their own keys on top)
+REDUCED_9B_GPU_RUN = {
+    "model.preset": "qwen3_5_9b_reduced",
+    "train.device": "cuda",
+    "train.precision": "bf16",
+    "train.steps": 2,
+    "train.global_batch_size": 8,
+    "train.max_tokens_per_gpu": 2048,
+    "data.max_sample_tokens": 2048,
+    "data.synthetic_max_steps": 20,
+    "data.num_samples": 64,
+    "optim.warmup_steps": 1,
+    "optim.lr": 1e-5,
+    "optim.min_lr": 1e-6,
+    "logging.console": False,
+    "logging.jsonl": False,
+    "logging.count_host_syncs": True,
+}
+
+
+def train_reduced_9b_on_gpu(runtime, **overrides):
+    """``run_training`` of :data:`REDUCED_9B_GPU_RUN` with ``overrides`` in ``runtime``: the result."""
+    from relax_gdn.train import run_training
+
+    return run_training(
+        RunConfig().with_overrides({**REDUCED_9B_GPU_RUN, **overrides}), None, runtime=runtime
+    )
+
+
 def relative_error(a, b) -> float:
     """``|a - b| / |b|`` in float64 (Frobenius norms)."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

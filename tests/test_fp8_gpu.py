@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relax_gdn.bench.timing import count_host_syncs
+from tests.helpers import train_reduced_9b_on_gpu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,30 +105,7 @@ def test_fp8_linear_has_no_host_sync(recipe):
 
 
 def _train_reduced(runtime, **overrides) -> tuple[list[dict], str | None]:
-    from relax_gdn.config import RunConfig
-    from relax_gdn.train import run_training
-
-    cfg = RunConfig().with_overrides(
-        {
-            "model.preset": "qwen3_5_9b_reduced",
-            "train.device": "cuda",
-            "train.precision": "bf16",
-            "train.steps": 2,
-            "train.global_batch_size": 8,
-            "train.max_tokens_per_gpu": 2048,
-            "data.max_sample_tokens": 2048,
-            "data.synthetic_max_steps": 20,
-            "data.num_samples": 64,
-            "optim.warmup_steps": 1,
-            "optim.lr": 1e-5,
-            "optim.min_lr": 1e-6,
-            "logging.console": False,
-            "logging.jsonl": False,
-            "logging.count_host_syncs": True,
-            **overrides,
-        }
-    )
-    result = run_training(cfg, None, runtime=runtime)
+    result = train_reduced_9b_on_gpu(runtime, **overrides)
     return result.records, result.fp8
 
 

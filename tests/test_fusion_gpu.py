@@ -17,6 +17,7 @@ from relax_gdn.bench.timing import count_host_syncs
 from relax_gdn.model import fusion
 from tests.helpers import plain_rms_norm as _plain_rms_norm
 from tests.helpers import relative_error as _rel
+from tests.helpers import train_reduced_9b_on_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -159,30 +160,7 @@ def test_embedding_gradient_into_main_grad_cuda_bf16():
 
 
 def _train_reduced(runtime, **overrides):
-    from relax_gdn.config import RunConfig
-    from relax_gdn.train import run_training
-
-    cfg = RunConfig().with_overrides(
-        {
-            "model.preset": "qwen3_5_9b_reduced",
-            "train.device": "cuda",
-            "train.precision": "bf16",
-            "train.steps": 2,
-            "train.global_batch_size": 8,
-            "train.max_tokens_per_gpu": 2048,
-            "data.max_sample_tokens": 2048,
-            "data.synthetic_max_steps": 20,
-            "data.num_samples": 64,
-            "optim.warmup_steps": 1,
-            "optim.lr": 1e-5,
-            "optim.min_lr": 1e-6,
-            "logging.console": False,
-            "logging.jsonl": False,
-            "logging.count_host_syncs": True,
-            **overrides,
-        }
-    )
-    return run_training(cfg, None, runtime=runtime).records
+    return train_reduced_9b_on_gpu(runtime, **overrides).records
 
 
 def test_tiny_model_embedding_gradient_through_ddp(runtime):
