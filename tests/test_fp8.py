@@ -16,6 +16,7 @@ casts, the GEMM in fp32 on the dequantised operands):
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,6 +159,59 @@ def test_frozen_weight_is_cast_once_per_value():
     w.mul_(2)  # a checkpoint load writes the weight in place: cast again
     impl(x.clone().requires_grad_(), w).backward(g)
     assert impl.weight_casts == 4
+
+
+_INTERPRETED_CAST = """
+import torch
+from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
+from torchao.float8.config import ScalingGranularity
+from relax_gdn.model.fp8 import cast_kernel
+
+torch.manual_seed(0)
+x = (torch.randn(37, 200) * 7).to(torch.bfloat16)  # 37 tokens: padded to 48 when transposed
+x[3, 5] = 0.0
+for dim in (None, -1, 0):
+    granularity = ScalingGranularity.TENSORWISE if dim is None else ScalingGranularity.AXISWISE
+    want_amax = tensor_to_amax(x, scaling_granularity=granularity, axiswise_dim=dim).float()
+    amax = cast_kernel.amax(x, dim)
+    assert torch.equal(amax, want_amax), dim
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for pow2 in (False, True):
+            rows, cols = dim != 0, dim != -1
+            got_rows, got_cols, scale, _ = cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, 16)
+            want_scale = amax_to_scale(want_amax, dtype, pow2)
+            assert scale.shape == want_scale.shape and torch.equal(scale, want_scale), (dim, dtype, pow2)
+            scaled = x.float() * want_scale
+            want = to_fp8_saturated(scaled, dtype).float()
+            # Triton's interpreter (numpy's emulation, not the GPU's conversion: tests/test_fp8_gpu.py
+            # checks every bit there) rounds a value that carries into the next binade down a binade,
+            # breaks ties away from even, and may differ below the normal range; elsewhere every
+            # value must match
+            info, mantissa_bits = torch.finfo(dtype), 3 if dtype == torch.float8_e4m3fn else 2
+            tie = (torch.frexp(scaled).mantissa.abs() * 2 ** (mantissa_bits + 2)) % 2 == 1
+            carry = torch.frexp(want).mantissa.abs() == 0.5
+            exact = (scaled.abs() >= info.smallest_normal) & ~tie & ~carry
+            assert exact.float().mean() > 0.5
+            if rows:
+                assert got_rows.shape == (37, 200)
+                assert torch.equal(got_rows.float()[exact], want[exact]), ("rows", dim, dtype, pow2)
+            if cols:
+                assert got_cols.shape == (200, 48) and got_cols.is_contiguous()
+                assert torch.equal(got_cols.float()[:, 37:], torch.zeros(200, 11)), "padding"
+                assert torch.equal(got_cols.float()[:, :37].t()[exact], want[exact]), ("cols", dim, dtype)
+print("cast kernel ok")
+"""
+
+
+def test_cast_kernel_in_tritons_interpreter():
+    """The GPU's cast kernel (relax_gdn.model.fp8.cast_kernel) run on CPU by Triton's interpreter: its
+    amax, scales (tensorwise, per row, per column; power-of-two rounding) and the layouts (as stored,
+    transposed with zero padding) against torchao's functions."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_CAST], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "cast kernel ok" in done.stdout, done.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The 9B's linear layers in bf16 against each FP8 recipe, one GPU, per GEMM shape.
 
-    python -m relax_gdn.bench.gemm [--tokens 8192] [--recipes tensorwise,rowwise,rowwise_gw_hp] [--out gemm.json]
+    python -m relax_gdn.bench.gemm [--tokens 8192] [--out gemm.json]
+        [--recipes tensorwise,tensorwise@compiled,rowwise,rowwise_gw_hp]
 
 Each row is one linear layer of the preset (``--preset``, default the 9B) at ``--tokens`` tokens,
 run the way training runs it: bf16 is Megatron-Core's own linear function
 (``linear_with_grad_accumulation_and_async_allreduce``), each recipe the FP8 implementation the
-model installs (:class:`~relax_gdn.model.fp8.linear.FP8LinearImpl`, compiled casts included), both
+model installs (:class:`~relax_gdn.model.fp8.linear.FP8LinearImpl`, its casts included; ``@compiled``
+after a recipe casts with ``torch.compile`` instead of the Triton kernel, for comparison), both
 adding the weight gradient into an fp32 ``main_grad`` where the fused accumulation is available.
 Per row: forward and backward (input + weight gradient) medians (CUDA events) with their TFLOP/s
 (2·T·N·K forward, 4·T·N·K backward: MFU-style counts, the same for bf16 and FP8), the FP8/bf16
@@ -69,7 +71,8 @@ def model_linear_shapes(preset: str) -> list[LinearShape]:
 
 def _linear_fn(recipe: str | None, bf16_rows: int, fuse: bool):
     """``(x, w) -> y`` with the model's autograd: Megatron-Core's function for bf16, else the FP8
-    implementation of ``recipe``."""
+    implementation of ``recipe`` (``name`` or ``name@casts``, ``casts`` one of
+    :class:`~relax_gdn.model.fp8.casts.CastKernels`' modes: the model's Triton kernel by default)."""
     from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 
     if recipe is None:
@@ -82,11 +85,12 @@ def _linear_fn(recipe: str | None, bf16_rows: int, fuse: bool):
     from relax_gdn.model.fp8.linear import FP8LinearImpl
     from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
+    name, _, casts = recipe.partition("@")
     impl = FP8LinearImpl(
-        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
+        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[name]),
         "column",
         None,
-        CastKernels(),
+        CastKernels(casts or "triton"),
         bf16_rows=bf16_rows,
     )
     return lambda x, w: impl(x, w, gradient_accumulation_fusion=fuse)
@@ -120,7 +124,7 @@ def _measure_shape(shape: LinearShape, tokens: int, recipes: list[str | None], f
             x.grad = None
             fn(x, w).backward(grad)
 
-        forward_backward()  # compiles the casts
+        forward_backward()  # compiles the casts (Triton's kernel, or Inductor's)
         x.grad = None
         y = fn(x, w)
         y.backward(grad)
@@ -154,12 +158,12 @@ def _measure_shape(shape: LinearShape, tokens: int, recipes: list[str | None], f
 
 def _print_rows(rows: list[dict]) -> None:
     print(
-        f"{'layer':<18}{'recipe':<15}{'fwd ms':>8}{'TFLOP/s':>9}{'bwd ms':>8}{'TFLOP/s':>9}{'x bf16':>8}"
+        f"{'layer':<18}{'recipe':<22}{'fwd ms':>8}{'TFLOP/s':>9}{'bwd ms':>8}{'TFLOP/s':>9}{'x bf16':>8}"
         f"{'out err':>9}{'dx err':>8}{'syncs':>6}"
     )
     for r in rows:
         print(
-            f"{r['shape']:<18}{r['recipe']:<15}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>9.0f}{r['bwd_ms']:>8.3f}"
+            f"{r['shape']:<18}{r['recipe']:<22}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>9.0f}{r['bwd_ms']:>8.3f}"
             f"{r['bwd_tflops']:>9.0f}{r['speedup']:>8.2f}{r['out_rel_err']:>9.4f}{r['dgrad_rel_err']:>8.4f}"
             f"{r['host_syncs']:>6d}",
             flush=True,
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--preset", default="qwen3_5_9b")
-    parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_gw_hp")
+    parser.add_argument("--recipes", default="tensorwise,tensorwise@compiled,rowwise,rowwise_gw_hp")
     parser.add_argument("--no-output-layer", action="store_true", help="leave the output layer's row out")
     parser.add_argument("--out", default=None, help="write the rows and totals as JSON here")
     args = parser.parse_args(argv)
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             "left out):"
         )
         for recipe, ms in totals.items():
-            print(f"  {recipe:<15}{ms:>9.1f} ms  {base / ms:.2f}x bf16")
+            print(f"  {recipe:<22}{ms:>9.1f} ms  {base / ms:.2f}x bf16")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(

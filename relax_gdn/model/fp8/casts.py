@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
 
+from relax_gdn.model.fp8 import cast_kernel
+
 logger = logging.getLogger(__name__)
 
 # torch._scaled_mm: the reduction dimension a multiple of 16
@@ -100,15 +102,20 @@ def _amax_and_cast(x, axiswise_dim, dtype, pow2, rows, cols):
 
 
 class CastKernels:
-    """The casts, compiled on CUDA for the model that owns this object (eager on CPU, and eager for
-    this model alone after a compile error, with one warning)."""
+    """The casts of one model: on CUDA Triton's kernel (``triton``, the default) or the same functions
+    compiled by ``torch.compile`` (``compiled``, kept for comparison in ``relax_gdn.bench.gemm``) or
+    eager; eager on CPU. A compile error turns this model's casts eager, with one warning."""
 
-    def __init__(self, compile_on_cuda: bool = True):
-        self._compile = compile_on_cuda
+    MODES = ("triton", "compiled", "eager")
+
+    def __init__(self, mode: str = "triton"):
+        if mode not in self.MODES:
+            raise ValueError(f"cast mode {mode!r}: one of {', '.join(self.MODES)}")
+        self.mode = mode
         self._compiled: dict[str, object] = {}
 
     def _call(self, name: str, fn, x: torch.Tensor, *args):
-        if not (self._compile and x.is_cuda):
+        if not (self.mode == "compiled" and x.is_cuda):
             return fn(x, *args)
         compiled = self._compiled.get(name)
         if compiled is None:
@@ -125,16 +132,25 @@ class CastKernels:
                 type(e).__name__,
                 e,
             )
-            self._compile = False
+            self.mode = "eager"
             return fn(x, *args)
 
+    def _triton(self, x: torch.Tensor) -> bool:
+        return self.mode == "triton" and x.is_cuda
+
     def amax(self, x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
+        if self._triton(x):
+            return cast_kernel.amax(x, axiswise_dim)
         return self._call("amax", _amax, x, axiswise_dim)
 
     def cast(self, x, amax, dtype, pow2, rows, cols):
+        if self._triton(x):
+            return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, ALIGN)
         return self._call("cast", _cast, x, amax, dtype, pow2, rows, cols)
 
     def amax_and_cast(self, x, axiswise_dim, dtype, pow2, rows, cols):
+        if self._triton(x):
+            return self.cast(x, self.amax(x, axiswise_dim), dtype, pow2, rows, cols)
         return self._call("amax_and_cast", _amax_and_cast, x, axiswise_dim, dtype, pow2, rows, cols)
 
 

@@ -1,0 +1,146 @@
+"""The scaled FP8 cast as one Triton kernel: amax -> scale -> saturated cast, written as stored, transposed
+(the tokens padded to a multiple of 16), or both, in one pass over the high-precision tensor.
+
+It computes what torchao's building blocks compute (``amax_to_scale``: ``fp8_max / max(amax, 1e-12)``
+in float64, rounded to float32, optionally down to a power of two; ``x.float() * scale`` saturated to
+the FP8 range, rounded to nearest even), bit for bit (``tests/test_fp8_gpu.py`` and, through Triton's
+interpreter, ``tests/test_fp8.py``). Why a kernel of our own: compiled with ``torch.compile`` on a
+dynamic token count, each cast costs about 200 µs of host time (dynamo's guards) and its amax
+reduction runs at a fifth of the memory bandwidth, which together took back what the FP8 GEMMs save
+at the 9B's shapes (docs/benchmarks.md, "FP8 on one GPU"); here the amax is one ATen reduction and the
+cast one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# torchao's float8_utils.EPS: the smallest amax a scale is computed from
+AMAX_EPS = 1e-12
+TENSORWISE, PER_ROW, PER_COLUMN = 0, 1, 2
+_BLOCK_M, _BLOCK_K = 64, 128
+_TL_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _scaled_cast(
+    x_ptr,
+    amax_ptr,
+    rows_ptr,
+    cols_ptr,
+    scale_ptr,
+    M,
+    K,
+    M_PAD,
+    stride_m,
+    stride_k,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    POW2: tl.constexpr,
+    WRITE_ROWS: tl.constexpr,
+    WRITE_COLS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_m, in_k = offs_m < M, offs_k < K
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k,
+        mask=in_m[:, None] & in_k[None, :],
+        other=0.0,  # the padding rows of the transposed layout: zeros
+    ).to(tl.float32)
+    # the scale in float64 from exact float64 constants, as torchao's amax_to_scale
+    fp8_max, eps = tl.full([], FP8_MAX, tl.float64), tl.full([], EPS, tl.float64)
+    if SCALE_MODE == 0:
+        amax = tl.load(amax_ptr).to(tl.float64)
+    elif SCALE_MODE == 1:
+        amax = tl.load(amax_ptr + offs_m, mask=in_m, other=1.0).to(tl.float64)
+    else:
+        amax = tl.load(amax_ptr + offs_k, mask=in_k, other=1.0).to(tl.float64)
+    scale = (fp8_max / tl.maximum(amax, eps)).to(tl.float32)
+    if POW2:  # down to a power of two: the exponent bits alone (scales are positive and normal)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    if SCALE_MODE == 0:
+        scaled = x * scale
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(scale_ptr, scale)
+    elif SCALE_MODE == 1:
+        scaled = x * scale[:, None]
+        if pid_k == 0:
+            tl.store(scale_ptr + offs_m, scale, mask=in_m)
+    else:
+        scaled = x * scale[None, :]
+        if pid_m == 0:
+            tl.store(scale_ptr + offs_k, scale, mask=in_k)
+    limit = tl.full([], FP8_MAX, tl.float32)
+    q = tl.minimum(tl.maximum(scaled, -limit), limit).to(OUT_DTYPE, fp_downcast_rounding="rtne")
+    if WRITE_ROWS:
+        tl.store(rows_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=in_m[:, None] & in_k[None, :])
+    if WRITE_COLS:
+        tl.store(
+            cols_ptr + offs_k[None, :] * M_PAD + offs_m[:, None],
+            q,
+            mask=(offs_m < M_PAD)[:, None] & in_k[None, :],
+        )
+
+
+def scaled_cast(
+    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool, align: int
+):
+    """``x [m, k]`` scaled by the scale of ``amax`` (a scalar, ``[m, 1]`` or ``[1, k]``) and cast to
+    ``dtype``: (as stored ``[m, k]`` or None, transposed ``[k, m']`` with ``m`` padded to a multiple of
+    ``align`` or None, the float32 scale shaped as ``amax``, ``amax``)."""
+    m, k = x.shape
+    if amax.numel() == 1:
+        mode = TENSORWISE
+    elif amax.shape == (m, 1):
+        mode = PER_ROW
+    elif amax.shape == (1, k):
+        mode = PER_COLUMN
+    else:
+        raise ValueError(f"amax of shape {tuple(amax.shape)} for a tensor of shape {(m, k)}")
+    m_pad = m + (-m) % align
+    as_stored = torch.empty((m, k), dtype=dtype, device=x.device) if rows else None
+    transposed = torch.empty((k, m_pad), dtype=dtype, device=x.device) if cols else None
+    scale = torch.empty(amax.shape, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m_pad if cols else m, _BLOCK_M), triton.cdiv(k, _BLOCK_K))
+    _scaled_cast[grid](
+        x,
+        amax.contiguous(),
+        as_stored if rows else scale,  # an unused pointer still needs a tensor
+        transposed if cols else scale,
+        scale,
+        m,
+        k,
+        m_pad,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=torch.finfo(dtype).max,
+        EPS=AMAX_EPS,
+        SCALE_MODE=mode,
+        POW2=pow2,
+        WRITE_ROWS=rows,
+        WRITE_COLS=cols,
+        OUT_DTYPE=_TL_DTYPES[dtype],
+        BLOCK_M=_BLOCK_M,
+        BLOCK_K=_BLOCK_K,
+        num_warps=8,
+    )
+    return as_stored, transposed, scale, amax
+
+
+def amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
+    """``max |x|`` in float32, over the whole tensor or along ``axiswise_dim`` (kept): one ATen reduction
+    that reads bf16 and accumulates in float32 without a copy."""
+    if axiswise_dim is None:
+        return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    return torch.linalg.vector_norm(x, float("inf"), dim=axiswise_dim, keepdim=True, dtype=torch.float32)
+
+
+__all__ = ["AMAX_EPS", "amax", "scaled_cast"]
