@@ -62,16 +62,29 @@ class FunctionShape:
     name: str  # "<path>::<qualified name>", e.g. "relax_gdn/train/loop.py::Trainer.setup"
     lines: int
     positional: int
+    # a Triton kernel (``@triton.jit``): its parameters are its launch's pointers, sizes, strides and
+    # compile-time constants, which Triton binds in order, so the positional limit does not apply
+    kernel: bool = False
 
     def over(self) -> set[str]:
         return {
             limit
             for limit, over in (
                 ("lines", self.lines > MAX_LINES),
-                ("positional", self.positional > MAX_POSITIONAL),
+                ("positional", self.positional > MAX_POSITIONAL and not self.kernel),
             )
             if over
         }
+
+
+def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(
+        isinstance(d, ast.Attribute)
+        and d.attr == "jit"
+        and isinstance(d.value, ast.Name)
+        and d.value.id == "triton"
+        for d in node.decorator_list
+    )
 
 
 def function_shapes(source: str, path: str) -> list[FunctionShape]:
@@ -88,7 +101,10 @@ def function_shapes(source: str, path: str) -> list[FunctionShape]:
                     positional -= 1  # self / cls
                 shapes.append(
                     FunctionShape(
-                        f"{path}::{prefix}{child.name}", child.end_lineno - child.lineno + 1, positional
+                        f"{path}::{prefix}{child.name}",
+                        child.end_lineno - child.lineno + 1,
+                        positional,
+                        kernel=_is_triton_kernel(child),
                     )
                 )
                 visit(child, f"{prefix}{child.name}.", in_class=False)

@@ -43,6 +43,12 @@ RUN_LIMIT_S = 600  # a 2-worker job on a loaded 2-core machine
 AT_ONCE_LIMIT_S = 30  # the issue's bound for a second Ctrl-C to end the job
 
 
+def _default_ctrl_c() -> None:
+    # a terminal's foreground job starts with Ctrl-C's default action; a test runner started in the
+    # background of a script (``.ci/run &``) ignores SIGINT, which make (unlike the launcher) keeps
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(command: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
     """In a session of its own: its process group is the job's, as a terminal's is; without the
     environment of a make that runs the tests (``make test``), as a command typed in a terminal."""
@@ -57,6 +63,7 @@ def _start(command: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=_default_ctrl_c,
     )
 
 

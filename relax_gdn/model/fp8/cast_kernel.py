@@ -24,6 +24,8 @@ _BLOCK_M, _BLOCK_K = 64, 128
 _TL_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
+# the scale in float64 from exact float64 constants, as torchao's amax_to_scale; the padding rows of the
+# transposed layout load as zeros
 @triton.jit
 def _scaled_cast(
     x_ptr,
@@ -50,12 +52,9 @@ def _scaled_cast(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     in_m, in_k = offs_m < M, offs_k < K
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k,
-        mask=in_m[:, None] & in_k[None, :],
-        other=0.0,  # the padding rows of the transposed layout: zeros
-    ).to(tl.float32)
-    # the scale in float64 from exact float64 constants, as torchao's amax_to_scale
+    mask = in_m[:, None] & in_k[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     fp8_max, eps = tl.full([], FP8_MAX, tl.float64), tl.full([], EPS, tl.float64)
     if SCALE_MODE == 0:
         amax = tl.load(amax_ptr).to(tl.float64)
@@ -81,7 +80,7 @@ def _scaled_cast(
     limit = tl.full([], FP8_MAX, tl.float32)
     q = tl.minimum(tl.maximum(scaled, -limit), limit).to(OUT_DTYPE, fp_downcast_rounding="rtne")
     if WRITE_ROWS:
-        tl.store(rows_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=in_m[:, None] & in_k[None, :])
+        tl.store(rows_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
     if WRITE_COLS:
         tl.store(
             cols_ptr + offs_k[None, :] * M_PAD + offs_m[:, None],
@@ -91,7 +90,7 @@ def _scaled_cast(
 
 
 def scaled_cast(
-    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool, align: int
+    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool, *, align: int
 ):
     """``x [m, k]`` scaled by the scale of ``amax`` (a scalar, ``[m, 1]`` or ``[1, k]``) and cast to
     ``dtype``: (as stored ``[m, k]`` or None, transposed ``[k, m']`` with ``m`` padded to a multiple of

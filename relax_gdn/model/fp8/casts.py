@@ -145,7 +145,7 @@ class CastKernels:
 
     def cast(self, x, amax, dtype, pow2, rows, cols):
         if self._triton(x):
-            return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, ALIGN)
+            return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, align=ALIGN)
         return self._call("cast", _cast, x, amax, dtype, pow2, rows, cols)
 
     def amax_and_cast(self, x, axiswise_dim, dtype, pow2, rows, cols):
