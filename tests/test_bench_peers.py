@@ -212,6 +212,18 @@ def test_agreement_tolerances_by_precision():
     assert peers.agreement({"loss": 10.0}, None, "bf16")["why"] == "no HF reference step"
 
 
+def test_an_fp8_row_says_which_gemms_ran_in_fp8():
+    """relax-gdn's FP8 row carries the run summary's FP8 line (bench.train_e2e's summary) into its note."""
+    ran = "FP8 (tensorwise): 96 of 97 linear layers ran forward, input-gradient and weight-gradient GEMMs in FP8"
+    entry = {
+        "side": "relax",
+        "summary": {"tokens_per_s": 9000.0, "fp8": ran},
+        "agreement": {"agrees": True},
+    }
+    assert peers.note(entry, fastest_hf=5000.0) == ran
+    assert peers.note(entry, fastest_hf=10000.0) == f"{ran}; an HF row is faster"
+
+
 def test_out_of_memory_rows_show_what_they_asked_for():
     oom = out_of_memory(f"OutOfMemoryError: {TORCH_OOM}")
     assert oom == {"asked": "2.00 GiB", "in_use": "138.43 GiB", "capacity": "139.81 GiB"}

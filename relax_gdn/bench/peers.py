@@ -431,6 +431,8 @@ def note(entry: dict, fastest_hf: float | None) -> str:
         parts.append(
             f"NOT A VALID ROW: {len(s['params_without_gradient'])} trainable parameters got no gradient"
         )
+    if s.get("fp8"):
+        parts.append(s["fp8"])
     if entry["side"] == "relax" and fastest_hf and timed(entry) and timed(entry) < fastest_hf:
         parts.append("an HF row is faster")
     return "; ".join(parts)

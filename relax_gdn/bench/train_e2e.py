@@ -620,6 +620,8 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
             records[-1]["profiled"] = True
         summary = summarize(records, args.skip, world)
         summary["memory_estimate_gib"] = estimate.as_gib()
+        if result.fp8:  # which layers ran their GEMMs in FP8 (the run summary's line)
+            summary["fp8"] = result.fp8
         if result.params_without_gradient:  # the row did not train what it names (train/gradient_check.py)
             summary["params_without_gradient"] = result.params_without_gradient
         if retries_before is not None:
@@ -710,6 +712,8 @@ def format_table(result: dict) -> str:
             f"{fmt(s['mfu'], '7.3f')}{fmt(s['mfu_relax'], '7.3f')}{fmt(s['peak_mem_gib'], '7.1f')}"
             f"{s['memory_estimate_gib']['total']:7.1f}{fmt(s['host_syncs_max'], '6d')}"
         )
+        if s.get("fp8"):
+            lines.append(f"  {s['fp8']}")
         untrained = s.get("params_without_gradient")
         if untrained:
             lines.append(

@@ -79,9 +79,15 @@ class FP8Plan:
         but never ran (a path that bypasses the layer)."""
         planned = [layer for layer in self.layers if layer.impl is not None]
         idle = [layer.name for layer in planned if layer.impl.calls == 0]
+        wgrad_fp8 = all(layer.impl.operands.weight_grad_in_fp8 for layer in planned)
+        gemms = (
+            "forward, input-gradient and weight-gradient GEMMs in FP8"
+            if wgrad_fp8
+            else "forward and input-gradient GEMMs in FP8 (weight gradients in bf16)"
+        )
         line = (
             f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
-            f"ran forward, input-gradient and weight-gradient GEMMs in FP8"
+            f"ran {gemms}"
         )
         return line + (f"; planned but never called: {', '.join(idle)}" if idle else "")
 
