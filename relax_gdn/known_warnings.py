@@ -97,6 +97,13 @@ KNOWN_WARNINGS = (
         SyntaxWarning,
         module=r".*megatron[/\\]core",
     ),
+    KnownWarning(
+        r"invalid escape sequence",
+        "Python compiling torchao 0.18.0's sources on their first import (a docstring's '\\.' in "
+        "quantization/quant_api.py, seen on the GPU host): about text, not behaviour",
+        SyntaxWarning,
+        module=r".*torchao[/\\]",
+    ),
 )
 
 

@@ -203,6 +203,7 @@ print("cast kernel ok")
 """
 
 
+@pytest.mark.slow
 def test_cast_kernel_in_tritons_interpreter():
     """The GPU's cast kernel (relax_gdn.model.fp8.cast_kernel) run on CPU by Triton's interpreter: its
     amax, scales (tensorwise, per row, per column; power-of-two rounding) and the layouts (as stored,

@@ -205,3 +205,26 @@ def test_a_runtime_without_the_cpu_shims_is_refused_where_they_are_needed():
         assert bare.require("reading a config") is bare
     with Runtime() as shimmed:
         assert shimmed.require("training on CPU", cpu_shims=True) is shimmed
+
+
+@pytest.mark.parametrize("package", ["megatron/core", "torchao"])
+def test_a_dependencys_syntax_warning_on_first_import_is_silenced_and_ours_is_not(tmp_path, package):
+    """Python compiling a dependency's source with an invalid escape sequence (Megatron-Core's and
+    torchao's docstrings, seen on the GPU host) says nothing under the known filters; the same text in
+    another package still warns."""
+    from relax_gdn.known_warnings import silence_known_warnings
+
+    source = 'def f():\n    """a \\. b"""\n'
+    theirs = tmp_path / package / "mod.py"
+    ours = tmp_path / "relax_gdn_like" / "mod.py"
+    undo = silence_known_warnings()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            compile(source, str(theirs), "exec")
+            assert not [w for w in seen if issubclass(w.category, SyntaxWarning)], [
+                str(w.message) for w in seen
+            ]
+            compile(source, str(ours), "exec")
+            assert [w for w in seen if issubclass(w.category, SyntaxWarning)]
+    finally:
+        undo()
