@@ -68,19 +68,9 @@ def _reference(recipe: str, x, w, g):
 
 
 def _impl(recipe: str, bf16_rows: int = 0):
-    from torchao.float8 import Float8LinearConfig
-
-    from relax_gdn.model.fp8.casts import CastKernels
     from relax_gdn.model.fp8.linear import FP8LinearImpl
-    from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
-    return FP8LinearImpl(
-        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
-        "column",
-        None,
-        CastKernels(),
-        bf16_rows=bf16_rows,
-    )
+    return FP8LinearImpl.of_recipe(recipe, bf16_rows=bf16_rows)
 
 
 def _inputs(tokens: int, inp: int, out: int, seed: int = 0):

@@ -79,20 +79,11 @@ def _linear_fn(recipe: str | None, bf16_rows: int, fuse: bool):
         return lambda x, w: linear_with_grad_accumulation_and_async_allreduce(
             x, w, None, gradient_accumulation_fusion=fuse, allreduce_dgrad=False, sequence_parallel=False
         )
-    from torchao.float8 import Float8LinearConfig
-
     from relax_gdn.model.fp8.casts import CastKernels
     from relax_gdn.model.fp8.linear import FP8LinearImpl
-    from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 
     name, _, casts = recipe.partition("@")
-    impl = FP8LinearImpl(
-        Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[name]),
-        "column",
-        None,
-        CastKernels(casts or "triton"),
-        bf16_rows=bf16_rows,
-    )
+    impl = FP8LinearImpl.of_recipe(name, kernels=CastKernels(casts or "triton"), bf16_rows=bf16_rows)
     return lambda x, w: impl(x, w, gradient_accumulation_fusion=fuse)
 
 

@@ -4,10 +4,11 @@ Each operand is cast as its recipe's ``CastConfig`` says, with torchao's buildin
 (``tensor_to_amax`` -> ``amax_to_scale`` -> ``to_fp8_saturated``), straight into the layout Hopper's
 FP8 GEMM reads (``torch._scaled_mm``: the first operand row-major, the second column-major): a cast
 writes the tensor as it is stored (``rows``), transposed (``cols``, the tokens padded to a multiple
-of 16 where a weight gradient's GEMM reduces over them), or both in one pass. On CUDA each cast is
-one compiled kernel (``torch.compile``, dynamic token count) per operand; a separate transposing copy
-of the FP8 data, or torchao's tensor-subclass dispatch around every GEMM, measured as long as the
-GEMMs themselves at the 9B's shapes (docs/benchmarks.md, "FP8 on one GPU").
+of 16 where a weight gradient's GEMM reduces over them), or both in one pass. On CUDA the amax is
+one ATen reduction and the cast one Triton kernel (:mod:`relax_gdn.model.fp8.cast_kernel`), bit for
+bit what the torchao functions here compute; a separate transposing copy of the FP8 data, torchao's
+tensor-subclass dispatch around every GEMM, or these functions compiled by ``torch.compile`` took
+back what the FP8 GEMMs save at the 9B's shapes (docs/benchmarks.md, "FP8 on one GPU").
 
 Tensor parallelism: an operand split over the TP ranks along a dimension its scale reduces over gets
 its amax all-reduced (MAX) over the TP group first, so every rank casts with the scale the whole
@@ -77,7 +78,7 @@ class FP8Data:
     scale: torch.Tensor
 
 
-# --- the kernels (plain torch: compiled on CUDA) -------------------------------------------------
+# --- the reference casts (plain torch: eager on CPU, compiled in mode 'compiled') ---------------
 
 
 def _amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torchao.float8.config import Float8LinearConfig
 
 from relax_gdn.model.fp8.casts import CastKernels, FP8Data, Operand, cast_to_fp8, fp8_mm, operand
+from relax_gdn.model.fp8.options import TORCHAO_RECIPES
 from relax_gdn.model.fusion import handed_to_main_grad
 from relax_gdn.model.mlp import matmul_output_unread
 
@@ -81,7 +82,7 @@ class FP8LinearImpl:
         config: the recipe (torchao's ``Float8LinearConfig``).
         parallel: ``"column"`` or ``"row"``: how TP splits the layer (which operands' amax spans ranks).
         tp_group: the layer's TP group.
-        kernels: the model's compiled casts.
+        kernels: the model's casts (one :class:`CastKernels` shared by its layers).
         bf16_rows: output rows at the end computed in bf16 (0: all in FP8).
     """
 
@@ -98,6 +99,25 @@ class FP8LinearImpl:
 
     def __post_init__(self):
         self.operands = LinearOperands.of(self.config, self.parallel)
+
+    @classmethod
+    def of_recipe(
+        cls,
+        recipe: str,
+        *,
+        parallel: str = "column",
+        tp_group: dist.ProcessGroup | None = None,
+        kernels: CastKernels | None = None,
+        bf16_rows: int = 0,
+    ) -> FP8LinearImpl:
+        """The layer's implementation of ``model.fp8.recipe`` ``recipe`` (``kernels``: None, casts of its own)."""
+        return cls(
+            Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe]),
+            parallel,
+            tp_group,
+            kernels or CastKernels(),
+            bf16_rows=bf16_rows,
+        )
 
     def __call__(
         self,

@@ -57,10 +57,6 @@ class FP8Options:
     bf16_modules: tuple[str, ...] = (OUTPUT_LAYER,)
     bf16_gdn_gates: bool = True
 
-    @property
-    def torchao_recipe(self) -> str:
-        return TORCHAO_RECIPES[self.recipe]
-
 
 def fp8_gpu_problem(recipe: str | None, cuda_capability: tuple[int, int] | None) -> str | None:
     """Why a GPU of compute capability ``cuda_capability`` cannot run ``recipe`` (None: it can, or the

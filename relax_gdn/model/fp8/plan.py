@@ -122,15 +122,13 @@ def _plan_layer(
     if (out_features - bf16_rows) % _ALIGN or in_features % _ALIGN:
         layer.bf16_reason = f"{out_features - bf16_rows}x{in_features} not multiples of {_ALIGN}"
         return layer
-    from torchao.float8 import Float8LinearConfig
-
     from relax_gdn.model.fp8.linear import FP8LinearImpl
 
-    layer.impl = FP8LinearImpl(
-        Float8LinearConfig.from_recipe_name(options.torchao_recipe),
-        "row" if isinstance(module, RowParallelLinear) else "column",
-        module.tp_group,
-        kernels,
+    layer.impl = FP8LinearImpl.of_recipe(
+        options.recipe,
+        parallel="row" if isinstance(module, RowParallelLinear) else "column",
+        tp_group=module.tp_group,
+        kernels=kernels,
         bf16_rows=bf16_rows,
     )
     return layer
