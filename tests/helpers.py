@@ -102,9 +102,10 @@ def train_py(
     )
 
 
-def train_records_in_this_process(runtime, **overrides) -> list[dict]:
-    """Two steps of the tiny model on 16 short samples (``run_training`` here, no process group
-    started, in the installed ``runtime``): the records."""
+def train_in_this_process(runtime, run_dir: Path | None = None, **overrides):
+    """Two steps (unless ``train.steps`` says otherwise) of the tiny model on 16 short samples
+    (``run_training`` here, no process group started, in the installed ``runtime``, writing into
+    ``run_dir`` when given): its ``TrainResult``."""
     from relax_gdn.train import run_training
 
     cfg = RunConfig().with_overrides(
@@ -119,7 +120,12 @@ def train_records_in_this_process(runtime, **overrides) -> list[dict]:
             **overrides,
         }
     )
-    return run_training(cfg, None, runtime=runtime).records
+    return run_training(cfg, run_dir, runtime=runtime)
+
+
+def train_records_in_this_process(runtime, **overrides) -> list[dict]:
+    """:func:`train_in_this_process`'s records."""
+    return train_in_this_process(runtime, **overrides).records
 
 
 # two steps of the reduced 9B on one GPU in bf16 with host syncs counted: what the GPU tests of a

@@ -28,7 +28,7 @@ from relax_gdn.config import RunConfig
 from relax_gdn.config.validate import validate
 from relax_gdn.errors import ConfigError
 from relax_gdn.model.fp8.options import fp8_problems
-from tests.helpers import as_ddp_parameter, relative_error
+from tests.helpers import as_ddp_parameter, relative_error, train_in_this_process
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_gw_hp")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -580,21 +580,7 @@ def test_lora_base_weights_are_cast_once(gloo, recipe):
 
 
 def _run(runtime, tmp: Path | None = None, **overrides):
-    from relax_gdn.train import run_training
-
-    cfg = RunConfig().with_overrides(
-        {
-            "train.steps": 3,
-            "train.global_batch_size": 4,
-            "data.num_samples": 16,
-            "data.max_sample_tokens": 512,
-            "optim.warmup_steps": 1,
-            "logging.console": False,
-            "logging.jsonl": False,
-            **overrides,
-        }
-    )
-    return run_training(cfg, tmp, runtime=runtime)
+    return train_in_this_process(runtime, tmp, **{"train.steps": 3, **overrides})
 
 
 @pytest.mark.slow
