@@ -10,6 +10,12 @@ import pytest
 
 from relax_gdn.bench import train_e2e
 
+# bench.train_e2e on the tiny model on CPU: two steps of short lognormal samples
+TINY_CPU_RUN = (
+    "--preset qwen3_5_tiny --device cpu --steps 2 --skip 1 --global-batch-size 4 --mean-tokens 60 "
+    "--min-tokens 16 --max-tokens 400 --max-tokens-per-gpu 256"
+).split()
+
 
 def test_variant_overrides():
     assert train_e2e.variant_overrides(
@@ -278,24 +284,7 @@ def test_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     result = train_e2e.main(
         [
-            "--preset",
-            "qwen3_5_tiny",
-            "--device",
-            "cpu",
-            "--steps",
-            "2",
-            "--skip",
-            "1",
-            "--global-batch-size",
-            "4",
-            "--mean-tokens",
-            "60",
-            "--min-tokens",
-            "16",
-            "--max-tokens",
-            "400",
-            "--max-tokens-per-gpu",
-            "256",
+            *TINY_CPU_RUN,
             "--variants",
             "fused=off;recompute=selective",
             "--out",
@@ -457,24 +446,7 @@ def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monke
     out = tmp_path / "e2e.json"
     train_e2e.main(
         [
-            "--preset",
-            "qwen3_5_tiny",
-            "--device",
-            "cpu",
-            "--steps",
-            "2",
-            "--skip",
-            "1",
-            "--global-batch-size",
-            "4",
-            "--mean-tokens",
-            "60",
-            "--min-tokens",
-            "16",
-            "--max-tokens",
-            "400",
-            "--max-tokens-per-gpu",
-            "256",
+            *TINY_CPU_RUN,
             "--variants",
             "recompute=full;recompute=selective;recompute=mixed",
             "--no-warm-up-pass",
