@@ -1,6 +1,6 @@
-"""Reading and ending the processes a test starts (train.py, torchrun and their workers), each wait
-with a time limit: a child's output line by line, every process below a child, a poll for a
-condition with a deadline."""
+"""Starting, reading and ending the processes a test starts (train.py, torchrun and their workers),
+each wait with a time limit: a child started as a terminal's job, its output line by line, every
+process below a child, a poll for a condition with a deadline."""
 
 from __future__ import annotations
 
@@ -8,11 +8,36 @@ import codecs
 import os
 import re
 import selectors
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
+
+
+def _default_ctrl_c() -> None:
+    # a terminal's foreground job starts with Ctrl-C's default action; a test runner started in the
+    # background of a script (``.ci/run &``) ignores SIGINT, which make (unlike torchrun and the
+    # recipe's own processes, which install handlers) would keep
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_as_a_job(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``command`` as a terminal (or SLURM) starts a job: in a session of its own, so its process group
+    is the job's and a signal to the group reaches everything in it, with SIGINT's default action;
+    stdout and stderr in one text pipe (read it with :func:`output_lines` or ``ChildLines``)."""
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_ctrl_c,
+    )
 
 
 def output_lines(process: subprocess.Popen, timeout_s: float) -> Iterator[str]:

@@ -28,7 +28,7 @@ import pytest
 from relax_gdn.errors import EXIT_CODE_FILE_ENV, INTERRUPTED_EXIT_CODE
 from relax_gdn.launch import AT_ONCE_GRACE_S
 from tests.distributed import child_env
-from tests.processes import ChildLines, alive, descendants, output_lines, wait_until
+from tests.processes import ChildLines, alive, descendants, output_lines, start_as_a_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = (
@@ -43,28 +43,13 @@ RUN_LIMIT_S = 600  # a 2-worker job on a loaded 2-core machine
 AT_ONCE_LIMIT_S = 30  # the issue's bound for a second Ctrl-C to end the job
 
 
-def _default_ctrl_c() -> None:
-    # a terminal's foreground job starts with Ctrl-C's default action; a test runner started in the
-    # background of a script (``.ci/run &``) ignores SIGINT, which make (unlike the launcher) keeps
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _start(command: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
     """In a session of its own: its process group is the job's, as a terminal's is; without the
     environment of a make that runs the tests (``make test``), as a command typed in a terminal."""
     environ = child_env({EXIT_CODE_FILE_ENV: str(tmp_path / "exit_code"), "PYTHONPATH": str(ROOT), **env})
     for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):  # else make says "make[1]:", as a sub-make
         environ.pop(name, None)
-    return subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_default_ctrl_c,
-    )
+    return start_as_a_job(command, tmp_path, environ)
 
 
 def _launch(tmp_path: Path, *overrides: str, faults: bool = False) -> list[str]:

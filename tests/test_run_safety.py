@@ -47,7 +47,7 @@ from relax_gdn.errors import (
 from tests.distributed import child_env, job_runtime, run_distributed
 from tests.helpers import THIRD_PARTY_NOTICE
 from tests.helpers import small_config as _cfg
-from tests.processes import alive, descendants, output_lines, wait_until
+from tests.processes import alive, descendants, output_lines, start_as_a_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = (
@@ -75,15 +75,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _start(command: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.Popen:
     """In a session of its own: its process group is the job's, as a terminal's or SLURM's is."""
-    return subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_as_a_job(command, tmp_path, env)
 
 
 def _recorded_exit_code(tmp_path: Path) -> int | None:

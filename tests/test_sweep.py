@@ -29,7 +29,7 @@ from relax_gdn.sweep import (
     wandb_run_id,
 )
 from tests.distributed import child_env
-from tests.processes import ChildLines, alive, descendants, wait_until
+from tests.processes import ChildLines, alive, descendants, start_as_a_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -148,7 +148,7 @@ def test_ctrl_c_stops_the_running_job_after_a_checkpoint_and_the_others_are_not_
     terminal sends it) while the first trains: it stops after a checkpoint (its job controller does
     not kill it), the two others are recorded as not run, the sweep ends with one line, exit 130."""
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.Popen(
+    proc = start_as_a_job(
         [
             sys.executable,
             str(ROOT / "train.py"),
@@ -160,12 +160,8 @@ def test_ctrl_c_stops_the_running_job_after_a_checkpoint_and_the_others_are_not_
             "train.steps=40",
             "optim.decay_steps=40",
         ],
-        cwd=tmp_path,
-        env=child_env({"PYTHONPATH": str(ROOT)}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        tmp_path,
+        child_env({"PYTHONPATH": str(ROOT)}),
     )
     lines = ChildLines(proc, timeout_s=900)
     try:
@@ -217,7 +213,7 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
     bad[0].write_text(bad_text)
     os.mkfifo(bad[1])
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.Popen(
+    proc = start_as_a_job(
         [
             sys.executable,
             str(ROOT / "train.py"),
@@ -230,12 +226,8 @@ def test_jobs_failing_inside_are_reported_as_they_happen_and_the_next_still_runs
             "hydra.launcher.timeout_min=15",
             *TINY,
         ],
-        cwd=tmp_path,
-        env=child_env({"PYTHONPATH": str(ROOT)}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        tmp_path,
+        child_env({"PYTHONPATH": str(ROOT)}),
     )
     lines = ChildLines(proc, timeout_s=1200)
     try:
