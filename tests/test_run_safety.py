@@ -558,12 +558,16 @@ def test_the_step_watchdog_fires_with_the_stacks_of_every_thread(tmp_path):
         "import threading\n"
         "from pathlib import Path\n"
         "from relax_gdn.train.watchdog import StepWatchdog\n"
-        f"dog = StepWatchdog(1.0, rank=3, dump_dir=Path({str(tmp_path / 'hang')!r}))\n"
+        # rank 3 of 4, the other ranks' stacks already written: it exits once its own are
+        f"dog = StepWatchdog(1.0, rank=3, dump_dir=Path({str(tmp_path / 'hang')!r}), world_size=4)\n"
         "dog.start(); dog.progress(7, 0.1)\n"
         "def parked_forever():\n"
         "    threading.Event().wait()\n"
         "parked_forever()\n"
     )
+    (tmp_path / "hang").mkdir()
+    for peer in range(3):
+        (tmp_path / "hang" / f"rank{peer}.txt").write_text(f"rank {peer}: ...\n")
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
     )
