@@ -10,12 +10,18 @@
 #   CALL=2 relax_gdn/bench/fp8.sh   LoRA r16 + Adam bf16 / RECIPE, the reduced 9B's loss curves (bf16 and
 #       RECIPE, seeds 1 and 2; packed into $OUT/curves.tgz) and relax_gdn.compare over them
 #   CALL=3 relax_gdn/bench/fp8.sh   LIGHT bf16 / rowwise / rowwise_gw_hp
+#   CALL=4 relax_gdn/bench/fp8.sh   where FP8 starts to pay: full recompute bf16 / RECIPE with every
+#       micro-batch one sample of 2k, 4k and 8k tokens (32k tokens per step; one process per length)
+#   CALL=5 relax_gdn/bench/fp8.sh   two GPUs of one host (2 x H200: full fine-tuning of the 9B with Adam
+#       needs ≈ 201 GiB on one): the 9B, NINE_B_STEPS steps on the distributed optimizer, bf16 and
+#       RECIPE, and relax_gdn.compare over the two runs
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
 # CURVE_ARGS (model=qwen3_5_9b_reduced train=h200; model=tiny train=cpu_demo on a CPU machine), LIGHT
 # (recompute=selective; recompute=mixed on an 80 GB H100, where selective does not fit the 9B at 8k),
-# LORA (the LoRA rows' recompute: recompute=full, which fits both cards).
+# LORA (the LoRA rows' recompute: recompute=full, which fits both cards), NINE_B_STEPS (50), NINE_B_ARGS
+# (model=qwen3_5_9b train=h200; model=tiny train=cpu_demo on a CPU machine).
 set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/fp8}
@@ -65,6 +71,25 @@ case $CALL in
     step e2e_rowwise 240 "${E2E[@]}" --out "$OUT/e2e_rowwise.json" --variants \
       "$LIGHT;$LIGHT,fp8=rowwise;$LIGHT,fp8=rowwise_gw_hp"
     echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_rowwise.log" ;;
+  4)
+    for tokens in 2048 4096 8192; do
+      step "e2e_mb$tokens" 150 python3 -m relax_gdn.bench.train_e2e --preset "$PRESET" --max-tokens-per-gpu $tokens \
+        --mean-tokens $tokens --sigma 0 --min-tokens $tokens --max-tokens $tokens \
+        --global-batch-size $(( 32768 / tokens )) --steps "${STEPS:-4}" --skip "${SKIP:-1}" \
+        --out "$OUT/e2e_mb$tokens.json" --variants "recompute=full;recompute=full,fp8=$RECIPE"
+    done
+    for tokens in 2048 4096 8192; do echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_mb$tokens.log"; done ;;
+  5)
+    for recipe in null "$RECIPE"; do
+      step "nine_b_$recipe" 260 python3 -m relax_gdn.launch --standalone --nproc-per-node 2 train.py \
+        ${NINE_B_ARGS:-model=qwen3_5_9b train=h200} hydra.run.dir="nine_b/$recipe" train.steps="${NINE_B_STEPS:-50}" \
+        train.global_batch_size=16 recompute=full logging.wandb.mode=disabled logging.console=false \
+        model.fp8.recipe="$recipe"
+    done
+    rm -rf nine_b/*/checkpoints
+    python3 -m relax_gdn.compare nine_b --baseline model.fp8.recipe=null > "$OUT/compare_9b.log" 2>&1
+    tar -czf "$OUT/nine_b.tgz" nine_b
+    tail -n 12 "$OUT/compare_9b.log" ;;
 esac
 save_caches
 echo; cat "$summary"
