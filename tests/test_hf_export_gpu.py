@@ -24,7 +24,7 @@ import torch
 
 from relax_gdn.model import hf_checkpoint as hfc
 from tests.distributed import child_env, job_runtime, run_distributed
-from tests.helpers import export_summary_line
+from tests.helpers import REDUCED_9B_GPU_RUN, export_summary_line
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,23 +52,8 @@ REDUCED_TEXT = dict(
 
 
 def _overrides(**extra) -> dict:
-    return {
-        "model.preset": "qwen3_5_9b_reduced",
-        "train.device": "cuda",
-        "train.precision": "bf16",
-        "train.steps": 3,
-        "train.global_batch_size": 8,
-        "train.max_tokens_per_gpu": 2048,
-        "data.max_sample_tokens": 2048,
-        "data.synthetic_max_steps": 20,
-        "data.num_samples": 64,
-        "optim.warmup_steps": 1,
-        "optim.lr": 1e-5,
-        "optim.min_lr": 1e-6,
-        "logging.console": False,
-        "logging.jsonl": False,
-        **extra,
-    }
+    # the model-level GPU run for three steps, without the host-sync counter (the default)
+    return {**REDUCED_9B_GPU_RUN, "train.steps": 3, "logging.count_host_syncs": False, **extra}
 
 
 def _train(run_dir: str | None, extra: dict) -> int:
