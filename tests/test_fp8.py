@@ -168,9 +168,12 @@ for dim in (None, -1, 0):
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         for pow2 in (False, True):
             rows, cols = dim != 0, dim != -1
-            got_rows, got_cols, scale, _ = cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, align=16)
+            got_rows, got_cols, scale, inv_scale, _ = cast_kernel.scaled_cast(
+                x, amax, dtype, pow2, rows, cols, align=16
+            )
             want_scale = amax_to_scale(want_amax, dtype, pow2)
             assert scale.shape == want_scale.shape and torch.equal(scale, want_scale), (dim, dtype, pow2)
+            assert torch.equal(inv_scale, want_scale.reciprocal()), (dim, dtype, pow2)
             scaled = x.float() * want_scale
             want = to_fp8_saturated(scaled, dtype).float()
             # Triton's interpreter (numpy's emulation, not the GPU's conversion: tests/test_fp8_gpu.py

@@ -1,5 +1,6 @@
 """The scaled FP8 cast as one Triton kernel: amax -> scale -> saturated cast, written as stored, transposed
-(the tokens padded to a multiple of 16), or both, in one pass over the high-precision tensor.
+(the tokens padded to a multiple of 16), or both, in one pass over the high-precision tensor, with the
+scale and its reciprocal (the GEMM's factor).
 
 It computes what torchao's building blocks compute (``amax_to_scale``: ``fp8_max / max(amax, 1e-12)``
 in float64, rounded to float32, optionally down to a power of two; ``x.float() * scale`` saturated to
@@ -33,6 +34,7 @@ def _scaled_cast(
     rows_ptr,
     cols_ptr,
     scale_ptr,
+    inv_scale_ptr,
     M,
     K,
     M_PAD,
@@ -65,18 +67,24 @@ def _scaled_cast(
     scale = (fp8_max / tl.maximum(amax, eps)).to(tl.float32)
     if POW2:  # down to a power of two: the exponent bits alone (scales are positive and normal)
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    # the GEMM's dequantising factor, rounded as torch's reciprocal rounds it (IEEE division: Triton's
+    # `/` on float32 is an approximation)
+    inv_scale = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     if SCALE_MODE == 0:
         scaled = x * scale
         if (pid_m == 0) & (pid_k == 0):
             tl.store(scale_ptr, scale)
+            tl.store(inv_scale_ptr, inv_scale)
     elif SCALE_MODE == 1:
         scaled = x * scale[:, None]
         if pid_k == 0:
             tl.store(scale_ptr + offs_m, scale, mask=in_m)
+            tl.store(inv_scale_ptr + offs_m, inv_scale, mask=in_m)
     else:
         scaled = x * scale[None, :]
         if pid_m == 0:
             tl.store(scale_ptr + offs_k, scale, mask=in_k)
+            tl.store(inv_scale_ptr + offs_k, inv_scale, mask=in_k)
     limit = tl.full([], FP8_MAX, tl.float32)
     q = tl.minimum(tl.maximum(scaled, -limit), limit).to(OUT_DTYPE, fp_downcast_rounding="rtne")
     if WRITE_ROWS:
@@ -94,7 +102,8 @@ def scaled_cast(
 ):
     """``x [m, k]`` scaled by the scale of ``amax`` (a scalar, ``[m, 1]`` or ``[1, k]``) and cast to
     ``dtype``: (as stored ``[m, k]`` or None, transposed ``[k, m']`` with ``m`` padded to a multiple of
-    ``align`` or None, the float32 scale shaped as ``amax``, ``amax``)."""
+    ``align`` or None, the float32 scale shaped as ``amax``, its reciprocal, ``amax``). The reciprocal is
+    what ``torch._scaled_mm`` multiplies by; written here, it costs no launch of its own."""
     m, k = x.shape
     if amax.numel() == 1:
         mode = TENSORWISE
@@ -108,6 +117,7 @@ def scaled_cast(
     as_stored = torch.empty((m, k), dtype=dtype, device=x.device) if rows else None
     transposed = torch.empty((k, m_pad), dtype=dtype, device=x.device) if cols else None
     scale = torch.empty(amax.shape, dtype=torch.float32, device=x.device)
+    inv_scale = torch.empty_like(scale)
     grid = (triton.cdiv(m_pad if cols else m, _BLOCK_M), triton.cdiv(k, _BLOCK_K))
     _scaled_cast[grid](
         x,
@@ -115,6 +125,7 @@ def scaled_cast(
         as_stored if rows else scale,  # an unused pointer still needs a tensor
         transposed if cols else scale,
         scale,
+        inv_scale,
         m,
         k,
         m_pad,
@@ -131,7 +142,7 @@ def scaled_cast(
         BLOCK_K=_BLOCK_K,
         num_warps=8,
     )
-    return as_stored, transposed, scale, amax
+    return as_stored, transposed, scale, inv_scale, amax
 
 
 def amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:

@@ -71,11 +71,13 @@ def operand(cast: CastConfig, axiswise_dim: int, split_dim: int | None) -> Opera
 
 @dataclass(frozen=True)
 class FP8Data:
-    """One GEMM operand in FP8: ``data`` row-major ``[rows, k]`` and the ``scale`` that made it (scalar,
-    or ``[rows, 1]``: one per row); the value is ``data / scale``."""
+    """One GEMM operand in FP8: ``data`` row-major ``[rows, k]``, the ``scale`` that made it (scalar,
+    or ``[rows, 1]``: one per row) and its reciprocal, the factor the GEMM dequantises by; the value is
+    ``data * inv_scale``."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    inv_scale: torch.Tensor
 
 
 # --- the reference casts (plain torch: eager on CPU, compiled in mode 'compiled') ---------------
@@ -88,14 +90,14 @@ def _amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
 
 def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool):
     """``x [m, n]`` scaled by the scale of ``amax`` and cast to ``dtype``: (as stored or None, transposed
-    ``[n, m']`` with ``m`` padded to a multiple of 16 or None, the scale, ``amax``)."""
+    ``[n, m']`` with ``m`` padded to a multiple of 16 or None, the scale, its reciprocal, ``amax``)."""
     scale = amax_to_scale(amax, dtype, pow2)
     scaled = x.to(torch.float32) * scale  # torchao's hp_tensor_and_scale_to_float8: the product in fp32
     as_stored = to_fp8_saturated(scaled, dtype) if rows else None
     transposed = None
     if cols:
         transposed = to_fp8_saturated(F.pad(scaled.t(), (0, (-x.shape[0]) % ALIGN)), dtype).contiguous()
-    return as_stored, transposed, scale, amax
+    return as_stored, transposed, scale, scale.reciprocal(), amax
 
 
 def _amax_and_cast(x, axiswise_dim, dtype, pow2, rows, cols):
@@ -175,16 +177,16 @@ def cast_to_fp8(
         amax = kernels.amax(x, op.axiswise_dim)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
     if amax is None:
-        as_stored, transposed, scale, amax = kernels.amax_and_cast(
+        as_stored, transposed, scale, inv_scale, amax = kernels.amax_and_cast(
             x, op.axiswise_dim, dtype, pow2, rows, cols
         )
     else:
-        as_stored, transposed, scale, amax = kernels.cast(x, amax, dtype, pow2, rows, cols)
+        as_stored, transposed, scale, inv_scale, amax = kernels.cast(x, amax, dtype, pow2, rows, cols)
     out = {}
     if rows:
-        out["rows"] = FP8Data(as_stored, scale)
+        out["rows"] = FP8Data(as_stored, scale, inv_scale)
     if cols:
-        out["cols"] = FP8Data(transposed, scale.t() if scale.dim() else scale)
+        out["cols"] = FP8Data(transposed, scale.t(), inv_scale.t())  # t() keeps a 0-d scale as it is
     return out, amax
 
 
@@ -195,7 +197,7 @@ def fp8_mm(
     or on CPU torchao's emulation (the dequantised operands multiplied in fp32)."""
     if emulate:
         return ((a.data.float() / a.scale) @ (b_t.data.float() / b_t.scale).t()).to(out_dtype)
-    scale_a, scale_b = a.scale.reciprocal(), b_t.scale.reciprocal().t()
+    scale_a, scale_b = a.inv_scale, b_t.inv_scale.t()
     rowwise = scale_a.dim() or scale_b.dim()
     if rowwise:  # _scaled_mm scales both operands the same way: a tensorwise one is repeated
         scale_a = scale_a.expand(a.data.shape[0], 1).contiguous() if not scale_a.dim() else scale_a
