@@ -139,6 +139,38 @@ def test_the_scaled_mm_path_agrees_with_the_emulation(recipe, monkeypatch):
         assert got.dtype == torch.bfloat16 and relative_error(got, want) < 1e-2, (recipe, name)
 
 
+def test_a_failing_cast_kernel_turns_the_models_casts_eager(monkeypatch, caplog):
+    """Triton's kernel failing (no compiler for the GPU, a driver too old) on the first cast: that
+    cast and every later one of the model are the eager casts' values, with one warning, and the
+    kernel is not tried again."""
+    from relax_gdn.model.fp8 import cast_kernel
+    from relax_gdn.model.fp8.casts import CastKernels
+
+    tried = []
+
+    def failing(*args, **kwargs):
+        tried.append(1)
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_90a")
+
+    monkeypatch.setattr(cast_kernel, "scaled_cast", failing)
+    monkeypatch.setattr(CastKernels, "_triton", lambda self, x: self.mode == "triton")  # as on CUDA
+    kernels, eager = CastKernels("triton"), CastKernels("eager")
+    x = _inputs(40, 64, 96)[0].to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="relax_gdn.model.fp8.casts"):
+        for _ in range(2):
+            got = kernels.amax_and_cast(x, None, torch.float8_e4m3fn, False, True, True)
+            want = eager.amax_and_cast(x, None, torch.float8_e4m3fn, False, True, True)
+            for g, w in zip(got, want):
+                assert torch.equal(
+                    g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                    w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w,
+                )
+    assert kernels.mode == "eager" and len(tried) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relax_gdn.model.fp8.casts"]
+    assert len(warnings) == 1 and "Triton's cast kernel failed" in warnings[0], warnings
+    assert "sm_90a" in warnings[0] and "this model casts eagerly" in warnings[0]
+
+
 def test_frozen_weight_is_cast_once_per_value():
     x, w, g = _inputs(32, 64, 96)
     impl = _impl("rowwise")

@@ -107,7 +107,8 @@ def _amax_and_cast(x, axiswise_dim, dtype, pow2, rows, cols):
 class CastKernels:
     """The casts of one model: on CUDA Triton's kernel (``triton``, the default) or the same functions
     compiled by ``torch.compile`` (``compiled``, kept for comparison in ``relax_gdn.bench.gemm``) or
-    eager; eager on CPU. A compile error turns this model's casts eager, with one warning."""
+    eager; eager on CPU. An error of the Triton kernel or of the compiler turns this model's casts eager
+    (the same values), with one warning."""
 
     MODES = ("triton", "compiled", "eager")
 
@@ -130,13 +131,17 @@ class CastKernels:
             with torch._dynamo.config.patch(**{_RECOMPILE_LIMIT_KEY: _RECOMPILE_LIMIT}):
                 return compiled(x, *args)
         except Exception as e:  # noqa: BLE001 - Inductor fails in many ways; eager is the same math
-            logger.warning(
-                "torch.compile failed for the FP8 casts (%s: %s); this model casts eagerly",
-                type(e).__name__,
-                e,
-            )
-            self.mode = "eager"
+            self._fall_back("torch.compile", e)
             return fn(x, *args)
+
+    def _fall_back(self, what: str, error: Exception) -> None:
+        logger.warning(
+            "%s failed for the FP8 casts (%s: %s); this model casts eagerly",
+            what,
+            type(error).__name__,
+            error,
+        )
+        self.mode = "eager"
 
     def _triton(self, x: torch.Tensor) -> bool:
         return self.mode == "triton" and x.is_cuda
@@ -148,7 +153,10 @@ class CastKernels:
 
     def cast(self, x, amax, dtype, pow2, rows, cols):
         if self._triton(x):
-            return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, align=ALIGN)
+            try:
+                return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, align=ALIGN)
+            except Exception as e:  # noqa: BLE001 - Triton's compiler and driver fail in many ways
+                self._fall_back("Triton's cast kernel", e)
         return self._call("cast", _cast, x, amax, dtype, pow2, rows, cols)
 
     def amax_and_cast(self, x, axiswise_dim, dtype, pow2, rows, cols):
