@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The 9B against Hugging Face transformers + peft on one GPU (docs/benchmarks.md, "Against Hugging Face
+# transformers"), in device calls of at most 9.5 minutes each, from the repository root on the GPU host.
+# The machine's first call carries .gpu (47 MiB), a later call of the same warm machine .gpu-hf (25 MiB,
+# relax_gdn/bench/hf_wheels.sh): together they pass a call's 64 MiB. The first CALL writes the 9B's
+# random-init HF checkpoint into outputs/peers/, which later calls of the warm machine reuse.
+#
+#   CALL=1 relax_gdn/bench/peers.sh   LoRA r16 + AdamW, one 8,192-token document per step: HF without and
+#       with checkpointing, + Liger, relax-gdn at its best setting, with full recompute, and in FP8
+#   CALL=2 relax_gdn/bench/peers.sh   the same LoRA rows at 32,768 tokens (HF without checkpointing shows
+#       where it runs out of memory), STEPS32 steps
+#   CALL=3 relax_gdn/bench/peers.sh   full fine-tuning at 8,192 tokens: HF without checkpointing and HF +
+#       torchao float8 with compiled decoder blocks (the rows the H200 table lacks); then full
+#       fine-tuning at 32,768 tokens while the budget lasts
+#
+# Environment: STEPS32 (4: the 32k rows' steps, medians of the steps after the second), ROWS_8K_LORA,
+# ROWS_32K, ROWS_8K_FULL (the --rows of each step; see `python -m relax_gdn.bench.peers --help`).
+set -uo pipefail
+CALL=${CALL:-1}
+OUT=${OUT:-outputs/peers}
+source "$(dirname "$0")/device_call.sh"
+[[ -f .gpu-hf/activate.sh ]] && source .gpu-hf/activate.sh
+PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b)
+RELAX_ROWS="relax;relax,recompute=full"
+
+case $CALL in
+  1)
+    step peers_8k_lora 540 "${PEERS[@]}" --doc-tokens 8192 --workloads lora --out "$OUT/peers_8k_lora.json" \
+      --rows "${ROWS_8K_LORA:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS;relax,model.fp8.recipe=tensorwise}"
+    tables=(peers_8k_lora) ;;
+  2)
+    step peers_32k_lora 540 "${PEERS[@]}" --doc-tokens 32768 --workloads lora --steps "${STEPS32:-4}" \
+      --out "$OUT/peers_32k_lora.json" --rows "${ROWS_32K:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS}"
+    tables=(peers_32k_lora) ;;
+  3)
+    step peers_8k_full 300 "${PEERS[@]}" --doc-tokens 8192 --workloads full --out "$OUT/peers_8k_full.json" \
+      --rows "${ROWS_8K_FULL:-hf;hf,fp8;hf,ckpt}"
+    step peers_32k_full 240 "${PEERS[@]}" --doc-tokens 32768 --workloads full --steps "${STEPS32:-4}" \
+      --out "$OUT/peers_32k_full.json" --rows "${ROWS_32K:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS}"
+    tables=(peers_8k_full peers_32k_full) ;;
+  *) echo "CALL=$CALL: one of 1, 2, 3" >&2; exit 2 ;;
+esac
+for t in "${tables[@]}"; do
+  echo; echo "== $t =="
+  if [[ -f "$OUT/$t.md" ]]; then cat "$OUT/$t.md"; else tail -n 30 "$OUT/$t.log"; fi
+done
+echo; cat "$summary"
