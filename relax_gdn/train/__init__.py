@@ -1,21 +1,32 @@
 """Training: the entry point (:func:`run_training`), the Trainer, the model builder, the step,
 gradient sync + optimizer + schedule, checkpoints and resume, metrics (tok/s, TFLOP/s, MFU), FLOPs
-accounting (one module), loggers (console, JSONL, W&B)."""
+accounting (one module), loggers (console, JSONL, W&B).
 
-from relax_gdn.train.flops import ModelShape, flops_per_token, megatron_flops, relax_flops, step_flops
-from relax_gdn.train.metrics import REQUIRED_RECORD_FIELDS, MetricsProcessor, StepRecord
-from relax_gdn.train.run import run_training
-from relax_gdn.train.run_result import TrainResult
+The names below load on first use (PEP 562), as in ``relax_gdn.model``: importing one light module
+of this package (``relax_gdn.train.watchdog``, ``relax_gdn.train.memory``) then does not pull in
+:func:`run_training`'s Megatron-Core, FLA and wandb, about 5 s of a fresh process on the 2-core
+development machine (docs/testing.md).
+"""
 
-__all__ = [
-    "REQUIRED_RECORD_FIELDS",
-    "MetricsProcessor",
-    "ModelShape",
-    "StepRecord",
-    "TrainResult",
-    "flops_per_token",
-    "megatron_flops",
-    "relax_flops",
-    "run_training",
-    "step_flops",
-]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    **dict.fromkeys(
+        ("ModelShape", "flops_per_token", "megatron_flops", "relax_flops", "step_flops"),
+        "relax_gdn.train.flops",
+    ),
+    **dict.fromkeys(("REQUIRED_RECORD_FIELDS", "MetricsProcessor", "StepRecord"), "relax_gdn.train.metrics"),
+    "run_training": "relax_gdn.train.run",
+    "TrainResult": "relax_gdn.train.run_result",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)
