@@ -81,6 +81,13 @@ def _rank_processes(backend: str):
     return ctx
 
 
+def rank_process_context():
+    """The context CPU ranks start from (:func:`_rank_processes`), for a test's process of its own
+    that runs what a rank runs (the ``kill -9`` checkpoint runs, which kill their own process
+    group): it starts with torch, Megatron-Core and the loop imported, as a rank does."""
+    return _rank_processes("gloo")
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child command that starts its own run (``python train.py``,
     torchrun, a sweep): this process's, without a surrounding launcher's variables, with

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import re
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import JobResults, child_env, job_runtime
+from tests.distributed import JobResults, child_env, job_runtime, rank_process_context
 from tests.helpers import TYPO_MESSAGE
 from tests.helpers import small_config as _cfg
 from tests.processes import ChildLines, output_lines
@@ -136,7 +135,7 @@ class _KilledAndFinished(Mapping):
     def _kill(self, case: str) -> None:
         if case not in self._killed:
             point, step = KILL_CASES[case]
-            process = mp.get_context("spawn").Process(
+            process = rank_process_context().Process(
                 target=_run_killed, args=(str(self._tmp / case), point, step)
             )
             process.start()
