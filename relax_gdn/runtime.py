@@ -14,6 +14,8 @@ A :class:`Runtime` owns, in the order it installs them:
   FLA's ``FLA_TILELANG``), first;
 * the filters for third-party notices known to be harmless (:mod:`relax_gdn.known_warnings`),
   first, so they are in place before Megatron-Core, FLA or torch's extension loader import;
+* wandb loaded on its first use rather than when Megatron-Core imports it
+  (:mod:`relax_gdn.compat.deferred_wandb`; not undone: the entry is wandb itself);
 * on a machine without CUDA, Megatron-Core's CPU shims (:mod:`relax_gdn.compat.cpu`:
   ``torch.cuda.current_device``, the RNG tracker functions, a checkpoint staging method, dynamo)
   and a quiet CPU profiler (``KINETO_LOG_LEVEL``, :func:`relax_gdn.known_warnings.quiet_cpu_profiler`);
@@ -107,6 +109,10 @@ class Runtime:
                 from relax_gdn.known_warnings import silence_known_warnings
 
                 self._undo.append(silence_known_warnings())
+            # before the CPU shims import Megatron-Core, whose import would run wandb's
+            from relax_gdn.compat.deferred_wandb import defer_wandb_import
+
+            defer_wandb_import()
             self._install_device_shims()
         except BaseException:
             self.close()

@@ -228,3 +228,36 @@ def test_a_dependencys_syntax_warning_on_first_import_is_silenced_and_ours_is_no
             assert [w for w in seen if issubclass(w.category, SyntaxWarning)]
     finally:
         undo()
+
+
+def test_wandb_deferred_by_the_runtime_runs_on_first_use(tmp_path):
+    """In a fresh process (this one imported wandb long ago): a Runtime defers wandb (Megatron-Core's
+    import of it then costs nothing); the first attribute access runs it, as the same module
+    object, and a W&B offline run works through it."""
+    import subprocess
+    import sys
+
+    from tests.distributed import child_env
+
+    script = (
+        "import sys\n"
+        "from relax_gdn.compat.deferred_wandb import defer_wandb_import\n"
+        "from relax_gdn.runtime import Runtime\n"
+        "with Runtime(cpu_shims=False):\n"
+        "    import wandb\n"  # what Megatron-Core's timers do when they import
+        "    assert 'wandb.sdk' not in sys.modules, 'executed at import'\n"
+        "    assert not defer_wandb_import()  # once per process\n"
+        f"    run = wandb.init(mode='offline', dir={str(tmp_path)!r}, project='deferred')\n"
+        "    run.log({'loss': 1.0}); run.finish()\n"
+        "    assert sys.modules['wandb'] is wandb and 'wandb.sdk' in sys.modules\n"
+        "print('ok', type(wandb).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=child_env({"WANDB_SILENT": "true"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok module", done.stdout + done.stderr[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
