@@ -57,7 +57,6 @@ BAD_INPUTS = {
     "impossible combination": (["parallel.cp=2", "gdn.cp_mode=all_gather"], ["world size 1", "parallel.cp"]),
     "sp without tp": (["parallel.sp=true"], ["parallel.sp=true", "parallel.tp"]),
     "missing data file": (["data=jsonl", "data.path={tmp}/none.jsonl"], ["data.path=", "none.jsonl"]),
-    "empty data file": (["data=jsonl", "data.path={tmp}/empty.jsonl"], ["empty.jsonl", "no records"]),
     "wrong field names": (
         ["data=jsonl", "data.path={tmp}/fields.jsonl"],
         ["fields.jsonl", "data.prompt_field", "['question', 'answer']"],
@@ -67,7 +66,6 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_one_message_and_leaves_nothing(tmp_path, case):
-    _data_file(tmp_path, "empty.jsonl", "")
     _data_file(tmp_path, "fields.jsonl", json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
     overrides, needles = BAD_INPUTS[case]
     done = _train(tmp_path, *(o.format(tmp=tmp_path) for o in overrides))
@@ -80,13 +78,17 @@ def test_bad_input_is_one_message_and_leaves_nothing(tmp_path, case):
     assert not (tmp_path / "run").exists()  # nothing written: Hydra's run directory is gone too
 
 
-def test_a_data_error_leaves_no_default_run_directory_behind(tmp_path):
-    """Without hydra.run.dir, Hydra makes outputs/runs/<date>/<time>/; an attempt that fails
-    while loading its data removes that and the empty parents made for it."""
+def test_an_empty_data_file_is_one_message_and_leaves_no_default_run_directory_behind(tmp_path):
+    """A bad input found while loading the data (BAD_INPUTS' checks, in one run). Without
+    hydra.run.dir, Hydra makes outputs/runs/<date>/<time>/; the failed attempt removes that and the
+    empty parents made for it."""
     _data_file(tmp_path, "empty.jsonl", "")
     (tmp_path / "kept").mkdir()  # what was there before stays
     done = _train(tmp_path, "data=jsonl", f"data.path={tmp_path}/empty.jsonl", run_dir=False)
     assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert len(re.findall(r"^error: ", done.stderr, flags=re.M)) == 1, done.stderr
+    assert "empty.jsonl" in done.stderr and "no records" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "kept"]
 
 
