@@ -90,13 +90,20 @@ def _amax(x: torch.Tensor, axiswise_dim: int | None) -> torch.Tensor:
 
 def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, pow2: bool, rows: bool, cols: bool):
     """``x [m, n]`` scaled by the scale of ``amax`` and cast to ``dtype``: (as stored or None, transposed
-    ``[n, m']`` with ``m`` padded to a multiple of 16 or None, the scale, its reciprocal, ``amax``)."""
+    ``[n, m']`` with ``m`` padded to a multiple of 16 or None, the scale, ``amax``)."""
     scale = amax_to_scale(amax, dtype, pow2)
     scaled = x.to(torch.float32) * scale  # torchao's hp_tensor_and_scale_to_float8: the product in fp32
     as_stored = to_fp8_saturated(scaled, dtype) if rows else None
     transposed = None
     if cols:
         transposed = to_fp8_saturated(F.pad(scaled.t(), (0, (-x.shape[0]) % ALIGN)), dtype).contiguous()
+    return as_stored, transposed, scale, amax
+
+
+def _with_reciprocal(cast):
+    """A cast's (as stored, transposed, scale, amax) with the scale's reciprocal after the scale, taken
+    eagerly: Inductor's reciprocal of a per-row scale differs from torch's in the last bit."""
+    as_stored, transposed, scale, amax = cast
     return as_stored, transposed, scale, scale.reciprocal(), amax
 
 
@@ -157,12 +164,14 @@ class CastKernels:
                 return cast_kernel.scaled_cast(x, amax, dtype, pow2, rows, cols, align=ALIGN)
             except Exception as e:  # noqa: BLE001 - Triton's compiler and driver fail in many ways
                 self._fall_back("Triton's cast kernel", e)
-        return self._call("cast", _cast, x, amax, dtype, pow2, rows, cols)
+        return _with_reciprocal(self._call("cast", _cast, x, amax, dtype, pow2, rows, cols))
 
     def amax_and_cast(self, x, axiswise_dim, dtype, pow2, rows, cols):
         if self._triton(x):
             return self.cast(x, self.amax(x, axiswise_dim), dtype, pow2, rows, cols)
-        return self._call("amax_and_cast", _amax_and_cast, x, axiswise_dim, dtype, pow2, rows, cols)
+        return _with_reciprocal(
+            self._call("amax_and_cast", _amax_and_cast, x, axiswise_dim, dtype, pow2, rows, cols)
+        )
 
 
 def cast_to_fp8(
