@@ -50,6 +50,10 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, ClassVar
 
+# imported with this module: neither imports anything beyond the standard library
+from relax_gdn.compat.deferred_wandb import defer_wandb_import
+from relax_gdn.known_warnings import quiet_cpu_profiler, silence_known_warnings
+
 SignalHandler = Callable[[int, FrameType | None], object]
 
 
@@ -106,13 +110,8 @@ class Runtime:
             for name, value in self.environ.items():
                 self._set_environ(name, value)
             if self.silence_warnings:
-                from relax_gdn.known_warnings import silence_known_warnings
-
                 self._undo.append(silence_known_warnings())
-            # before the CPU shims import Megatron-Core, whose import would run wandb's
-            from relax_gdn.compat.deferred_wandb import defer_wandb_import
-
-            defer_wandb_import()
+            defer_wandb_import()  # before the CPU shims import Megatron-Core, which imports wandb
             self._install_device_shims()
         except BaseException:
             self.close()
@@ -129,8 +128,6 @@ class Runtime:
 
             self._undo.append(apply_cpu_shims())
         if not cuda:  # before any profile: kineto reads its log level once per process
-            from relax_gdn.known_warnings import quiet_cpu_profiler
-
             self._undo.append(quiet_cpu_profiler())
         self.fla = (cuda and importlib.util.find_spec("fla") is not None) if self._fla is None else self._fla
         if self.fla:
