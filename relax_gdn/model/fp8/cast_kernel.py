@@ -25,8 +25,36 @@ _BLOCK_M, _BLOCK_K = 64, 128
 _TL_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
-# the scale in float64 from exact float64 constants, as torchao's amax_to_scale; the padding rows of the
-# transposed layout load as zeros
+# the scale in float64 from exact float64 constants, as torchao's amax_to_scale
+@triton.jit
+def _scales(
+    amax_ptr,
+    scale_ptr,
+    inv_scale_ptr,
+    offs,
+    mask,
+    store,
+    FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """The scales of the amax at ``offs`` (one, or a row's or a column's block), stored with their
+    reciprocals where ``store`` (one program per scale writes it)."""
+    amax = tl.load(amax_ptr + offs, mask=mask, other=1.0).to(tl.float64)
+    scale = (tl.full([], FP8_MAX, tl.float64) / tl.maximum(amax, tl.full([], EPS, tl.float64))).to(tl.float32)
+    if POW2:  # down to a power of two: the exponent bits alone (scales are positive and normal)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    if store:
+        # the GEMM's dequantising factor, rounded as torch's reciprocal rounds it (IEEE division:
+        # Triton's `/` on float32 is an approximation)
+        tl.store(
+            inv_scale_ptr + offs, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=mask
+        )
+        tl.store(scale_ptr + offs, scale, mask=mask)
+    return scale
+
+
+# the padding rows of the transposed layout load as zeros
 @triton.jit
 def _scaled_cast(
     x_ptr,
@@ -57,34 +85,18 @@ def _scaled_cast(
     mask = in_m[:, None] & in_k[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    fp8_max, eps = tl.full([], FP8_MAX, tl.float64), tl.full([], EPS, tl.float64)
-    if SCALE_MODE == 0:
-        amax = tl.load(amax_ptr).to(tl.float64)
-    elif SCALE_MODE == 1:
-        amax = tl.load(amax_ptr + offs_m, mask=in_m, other=1.0).to(tl.float64)
-    else:
-        amax = tl.load(amax_ptr + offs_k, mask=in_k, other=1.0).to(tl.float64)
-    scale = (fp8_max / tl.maximum(amax, eps)).to(tl.float32)
-    if POW2:  # down to a power of two: the exponent bits alone (scales are positive and normal)
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    # the GEMM's dequantising factor, rounded as torch's reciprocal rounds it (IEEE division: Triton's
-    # `/` on float32 is an approximation)
-    inv_scale = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    if SCALE_MODE == 0:
-        scaled = x * scale
-        if (pid_m == 0) & (pid_k == 0):
-            tl.store(scale_ptr, scale)
-            tl.store(inv_scale_ptr, inv_scale)
-    elif SCALE_MODE == 1:
-        scaled = x * scale[:, None]
-        if pid_k == 0:
-            tl.store(scale_ptr + offs_m, scale, mask=in_m)
-            tl.store(inv_scale_ptr + offs_m, inv_scale, mask=in_m)
-    else:
-        scaled = x * scale[None, :]
-        if pid_m == 0:
-            tl.store(scale_ptr + offs_k, scale, mask=in_k)
-            tl.store(inv_scale_ptr + offs_k, inv_scale, mask=in_k)
+    if SCALE_MODE == 0:  # one scale, written by the first program
+        offs, in_range, store = 0, pid_m >= 0, (pid_m == 0) & (pid_k == 0)
+    elif SCALE_MODE == 1:  # a scale per row, written by the programs of the first column block
+        offs, in_range, store = offs_m, in_m, pid_k == 0
+    else:  # a scale per column, written by the programs of the first row block
+        offs, in_range, store = offs_k, in_k, pid_m == 0
+    scale = _scales(amax_ptr, scale_ptr, inv_scale_ptr, offs, in_range, store, FP8_MAX, EPS, POW2)
+    if SCALE_MODE == 1:
+        scale = scale[:, None]
+    elif SCALE_MODE == 2:
+        scale = scale[None, :]
+    scaled = x * scale
     limit = tl.full([], FP8_MAX, tl.float32)
     q = tl.minimum(tl.maximum(scaled, -limit), limit).to(OUT_DTYPE, fp_downcast_rounding="rtne")
     if WRITE_ROWS:
