@@ -240,6 +240,41 @@ def test_cast_kernel_in_tritons_interpreter():
     assert done.returncode == 0 and "cast kernel ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    "scale_mode,fp8,pow2", [(0, "fp8e4nv", False), (1, "fp8e4nv", True), (2, "fp8e5", False)]
+)
+def test_cast_kernel_compiles_for_hopper(scale_mode, fp8, pow2, tmp_path, monkeypatch):
+    """The cast kernel through Triton's whole compiler for sm_90 (to Hopper's machine code with the
+    ptxas Triton ships; no GPU needed), in each scale mode: a kernel that only Triton's interpreter ran
+    could still be refused by the compiler on the GPU. The scale's reciprocal is IEEE division
+    (``div.rn``), as torch's reciprocal rounds it, not Triton's approximate ``/``."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from relax_gdn.model.fp8 import cast_kernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pointers = dict(x_ptr="*bf16", amax_ptr="*fp32", rows_ptr=f"*{fp8}", cols_ptr=f"*{fp8}")
+    pointers.update(scale_ptr="*fp32", inv_scale_ptr="*fp32")
+    sizes = dict.fromkeys(("M", "K", "M_PAD", "stride_m", "stride_k"), "i32")
+    constants = dict(FP8_MAX=57344.0 if fp8 == "fp8e5" else 448.0, EPS=cast_kernel.AMAX_EPS, POW2=pow2)
+    constants.update(SCALE_MODE=scale_mode, WRITE_ROWS=scale_mode != 2, WRITE_COLS=scale_mode != 1)
+    constants.update(
+        OUT_DTYPE=getattr(tl, {"fp8e4nv": "float8e4nv", "fp8e5": "float8e5"}[fp8]), BLOCK_M=64, BLOCK_K=128
+    )
+    source = ASTSource(
+        fn=cast_kernel._scaled_cast,
+        signature={**pointers, **sizes, **dict.fromkeys(constants, "constexpr")},
+        constexprs=constants,
+    )
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert kernel.asm["cubin"], "no machine code"
+    ptx = kernel.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx
+
+
 # ---------------------------------------------------------------------------------------------
 # the plan and the model
 # ---------------------------------------------------------------------------------------------
