@@ -240,6 +240,7 @@ def test_cast_kernel_in_tritons_interpreter():
     assert done.returncode == 0 and "cast kernel ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # Triton's whole compiler, about 1 s a case
 @pytest.mark.parametrize(
     "scale_mode,fp8,pow2", [(0, "fp8e4nv", False), (1, "fp8e4nv", True), (2, "fp8e5", False)]
 )

@@ -9,9 +9,8 @@ check takes (docs/benchmarks.md, "Figures behind code comments").
 
 from __future__ import annotations
 
-import importlib
-
 from relax_gdn.choices import ATTENTION_BACKENDS, MODEL_ATTENTION_BACKENDS, SPEC_PROVIDERS
+from relax_gdn.lazy_names import lazy_getattr
 from relax_gdn.model.presets import PRESETS, Qwen3_5Preset, qwen3_5_preset
 
 _LAZY = {
@@ -36,10 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

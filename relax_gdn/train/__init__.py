@@ -10,7 +10,7 @@ development machine (docs/testing.md).
 
 from __future__ import annotations
 
-import importlib
+from relax_gdn.lazy_names import lazy_getattr
 
 _LAZY = {
     **dict.fromkeys(
@@ -23,10 +23,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = sorted(_LAZY)

@@ -10,8 +10,7 @@ without torch or torchao.
 
 from __future__ import annotations
 
-import importlib
-
+from relax_gdn.lazy_names import lazy_getattr
 from relax_gdn.model.fp8.options import FP8Options, fp8_problems
 
 _LAZY = {
@@ -22,10 +21,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["FP8LinearImpl", "FP8Options", "FP8Plan", "fp8_plan_of", "fp8_problems", "install_fp8"]
