@@ -192,6 +192,12 @@ def test_rows_parse_to_settings_and_overrides():
     }
     assert row.fp8 and not peers.parse_row("relax", 64).fp8
     assert peers.parse_row("relax", 64).overrides == {"recompute.granularity": "best"}
+    assert peers.parse_row(
+        "relax,recompute=selective,recompute.modules=[mlp_act,gdn_core]", 64
+    ).overrides == {
+        "recompute.granularity": "selective",
+        "recompute.modules": ["mlp_act", "gdn_core"],
+    }
     for bad, says in (
         ("hf,ckpt,fast", "HF row setting 'fast'"),
         ("relax,speed=11", "unknown shorthand 'speed'"),

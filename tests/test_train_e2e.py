@@ -47,6 +47,26 @@ def test_variant_overrides():
             train_e2e.variant_overrides(bad, 1)
 
 
+def test_a_list_value_keeps_its_commas():
+    """What would measure the attention left out of selective recompute, or the 4,096 x 4,096
+    projections kept in bf16 under FP8, in one variant each."""
+    assert train_e2e.variant_overrides(
+        "recompute=selective,recompute.modules=[mlp_act, gdn_core],fp8=tensorwise,"
+        "model.fp8.bf16_modules=[output_layer,*.out_proj,*.linear_proj],profile",
+        1,
+    ) == {
+        "recompute.granularity": "selective",
+        "recompute.modules": ["mlp_act", "gdn_core"],
+        "model.fp8.recipe": "tensorwise",
+        "model.fp8.bf16_modules": ["output_layer", "*.out_proj", "*.linear_proj"],
+    }
+    assert train_e2e.variant_overrides("model.fp8.bf16_modules=[]", 1) == {"model.fp8.bf16_modules": []}
+    assert train_e2e.profiled_variant("recompute.modules=[mlp_act,core_attn],profile")
+    for bad in ("recompute.modules=[mlp_act,gdn_core", "recompute.modules=mlp_act]"):
+        with pytest.raises(ValueError, match=r"a '\[' without its '\]'"):
+            train_e2e.variant_overrides(bad, 1)
+
+
 def test_length_file(tmp_path):
     path = tmp_path / "lengths.txt"
     path.write_text("# length count\n300 2\n\n1200\n")

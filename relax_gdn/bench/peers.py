@@ -120,9 +120,9 @@ def default_rows(docs_per_step: int) -> list[str]:
 def parse_row(spec: str, packed_tokens: int) -> Row:
     """A :class:`Row` of ``spec``; ``packed_tokens``: the micro-batch of ``packed`` (one step's documents).
     ``ValueError`` naming what is wrong."""
-    from relax_gdn.bench.train_e2e import variant_overrides
+    from relax_gdn.bench.train_e2e import variant_overrides, variant_settings
 
-    side, *words = [w.strip() for w in spec.split(",") if w.strip()] or [""]
+    side, *words = variant_settings(spec) or [""]
     if side == "hf":
         return Row(spec, "hf", hf=parse_hf_settings(words))
     if side != "relax":

@@ -25,7 +25,8 @@ or any dotted config key:
 ``mtp=<layers>``                         ``model.mtp.num_layers`` (1: Qwen3.5's multi-token-prediction layer)
 ``fp8=<recipe|off>``                     ``model.fp8.recipe`` (tensorwise, rowwise, rowwise_gw_hp; docs/fp8.md)
 ``profile``                              this variant's profiled step (``--profile`` for one variant)
-``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed)
+``<group.key>=<value>``                  any config key (``true``/``false``/numbers parsed; a list in
+                                         brackets: ``recompute.modules=[mlp_act,gdn_core]``)
 
 Data: random-token SFT samples whose lengths follow a log-normal distribution (default mean
 3,000 tokens, σ 0.8, clipped to 128-16,384: the shape of long chain-of-thought SFT sets such as
@@ -106,8 +107,28 @@ KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "eleme
 # ---------------------------------------------------------------------------------------------
 
 
+def variant_settings(variant: str) -> list[str]:
+    """The settings of one variant: split at the commas outside ``[...]``, so a list value keeps its
+    own (``recompute.modules=[mlp_act,gdn_core]``). ``ValueError`` for an unbalanced bracket."""
+    settings, depth, start = [], 0, 0
+    for i, char in enumerate(variant):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0:
+            break
+        if char == "," and depth == 0:
+            settings.append(variant[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"variant {variant!r}: a '[' without its ']' (or the other way round)")
+    settings.append(variant[start:])
+    return [s.strip() for s in settings if s.strip()]
+
+
 def _parse_value(text: str):
-    lowered = text.strip().lower()
+    stripped = text.strip()
+    if stripped.startswith("[") and stripped.endswith("]"):  # a list: its items parsed alike
+        return [_parse_value(item) for item in variant_settings(stripped[1:-1])]
+    lowered = stripped.lower()
     if lowered in ("true", "on", "yes"):
         return True
     if lowered in ("false", "off", "no"):
@@ -125,7 +146,7 @@ def _parse_value(text: str):
 def variant_overrides(variant: str, world: int) -> dict:
     """Config overrides of one ``--variants`` entry (see the module docstring)."""
     overrides: dict = {}
-    for setting in filter(None, (s.strip() for s in variant.split(","))):
+    for setting in variant_settings(variant):
         if setting == "baseline":
             overrides |= {**variant_overrides("fused=off", world), "recompute.skip_unused": False}
             continue
@@ -188,7 +209,7 @@ class VocabularyOnly:
 def profiled_variant(variant: str) -> bool:
     """Whether ``variant`` asks for the profiled step itself (setting ``profile``), as ``--profile``
     does for every variant."""
-    return "profile" in (s.strip() for s in variant.split(","))
+    return "profile" in variant_settings(variant)
 
 
 def grid_variants(grid: str) -> list[str]:
