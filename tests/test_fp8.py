@@ -242,29 +242,29 @@ def test_cast_kernel_in_tritons_interpreter():
 
 @pytest.mark.slow  # Triton's whole compiler, about 1 s a case
 @pytest.mark.parametrize(
-    "scale_mode,fp8,pow2", [(0, "fp8e4nv", False), (1, "fp8e4nv", True), (2, "fp8e5", False)]
+    "scale_mode,dtype,pow2",
+    [(0, torch.float8_e4m3fn, False), (1, torch.float8_e4m3fn, True), (2, torch.float8_e5m2, False)],
 )
-def test_cast_kernel_compiles_for_hopper(scale_mode, fp8, pow2, tmp_path, monkeypatch):
+def test_cast_kernel_compiles_for_hopper(scale_mode, dtype, pow2, tmp_path, monkeypatch):
     """The cast kernel through Triton's whole compiler for sm_90 (to Hopper's machine code with the
-    ptxas Triton ships; no GPU needed), in each scale mode: a kernel that only Triton's interpreter ran
-    could still be refused by the compiler on the GPU. The scale's reciprocal is IEEE division
-    (``div.rn``), as torch's reciprocal rounds it, not Triton's approximate ``/``."""
+    ptxas Triton ships; no GPU needed), in each scale mode, with the constants ``scaled_cast``
+    launches it with: a kernel that only Triton's interpreter ran could still be refused by the
+    compiler on the GPU. The scale's reciprocal is IEEE division (``div.rn``), as torch's reciprocal
+    rounds it, not Triton's approximate ``/``."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from relax_gdn.model.fp8 import cast_kernel
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fp8 = cast_kernel._TL_DTYPES[dtype]
     pointers = dict(x_ptr="*bf16", amax_ptr="*fp32", rows_ptr=f"*{fp8}", cols_ptr=f"*{fp8}")
     pointers.update(scale_ptr="*fp32", inv_scale_ptr="*fp32")
     sizes = dict.fromkeys(("M", "K", "M_PAD", "stride_m", "stride_k"), "i32")
-    constants = dict(FP8_MAX=57344.0 if fp8 == "fp8e5" else 448.0, EPS=cast_kernel.AMAX_EPS, POW2=pow2)
+    constants = dict(FP8_MAX=torch.finfo(dtype).max, EPS=cast_kernel.AMAX_EPS, POW2=pow2, OUT_DTYPE=fp8)
     constants.update(SCALE_MODE=scale_mode, WRITE_ROWS=scale_mode != 2, WRITE_COLS=scale_mode != 1)
-    constants.update(
-        OUT_DTYPE=getattr(tl, {"fp8e4nv": "float8e4nv", "fp8e5": "float8e5"}[fp8]), BLOCK_M=64, BLOCK_K=128
-    )
+    constants.update(BLOCK_M=cast_kernel._BLOCK_M, BLOCK_K=cast_kernel._BLOCK_K)
     source = ASTSource(
         fn=cast_kernel._scaled_cast,
         signature={**pointers, **sizes, **dict.fromkeys(constants, "constexpr")},
