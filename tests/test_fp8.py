@@ -183,6 +183,30 @@ def test_frozen_weight_is_cast_once_per_value():
     assert impl.weight_casts == 4
 
 
+def test_a_tensorwise_frozen_weight_keeps_its_rows_alone_and_transposes_them_bit_for_bit():
+    """LoRA's base under tensorwise keeps one byte per weight: the input gradient's operand is made
+    from the kept rows. It is the cast cast_to_fp8 makes (the padding included), so the output and
+    the input gradient equal those of the same weight cast afresh at every use."""
+    from relax_gdn.model.fp8.casts import cast_to_fp8
+
+    x, w, g = _inputs(37, 64, 96)
+    frozen, trained = _impl("tensorwise"), _impl("tensorwise")
+    xf, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yf, yt = frozen(xf, w), trained(xt, w.clone().requires_grad_())
+    yf.backward(g)
+    yt.backward(g)
+    assert torch.equal(yf, yt) and torch.equal(xf.grad, xt.grad)
+    assert list(frozen._frozen_casts) == [(frozen.operands.weight, "rows")] and frozen.weight_casts == 1
+    odd = w[:40].to(torch.bfloat16)  # 40 rows: 48 columns once transposed
+    casts, _ = cast_to_fp8(
+        odd, frozen.operands.weight, layouts=("rows", "cols"), pow2=False, tp_group=None, kernels=frozen.kernels
+    )
+    made = casts["rows"].transposed()
+    assert made.data.shape == (64, 48) and made.data.dtype == casts["cols"].data.dtype
+    assert torch.equal(made.data.view(torch.uint8), casts["cols"].data.view(torch.uint8))
+    assert torch.equal(made.inv_scale, casts["cols"].inv_scale)
+
+
 _INTERPRETED_CAST = """
 import torch
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated

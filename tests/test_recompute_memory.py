@@ -278,6 +278,27 @@ def test_memory_model_against_measured_peaks():
         )
 
 
+def test_fp8_lora_keeps_one_byte_per_frozen_weight_under_tensorwise_and_two_under_rowwise():
+    """The frozen base weights' kept casts: tensorwise keeps the forward's rows (1 byte per FP8
+    weight), the rowwise recipes a cast per use (2 bytes); without LoRA nothing is kept."""
+    from dataclasses import replace
+
+    from relax_gdn.train.memory import fp8_linear_shapes
+
+    full = _shape("qwen3_5_9b", 248_832)
+    lora = replace(full, lora_rank=16, lora_modules=("q_proj",))
+    fp8_weights = sum(i * o * n for i, o, n in fp8_linear_shapes(lora))
+    assert 6e9 < fp8_weights < 8e9
+
+    def fp8_gib(shape, recipe):
+        return estimate_memory(shape, tokens_per_gpu=8192, recompute="full", fp8=recipe).fp8 / GIB
+
+    transient = fp8_gib(full, "tensorwise")
+    assert fp8_gib(full, "rowwise") == transient
+    assert fp8_gib(lora, "tensorwise") - transient == pytest.approx(fp8_weights / GIB)
+    assert fp8_gib(lora, "rowwise") - transient == pytest.approx(2 * fp8_weights / GIB)
+
+
 def test_refusal_names_only_settings_that_fit(monkeypatch):
     """The refusal before the model is built: the estimate, the GPU, and only the alternatives whose
     estimate fits (never the setting that was asked for), each with its GiB."""

@@ -27,8 +27,9 @@ FP8 GEMMs (``fp8``: ``model.fp8.recipe``) keep what bf16 keeps for backward (the
 high-precision inputs; the FP8 operands are transient) and add ``fp8``: the casts of the largest
 linear live during its backward (its input and output gradient in FP8 with their transposed copies,
 the weight's casts, the weight gradient before it is added into the main grad), and with LoRA the
-frozen base weights' casts, kept across steps (two bytes per FP8 weight: the forward's rows and the
-input gradient's transposed copy, which every recipe keeps, cast in one pass where the scales agree).
+frozen base weights' casts, kept across steps: one byte per FP8 weight under ``tensorwise`` (the
+forward's rows; the input gradient's transposed copy is made from them for its GEMM), two under the
+rowwise recipes (their forward and input-gradient casts scale along different dimensions).
 
 A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
 layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
@@ -177,7 +178,7 @@ def fp8_linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     ]
 
 
-def _fp8_bytes(shape: ModelShape, tokens: float, tp: int) -> float:
+def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
     """The FP8 casts' memory (see the module docstring): the largest linear's transient casts, and
     the frozen base weights' kept casts with LoRA."""
     linears = [(i, o) for i, o, n in fp8_linear_shapes(shape) if n]
@@ -188,7 +189,8 @@ def _fp8_bytes(shape: ModelShape, tokens: float, tp: int) -> float:
     )  # operands + transposed copies; weight casts, bf16 wgrad
     if not shape.lora_rank:
         return transient
-    return transient + 2 * sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
+    kept_bytes = 1 if recipe == "tensorwise" else 2
+    return transient + kept_bytes * sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
 
 
 def lora_parameter_count(shape: ModelShape, tp: int = 1) -> float:
@@ -252,7 +254,7 @@ def estimate_memory(
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
-    fp8_bytes = _fp8_bytes(shape, act_tokens * (tp if sequence_parallel else 1), tp) if fp8 else 0.0
+    fp8_bytes = _fp8_bytes(shape, act_tokens * (tp if sequence_parallel else 1), tp, fp8) if fp8 else 0.0
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,

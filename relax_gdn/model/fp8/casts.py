@@ -79,6 +79,16 @@ class FP8Data:
     scale: torch.Tensor
     inv_scale: torch.Tensor
 
+    def transposed(self) -> FP8Data:
+        """The ``cols`` layout of a tensorwise ``rows`` cast, bit for bit the one :func:`cast_to_fp8`
+        makes: the same FP8 values transposed, the first dimension zero-padded to a multiple of 16.
+        A byte copy, no scaling (so a kept LoRA base weight needs one layout, not two)."""
+        assert not self.scale.dim(), "a per-row scale is along the other dimension once transposed"
+        n, k = self.data.shape
+        out = torch.zeros(k, n + (-n) % ALIGN, dtype=torch.uint8, device=self.data.device)
+        out[:, :n].copy_(self.data.view(torch.uint8).t())  # uint8: every torch copies it, any layout
+        return FP8Data(out.view(self.data.dtype), self.scale, self.inv_scale)
+
 
 # --- the reference casts (plain torch: eager on CPU, compiled in mode 'compiled') ---------------
 

@@ -15,7 +15,9 @@ keeping what Megatron-Core's function does around them:
   autograd gets Megatron-Core's placeholder (:func:`~relax_gdn.model.fusion.handed_to_main_grad`);
   a high-precision weight-gradient GEMM (``rowwise_gw_hp``) accumulates there inside the GEMM;
 * a frozen weight (LoRA's base) is cast once and kept in FP8 until the weight changes (its
-  ``_version``: a checkpoint load casts again), not at every step;
+  ``_version``: a checkpoint load casts again), not at every step: one byte per weight under
+  tensorwise (the input gradient's transposed copy is made from the kept rows), two under the
+  rowwise recipes (their forward and input-gradient casts scale along different dimensions);
 * ``bf16_rows``: the last rows of the output (the GDN input projection's beta/alpha gates) come
   from a bf16 GEMM beside the FP8 one.
 
@@ -166,23 +168,22 @@ class FP8LinearImpl:
         if key != self._frozen_key:
             self._frozen_casts.clear()
             self._frozen_key = key
-        if (op, layout) not in self._frozen_casts:
-            # both layouts at once where forward and input gradient cast the weight alike (tensorwise)
-            ops = self.operands
-            both = ops.weight == ops.weight_for_grad_input
-            layouts = ("rows", "cols") if both else (layout,)
+        # tensorwise: forward and input gradient cast the weight alike, so only the rows are kept and
+        # the input gradient's transposed copy is made from them (a byte copy, freed after its GEMM)
+        kept = "rows" if self.operands.weight == self.operands.weight_for_grad_input else layout
+        if (op, kept) not in self._frozen_casts:
             casts, amax = cast_to_fp8(
                 self.fp8_rows(weight),
                 op,
-                layouts=layouts,
+                layouts=(kept,),
                 tp_group=self.tp_group,
                 pow2=self.config.round_scales_to_power_of_2,
                 kernels=self.kernels,
             )
             self.weight_casts += 1
-            for name in layouts:
-                self._frozen_casts[op, name] = (casts[name], amax)
-        return self._frozen_casts[op, layout]
+            self._frozen_casts[op, kept] = (casts[kept], amax)
+        cast, amax = self._frozen_casts[op, kept]
+        return (cast, amax) if kept == layout else (cast.transposed(), amax)
 
     def mm(self, a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, gemm) -> torch.Tensor:
         """``a @ b_tᵀ`` with the recipe's setting for ``gemm`` (a ``Float8GemmConfig``)."""
