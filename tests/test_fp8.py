@@ -199,7 +199,12 @@ def test_a_tensorwise_frozen_weight_keeps_its_rows_alone_and_transposes_them_bit
     assert list(frozen._frozen_casts) == [(frozen.operands.weight, "rows")] and frozen.weight_casts == 1
     odd = w[:40].to(torch.bfloat16)  # 40 rows: 48 columns once transposed
     casts, _ = cast_to_fp8(
-        odd, frozen.operands.weight, layouts=("rows", "cols"), pow2=False, tp_group=None, kernels=frozen.kernels
+        odd,
+        frozen.operands.weight,
+        layouts=("rows", "cols"),
+        pow2=False,
+        tp_group=None,
+        kernels=frozen.kernels,
     )
     made = casts["rows"].transposed()
     assert made.data.shape == (64, 48) and made.data.dtype == casts["cols"].data.dtype

@@ -83,6 +83,25 @@ def test_cast_kernels_equal_eager_ones(axiswise_dim, mode):
                 assert torch.equal(bits(got), bits(want)), (mode, dtype, pow2, axiswise_dim)
 
 
+def test_a_frozen_weight_kept_in_fp8_computes_what_a_trained_one_does():
+    """LoRA's base weight under tensorwise: the kept FP8 rows, and the input gradient's operand made
+    from them on the GPU, give the output and input gradient of the same weight cast afresh, bit for
+    bit; the second step casts nothing. With and without the GDN gates' last rows in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 256, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(208, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
+    grad = torch.randn(1000, 208, generator=gen).to(torch.bfloat16).cuda()
+    for bf16_rows in (0, 16):
+        frozen = _impl("tensorwise", bf16_rows=bf16_rows)
+        for _ in range(2):
+            xf = x.clone().requires_grad_()
+            y = frozen(xf, w)
+            y.backward(grad)
+        want_y, want_dx, _ = _fwd_bwd(_impl("tensorwise", bf16_rows=bf16_rows), x, w, grad)
+        assert torch.equal(y.detach(), want_y) and torch.equal(xf.grad, want_dx), bf16_rows
+        assert frozen.weight_casts == 1, bf16_rows
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_has_no_host_sync(recipe):
     x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
