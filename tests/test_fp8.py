@@ -183,6 +183,14 @@ def test_frozen_weight_is_cast_once_per_value():
     assert impl.weight_casts == 4
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recipes_that_cast_a_weight_once_are_the_ones_the_memory_model_counts(recipe):
+    from relax_gdn.model.fp8.options import ONE_WEIGHT_CAST_RECIPES
+
+    ops = _impl(recipe).operands
+    assert (ops.weight == ops.weight_for_grad_input) == (recipe in ONE_WEIGHT_CAST_RECIPES)
+
+
 def test_a_tensorwise_frozen_weight_keeps_its_rows_alone_and_transposes_them_bit_for_bit():
     """LoRA's base under tensorwise keeps one byte per weight: the input gradient's operand is made
     from the kept rows. It is the cast cast_to_fp8 makes (the padding included), so the output and

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from relax_gdn.model.fp8.options import ONE_WEIGHT_CAST_RECIPES
 from relax_gdn.train.flops import ModelShape
 
 GIB = 2**30
@@ -189,7 +190,7 @@ def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
     )  # operands + transposed copies; weight casts, bf16 wgrad
     if not shape.lora_rank:
         return transient
-    kept_bytes = 1 if recipe == "tensorwise" else 2
+    kept_bytes = 1 if recipe in ONE_WEIGHT_CAST_RECIPES else 2
     return transient + kept_bytes * sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
 
 

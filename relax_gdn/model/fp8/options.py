@@ -35,6 +35,10 @@ TORCHAO_RECIPES: dict[str, str] = {
     "rowwise_gw_hp": "rowwise_with_gw_hp",
 }
 assert set(TORCHAO_RECIPES) == set(FP8_RECIPES), "relax_gdn.choices.FP8Recipe lists these names"
+# The recipes that cast a weight alike for the forward and the input gradient (one scale per tensor):
+# a frozen weight keeps one FP8 layout, the other a byte copy of it (relax_gdn.model.fp8.linear derives
+# this from torchao's config; tests/test_fp8.py holds the two together). The memory model reads it here.
+ONE_WEIGHT_CAST_RECIPES = frozenset({"tensorwise"})
 
 # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer
 MIN_CUDA_CAPABILITY = (8, 9)
@@ -102,4 +106,11 @@ def fp8_problems(
     return problems
 
 
-__all__ = ["FP8Options", "MIN_CUDA_CAPABILITY", "TORCHAO_RECIPES", "fp8_gpu_problem", "fp8_problems"]
+__all__ = [
+    "FP8Options",
+    "MIN_CUDA_CAPABILITY",
+    "ONE_WEIGHT_CAST_RECIPES",
+    "TORCHAO_RECIPES",
+    "fp8_gpu_problem",
+    "fp8_problems",
+]
