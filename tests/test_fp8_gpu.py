@@ -103,6 +103,55 @@ def test_a_frozen_weight_kept_in_fp8_computes_what_a_trained_one_does():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_a_frozen_weight_in_host_memory_computes_what_one_on_the_gpu_does(recipe):
+    """``model.fp8.frozen_weights_on_host``: the plan moves a frozen FP8 weight into pinned host memory
+    (the GPU's allocated memory drops by its bytes); the layer's output and input gradient stay bit for
+    bit those of the weight kept on the GPU, with the GDN gates' rows in bf16 too; later steps cast
+    nothing again. ``frozen_weights_on_device`` (what a checkpoint save and the export run in) gives the
+    values back on the GPU and keeps what was written into them once they are in host memory again."""
+    from relax_gdn.model.fp8.options import FP8Options
+    from relax_gdn.model.fp8.plan import FP8Plan, PlannedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 256, generator=gen).to(torch.bfloat16).cuda()
+    grad = torch.randn(1000, 208, generator=gen).to(torch.bfloat16).cuda()
+    values = (torch.randn(208, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
+    for bf16_rows in (0, 16):
+        on_gpu, in_host = _impl(recipe, bf16_rows=bf16_rows), _impl(recipe, bf16_rows=bf16_rows)
+        weight = torch.nn.Parameter(values.clone(), requires_grad=False)
+        plan = FP8Plan(
+            FP8Options(recipe),
+            [PlannedLayer("decoder.layers.0.mlp.linear_fc1", 208, 256, in_host, weight=weight)],
+        )
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        assert plan.keep_frozen_weights_on_host() == values.numel() * 2
+        assert weight.device.type == "cpu" and weight.is_pinned()
+        assert before - torch.cuda.memory_allocated() == values.numel() * 2
+        for _ in range(3):
+            want_y, want_dx = _fwd_bwd_frozen(on_gpu, x, values, grad)
+            got_y, got_dx = _fwd_bwd_frozen(in_host, x, weight, grad)
+            assert torch.equal(got_y, want_y) and torch.equal(got_dx, want_dx), (recipe, bf16_rows)
+        assert in_host.weight_casts == on_gpu.weight_casts, (recipe, bf16_rows)
+        assert "1 frozen weights in host memory" in plan.startup_line()
+        with plan.frozen_weights_on_device():
+            assert weight.is_cuda and torch.equal(weight, values)
+            weight.mul_(2)  # as the export's merge writes into it
+        assert weight.device.type == "cpu" and torch.equal(weight.cuda(), values * 2)
+        got_y, _ = _fwd_bwd_frozen(in_host, x, weight, grad)
+        want_y, _ = _fwd_bwd_frozen(_impl(recipe, bf16_rows=bf16_rows), x, values * 2, grad)
+        assert torch.equal(got_y, want_y), (recipe, bf16_rows)  # cast again from the new values
+
+
+def _fwd_bwd_frozen(impl, x, w, grad):
+    """Output and input gradient of ``impl`` with ``w`` frozen (as LoRA's base weight is)."""
+    x = x.detach().clone().requires_grad_()
+    y = impl(x, w)
+    y.backward(grad)
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_has_no_host_sync(recipe):
     x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -299,6 +299,34 @@ def test_fp8_lora_keeps_one_byte_per_frozen_weight_under_tensorwise_and_two_unde
     assert fp8_gib(lora, "rowwise") - transient == pytest.approx(2 * fp8_weights / GIB)
 
 
+def test_fp8_lora_with_frozen_weights_in_host_memory_fits_in_less_than_bf16():
+    """model.fp8.frozen_weights_on_host (the default): the bf16 values of the frozen FP8 weights leave
+    the GPU, so the 9B's LoRA run under tensorwise needs less than bf16's (the issue's bound: at most
+    bf16 + 2 GiB); with the weights kept on the GPU it needs their bytes more; full fine-tuning (no
+    frozen weight) is the same either way."""
+    from relax_gdn.config import ParallelDims, RunConfig
+    from relax_gdn.train.build import memory_estimate
+
+    def total_gib(**overrides) -> float:
+        settings = {
+            "model.preset": "qwen3_5_9b",
+            "train.max_tokens_per_gpu": 8192,
+            "recompute.granularity": "none",
+            "model.lora.rank": 16,
+            **overrides,
+        }
+        cfg = RunConfig().with_overrides(settings)
+        return memory_estimate(cfg, ParallelDims(1, 1, 1), bf16=True, vocab_size=248_832).total / GIB
+
+    bf16 = total_gib()
+    on_host = total_gib(**{"model.fp8.recipe": "tensorwise"})
+    on_gpu = total_gib(**{"model.fp8.recipe": "tensorwise", "model.fp8.frozen_weights_on_host": False})
+    assert on_host < bf16 < on_gpu
+    assert on_gpu - on_host == pytest.approx(12.9, abs=0.1)  # 2 bytes per FP8 weight (6.9e9 of them)
+    full = {"model.lora.rank": 0, "model.fp8.recipe": "tensorwise"}
+    assert total_gib(**full) == total_gib(**full, **{"model.fp8.frozen_weights_on_host": False})
+
+
 def test_refusal_names_only_settings_that_fit(monkeypatch):
     """The refusal before the model is built: the estimate, the GPU, and only the alternatives whose
     estimate fits (never the setting that was asked for), each with its GiB."""

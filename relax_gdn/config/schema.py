@@ -74,6 +74,8 @@ class FP8Config:
     # module-name patterns (fnmatch) kept in bf16; output_layer: its fused loss never calls the layer
     bf16_modules: list[str] = field(default_factory=lambda: ["output_layer"])
     bf16_gdn_gates: bool = True  # the GDN input projection's beta/alpha rows in bf16, the rest in FP8
+    # a frozen weight in FP8 (LoRA's base) keeps its bf16 values in host memory, the GPU its FP8 casts
+    frozen_weights_on_host: bool = True
 
 
 @dataclass
@@ -343,7 +345,10 @@ class RunConfig:
         if fp8.recipe is None:
             return None
         return FP8Options(
-            recipe=fp8.recipe, bf16_modules=tuple(fp8.bf16_modules), bf16_gdn_gates=bool(fp8.bf16_gdn_gates)
+            recipe=fp8.recipe,
+            bf16_modules=tuple(fp8.bf16_modules),
+            bf16_gdn_gates=bool(fp8.bf16_gdn_gates),
+            frozen_weights_on_host=bool(fp8.frozen_weights_on_host),
         )
 
     @property

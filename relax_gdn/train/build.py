@@ -154,6 +154,7 @@ def memory_inputs(cfg: RunConfig, dims: ParallelDims, bf16: bool, vocab_size: in
         fused_cross_entropy=cfg.model.fused_cross_entropy,
         optimizer=cfg.optim.name,
         fp8=cfg.model.fp8.recipe,
+        fp8_frozen_on_host=cfg.model.fp8.frozen_weights_on_host,
     )
     return shape, settings
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.errors import RecipeError
+from relax_gdn.model.fp8.plan import frozen_weights_on_device
 from relax_gdn.train.agreement import decided_by_rank0
 from relax_gdn.train.checkpoint import read_latest
 from relax_gdn.train.checkpoint_disk import (
@@ -311,13 +312,14 @@ class CheckpointManager:
             "wandb_run_id": self.wandb_run_id,
             "run_dir": str(self.run_dir.absolute()) if self.run_dir is not None else None,
         }
-        path = self.writer.save(
-            step,
-            manifest=manifest,
-            state=lambda: state_to_save(
-                step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
-            ),
-        )
+        with frozen_weights_on_device(state.model):  # a background save has its copy once save() returns
+            path = self.writer.save(
+                step,
+                manifest=manifest,
+                state=lambda: state_to_save(
+                    step, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
+                ),
+            )
         self.saved.append(path)
         return path
 
@@ -337,11 +339,12 @@ class CheckpointManager:
             return None
         if self.complete and self._export_written():
             return out
-        write_run_export(
-            self.state.model,
-            out,
-            export_spec(self.manifest_base),
-            lora=self.cfg.lora_options,
-            main_params=self.state.optimizer.main_params,
-        )
+        with frozen_weights_on_device(self.state.model):
+            write_run_export(
+                self.state.model,
+                out,
+                export_spec(self.manifest_base),
+                lora=self.cfg.lora_options,
+                main_params=self.state.optimizer.main_params,
+            )
         return out

@@ -4,8 +4,9 @@ validates the config and runs one).
 1. :meth:`Trainer.setup`: stop signals, the process groups (:class:`~relax_gdn.parallel.ParallelContext`),
    the data (:mod:`~relax_gdn.train.run_data`), the model (:mod:`~relax_gdn.train.build`), gradient
    sync + optimizer + schedule, checkpoints, resume and the run directory
-   (:class:`~relax_gdn.train.checkpoint_manager.CheckpointManager`), loggers, the evaluator and
-   the step (:class:`~relax_gdn.train.step.TrainStep`);
+   (:class:`~relax_gdn.train.checkpoint_manager.CheckpointManager`), LoRA's frozen FP8 weights
+   moved to host memory (:mod:`~relax_gdn.model.fp8.plan`), loggers, the evaluator and the step
+   (:class:`~relax_gdn.train.step.TrainStep`);
 2. :meth:`Trainer.run`: one :meth:`Trainer.train_step` per optimizer step, each followed by its
    evaluation when due, logging, the profiler window, the checkpoint when due, and the stop a rank
    asked for (:mod:`~relax_gdn.train.stop`) or a divergence (``train.on_nonfinite``), under the step
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.config import ParallelDims, RunConfig
-from relax_gdn.model.fp8.plan import fp8_plan_of
+from relax_gdn.model.fp8.plan import fp8_plan_of, keep_frozen_weights_on_host
 from relax_gdn.parallel import ParallelContext, launcher_rank
 from relax_gdn.runtime import Runtime
 from relax_gdn.train.agreement import agree_on_errors
@@ -91,9 +92,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- setup
 
     def setup(self) -> None:
-        """Everything before step 1, in this order (a collective): stop signals handled, process
-        groups, the data (a problem on any rank stops every rank), model and optimizer, checkpoints,
-        resume and the run directory, loggers, the step (planner, metrics), evaluator, watchdog."""
+        """Everything before step 1, in this order (a collective): stop signals handled, process groups,
+        the data (a problem on any rank stops every rank), model and optimizer, checkpoints, resume and
+        the run directory, frozen FP8 weights to host memory, loggers, step, evaluator, watchdog."""
         cfg = self.cfg
         root = checkpoint_root(cfg, self.run_dir)  # what a stop saves into, for its messages
         self.stop = StopRequest(
@@ -106,6 +107,7 @@ class Trainer:
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data, log=self.is_rank0))
         self._build_model_and_optimizer()
         self._start_checkpoints()
+        keep_frozen_weights_on_host(self.core_model)  # once the weights have their starting values
         self._start_loggers()
         self._start_step()
         hang_dir = self.run_dir / "hang" if self.run_dir is not None else None
@@ -144,17 +146,8 @@ class Trainer:
         rank here, before DDP), then gradient sync + optimizer + schedule."""
         cfg, parallel, runtime, rank0 = self.cfg, self.parallel, self.runtime, self.is_rank0
         vocab, device, bf16 = self.data.tokenizer.vocab_size, self.device, self.bf16
-        built = agree_on_errors(
-            lambda: build(
-                cfg,
-                parallel,
-                tokenizer_vocab_size=vocab,
-                device=device,
-                bf16=bf16,
-                runtime=runtime,
-                log=rank0,
-            )
-        )
+        options = dict(tokenizer_vocab_size=vocab, device=device, bf16=bf16, runtime=runtime, log=rank0)
+        built = agree_on_errors(lambda: build(cfg, parallel, **options))
         self.cfg = built.cfg  # as built: mixed recompute's layer count is the memory model's choice
         self.tconfig, self.vocab_size, self.core_model = built.tconfig, built.vocab_size, built.model
         self.model, optimizer = build_training_model_and_optimizer(

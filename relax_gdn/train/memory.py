@@ -29,7 +29,9 @@ linear live during its backward (its input and output gradient in FP8 with their
 the weight's casts, the weight gradient before it is added into the main grad), and with LoRA the
 frozen base weights' casts, kept across steps: one byte per FP8 weight under ``tensorwise`` (the
 forward's rows; the input gradient's transposed copy is made from them for its GEMM), two under the
-rowwise recipes (their forward and input-gradient casts scale along different dimensions).
+rowwise recipes (their forward and input-gradient casts scale along different dimensions). Their
+bf16 values are then kept in host memory (``fp8_frozen_on_host``: ``model.fp8.frozen_weights_on_host``)
+and leave the weights' term.
 
 A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
 layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
@@ -244,11 +246,15 @@ def estimate_memory(
     fused_cross_entropy: bool = True,
     optimizer: str = "adam",
     fp8: str | None = None,
+    fp8_frozen_on_host: bool = False,
 ) -> MemoryEstimate:
     """The per-GPU memory of one training step (see the module docstring); ``full_layers``: the
-    layers recomputed whole under ``recompute="mixed"``; ``fp8``: the FP8 recipe (None: bf16 GEMMs)."""
+    layers recomputed whole under ``recompute="mixed"``; ``fp8``: the FP8 recipe (None: bf16 GEMMs);
+    ``fp8_frozen_on_host``: a LoRA run's frozen FP8 weights keep their values in host memory."""
     params = parameter_count(shape) / tp
     trained = lora_parameter_count(shape, tp) if shape.lora_rank else params
+    if fp8 and fp8_frozen_on_host and shape.lora_rank:
+        params -= sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
     weights = (params + (trained if shape.lora_rank else 0)) * (2 if bf16 else 4)
     gradients = trained * 4
     optimizer_bytes = 0.0 if optimizer == "none" else trained * 12 / (dp * cp)

@@ -17,7 +17,9 @@ keeping what Megatron-Core's function does around them:
 * a frozen weight (LoRA's base) is cast once and kept in FP8 until the weight changes (its
   ``_version``: a checkpoint load casts again), not at every step: one byte per weight under
   tensorwise (the input gradient's transposed copy is made from the kept rows), two under the
-  rowwise recipes (their forward and input-gradient casts scale along different dimensions);
+  rowwise recipes (their forward and input-gradient casts scale along different dimensions). The
+  bf16 weight itself may then live in host memory (``model.fp8.frozen_weights_on_host``): its casts
+  (and its bf16 gate rows) are made from a copy brought to the GPU and kept there;
 * ``bf16_rows``: the last rows of the output (the GDN input projection's beta/alpha gates) come
   from a bf16 GEMM beside the FP8 one.
 
@@ -158,22 +160,28 @@ class FP8LinearImpl:
         )
         return casts[layout], amax
 
-    def weight(self, weight: torch.Tensor, op: Operand, layout: str, amax: torch.Tensor | None = None):
-        """(the FP8 rows of ``weight`` ``[N, K]`` cast as ``op`` says into ``layout``, its amax); a frozen
-        weight's casts are computed once per value of the weight and kept."""
+    def weight(
+        self,
+        weight: torch.Tensor,
+        op: Operand,
+        layout: str,
+        amax: torch.Tensor | None = None,
+        *,
+        device: torch.device,
+    ):
+        """(the FP8 rows of ``weight`` ``[N, K]`` cast as ``op`` says into ``layout`` on ``device``, its
+        amax); a frozen weight's casts are computed once per value of the weight and kept, from a copy
+        brought to ``device`` where the weight is kept in host memory (:meth:`FP8Plan.keep_frozen_weights_on_host`)."""
         if weight.requires_grad:
             self.weight_casts += 1
             return self.cast(self.fp8_rows(weight), op, layout, amax)
-        key = (weight.data_ptr(), weight._version, weight.device)
-        if key != self._frozen_key:
-            self._frozen_casts.clear()
-            self._frozen_key = key
+        kept_casts = self._frozen(weight, device)
         # tensorwise: forward and input gradient cast the weight alike, so only the rows are kept and
         # the input gradient's transposed copy is made from them (a byte copy, freed after its GEMM)
         kept = "rows" if self.operands.weight == self.operands.weight_for_grad_input else layout
-        if (op, kept) not in self._frozen_casts:
+        if (op, kept) not in kept_casts:
             casts, amax = cast_to_fp8(
-                self.fp8_rows(weight),
+                self.fp8_rows(weight.to(device, non_blocking=True)),
                 op,
                 layouts=(kept,),
                 tp_group=self.tp_group,
@@ -181,9 +189,29 @@ class FP8LinearImpl:
                 kernels=self.kernels,
             )
             self.weight_casts += 1
-            self._frozen_casts[op, kept] = (casts[kept], amax)
-        cast, amax = self._frozen_casts[op, kept]
+            kept_casts[op, kept] = (casts[kept], amax)
+        cast, amax = kept_casts[op, kept]
         return (cast, amax) if kept == layout else (cast.transposed(), amax)
+
+    def gate_rows(self, weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The weight's last ``bf16_rows`` rows (their GEMMs run in bf16) on ``device``: a frozen weight
+        kept in host memory keeps a copy of them there."""
+        rows = weight[-self.bf16_rows :]
+        if weight.device == device:
+            return rows
+        kept_casts = self._frozen(weight, device)
+        if "gate_rows" not in kept_casts:
+            kept_casts["gate_rows"] = rows.to(device, non_blocking=True)
+        return kept_casts["gate_rows"]
+
+    def _frozen(self, weight: torch.Tensor, device: torch.device) -> dict:
+        """What is kept of a frozen weight for ``device``, emptied when the weight changes (a checkpoint
+        load writes into it: its ``_version``) or moves."""
+        key = (weight.data_ptr(), weight._version, weight.device, device)
+        if key != self._frozen_key:
+            self._frozen_casts.clear()
+            self._frozen_key = key
+        return self._frozen_casts
 
     def mm(self, a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, gemm) -> torch.Tensor:
         """``a @ b_tᵀ`` with the recipe's setting for ``gemm`` (a ``Float8GemmConfig``)."""
@@ -250,11 +278,11 @@ class _FP8LinearFunction(torch.autograd.Function):
             return x.new_zeros(shape)
         ops = impl.operands
         x8, x_amax = impl.cast(x, ops.input, "rows")
-        w8, w_amax = impl.weight(weight, ops.weight, "rows")
+        w8, w_amax = impl.weight(weight, ops.weight, "rows", device=x.device)
         ctx.save_for_backward(input, weight, x_amax, w_amax)
         out = impl.mm(x8, w8, x.dtype, impl.config.gemm_config_output)
         if impl.bf16_rows:
-            out = torch.cat([out, torch.matmul(x, weight[-impl.bf16_rows :].t())], dim=-1)
+            out = torch.cat([out, torch.matmul(x, impl.gate_rows(weight, x.device).t())], dim=-1)
         return out.reshape(shape)
 
     @staticmethod
@@ -322,12 +350,17 @@ def _grad_input(
     impl: FP8LinearImpl, g8: FP8Data, g_hp: torch.Tensor | None, weight: torch.Tensor, w_amax
 ) -> torch.Tensor:
     ops = impl.operands
+    device = g8.data.device
     w_t8, _ = impl.weight(
-        weight, ops.weight_for_grad_input, "cols", _reusable(ops.weight, ops.weight_for_grad_input, w_amax)
+        weight,
+        ops.weight_for_grad_input,
+        "cols",
+        _reusable(ops.weight, ops.weight_for_grad_input, w_amax),
+        device=device,
     )
     grad = impl.mm(g8, w_t8, weight.dtype, impl.config.gemm_config_grad_input)
     if g_hp is not None:
-        grad.addmm_(g_hp, weight[-impl.bf16_rows :])
+        grad.addmm_(g_hp, impl.gate_rows(weight, device))
     return grad
 
 

@@ -55,11 +55,14 @@ class FP8Options:
             ``decoder.layers.*.mlp.linear_fc2``, ``mtp.*``) whose GEMMs stay in bf16.
         bf16_gdn_gates: the GDN input projection's beta and alpha output rows (2 x the value heads)
             stay in bf16; its other rows (q, k, v, z) run in FP8.
+        frozen_weights_on_host: a frozen weight that runs in FP8 (LoRA's base) keeps its bf16 values
+            in host memory from step 1 on; the GPU keeps its FP8 casts (relax_gdn.model.fp8.plan).
     """
 
     recipe: str
     bf16_modules: tuple[str, ...] = (OUTPUT_LAYER,)
     bf16_gdn_gates: bool = True
+    frozen_weights_on_host: bool = True
 
 
 def fp8_gpu_problem(recipe: str | None, cuda_capability: tuple[int, int] | None) -> str | None:

@@ -6,13 +6,21 @@ dimensions are not multiples of 16), gives the others an :class:`~relax_gdn.mode
 and returns the :class:`FP8Plan`: the start-up line that names what stays in bf16, and, after
 training, the summary of which layers really ran in FP8 (counted per forward, so a layer that a
 fused path bypasses shows up as such instead of passing for FP8).
+
+A frozen weight that runs in FP8 (LoRA's base) is read by its GEMMs only through its kept FP8
+casts, so with ``model.fp8.frozen_weights_on_host`` the plan moves its bf16 values to host memory
+before step 1 (:meth:`FP8Plan.keep_frozen_weights_on_host`): the GPU keeps one FP8 byte (two under
+the rowwise recipes) per such weight instead of those bytes plus two of bf16. What reads the weights
+themselves (a checkpoint save, the export) does so inside :meth:`FP8Plan.frozen_weights_on_device`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +45,7 @@ class PlannedLayer:
     in_features: int
     impl: FP8LinearImpl | None
     bf16_reason: str = ""
+    weight: torch.nn.Parameter | None = field(default=None, repr=False)  # the layer's, for host keeping
 
     @property
     def kind(self) -> str:
@@ -55,6 +64,42 @@ class FP8Plan:
 
     options: FP8Options
     layers: list[PlannedLayer]
+    # frozen FP8 weights kept in host memory: (the parameter, its device, its host tensor)
+    on_host: list[tuple[torch.nn.Parameter, torch.device, torch.Tensor]] = field(default_factory=list)
+
+    def keep_frozen_weights_on_host(self) -> int:
+        """Move the bf16 values of every frozen weight that runs in FP8 from the GPU to pinned host
+        memory (its GEMMs read its kept FP8 casts, made once from a copy brought back); returns the
+        bytes moved. Nothing to do on CPU, without frozen FP8 weights, or once moved. Call it after
+        the weights have their starting values (the broadcast over DP, a checkpoint load)."""
+        moved = 0
+        for layer in self.layers if self.options.frozen_weights_on_host else ():
+            weight = layer.weight
+            if layer.impl is None or weight is None or weight.requires_grad or not weight.is_cuda:
+                continue
+            host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=True)
+            host.copy_(weight.data)
+            self.on_host.append((weight, weight.device, host))
+            weight.data = host
+            moved += host.numel() * host.element_size()
+        return moved
+
+    @contextlib.contextmanager
+    def frozen_weights_on_device(self) -> Iterator[None]:
+        """The weights :meth:`keep_frozen_weights_on_host` moved, back on their GPU for the body (a
+        checkpoint save reads them, the export merges adapters into them); host memory again after,
+        with what the body wrote into them."""
+        versions = []
+        for weight, device, _ in self.on_host:
+            versions.append(weight._version)
+            weight.data = weight.data.to(device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for (weight, _, host), version in zip(self.on_host, versions):
+                if weight._version != version:  # written while on the GPU
+                    host.copy_(weight.data)
+                weight.data = host
 
     def startup_line(self) -> str:
         """One line: the recipe, the layers in FP8 by kind, and what stays in bf16 with why."""
@@ -68,10 +113,17 @@ class FP8Plan:
         kept = [f"{layer.name} ({layer.bf16_reason})" for layer in self.layers if layer.impl is None]
         total = sum(layer.out_features * layer.in_features for layer in self.layers)
         share = sum(layer.fp8_weights for layer in self.layers) / max(total, 1)
+        host = sum(h.numel() * h.element_size() for _, _, h in self.on_host)
         return (
             f"FP8 GEMMs ({self.options.recipe}, torchao): {sum(fp8.values())} linear layers: "
             f"{', '.join(parts) or 'none'} ({share:.0%} of the linear weights); bf16: "
             f"{', '.join(kept + ['the embedding (a lookup)'])}"
+            + (
+                f"; {len(self.on_host)} frozen weights in host memory ({host / 2**30:.1f} GiB of bf16), "
+                "their FP8 casts on the GPU"
+                if self.on_host
+                else ""
+            )
         )
 
     def ran_line(self) -> str:
@@ -114,7 +166,7 @@ def _plan_layer(
     from megatron.core.tensor_parallel import RowParallelLinear
 
     out_features, in_features = module.weight.shape
-    layer = PlannedLayer(name, out_features, in_features, None)
+    layer = PlannedLayer(name, out_features, in_features, None, weight=module.weight)
     if pattern := _matching(name, options.bf16_modules):
         layer.bf16_reason = f"model.fp8.bf16_modules {pattern!r}"
         return layer
@@ -175,4 +227,23 @@ def fp8_plan_of(model: torch.nn.Module) -> FP8Plan | None:
     return getattr(model, "fp8_plan", None)
 
 
-__all__ = ["FP8Plan", "PlannedLayer", "fp8_plan_of", "install_fp8"]
+def keep_frozen_weights_on_host(model: torch.nn.Module) -> int:
+    """:meth:`FP8Plan.keep_frozen_weights_on_host` of ``model``'s plan (0 bytes without one)."""
+    plan = fp8_plan_of(model)
+    return plan.keep_frozen_weights_on_host() if plan is not None else 0
+
+
+def frozen_weights_on_device(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """:meth:`FP8Plan.frozen_weights_on_device` of ``model``'s plan (nothing to do without one)."""
+    plan = fp8_plan_of(model)
+    return plan.frozen_weights_on_device() if plan is not None else contextlib.nullcontext()
+
+
+__all__ = [
+    "FP8Plan",
+    "PlannedLayer",
+    "fp8_plan_of",
+    "frozen_weights_on_device",
+    "install_fp8",
+    "keep_frozen_weights_on_host",
+]
