@@ -181,6 +181,11 @@ def fp8_linear_shapes(shape: ModelShape) -> list[tuple[int, int, int]]:
     ]
 
 
+def fp8_weight_count(shape: ModelShape, tp: int = 1) -> float:
+    """One TP rank's weights in the linear layers an FP8 recipe runs in FP8 (:func:`fp8_linear_shapes`)."""
+    return sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
+
+
 def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
     """The FP8 casts' memory (see the module docstring): the largest linear's transient casts, and
     the frozen base weights' kept casts with LoRA."""
@@ -193,7 +198,7 @@ def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
     if not shape.lora_rank:
         return transient
     kept_bytes = 1 if recipe in ONE_WEIGHT_CAST_RECIPES else 2
-    return transient + kept_bytes * sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
+    return transient + kept_bytes * fp8_weight_count(shape, tp)
 
 
 def lora_parameter_count(shape: ModelShape, tp: int = 1) -> float:
@@ -254,7 +259,7 @@ def estimate_memory(
     params = parameter_count(shape) / tp
     trained = lora_parameter_count(shape, tp) if shape.lora_rank else params
     if fp8 and fp8_frozen_on_host and shape.lora_rank:
-        params -= sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
+        params -= fp8_weight_count(shape, tp)
     weights = (params + (trained if shape.lora_rank else 0)) * (2 if bf16 else 4)
     gradients = trained * 4
     optimizer_bytes = 0.0 if optimizer == "none" else trained * 12 / (dp * cp)
@@ -373,6 +378,7 @@ __all__ = [
     "estimate_memory",
     "fewest_full_layers",
     "fp8_linear_shapes",
+    "fp8_weight_count",
     "lora_parameter_count",
     "parameter_count",
     "settings_that_fit",
