@@ -143,6 +143,46 @@ def test_a_frozen_weight_in_host_memory_computes_what_one_on_the_gpu_does(recipe
         assert torch.equal(got_y, want_y), (recipe, bf16_rows)  # cast again from the new values
 
 
+def test_host_memory_too_short_for_the_frozen_weights_names_the_setting_and_leaves_them_on_the_gpu(
+    monkeypatch,
+):
+    """A node short of pinned host memory: the second of two frozen weights cannot be moved. The error
+    names the setting that keeps them on the GPU and the GiB asked for, and both weights are on the GPU
+    again with their values (the run can be started again with the setting). Pinned memory cannot be
+    exhausted safely on a shared test host, so the allocation fails the way torch reports it."""
+    from relax_gdn.errors import RecipeError
+    from relax_gdn.model.fp8.options import FP8Options
+    from relax_gdn.model.fp8.plan import FP8Plan, PlannedLayer
+
+    values = [torch.randn(208, 256, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    weights = [torch.nn.Parameter(v.clone(), requires_grad=False) for v in values]
+    plan = FP8Plan(
+        FP8Options("tensorwise"),
+        [
+            PlannedLayer(f"decoder.layers.{i}.mlp.linear_fc1", 208, 256, _impl("tensorwise"), weight=w)
+            for i, w in enumerate(weights)
+        ],
+    )
+    real_empty, pinned = torch.empty, []
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory and pinned:
+            raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later")
+        pinned.append(pin_memory)
+        return real_empty(*args, pin_memory=pin_memory, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(RecipeError) as raised:
+        plan.keep_frozen_weights_on_host()
+    monkeypatch.undo()
+    message = str(raised.value)
+    assert "model.fp8.frozen_weights_on_host=false" in message and "CUDA error: out of memory" in message
+    assert message.startswith("model.fp8.frozen_weights_on_host: pinned host memory"), message
+    assert plan.on_host == [] and "host memory" not in plan.startup_line()
+    for weight, value in zip(weights, values):
+        assert weight.is_cuda and torch.equal(weight, value)
+
+
 def _fwd_bwd_frozen(impl, x, w, grad):
     """Output and input gradient of ``impl`` with ``w`` frozen (as LoRA's base weight is)."""
     x = x.detach().clone().requires_grad_()

@@ -107,7 +107,8 @@ class Trainer:
         self.data = agree_on_errors(lambda: load_run_data(cfg, self._given_data, log=self.is_rank0))
         self._build_model_and_optimizer()
         self._start_checkpoints()
-        keep_frozen_weights_on_host(self.core_model)  # once the weights have their starting values
+        # once the weights have their starting values; a node short of host memory stops every rank
+        agree_on_errors(lambda: keep_frozen_weights_on_host(self.core_model))
         self._start_loggers()
         self._start_step()
         hang_dir = self.run_dir / "hang" if self.run_dir is not None else None

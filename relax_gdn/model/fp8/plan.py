@@ -25,11 +25,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relax_gdn.errors import RecipeError
 from relax_gdn.model.fp8.options import FP8Options, fp8_problems
 
 if TYPE_CHECKING:  # torchao takes seconds to import: only a model built with FP8 loads it
     from relax_gdn.model.fp8.casts import CastKernels
     from relax_gdn.model.fp8.linear import FP8LinearImpl
+
+
+class HostMemoryError(RecipeError):
+    """Host memory too short for what ``model.fp8.frozen_weights_on_host`` moves there."""
+
 
 # torch._scaled_mm: both dimensions of the weight (the GEMMs' inner and outer sizes) multiples of 16
 _ALIGN = 16
@@ -72,17 +78,40 @@ class FP8Plan:
         memory (its GEMMs read its kept FP8 casts, made once from a copy brought back); returns the
         bytes moved. Nothing to do on CPU, without frozen FP8 weights, or once moved. Call it after
         the weights have their starting values (the broadcast over DP, a checkpoint load)."""
+        frozen = [
+            layer.weight
+            for layer in (self.layers if self.options.frozen_weights_on_host else ())
+            if layer.impl is not None
+            and layer.weight is not None
+            and not layer.weight.requires_grad
+            and layer.weight.is_cuda
+        ]
         moved = 0
-        for layer in self.layers if self.options.frozen_weights_on_host else ():
-            weight = layer.weight
-            if layer.impl is None or weight is None or weight.requires_grad or not weight.is_cuda:
-                continue
-            host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=True)
+        for weight in frozen:
+            try:
+                host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=True)
+            except RuntimeError as e:  # torch's error for a failed cudaHostAlloc (a node short of memory)
+                self._back_on_device()
+                wanted = sum(w.numel() * w.element_size() for w in frozen)
+                raise HostMemoryError(
+                    f"model.fp8.frozen_weights_on_host: pinned host memory for the frozen FP8 weights "
+                    f"({wanted / 2**30:.1f} GiB) could not be allocated after {moved / 2**30:.1f} GiB "
+                    f"({str(e).splitlines()[0]}); free host memory on this node, or set "
+                    f"model.fp8.frozen_weights_on_host=false (they stay on the GPU: "
+                    f"{wanted / 2**30:.1f} GiB more there)"
+                ) from e
             host.copy_(weight.data)
             self.on_host.append((weight, weight.device, host))
             weight.data = host
             moved += host.numel() * host.element_size()
         return moved
+
+    def _back_on_device(self) -> None:
+        """Every weight moved to host memory back on its GPU for good (a failed move leaves the
+        model as it was built)."""
+        for weight, device, host in self.on_host:
+            weight.data = host.to(device)
+        self.on_host.clear()
 
     @contextlib.contextmanager
     def frozen_weights_on_device(self) -> Iterator[None]:
@@ -241,9 +270,11 @@ def frozen_weights_on_device(model: torch.nn.Module) -> contextlib.AbstractConte
 
 __all__ = [
     "FP8Plan",
+    "HostMemoryError",
     "PlannedLayer",
     "fp8_plan_of",
     "frozen_weights_on_device",
     "install_fp8",
+    "HostMemoryError",
     "keep_frozen_weights_on_host",
 ]
