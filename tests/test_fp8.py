@@ -666,6 +666,7 @@ def _lora_case(recipe: str) -> dict:
         "calls": {layer.name: layer.impl.calls for layer in layers},
         "losses": losses,
         "frozen": all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n),
+        "ran": fp8_plan_of(model).ran_line(),
     }
 
 
@@ -680,6 +681,8 @@ def test_lora_base_weights_are_cast_once(gloo, recipe):
     first = case["casts"].pop("decoder.layers.0.self_attention.in_proj")
     assert first == 1 and set(case["casts"].values()) == {per_weight}, case["casts"]
     assert case["losses"][-1] < case["losses"][0]
+    # the run summary says so: more casts than that would mean they were made again
+    assert case["ran"].endswith(f"; 16 frozen weights, {1 + 15 * per_weight} weight casts made for them")
 
 
 # ---------------------------------------------------------------------------------------------

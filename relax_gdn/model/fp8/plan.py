@@ -170,6 +170,11 @@ class FP8Plan:
             f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
             f"ran {gemms}"
         )
+        # a frozen weight's casts are kept: more casts than layers means they were made again
+        frozen = [layer for layer in planned if layer.weight is not None and not layer.weight.requires_grad]
+        if frozen:
+            casts = sum(layer.impl.weight_casts for layer in frozen)
+            line += f"; {len(frozen)} frozen weights, {casts} weight casts made for them"
         return line + (f"; planned but never called: {', '.join(idle)}" if idle else "")
 
 
