@@ -8,7 +8,12 @@ groups), ``tests/gdn_harness.py`` (one GDN layer).
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import re
+import shutil
+import subprocess
 import types
 
 import pytest
@@ -75,8 +80,10 @@ def gloo_once(gloo):
 
 
 # Short ``python train.py`` runs as a user starts them, each read by several tests (a child's imports
-# cost more than its training): name -> overrides.
+# cost more than its training): name -> overrides ("{dir}": the run's own directory).
 SHORT_TRAIN_PY_RUNS = {
+    # also the first export of tests/test_hf_export.py's round trip (export_hf_final) and the
+    # checkpoint tests/test_checkpoint_lifecycle.py damages (step 3)
     "3 steps": (
         "train.steps=3",
         "train.global_batch_size=4",
@@ -85,35 +92,66 @@ SHORT_TRAIN_PY_RUNS = {
         "run_name=entry-test",
         "logging.profile_steps=[2,2]",
         "checkpoint.save_final=true",
+        "checkpoint.export_hf_final=true",
     ),
-    "1 step, third-party notices": (
+    # the demo defaults on a .jsonl file with one record too long for them
+    "1 step on jsonl, third-party notices": (
         "train.steps=1",
-        "train.global_batch_size=4",
-        "data.num_samples=64",
-        "data.synthetic_max_steps=1",
+        "data=jsonl",
+        "data.path={dir}/train.jsonl",
         "logging.show_third_party_warnings=true",
     ),
+}
+
+
+def _jsonl_with_one_record_too_long() -> str:
+    records = [{"problem": f"What is {i} + {i}?", "generated_solution": f"{2 * i}"} for i in range(20)]
+    records.append({"problem": "Repeat x.", "generated_solution": "x" * 3000})  # > 2048 byte tokens
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+# the files a run reads, written into its directory first: name -> {file name: its text}
+SHORT_TRAIN_PY_FILES = {
+    "1 step on jsonl, third-party notices": {"train.jsonl": _jsonl_with_one_record_too_long()}
 }
 
 
 @pytest.fixture(scope="session")
 def short_train_py(tmp_path_factory):
     """``short_train_py(name)``: the run ``SHORT_TRAIN_PY_RUNS[name]`` (started when first asked for,
-    once per session) as ``(CompletedProcess, its run directory, the package's .jsonl/.yaml files
-    before it, after it)``."""
+    once per session: under pytest-xdist the workers share it through a lock file in their common
+    temporary directory, the first to ask runs it) as ``(CompletedProcess, its run directory, the
+    package's .jsonl/.yaml files before it, after it)``."""
     from tests.helpers import ROOT, train_py
 
     def package_files() -> list[str]:
         return sorted(p.name for p in (ROOT / "relax_gdn").rglob("*") if p.suffix in (".jsonl", ".yaml"))
 
+    # pytest-xdist: each worker's basetemp is popen-gw<N> inside the run's one temporary directory
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     runs: dict = {}
 
     def run(name: str):
         if name not in runs:
-            tmp = tmp_path_factory.mktemp("train_py")
-            before = package_files()
-            done = train_py(tmp, *SHORT_TRAIN_PY_RUNS[name])
-            runs[name] = (done, tmp / "run", before, package_files())
+            slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+            tmp, outcome = shared / f"train_py_{slug}", shared / f"train_py_{slug}.json"
+            with open(shared / f"train_py_{slug}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or its process ends)
+                if not outcome.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)  # what a worker that died in the run left
+                    tmp.mkdir()
+                    for file, text in SHORT_TRAIN_PY_FILES.get(name, {}).items():
+                        (tmp / file).write_text(text)
+                    before = package_files()
+                    done = train_py(tmp, *(o.format(dir=tmp) for o in SHORT_TRAIN_PY_RUNS[name]))
+                    saved = dict(
+                        args=done.args, returncode=done.returncode, stdout=done.stdout, stderr=done.stderr
+                    )
+                    outcome.write_text(json.dumps(dict(done=saved, before=before, after=package_files())))
+                read = json.loads(outcome.read_text())
+            done = subprocess.CompletedProcess(**read["done"])
+            runs[name] = (done, tmp / "run", read["before"], read["after"])
         return runs[name]
 
     return run

@@ -35,8 +35,12 @@ STEPS = 6
 
 
 def _lifecycle_cfg(case_dir: Path, **dotted):
+    # 4 samples a step (small_config's 8 halved): what these runs check is where they stop, what they
+    # leave on disk and how they resume, not the batch
     return _cfg(
         **{
+            "train__global_batch_size": 4,
+            "data__num_samples": 64,
             "train__steps": STEPS,
             "checkpoint__every_steps": 2,
             "checkpoint__keep_last": 2,
@@ -415,11 +419,12 @@ def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("saved")
-    done = _train(tmp, "train.steps=1", "checkpoint.save_final=true", f"checkpoint.dir={tmp / 'ckpt'}")
+def saved_checkpoint(short_train_py) -> Path:
+    """The last checkpoint of the session's 3-step ``python train.py`` run (tests/conftest.py: the
+    batch and data of ``_train``'s runs, which resume it for a 4th step)."""
+    done, run, _, _ = short_train_py("3 steps")
     assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "ckpt" / "step_000001"
+    return run / "checkpoints" / "step_000003"
 
 
 def _damaged_copy(saved: Path, tmp_path: Path, damage) -> Path:
@@ -464,7 +469,7 @@ def _per_rank_torch_save_files(directory: Path) -> Path:
 )
 def test_bad_checkpoint_exits_2_naming_the_file(saved_checkpoint, tmp_path, damage):
     path = _damaged_copy(saved_checkpoint, tmp_path, damage)
-    done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={path.parent}")
+    done = _train(tmp_path, "train.steps=4", f"checkpoint.resume={path.parent}")
     text = done.stdout + done.stderr
     assert done.returncode == 2, text[-3000:]
     assert str(path) in text and "Traceback" not in text, text[-3000:]
@@ -477,7 +482,7 @@ def test_optimizer_state_of_another_kind_exits_2_naming_the_fix(saved_checkpoint
     assert manifest["optimizer"] == {"kind": "cpu_adamw"}
     manifest["optimizer"] = {"kind": "megatron", "sharding": "dp_reshardable"}  # as a GPU run writes it
     (copy / "relax_gdn.json").write_text(json.dumps(manifest))
-    done = _train(tmp_path, "train.steps=2", f"checkpoint.resume={copy}")
+    done = _train(tmp_path, "train.steps=4", f"checkpoint.resume={copy}")
     text = done.stdout + done.stderr
     assert done.returncode == 2, text[-3000:]
     assert f"checkpoint {copy} holds Megatron-Core's distributed optimizer state" in text, text[-3000:]

@@ -25,10 +25,10 @@ THIRD_PARTY = re.compile(
 @pytest.fixture(scope="module")
 def quiet_and_loud(short_train_py):
     """The session's 3-step train.py run (step 2 profiled), and its 1-step run with
-    logging.show_third_party_warnings=true."""
+    logging.show_third_party_warnings=true (on a .jsonl file)."""
     quiet, run_dir, _, _ = short_train_py("3 steps")
     quiet.trace = run_dir / "traces" / "rank0_steps2-2.json"
-    return quiet, short_train_py("1 step, third-party notices")[0]
+    return quiet, short_train_py("1 step on jsonl, third-party notices")[0]
 
 
 def test_three_step_run_prints_no_third_party_notices_and_one_summary(quiet_and_loud):

@@ -484,10 +484,11 @@ def _generate(export: Path) -> tuple[list[int], str]:
     return new, tokenizer.decode(new)
 
 
-def test_tiny_demo_export_trains_again_exports_again_and_generates(tmp_path):
-    first = _train(tmp_path / "first")
+def test_tiny_demo_export_trains_again_exports_again_and_generates(short_train_py, tmp_path):
+    # the tiny demo's first export: the session's 3-step run (checkpoint.export_hf_final=true)
+    first, run, _, _ = short_train_py("3 steps")
     assert first.returncode == 0, first.stderr[-3000:]
-    export = tmp_path / "first" / "hf"
+    export = run / "hf"
     assert json.loads((export / "config.json").read_text())["vocab_size"] == 264
     second = _train(tmp_path / "second", f"model.hf_checkpoint={export}")
     assert second.returncode == 0, second.stderr[-3000:]

@@ -155,6 +155,8 @@ def _skip_cases(tmp: str, device: dict | None = None) -> dict:
         result = run_training(
             _cfg(
                 train__steps=7,
+                train__global_batch_size=4,  # the steps' outcomes are checked, not the batch
+                data__num_samples=64,
                 train__on_nonfinite="skip",
                 train__max_nonfinite_steps=most,
                 checkpoint__every_steps=1,
@@ -422,7 +424,9 @@ def _listings_differ(tmp: str) -> dict:
 
     torch.set_num_threads(1)
     tmp = Path(tmp)
+    small = dict(train__global_batch_size=4, data__num_samples=64)  # which step is loaded is checked
     cfg = _cfg(
+        **small,
         train__steps=6,
         parallel__cp=2,
         optim__decay_steps=6,
@@ -432,6 +436,7 @@ def _listings_differ(tmp: str) -> dict:
         checkpoint__resume="auto",
     )
     first = _cfg(
+        **small,
         train__steps=4,
         parallel__cp=2,
         optim__decay_steps=6,

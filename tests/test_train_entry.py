@@ -256,18 +256,17 @@ def test_make_run_reports_a_problem_once_with_exit_code_2(tmp_path, case):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_any_step_count_trains_with_the_default_warmup(short_train_py, steps):
-    done, run, _, _ = short_train_py({1: "1 step, third-party notices", 3: "3 steps"}[steps])
+    done, run, _, _ = short_train_py({1: "1 step on jsonl, third-party notices", 3: "3 steps"}[steps])
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert records[0]["lr"] > 0  # no warm-up step at rate 0: 0.1 x 1 or 3 steps rounds to none
 
 
-def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(tmp_path):
-    records = [{"problem": f"What is {i} + {i}?", "generated_solution": f"{2 * i}"} for i in range(20)]
-    records.append({"problem": "Repeat x.", "generated_solution": "x" * 3000})  # > 2048 byte tokens
-    path = _data_file(tmp_path, "train.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-    done = _train(tmp_path, "data=jsonl", f"data.path={path}", "train.steps=1")
+def test_jsonl_data_runs_on_the_demo_defaults_skipping_what_does_not_fit(short_train_py):
+    """One step on the demo defaults with data=jsonl: 20 short records and one longer than the
+    default limit (the session's run, tests/conftest.py SHORT_TRAIN_PY_FILES)."""
+    done, _, _, _ = short_train_py("1 step on jsonl, third-party notices")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "20/21 records kept; skipped: too_long=1" in done.stdout + done.stderr
 
