@@ -15,6 +15,8 @@
 #   CALL=5 relax_gdn/bench/fp8.sh   two GPUs of one host (2 x H200: full fine-tuning of the 9B with Adam
 #       needs ≈ 201 GiB on one): the 9B, NINE_B_STEPS steps on the distributed optimizer, bf16 and
 #       RECIPE, and relax_gdn.compare over the two runs
+#   CALL=6 relax_gdn/bench/fp8.sh   one GPU: the 9B with LoRA r16 (every linear's GEMMs run, only the
+#       adapters train), NINE_B_STEPS steps of 4 samples with Adam, bf16 and RECIPE, and relax_gdn.compare
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
@@ -90,6 +92,17 @@ case $CALL in
     python3 -m relax_gdn.compare nine_b --baseline model.fp8.recipe=null > "$OUT/compare_9b.log" 2>&1
     tar -czf "$OUT/nine_b.tgz" nine_b
     tail -n 12 "$OUT/compare_9b.log" ;;
+  6)
+    for recipe in null "$RECIPE"; do
+      step "nine_b_lora_$recipe" 250 python3 train.py ${NINE_B_ARGS:-model=qwen3_5_9b train=h200} \
+        hydra.run.dir="nine_b_lora/$recipe" train.steps="${NINE_B_STEPS:-50}" train.global_batch_size=4 \
+        model.lora.rank=16 recompute=none logging.wandb.mode=disabled logging.console=false \
+        model.fp8.recipe="$recipe"
+    done
+    rm -rf nine_b_lora/*/checkpoints
+    python3 -m relax_gdn.compare nine_b_lora --baseline model.fp8.recipe=null > "$OUT/compare_9b_lora.log" 2>&1
+    tar -czf "$OUT/nine_b_lora.tgz" nine_b_lora
+    tail -n 12 "$OUT/compare_9b_lora.log" ;;
 esac
 save_caches
 echo; cat "$summary"
