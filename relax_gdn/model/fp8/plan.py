@@ -54,6 +54,11 @@ class PlannedLayer:
     weight: torch.nn.Parameter | None = field(default=None, repr=False)  # the layer's, for host keeping
 
     @property
+    def frozen_in_fp8(self) -> bool:
+        """Runs in FP8 with a frozen weight (LoRA's base): its FP8 casts are kept across steps."""
+        return self.impl is not None and self.weight is not None and not self.weight.requires_grad
+
+    @property
     def kind(self) -> str:
         return self.name.rsplit(".", 1)[-1]
 
@@ -81,10 +86,7 @@ class FP8Plan:
         frozen = [
             layer.weight
             for layer in (self.layers if self.options.frozen_weights_on_host else ())
-            if layer.impl is not None
-            and layer.weight is not None
-            and not layer.weight.requires_grad
-            and layer.weight.is_cuda
+            if layer.frozen_in_fp8 and layer.weight.is_cuda
         ]
         moved = 0
         for weight in frozen:
@@ -92,7 +94,7 @@ class FP8Plan:
                 host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=True)
             except RuntimeError as e:  # torch's error for a failed cudaHostAlloc (a node short of memory)
                 self._back_on_device()
-                wanted = sum(w.numel() * w.element_size() for w in frozen)
+                wanted = sum(w.nbytes for w in frozen)
                 raise HostMemoryError(
                     f"model.fp8.frozen_weights_on_host: pinned host memory for the frozen FP8 weights "
                     f"({wanted / 2**30:.1f} GiB) could not be allocated after {moved / 2**30:.1f} GiB "
@@ -103,7 +105,7 @@ class FP8Plan:
             host.copy_(weight.data)
             self.on_host.append((weight, weight.device, host))
             weight.data = host
-            moved += host.numel() * host.element_size()
+            moved += host.nbytes
         return moved
 
     def _back_on_device(self) -> None:
@@ -142,7 +144,7 @@ class FP8Plan:
         kept = [f"{layer.name} ({layer.bf16_reason})" for layer in self.layers if layer.impl is None]
         total = sum(layer.out_features * layer.in_features for layer in self.layers)
         share = sum(layer.fp8_weights for layer in self.layers) / max(total, 1)
-        host = sum(h.numel() * h.element_size() for _, _, h in self.on_host)
+        host = sum(h.nbytes for _, _, h in self.on_host)
         return (
             f"FP8 GEMMs ({self.options.recipe}, torchao): {sum(fp8.values())} linear layers: "
             f"{', '.join(parts) or 'none'} ({share:.0%} of the linear weights); bf16: "
@@ -171,7 +173,7 @@ class FP8Plan:
             f"ran {gemms}"
         )
         # a frozen weight's casts are kept: more casts than layers means they were made again
-        frozen = [layer for layer in planned if layer.weight is not None and not layer.weight.requires_grad]
+        frozen = [layer for layer in planned if layer.frozen_in_fp8]
         if frozen:
             casts = sum(layer.impl.weight_casts for layer in frozen)
             line += f"; {len(frozen)} frozen weights, {casts} weight casts made for them"
@@ -280,6 +282,5 @@ __all__ = [
     "fp8_plan_of",
     "frozen_weights_on_device",
     "install_fp8",
-    "HostMemoryError",
     "keep_frozen_weights_on_host",
 ]
