@@ -45,6 +45,18 @@ curves() {  # curves SEED: the reduced 9B, CURVE_STEPS steps, bf16 and RECIPE (o
   done
 }
 
+nine_b() {  # nine_b DIR LIMIT COMMAND...: the 9B, NINE_B_STEPS steps in bf16 and RECIPE, then relax_gdn.compare
+  local dir=$1 limit=$2 recipe; shift 2
+  for recipe in null "$RECIPE"; do
+    step "${dir}_$recipe" "$limit" "$@" ${NINE_B_ARGS:-model=qwen3_5_9b train=h200} hydra.run.dir="$dir/$recipe" \
+      train.steps="${NINE_B_STEPS:-50}" logging.wandb.mode=disabled logging.console=false model.fp8.recipe="$recipe"
+  done
+  rm -rf "$dir"/*/checkpoints
+  python3 -m relax_gdn.compare "$dir" --baseline model.fp8.recipe=null > "$OUT/compare_$dir.log" 2>&1
+  tar -czf "$OUT/$dir.tgz" "$dir"  # one file: a call returns a limited number of them
+  tail -n 12 "$OUT/compare_$dir.log"
+}
+
 case $CALL in
   1)
     step test_fp8_gpu 80 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py -k "not reduced_9b"
@@ -82,27 +94,10 @@ case $CALL in
     done
     for tokens in 2048 4096 8192; do echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_mb$tokens.log"; done ;;
   5)
-    for recipe in null "$RECIPE"; do
-      step "nine_b_$recipe" 260 python3 -m relax_gdn.launch --standalone --nproc-per-node 2 train.py \
-        ${NINE_B_ARGS:-model=qwen3_5_9b train=h200} hydra.run.dir="nine_b/$recipe" train.steps="${NINE_B_STEPS:-50}" \
-        train.global_batch_size=16 recompute=full logging.wandb.mode=disabled logging.console=false \
-        model.fp8.recipe="$recipe"
-    done
-    rm -rf nine_b/*/checkpoints
-    python3 -m relax_gdn.compare nine_b --baseline model.fp8.recipe=null > "$OUT/compare_9b.log" 2>&1
-    tar -czf "$OUT/nine_b.tgz" nine_b
-    tail -n 12 "$OUT/compare_9b.log" ;;
+    nine_b nine_b 260 python3 -m relax_gdn.launch --standalone --nproc-per-node 2 train.py \
+      train.global_batch_size=16 recompute=full ;;
   6)
-    for recipe in null "$RECIPE"; do
-      step "nine_b_lora_$recipe" 250 python3 train.py ${NINE_B_ARGS:-model=qwen3_5_9b train=h200} \
-        hydra.run.dir="nine_b_lora/$recipe" train.steps="${NINE_B_STEPS:-50}" train.global_batch_size=4 \
-        model.lora.rank=16 recompute=none logging.wandb.mode=disabled logging.console=false \
-        model.fp8.recipe="$recipe"
-    done
-    rm -rf nine_b_lora/*/checkpoints
-    python3 -m relax_gdn.compare nine_b_lora --baseline model.fp8.recipe=null > "$OUT/compare_9b_lora.log" 2>&1
-    tar -czf "$OUT/nine_b_lora.tgz" nine_b_lora
-    tail -n 12 "$OUT/compare_9b_lora.log" ;;
+    nine_b nine_b_lora 250 python3 train.py train.global_batch_size=4 model.lora.rank=16 recompute=none ;;
 esac
 save_caches
 echo; cat "$summary"
