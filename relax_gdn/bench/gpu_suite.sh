@@ -5,7 +5,10 @@
 # overlap another stream's kernels; the 2-GPU cases skip. Nothing here is timed.
 #
 #   CALL=1 relax_gdn/bench/gpu_suite.sh   .gpu carried: every GPU test file but LoRA and the HF export,
-#       three streams (the checkpoint resumes; the trainer, safety, MTP and layout cases; the kernels)
+#       three streams (the checkpoint resumes; the trainer, safety, MTP and layout cases; the kernels).
+#       Together they need more than an 80 GB card holds (each holds a reduced 9B at times): there,
+#       STREAMS=checkpoint, STREAMS=trainer and STREAMS=kernels in three calls; CALL=1 refuses in
+#       a second on a card under 100 GiB when STREAMS names more than one
 #   CALL=2 relax_gdn/bench/gpu_suite.sh   .gpu-hf carried as well (a later call of the same machine):
 #       tests/test_lora_gpu.py and tests/test_hf_export_gpu.py, two streams
 #   CALL=3 OLD=DIR relax_gdn/bench/gpu_suite.sh   the 9B at 8k under full recompute (benchmarks.md's first
@@ -27,14 +30,27 @@ stream() {  # stream NAME FILE...: one pytest process over FILEs, in the backgro
   step "$name" "$LIMIT" python3 -m pytest -q -rA -p no:cacheprovider -m gpu --durations=0 "$@" &
 }
 
+declare -A CALL1_FILES=(
+  [checkpoint]="tests/test_checkpoint_gpu.py"
+  [trainer]="tests/test_train_gpu.py tests/test_train_memory_gpu.py tests/test_run_safety.py tests/test_mtp_gpu.py
+    tests/test_qwen3_5_model_gpu.py tests/test_host_sync_counter.py tests/test_layout_gpu.py tests/test_fla_zigzag_gpu.py"
+  [kernels]="tests/test_fusion_gpu.py tests/test_gdn_layer_gpu.py tests/test_cp_attention_gpu.py tests/test_fp8_gpu.py"
+)
+
 case $CALL in
   1)
-    stream checkpoint tests/test_checkpoint_gpu.py
-    stream trainer tests/test_train_gpu.py tests/test_run_safety.py tests/test_mtp_gpu.py \
-      tests/test_qwen3_5_model_gpu.py tests/test_host_sync_counter.py tests/test_layout_gpu.py \
-      tests/test_fla_zigzag_gpu.py
-    stream kernels tests/test_fusion_gpu.py tests/test_gdn_layer_gpu.py tests/test_cp_attention_gpu.py \
-      tests/test_fp8_gpu.py
+    read -ra names <<< "${STREAMS:-checkpoint trainer kernels}"
+    gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0) / 1024 ))
+    if (( ${#names[@]} > 1 && gib < 100 )); then
+      echo "CALL=1: this GPU has $gib GiB; the streams ${names[*]} together need more (each holds a reduced" \
+        "9B at times). Run one per call: STREAMS=checkpoint, STREAMS=trainer, STREAMS=kernels" >&2
+      exit 2
+    fi
+    for name in "${names[@]}"; do
+      [[ -n ${CALL1_FILES[$name]:-} ]] || { echo "STREAMS: no stream $name (${!CALL1_FILES[*]})" >&2; exit 2; }
+      # shellcheck disable=SC2086  # the stream's files, one word each
+      stream "$name" ${CALL1_FILES[$name]}
+    done
     wait ;;
   2)
     source .gpu-hf/activate.sh
