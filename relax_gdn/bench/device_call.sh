@@ -23,13 +23,19 @@ step() {  # step NAME LIMIT_S COMMAND...: runs when LIMIT_S still fits, log in $
 
 save_caches() {  # the caches for a fresh machine (unpack into the repository root and carry .gpu-cache)
   du -sh .gpu-cache 2>/dev/null | tee -a "$summary"
+  # Triton's autotuning choices alone, kilobytes: small enough to carry beside .gpu, they spare a fresh
+  # machine the timing of every config of every tuned kernel (it compiles the chosen one only)
+  find .gpu-cache/triton -name '*.autotune.json' -print0 2>/dev/null | tar -czf "$OUT/gpu-autotune.tgz" --null -T -
   tar -czf "$OUT/gpu-cache.tgz" --exclude=winner .gpu-cache 2>/dev/null
   if (( $(stat -c %s "$OUT/gpu-cache.tgz") > 60 * 1024 * 1024 )); then rm -f "$OUT/gpu-cache.tgz"; fi
 }
 
 [[ -f .gpu/activate.sh ]] && source .gpu/activate.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton TRITON_CACHE_AUTOTUNING=1
+# one Triton cache per GPU model: an autotuning choice is keyed by the architecture (sm_90 for H100 and
+# H200 alike), not the card, and one timed on an H100 must not pick an H200 benchmark's kernels
+gpu_model=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | tr -cs 'A-Za-z0-9' '_')
+export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton/${gpu_model%_} TRITON_CACHE_AUTOTUNING=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
