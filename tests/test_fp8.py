@@ -681,8 +681,12 @@ def test_lora_base_weights_are_cast_once(gloo, recipe):
     first = case["casts"].pop("decoder.layers.0.self_attention.in_proj")
     assert first == 1 and set(case["casts"].values()) == {per_weight}, case["casts"]
     assert case["losses"][-1] < case["losses"][0]
-    # the run summary says so: more casts than that would mean they were made again
-    assert case["ran"].endswith(f"; 16 frozen weights, {1 + 15 * per_weight} weight casts made for them")
+    # the run summary says so (more casts than that would mean they were made again), and names no
+    # weight-gradient GEMM: a frozen weight has none
+    assert case["ran"] == (
+        f"FP8 ({recipe}): 16 of 17 linear layers ran forward and input-gradient GEMMs in FP8 (frozen weights: "
+        f"no weight-gradient GEMM); 16 frozen weights, {1 + 15 * per_weight} weight casts made for them"
+    ), case["ran"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,22 +162,27 @@ class FP8Plan:
         but never ran (a path that bypasses the layer)."""
         planned = [layer for layer in self.layers if layer.impl is not None]
         idle = [layer.name for layer in planned if layer.impl.calls == 0]
-        wgrad_fp8 = all(layer.impl.operands.weight_grad_in_fp8 for layer in planned)
-        gemms = (
-            "forward, input-gradient and weight-gradient GEMMs in FP8"
-            if wgrad_fp8
-            else "forward and input-gradient GEMMs in FP8 (weight gradients in bf16)"
-        )
+        frozen = [layer for layer in planned if layer.frozen_in_fp8]
         line = (
             f"FP8 ({self.options.recipe}): {len(planned) - len(idle)} of {len(self.layers)} linear layers "
-            f"ran {gemms}"
+            f"ran {_gemms_in_fp8(planned)}"
         )
         # a frozen weight's casts are kept: more casts than layers means they were made again
-        frozen = [layer for layer in planned if layer.frozen_in_fp8]
         if frozen:
             casts = sum(layer.impl.weight_casts for layer in frozen)
             line += f"; {len(frozen)} frozen weights, {casts} weight casts made for them"
         return line + (f"; planned but never called: {', '.join(idle)}" if idle else "")
+
+
+def _gemms_in_fp8(planned: list[PlannedLayer]) -> str:
+    """Which of the planned layers' GEMMs ran in FP8. A frozen weight (LoRA's base: LoRA freezes every
+    weight it does not add) has no weight gradient, so no weight-gradient GEMM to name."""
+    trainable = [layer for layer in planned if not layer.frozen_in_fp8]
+    if not trainable:
+        return "forward and input-gradient GEMMs in FP8 (frozen weights: no weight-gradient GEMM)"
+    if all(layer.impl.operands.weight_grad_in_fp8 for layer in trainable):
+        return "forward, input-gradient and weight-gradient GEMMs in FP8"
+    return "forward and input-gradient GEMMs in FP8 (weight gradients in bf16)"
 
 
 def _matching(name: str, patterns: tuple[str, ...]) -> str | None:
