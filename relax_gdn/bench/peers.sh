@@ -8,7 +8,8 @@
 #   CALL=1 relax_gdn/bench/peers.sh   LoRA r16 + AdamW, one 8,192-token document per step: HF without and
 #       with checkpointing, + Liger, relax-gdn at its best setting, with full recompute, and in FP8
 #   CALL=2 relax_gdn/bench/peers.sh   the same LoRA rows at 32,768 tokens (HF without checkpointing shows
-#       where it runs out of memory), STEPS32 steps
+#       where it runs out of memory), STEPS32 steps; the FP8 row last (the JSON is written after each
+#       row, so a call that runs out of time keeps the rows before it)
 #   CALL=3 relax_gdn/bench/peers.sh   full fine-tuning at 8,192 tokens: HF without checkpointing and HF +
 #       torchao float8 with compiled decoder blocks (the rows the H200 table lacks); then full
 #       fine-tuning at 32,768 tokens while the budget lasts
@@ -30,7 +31,8 @@ case $CALL in
     tables=(peers_8k_lora) ;;
   2)
     step peers_32k_lora 540 "${PEERS[@]}" --doc-tokens 32768 --workloads lora --steps "${STEPS32:-4}" \
-      --out "$OUT/peers_32k_lora.json" --rows "${ROWS_32K:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS}"
+      --out "$OUT/peers_32k_lora.json" \
+      --rows "${ROWS_32K:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS;relax,model.fp8.recipe=tensorwise}"
     tables=(peers_32k_lora) ;;
   3)
     step peers_8k_full 300 "${PEERS[@]}" --doc-tokens 8192 --workloads full --out "$OUT/peers_8k_full.json" \
