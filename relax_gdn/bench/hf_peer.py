@@ -21,7 +21,6 @@ of the two sides can be compared.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import math
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from relax_gdn.train.gpu_memory import release_gpu_memory
 
 # written last into a random-init checkpoint directory: what it was made from
 INIT_MARKER = "relax_gdn_peers_init.json"
@@ -103,7 +104,7 @@ def write_random_checkpoint(
     model.save_pretrained(partial)
     (partial / INIT_MARKER).write_text(json.dumps(marker))
     del model
-    free_memory(device)
+    release_gpu_memory(device)
     partial.rename(directory)
     return directory
 
@@ -375,14 +376,6 @@ def adamw(model: HFModel, optim, device: torch.device) -> torch.optim.Optimizer:
     )
 
 
-def free_memory(device: torch.device) -> None:
-    """Give the GPU memory of finished rows back (a collection takes ~0.5 s with transformers and
-    Megatron-Core loaded: on CPU, where no peak is measured, it is left to Python)."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 _SIZE = r"([\d.]+ [KMGT]?i?B)"
 
 
@@ -431,7 +424,7 @@ class Batches:
 
 def _memory_at_start(device: torch.device) -> float | None:
     """GiB still allocated as a row starts (after a collection): what earlier rows left behind."""
-    free_memory(device)
+    release_gpu_memory(device)
     return round(torch.cuda.memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
 
 
@@ -529,7 +522,7 @@ def run_hf_row(
         failure = f"{type(e).__name__}: {e}"[:2000]
     if settings.compile or settings.fp8 is not None:
         torch._dynamo.reset()  # the compiled blocks' caches hold on to this row's model
-    free_memory(device)
+    release_gpu_memory(device)
     if failure is None:
         return entry | {"summary": summarize(records, skip, 1)}
     summary = {"error": failure, "steps_done": len(records)}

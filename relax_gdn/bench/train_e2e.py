@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import gzip
 import itertools
 import json
@@ -97,6 +96,7 @@ import torch.distributed as dist
 from relax_gdn.bench import trace_launchers
 from relax_gdn.bench.needs import require_gpus
 from relax_gdn.bench.provenance import tree_commit
+from relax_gdn.train.gpu_memory import release_gpu_memory
 
 CP_MODES = ("chunkwise", "headwise", "all_gather")
 KERNEL_CATEGORIES = ("gemm", "gdn", "attention", "communication", "copy", "elementwise")
@@ -548,8 +548,7 @@ def _memory_left_over(device: torch.device, name: str) -> float | None:
     variants of this process left behind, which would count in this one's peak; said when > 0.5."""
     if device.type != "cuda":
         return None
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_gpu_memory(device)
     left = torch.cuda.memory_allocated(device) / 2**30
     if left > 0.5 and dist.get_rank() == 0:
         print(
@@ -632,10 +631,8 @@ def run_variant(name: str, cfg, args, world: int, device: torch.device, data=Non
         except Exception as e:  # noqa: BLE001 - one variant failing (e.g. out of memory) must not end the rest
             entry |= {"records": [], "summary": {"error": f"{type(e).__name__}: {e}"[:2000]}}
             return entry
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        finally:  # a failed variant's memory, its exception gone (run_training frees a finished one)
+            release_gpu_memory(device)
         records = result.records
         if args.profile and records:
             records[-1]["profiled"] = True

@@ -3,16 +3,14 @@ and runs a :class:`~relax_gdn.train.loop.Trainer` (setup, the steps, close)."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from relax_gdn.config import RunConfig, validate
 from relax_gdn.parallel import launcher_world_size
 from relax_gdn.runtime import Runtime
 from relax_gdn.train.build import resolve_mtp_layers, select_bf16, select_device
+from relax_gdn.train.gpu_memory import release_gpu_memory
 from relax_gdn.train.loop import Trainer
 from relax_gdn.train.run_result import TrainResult
 
@@ -66,16 +64,3 @@ def run_training(
         trainer.close()
         del trainer
         release_gpu_memory(device)
-
-
-def release_gpu_memory(device: torch.device) -> None:
-    """Hand a finished run's GPU memory back to the process, for what it runs next (another run, a test,
-    a benchmark variant, the export). Megatron-Core's DDP holds its buffers in reference cycles (its
-    gradient hooks' closures hold the DDP object), which only a full collection frees, and the next
-    one may come late: on one 80 GB GPU the fifth reduced-9B run of one pytest process ran out of
-    memory with 76 GiB allocated, where the same run alone passes. A run that raised keeps what its
-    traceback's frames hold until the exception is gone."""
-    if device.type != "cuda":
-        return  # the CPU path (torch.optim, no Megatron-Core DDP) leaves no cycle holding tensors
-    gc.collect()
-    torch.cuda.empty_cache()
