@@ -201,7 +201,7 @@ def _configuration_errors() -> dict:
     import torch.distributed as dist
 
     from relax_gdn.model import Qwen3_5Options, qwen3_5_config
-    from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
+    from relax_gdn.model.qwen3_5_specs import qwen3_5_block_spec
     from tests.gdn_harness import build_gdn, self_group, tiny_config
 
     single, pair = self_group(), dist.group.WORLD

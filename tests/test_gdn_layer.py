@@ -63,10 +63,10 @@ def _parity_cases(world_size: int):
         results[(mode, "dynamic")] = max(errs)
 
     # every rank cut on a document boundary: each slice is scanned alone, no CP scan or conv
-    from relax_gdn.gdn import reference as gdn_reference
+    from relax_gdn.gdn import cp_reference
 
     calls = {"cp": 0}
-    real = {f: getattr(gdn_reference, f) for f in ("cp_causal_conv1d", "cp_gated_delta_rule")}
+    real = {f: getattr(cp_reference, f) for f in ("cp_causal_conv1d", "cp_gated_delta_rule")}
 
     def counted(fn):
         def wrapper(*args, **kwargs):
@@ -76,7 +76,7 @@ def _parity_cases(world_size: int):
         return wrapper
 
     for name, fn in real.items():
-        setattr(gdn_reference, name, counted(fn))
+        setattr(cp_reference, name, counted(fn))
     try:
         cp_calls = {}
         for label, cu, recompute_up_to in (
@@ -98,7 +98,7 @@ def _parity_cases(world_size: int):
             results[("chunkwise", label)] = max(h.max_errors(ref_cu, got, got[3]).values())
     finally:
         for name, fn in real.items():
-            setattr(gdn_reference, name, fn)
+            setattr(cp_reference, name, fn)
 
     # a document whose length is not a multiple of 2W is refused before any communication
     layer = h.build_gdn(config, world, single, "chunkwise")

@@ -1,4 +1,4 @@
-"""relax_gdn.gdn.reference: the scans against FLA's naive reference and each other, the conv
+"""relax_gdn.gdn.reference and cp_reference: the scans against FLA's naive reference and each other, the conv
 against ``F.conv1d``, and the chunkwise-CP functions on real gloo process groups (W = 2, 4)."""
 
 from __future__ import annotations
@@ -11,15 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from relax_gdn.gdn.reference import (
-    causal_conv1d,
+from relax_gdn.gdn.cp_reference import (
     contiguous_shard,
     cp_causal_conv1d,
     cp_gated_delta_rule,
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
     recomputed_prefix,
 )
+from relax_gdn.gdn.reference import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 F64 = torch.float64
 CHUNK = 8

@@ -225,7 +225,7 @@ def test_memory_model_fits_the_9b_with_adam_on_one_h200_only_with_lora():
 
 def test_the_seeded_base_is_the_same_at_every_tp_split():
     from relax_gdn.model.hf_checkpoint.plan import ROW, TensorRule, TPSplit
-    from relax_gdn.model.lora import _seeded_values
+    from relax_gdn.model.seeded_draws import seeded_values
 
     def rule(shape, split):
         return TensorRule("w", ("w",), (shape,), shape, lambda t: t[0], lambda t: [t], split)
@@ -233,7 +233,7 @@ def test_the_seeded_base_is_the_same_at_every_tp_split():
     def draw(r, tp=1, rank=0, dtype=torch.float32):
         target = torch.empty(r.mcore_shape if tp == 1 else _local_shape(r, tp), dtype=dtype)
         group = SimpleNamespace(size=lambda: tp, rank=lambda: rank)
-        return _seeded_values(r, target, group, 99, lambda u: u)
+        return seeded_values(r, target, group, 99, lambda u: u)
 
     def _local_shape(r, tp):
         shape = list(r.mcore_shape)
@@ -249,7 +249,7 @@ def test_the_seeded_base_is_the_same_at_every_tp_split():
     assert torch.equal(halves[1], torch.cat([whole[4:8], whole[12:16], whole[20:24]]))
     row = rule((6, 8), ROW)
     assert torch.equal(torch.cat([draw(row, 4, r) for r in range(4)], dim=1), draw(row))
-    other_key = _seeded_values(row, torch.empty(6, 8), None, 100, lambda u: u)
+    other_key = seeded_values(row, torch.empty(6, 8), None, 100, lambda u: u)
     assert not torch.equal(other_key, draw(row))
     # a pure function of the place: the same values in float64 arithmetic on any device
     assert torch.equal(draw(row, dtype=torch.bfloat16), draw(row).to(torch.bfloat16))

@@ -245,14 +245,17 @@ def _alone(check: str):
     """A check that needs a group of one rank only (the pool of 1)."""
     import torch.distributed as dist
 
-    from relax_gdn.model import qwen3_5 as q
     from relax_gdn.model import qwen3_5_config
+    from relax_gdn.model import qwen3_5_specs as specs
 
     single = dist.group.WORLD
     if check == "counts":  # the 9B preset on the meta device: parameter counts of docs/design/QWEN3_5.md
         return _nine_b_counts(single)
     if check == "errors":
-        return {**_configuration_errors(single), "te_imports": q.transformer_engine_import_error() is None}
+        return {
+            **_configuration_errors(single),
+            "te_imports": specs.transformer_engine_import_error() is None,
+        }
     if check == "spec_provider":
         return _spec_provider_choice()
     assert check == "rope", check
@@ -318,19 +321,20 @@ def _configuration_errors(single) -> dict[str, str | None]:
 
 def _spec_provider_choice() -> dict:
     from relax_gdn.model import qwen3_5 as q
+    from relax_gdn.model import qwen3_5_specs as specs
 
-    outcome = {"te_imports": q.transformer_engine_import_error() is None}
+    outcome = {"te_imports": specs.transformer_engine_import_error() is None}
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    q.logger.addHandler(handler)
-    q.logger.setLevel(logging.INFO)
-    q._logged_choices.clear()
-    outcome["choices"] = [q.resolve_spec_provider(p) for p in ("auto", "auto", "local")]
+    specs.logger.addHandler(handler)
+    specs.logger.setLevel(logging.INFO)
+    specs._logged_choices.clear()
+    outcome["choices"] = [specs.resolve_spec_provider(p) for p in ("auto", "auto", "local")]
     outcome["logged"] = [m for m in records if "spec provider" in m]
     for name, fn in {
-        "te": lambda: q.resolve_spec_provider("te"),
-        "unknown": lambda: q.resolve_spec_provider("tex"),
+        "te": lambda: specs.resolve_spec_provider("te"),
+        "unknown": lambda: specs.resolve_spec_provider("tex"),
         "preset": lambda: q.qwen3_5_config("qwen3_5_4b"),
         "field": lambda: q.qwen3_5_config("qwen3_5_tiny", hidden_sise=8),
     }.items():

@@ -449,7 +449,7 @@ def test_run_settings_reach_the_modules_through_the_specs():
     from relax_gdn.config import RunConfig
     from relax_gdn.model import Qwen3_5Options, qwen3_5_config
     from relax_gdn.model.fusion import Fusion
-    from relax_gdn.model.qwen3_5 import qwen3_5_block_spec
+    from relax_gdn.model.qwen3_5_specs import qwen3_5_block_spec
 
     selective = RunConfig().with_overrides(
         {"recompute.granularity": "selective", "recompute.modules": ["gdn_core"]}

@@ -8,7 +8,7 @@ from relax_gdn.choices import CP_MODES  # noqa: F401 - the public name docs/desi
 
 # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
 # recomputed by the next rank instead of passing the recurrent state between ranks
-# (``gdn.reference.RecomputedPrefix``; config key gdn.max_recomputed_prefix, 0 turns it off).
+# (``gdn.cp_reference.RecomputedPrefix``; config key gdn.max_recomputed_prefix, 0 turns it off).
 # 1024: about where recomputing a prefix costs as much as passing the state through FLA's CP
 # kernels (the estimate and its numbers: docs/benchmarks.md, "Figures behind code comments").
 DEFAULT_MAX_RECOMPUTED_PREFIX = 1024

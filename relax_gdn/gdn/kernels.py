@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from relax_gdn.choices import KERNEL_BACKENDS, choice_problem
-from relax_gdn.gdn import fla_cp_summaries, reference
+from relax_gdn.gdn import cp_reference, fla_cp_summaries, reference
 from relax_gdn.gdn.options import GDNOptions
 from relax_gdn.layout.route import upload_rows
 
@@ -121,7 +121,7 @@ class TorchKernels:
 
     def conv(self, x, weight, bias, rows):
         if rows.cp_group is not None:
-            y, _ = reference.cp_causal_conv1d(
+            y, _ = cp_reference.cp_causal_conv1d(
                 x, weight, bias, cu_seqlens_global=rows.cu_host, group=rows.cp_group, activation="silu"
             )
         else:
@@ -131,7 +131,7 @@ class TorchKernels:
     def scan(self, q, k, v, gate, beta, rows, use_qk_l2norm):
         g = gate.log_decay()
         if rows.cp_group is not None:
-            o, _ = reference.cp_gated_delta_rule(
+            o, _ = cp_reference.cp_gated_delta_rule(
                 q,
                 k,
                 v,

@@ -48,19 +48,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from relax_gdn.gdn.kernels import GateInputs, ScanRows, select_kernels
 from relax_gdn.gdn.options import GDNOptions, all_gather_recompute_problem, gdn_cp_problems
-from relax_gdn.gdn.reference import RecomputedPrefix, recomputed_prefix
+from relax_gdn.gdn.row_plans import GDNRowPlans, with_recomputed_prefix
 from relax_gdn.layout import (
-    CP_LAYOUT_PAIR,
     LAYOUTS,
-    Route,
     cached_gathered_zigzag_order,
-    get_route,
-    per_micro_batch,
     resolve_cu_seqlens,
     swap_layout,
 )
-from relax_gdn.layout.collectives import all_gather_rows, last_rows_to_next_rank
-from relax_gdn.layout.route import upload_rows
+from relax_gdn.layout.collectives import all_gather_rows
 from relax_gdn.parallel import CPGroup, resolve_cp_group
 
 
@@ -112,10 +107,12 @@ class CPGatedDeltaNet(GatedDeltaNet):
                 f"(got cp_mode={options.cp_mode!r}, sequence-parallel size {self.sp_size}); build it with 'zigzag'"
             )
         self.options = options
-        self.cp_mode, self.route_strategy = options.cp_mode, options.route
+        self.cp_mode = options.cp_mode
         # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
         # recomputed by the next rank instead of passing the state (``RecomputedPrefix``)
         self.max_recomputed_prefix = options.max_recomputed_prefix
+        # the routes and the kernels' row boundaries, built once per micro-batch
+        self.row_plans = GDNRowPlans(self.conv_kernel_dim, options.route, options.max_recomputed_prefix)
         # Selective recompute of the cheap, activation-heavy middle (conv -> gates -> scan -> gated
         # norm): only the in_proj output is kept; q/k/v, the gate copy and the norm's input are
         # recomputed in backward (recompute.modules: gdn_core).
@@ -156,7 +153,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
         seq_len = hidden_states.shape[0] * self.sp_size * cp.size
         resolved = resolve_cu_seqlens(packed_seq_params, seq_len, cp.size)
         if cp.size == 1:
-            return self._forward_local(hidden_states, self._rows(packed_seq_params, resolved, None))
+            return self._forward_local(hidden_states, self.row_plans.rows(packed_seq_params, resolved, None))
         if self.cp_mode == "chunkwise":
             return self._forward_chunkwise(hidden_states, packed_seq_params, resolved, cp)
         if self.cp_mode == "headwise":
@@ -179,74 +176,8 @@ class CPGatedDeltaNet(GatedDeltaNet):
         resolved = resolve_cu_seqlens(
             packed_seq_params, hidden_states.shape[0] * self.sp_size * cp.size, cp.size
         )
-        route = self._route(packed_seq_params, resolved, cp, hidden_states.device, source, target)
+        route = self.row_plans.route(packed_seq_params, resolved, cp, hidden_states.device, source, target)
         return swap_layout(hidden_states, route, cp.group, 0, self.options.swap_transport)
-
-    def _route(
-        self,
-        psp: PackedSeqParams,
-        resolved,
-        cp: CPGroup,
-        device: torch.device,
-        source: str = CP_LAYOUT_PAIR[0],
-        target: str = CP_LAYOUT_PAIR[1],
-    ) -> Route:
-        """The micro-batch's cached ``source -> target`` route (``reverse()`` goes back)."""
-        return get_route(
-            psp,
-            resolved.cu_seqlens,
-            cp.size,
-            cp.rank,
-            source,
-            target,
-            strategy=self.route_strategy,
-            device=device,
-        )
-
-    def _scan_rows(
-        self, host: np.ndarray, device: torch.device, cp_group=None, cp_layout="contiguous"
-    ) -> ScanRows:
-        return ScanRows(
-            cu_host=torch.from_numpy(host),
-            cu_device=upload_rows(host, device),
-            cp_group=cp_group,
-            conv_kernel_size=self.conv_kernel_dim,
-            cp_layout=cp_layout,
-        )
-
-    def _rows(self, psp: PackedSeqParams, resolved, cp_group) -> ScanRows:
-        """Kernel-side boundaries, built once per micro-batch (and FLA's CP context with them)."""
-        device = resolved.cu_seqlens.device
-        key = (id(cp_group), str(device))  # the group objects live as long as the run
-        return per_micro_batch(
-            psp,
-            "gdn_scan_rows",
-            key,
-            (resolved.cu_seqlens,),
-            lambda: self._scan_rows(resolved.host, device, cp_group),
-        )
-
-    def _contiguous_rows(
-        self, psp: PackedSeqParams, resolved, cp: CPGroup
-    ) -> tuple[ScanRows, RecomputedPrefix | None]:
-        """This rank's contiguous slice for conv + scan, and how it is extended. When every rank
-        cut falls on a sequence boundary, or every sequence that crosses one has at most
-        ``max_recomputed_prefix`` tokens before it (``RecomputedPrefix``), no state or conv halo
-        crosses ranks: the slice (extended by that prefix) is scanned alone with local
-        boundaries, without the CP machinery's collectives and the waits on the previous rank.
-        Otherwise the rows carry the CP group and the kernels pass the state. Every rank reaches
-        the same choice (it reads only the global boundaries)."""
-        device = resolved.cu_seqlens.device
-
-        def build() -> tuple[ScanRows, RecomputedPrefix] | None:
-            prefix = recomputed_prefix(resolved.host, cp.size, cp.rank, self.max_recomputed_prefix)
-            if prefix is None:
-                return None
-            return self._scan_rows(np.asarray(prefix.cu_seqlens, dtype=np.int64), device), prefix
-
-        key = (cp.size, cp.rank, str(device), self.max_recomputed_prefix)
-        alone = per_micro_batch(psp, "gdn_slice_scanned_alone", key, (resolved.cu_seqlens,), build)
-        return alone if alone is not None else (self._rows(psp, resolved, cp.group), None)
 
     def _forward_local(self, hidden_states, rows: ScanRows | None):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -255,22 +186,22 @@ class CPGatedDeltaNet(GatedDeltaNet):
     def _forward_chunkwise(self, hidden_states, psp, resolved, cp: CPGroup):
         if self.hidden_layout == "zigzag" and self._scans_zigzag_rows(resolved, hidden_states.device):
             return self._forward_zigzag_scan(hidden_states, psp, resolved, cp)
-        rows, prefix = self._contiguous_rows(psp, resolved, cp)
+        rows, prefix = self.row_plans.contiguous_rows(psp, resolved, cp)
         route = (
             None
             if self.hidden_layout == "contiguous"
-            else self._route(psp, resolved, cp, hidden_states.device)
+            else self.row_plans.route(psp, resolved, cp, hidden_states.device)
         )
         transport = self.options.swap_transport
         if route is None:  # the rows already are this rank's contiguous slice
-            qkvzba, _ = self.in_proj(self._with_prefix(hidden_states, prefix, cp))
+            qkvzba, _ = self.in_proj(with_recomputed_prefix(hidden_states, prefix, cp))
         elif self.sp_size == 1:  # projections are per token: swap the narrower input instead
             qkvzba, _ = self.in_proj(
-                self._with_prefix(swap_layout(hidden_states, route, cp.group, 0, transport), prefix, cp)
+                with_recomputed_prefix(swap_layout(hidden_states, route, cp.group, 0, transport), prefix, cp)
             )
         else:
             qkvzba, _ = self.in_proj(hidden_states)
-            qkvzba = self._with_prefix(swap_layout(qkvzba, route, cp.group, 0, transport), prefix, cp)
+            qkvzba = with_recomputed_prefix(swap_layout(qkvzba, route, cp.group, 0, transport), prefix, cp)
         core = self._core(qkvzba, rows, parts=1, part=0)
         if prefix is not None and prefix.recv:
             core = core[prefix.recv :]  # the recomputed rows belong to the previous rank
@@ -286,28 +217,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
     def _forward_zigzag_scan(self, hidden_states, psp, resolved, cp: CPGroup):
         """Conv + scan of this rank's zigzag rows of a one-document micro-batch, no swap: FLA
         passes the state along its chain of 2W parts (rank fronts ascending, backs descending)."""
-        device = resolved.cu_seqlens.device
-        whole = np.array([0, int(resolved.host[-1])], dtype=np.int64)  # empty padding slots dropped
-        rows = per_micro_batch(
-            psp,
-            "gdn_zigzag_scan_rows",
-            (id(cp.group), str(device)),
-            (resolved.cu_seqlens,),
-            lambda: self._scan_rows(whole, device, cp.group, cp_layout="zigzag"),
-        )
+        rows = self.row_plans.zigzag_rows(psp, resolved, cp)
         qkvzba, _ = self.in_proj(hidden_states)
         return self.out_proj(self._core(qkvzba, rows, parts=1, part=0))
-
-    @staticmethod
-    def _with_prefix(x: torch.Tensor, prefix: RecomputedPrefix | None, cp: CPGroup) -> torch.Tensor:
-        """This rank's contiguous rows ``x`` with the previous rank's part of their first
-        sequence in front (one collective, skipped when no rank has a prefix: a fact every rank
-        shares)."""
-        if prefix is None or not prefix.any_rank_has_one:
-            return x
-        # Concatenated even where nothing came (recv == 0): that keeps the exchange in this rank's
-        # graph, so its backward, a collective the other ranks join, runs here too.
-        return torch.cat([last_rows_to_next_rank(x, prefix.send, prefix.recv, cp.group), x])
 
     def _forward_headwise(self, hidden_states, psp, resolved, cp: CPGroup):
         qkvzba, _ = self.in_proj(hidden_states)
@@ -324,7 +236,7 @@ class CPGatedDeltaNet(GatedDeltaNet):
         )
         order = cached_gathered_zigzag_order(psp, resolved, cp.size, resolved.cu_seqlens.device)
         qkvzba = qkvzba.index_select(0, order.natural_rows)
-        core = self._core(qkvzba, self._rows(psp, resolved, None), parts=cp.size, part=cp.rank)
+        core = self._core(qkvzba, self.row_plans.rows(psp, resolved, None), parts=cp.size, part=cp.rank)
         core = core.index_select(0, order.rank_major_rows)
         norm_out = tensor_a2a_hp2cp(
             core, seq_dim=0, head_dim=-1, cp_group=cp.group, redo_attention_load_balancing=False
@@ -335,7 +247,9 @@ class CPGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)
         order = cached_gathered_zigzag_order(psp, resolved, cp.size, resolved.cu_seqlens.device)
         gathered = all_gather_rows(qkvzba, cp.group)  # rank-major [T, 1, D]
-        core = self._core(gathered.index_select(0, order.natural_rows), self._rows(psp, resolved, None), 1, 0)
+        core = self._core(
+            gathered.index_select(0, order.natural_rows), self.row_plans.rows(psp, resolved, None), 1, 0
+        )
         return self.out_proj(core.index_select(0, order.own_rows(cp.rank)))
 
     # ------------------------------------------------------------------ the math, any split

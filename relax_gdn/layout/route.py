@@ -222,6 +222,20 @@ def _locate(
     return segments.rank[i], segments.local_start[i] + (run_start - segments.start[i])
 
 
+def _elementary_runs(source_starts: np.ndarray, target_starts: np.ndarray, total: int):
+    """``(start, length)`` of the runs of rows that no interval of either layout cuts: a run starts at
+    every interval start of either. A sort plus a neighbour test is several times cheaper than
+    np.union1d's hashing at these sizes (host time is the whole cost of a route)."""
+    cuts = np.concatenate((source_starts, target_starts))
+    cuts.sort()
+    run_start = cuts[np.concatenate(([True], cuts[1:] != cuts[:-1])) & (cuts < total)]
+    run_len = np.empty_like(run_start)
+    run_len[:-1] = run_start[1:] - run_start[:-1]
+    if run_len.size:
+        run_len[-1] = total - run_start[-1]
+    return run_start, run_len
+
+
 def build_route(
     cu_seqlens: CuSeqlens,
     cp_size: int,
@@ -246,16 +260,7 @@ def build_route(
 
     src = layout_segments(cu, cp_size, source)
     tgt = layout_segments(cu, cp_size, target)
-    # Elementary runs start at every interval start of either layout. A sort plus a neighbour
-    # test is several times cheaper than np.union1d's hashing at these sizes (host time is
-    # the whole cost of a route).
-    cuts = np.concatenate((src.start, tgt.start))
-    cuts.sort()
-    run_start = cuts[np.concatenate(([True], cuts[1:] != cuts[:-1])) & (cuts < total)]
-    run_len = np.empty_like(run_start)
-    run_len[:-1] = run_start[1:] - run_start[:-1]
-    if run_len.size:
-        run_len[-1] = total - run_start[-1]
+    run_start, run_len = _elementary_runs(src.start, tgt.start, total)
     src_rank, src_row = _locate(run_start, src, cp_size, total, source)
     tgt_rank, tgt_row = _locate(run_start, tgt, cp_size, total, target)
 

@@ -22,12 +22,17 @@ _LAZY = {
         for name in (
             "Qwen3_5Model",
             "Qwen3_5Options",
-            "Qwen3_5SelfAttention",
-            "TokenRotaryEmbedding",
             "build_qwen3_5_model",
             "build_qwen3_5_preset_model",
-            "qwen3_5_block_spec",
             "qwen3_5_config",
+        )
+    },
+    **{
+        name: "relax_gdn.model.qwen3_5_specs"
+        for name in (
+            "Qwen3_5SelfAttention",
+            "TokenRotaryEmbedding",
+            "qwen3_5_block_spec",
             "resolve_spec_provider",
             "transformer_engine_import_error",
         )

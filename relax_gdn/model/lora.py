@@ -29,8 +29,8 @@ so an adapter is the PEFT adapter of that HF module tensor for tensor, rows in H
 
 The ``A`` matrices start as PEFT's (Kaiming-uniform), drawn whole from a seeded generator and cut
 for this TP rank, ``B`` at zero: a model at any TP size starts from the same adapters, and from
-exactly the base model. :func:`merge_lora_adapters` folds them into the base weights (the merged
-export); :func:`lora_adapter_tensors` gathers them in HF shapes (the PEFT export);
+exactly the base model. :mod:`relax_gdn.model.lora_export` folds them into the base weights (the merged
+export) or gathers them in HF shapes (the PEFT export);
 :func:`seed_base_weights` is the base of a run without a Hugging Face checkpoint.
 """
 
@@ -55,8 +55,10 @@ from megatron.core.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from relax_gdn.model.hf_checkpoint.plan import COLUMN, ROW, TensorRule, TPSplit, shard_for_tp
+from relax_gdn.model.hf_checkpoint.plan import ROW, TensorRule, TPSplit, shard_for_tp
 from relax_gdn.model.lora_options import LORA_MODULES, LORA_PARAMETER, STARTS_WITHOUT_GRADIENT, LoRAOptions
+from relax_gdn.model.lora_rows import column_rows, rows_mode
+from relax_gdn.model.seeded_draws import seeded_values
 
 # ---------------------------------------------------------------------------------------------
 # one adapter
@@ -135,7 +137,7 @@ class LoRAAdapter(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-class _LoRALayer:
+class LoRALayer:
     """What every adapted layer has besides its base class (mixed in before it)."""
 
     lora: torch.nn.ModuleDict  # HF module name (leaf) -> LoRAAdapter
@@ -174,7 +176,7 @@ class _LoRALayer:
         return sharded
 
 
-class LoRAColumnParallel(_LoRALayer):
+class LoRAColumnParallel(LoRALayer):
     """A column-parallel linear with adapters (see the module docstring). ``lora_rows``: the base
     output rows (this rank's) the adapters' concatenated outputs go to, in adapter order."""
 
@@ -208,7 +210,7 @@ class LoRAColumnParallel(_LoRALayer):
         return output.index_add(-1, self.lora_rows, delta)
 
 
-class LoRARowParallel(_LoRALayer):
+class LoRARowParallel(LoRALayer):
     """A row-parallel linear with one adapter (see the module docstring)."""
 
     def forward(self, input_):
@@ -223,7 +225,7 @@ class LoRARowParallel(_LoRALayer):
         return output + F.linear(u, adapter.lora_B), bias
 
 
-class LoRAEmbedding(_LoRALayer):
+class LoRAEmbedding(LoRALayer):
     """A vocabulary-parallel embedding with one adapter, PEFT's embedding LoRA (no dropout)."""
 
     def forward(self, input_):
@@ -258,73 +260,7 @@ def _adapted_class(base: type, mixin: type) -> type:
 
 
 # ---------------------------------------------------------------------------------------------
-# where each adapter's rows are: derived from the HF conversion plan
-# ---------------------------------------------------------------------------------------------
-
-
-def _part_splits(rule: TensorRule) -> list[TPSplit]:
-    """How TP cuts each HF tensor of a column-parallel ``rule`` (in HF row order): by the rule's
-    sections that fall in it (a stacked rule), else whole."""
-    counts = [shape[0] for shape in rule.hf_shapes]
-    if rule.tp.sections is None:
-        return [COLUMN] * len(counts)
-    sections, splits = list(rule.tp.sections), []
-    for n in counts:
-        taken = []
-        while sum(taken) < n:
-            taken.append(sections.pop(0))
-        if sum(taken) != n:
-            raise ValueError(
-                f"{rule.mcore}: TP sections {rule.tp.sections} do not fall on its HF tensors {counts}"
-            )
-        splits.append(TPSplit(0, tuple(taken)) if len(taken) > 1 else COLUMN)
-    return splits
-
-
-def _column_rows(rule: TensorRule, leaves: list[str], tp_size: int, tp_rank: int):
-    """For the HF tensors ``leaves`` of a column-parallel ``rule`` (a plan made with hidden size 1):
-    each one's TP split, and this rank's base output rows of each one's local B rows, in order.
-
-    Row ids in HF order are pushed through the rule's merge (the HF -> Megatron-Core layout) and
-    its TP cut; every row of a local B share must land on this rank."""
-    counts = [shape[0] for shape in rule.hf_shapes]
-    offsets = [sum(counts[:i]) for i in range(len(counts))]
-    ids = [torch.arange(o + 1, o + n + 1, dtype=torch.float64)[:, None] for o, n in zip(offsets, counts)]
-    merged = rule.merge(ids)  # (a padded vocabulary adds rows of 0: no HF row)
-    local = shard_for_tp(merged, rule.tp, tp_size, tp_rank)[:, 0].long() - 1
-    where = torch.full((sum(counts),), -1, dtype=torch.long)
-    mine = local >= 0
-    where[local[mine]] = torch.arange(local.numel())[mine]
-    names = [n.split(".")[-2] for n in rule.hf]
-    splits, rows = {}, []
-    for leaf in leaves:
-        i = names.index(leaf)
-        split = _part_splits(rule)[i]
-        share = shard_for_tp(torch.arange(counts[i])[:, None], split, tp_size, tp_rank)[:, 0] + offsets[i]
-        at = where[share]
-        if (at < 0).any():
-            raise ValueError(
-                f"LoRA on {leaf} of {rule.mcore}: TP {tp_size} does not keep its rows on one rank; "
-                "use a parallel.tp that divides the attention query groups"
-            )
-        splits[leaf] = split
-        rows.append(at)
-    return splits, torch.cat(rows), local.numel()
-
-
-def _rows_mode(rows: torch.Tensor, total: int) -> tuple[str, torch.Tensor]:
-    """How a column layer places the adapters' outputs (see :class:`LoRAColumnParallel`)."""
-    if rows.numel() == total and torch.equal(rows, torch.arange(total)):
-        return "identity", rows
-    if rows.numel() == total:
-        inverse = torch.empty_like(rows)
-        inverse[rows] = torch.arange(total)
-        return "permute", inverse
-    return "scatter", rows
-
-
-# ---------------------------------------------------------------------------------------------
-# attaching, merging, exporting
+# attaching
 # ---------------------------------------------------------------------------------------------
 
 
@@ -356,8 +292,8 @@ def _adapters_for(module, rule: TensorRule, leaves: list[str], options: LoRAOpti
     hf_module = {leaf: n.removesuffix(".weight") for leaf, n in zip(names, rule.hf)}
     rows = None
     if kind is LoRAColumnParallel:  # A [r, in] replicated, B [HF rows, r] cut like them
-        splits, rows, total = _column_rows(rule, leaves, group.size(), group.rank())
-        rows = _rows_mode(rows, total)
+        splits, rows, total = column_rows(rule, leaves, group.size(), group.rank())
+        rows = rows_mode(rows, total)
         layouts = {
             leaf: AdapterLayout(
                 hf_module[leaf],
@@ -457,115 +393,14 @@ def add_lora_adapters(model: torch.nn.Module, options: LoRAOptions) -> int:
     return count
 
 
-def lora_layers(model: torch.nn.Module) -> list[tuple[str, _LoRALayer]]:
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, LoRALayer]]:
     """``(name, layer)`` of every adapted layer of ``model``."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _LoRALayer)]
-
-
-@torch.no_grad()
-def _delta(layer: _LoRALayer) -> torch.Tensor:
-    """``scaling · B·A`` of ``layer``'s adapters, laid out like this rank's base weight (fp32)."""
-    adapters = list(layer.lora.values())
-    if isinstance(layer, LoRAEmbedding):
-        (a,) = adapters
-        return (a.lora_B.float() @ a.lora_A.float()).t() * layer.lora_scaling
-    if isinstance(layer, LoRARowParallel):
-        (a,) = adapters
-        return a.lora_B.float() @ a.lora_A.float() * layer.lora_scaling
-    rows = torch.cat([a.lora_B.float() @ a.lora_A.float() for a in adapters]) * layer.lora_scaling
-    delta = torch.zeros(layer.weight.shape, dtype=torch.float32, device=rows.device)
-    return delta.index_add(0, _scatter_rows(layer), rows)
-
-
-def _scatter_rows(layer: LoRAColumnParallel) -> torch.Tensor:
-    """The base rows of the adapters' concatenated rows (whatever ``lora_rows_mode`` stores)."""
-    if layer.lora_rows_mode == "identity":
-        return torch.arange(layer.weight.shape[0], device=layer.lora_rows.device)
-    if layer.lora_rows_mode == "permute":  # lora_rows is the inverse permutation
-        rows = torch.empty_like(layer.lora_rows)
-        rows[layer.lora_rows] = torch.arange(rows.numel(), device=rows.device)
-        return rows
-    return layer.lora_rows
-
-
-@torch.no_grad()
-def merge_lora_adapters(model: torch.nn.Module) -> list[str]:
-    """Fold every adapter into its base weight (``W + scaling · B·A``, formed in fp32 and rounded
-    once to the weight's dtype) and take the adapters away: ``model`` is then the plain model the
-    merged export writes. Returns the HF modules merged. On every TP rank (no collective)."""
-    merged = []
-    for _, layer in lora_layers(model):
-        layer.weight.copy_((layer.weight.float() + _delta(layer)).to(layer.weight.dtype))
-        merged += [a.layout.hf_module for a in layer.lora.values()]
-        del layer.lora
-        layer.__dict__.get("_buffers", {}).pop("lora_rows", None)
-        layer.__class__ = layer._lora_base_class
-    return merged
-
-
-def lora_adapter_tensors(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF module name -> its whole ``(A, B)`` on the CPU, rows of ``B`` in HF order (the PEFT
-    export). A collective over each layer's TP group (every rank calls it, every rank gets them)."""
-    from relax_gdn.model.hf_checkpoint.files import gather_from_tp
-
-    out = {}
-    for _, layer in lora_layers(model):
-        for adapter in layer.lora.values():
-            layout = adapter.layout
-            a = gather_from_tp(adapter.lora_A.detach(), layout.a_split or TPSplit(None), layer.tp_group)
-            b = gather_from_tp(adapter.lora_B.detach(), layout.b_split or TPSplit(None), layer.tp_group)
-            out[layout.hf_module] = (a.cpu(), b.cpu())
-    return out
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALayer)]
 
 
 # ---------------------------------------------------------------------------------------------
 # the base of a run without a Hugging Face checkpoint
 # ---------------------------------------------------------------------------------------------
-
-_MASK32 = 0xFFFFFFFF
-_SEED_ROWS = 16_384  # rows drawn at once (bounds the int64 temporaries)
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x · c mod 2^32`` for ``x < 2^32`` in int64 without overflow (16-bit halves)."""
-    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & _MASK32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) of ``x < 2^32``, elementwise in int64."""
-    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
-    x = _mul32(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _uniform_at(index: torch.Tensor, key: int) -> torch.Tensor:
-    """A uniform draw in (0, 1) (float64) for each element index of a tensor, keyed by ``key``:
-    a pure function of the index, so any shard of a tensor is drawn without the rest and every TP
-    size, and the CPU and a GPU, draw the same value."""
-    h = _hash32(_hash32(index ^ (key & _MASK32)) ^ ((key >> 32) & _MASK32))
-    return (h.double() + 0.5) / 2.0**32
-
-
-def _seeded_values(rule: TensorRule, target: torch.Tensor, tp_group, key: int, low_high) -> torch.Tensor:
-    """This rank's share of ``rule``'s whole tensor, each element ``low_high(u)`` of its own draw."""
-    full = rule.mcore_shape
-    width = math.prod(full[1:])
-    if full[0] * width >= 2**32:
-        raise ValueError(f"{rule.mcore}: {full} has too many elements to seed")
-    group_size, group_rank = (1, 0) if tp_group is None else (tp_group.size(), tp_group.rank())
-    split = rule.tp if rule.tp.dim is not None else TPSplit(None)
-    rows = torch.arange(full[0])[:, None]
-    cols = torch.arange(width)[None, :]
-    if split.dim == 0:
-        rows = shard_for_tp(rows, split, group_size, group_rank)
-    elif split.dim == 1:
-        cols = shard_for_tp(cols, split, group_size, group_rank)
-    rows, cols = rows.to(target.device), cols.to(target.device)
-    out = torch.empty(rows.shape[0], cols.shape[1], dtype=target.dtype, device=target.device)
-    for start in range(0, rows.shape[0], _SEED_ROWS):
-        index = rows[start : start + _SEED_ROWS] * width + cols
-        out[start : start + _SEED_ROWS] = low_high(_uniform_at(index, key)).to(target.dtype)
-    return out.reshape(target.shape)
 
 
 @torch.no_grad()
@@ -604,7 +439,7 @@ def seed_base_weights(model: torch.nn.Module, seed: int) -> list[str]:
         else:
             continue
         key = seed * 1_000_003 + zlib.crc32(rule.mcore.encode())
-        target.copy_(_seeded_values(rule, target, model.pg_collection.tp, key, low_high))
+        target.copy_(seeded_values(rule, target, model.pg_collection.tp, key, low_high))
         drawn.append(name)
     return drawn
 
@@ -620,12 +455,11 @@ __all__ = [
     "LoRAAdapter",
     "LoRAColumnParallel",
     "LoRAEmbedding",
+    "LoRALayer",
     "LoRARowParallel",
     "add_lora_adapters",
     "initial_adapter",
-    "lora_adapter_tensors",
     "lora_layers",
     "lora_scaling",
-    "merge_lora_adapters",
     "seed_base_weights",
 ]

@@ -133,7 +133,7 @@ def write_merged_lora_export(
     source bit for bit. Takes the adapters out of ``model`` (a collective like the export)."""
     from relax_gdn.model.hf_checkpoint import dims_from_model
     from relax_gdn.model.hf_checkpoint.plan import conversion_plan
-    from relax_gdn.model.lora import merge_lora_adapters
+    from relax_gdn.model.lora_export import merge_lora_adapters
 
     changed = {f"{module}.weight" for module in merge_lora_adapters(model)}
     dims = dims_from_model(model, probe_norms=False)

@@ -111,7 +111,8 @@ def save_peft_adapter(
     A collective over the model's TP groups; ``writer`` (default: global rank 0) writes and gets
     the report (None elsewhere)."""
     from relax_gdn.model.hf_checkpoint.dims import dims_from_hf_config
-    from relax_gdn.model.lora import lora_adapter_tensors, lora_layers
+    from relax_gdn.model.lora import lora_layers
+    from relax_gdn.model.lora_export import lora_adapter_tensors
 
     adapters = lora_adapter_tensors(model)  # every rank: the gathers are collectives
     if writer is None:
