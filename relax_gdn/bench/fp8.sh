@@ -17,19 +17,26 @@
 #       RECIPE, and relax_gdn.compare over the two runs
 #   CALL=6 relax_gdn/bench/fp8.sh   one GPU: the 9B with LoRA r16 (every linear's GEMMs run, only the
 #       adapters train), NINE_B_STEPS steps of 4 samples with Adam, bf16 and RECIPE, and relax_gdn.compare
+#   CALL=7 relax_gdn/bench/fp8.sh   LIGHT bf16 / tensorwise / tensorwise with the 4,096 -> 4,096 projections
+#       in bf16 (model.fp8.bf16_modules=BF16_MODULES: slower in FP8 in bench.gemm), one process
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
 # CURVE_ARGS (model=qwen3_5_9b_reduced train=h200; model=tiny train=cpu_demo on a CPU machine), LIGHT
-# (recompute=selective; recompute=mixed on an 80 GB H100, where selective does not fit the 9B at 8k),
+# (recompute=selective; recompute=mixed on a card under 100 GiB, where selective does not fit the 9B at 8k),
 # LORA (the LoRA rows' recompute: recompute=full, which fits both cards), NINE_B_STEPS (50), NINE_B_ARGS
-# (model=qwen3_5_9b train=h200; model=tiny train=cpu_demo on a CPU machine).
+# (model=qwen3_5_9b train=h200; model=tiny train=cpu_demo on a CPU machine), BF16_MODULES
+# ([output_layer,*.out_proj,*.linear_proj]).
 set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/fp8}
 source "$(dirname "$0")/device_call.sh"
 RECIPE=${RECIPE:-tensorwise}
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
+# selective recompute keeps 85 GiB of the 9B at 8k: an 80 GB card runs the lightest form that fits it
+if [[ -n $gpu_mib ]] && (( gpu_mib / 1024 < 100 )); then LIGHT=${LIGHT:-recompute=mixed}; fi
 LIGHT=${LIGHT:-recompute=selective}
+BF16_MODULES=${BF16_MODULES:-[output_layer,*.out_proj,*.linear_proj]}
 LORA=${LORA:-recompute=full}
 PRESET=${PRESET:-qwen3_5_9b}
 E2E=(python3 -m relax_gdn.bench.train_e2e --preset "$PRESET" --max-tokens-per-gpu 8192
@@ -98,6 +105,10 @@ case $CALL in
       train.global_batch_size=16 recompute=full ;;
   6)
     nine_b nine_b_lora 250 python3 train.py train.global_batch_size=4 model.lora.rank=16 recompute=none ;;
+  7)
+    step e2e_bf16_modules 300 "${E2E[@]}" --out "$OUT/e2e_bf16_modules.json" --variants \
+      "$LIGHT;$LIGHT,fp8=tensorwise;$LIGHT,fp8=tensorwise,model.fp8.bf16_modules=$BF16_MODULES"
+    echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_bf16_modules.log" ;;
 esac
 save_caches
 echo; cat "$summary"
