@@ -24,8 +24,8 @@ Where a Megatron-Core linear fuses several HF modules (``in_proj`` = ``in_proj_q
 ``in_proj_z`` + ``in_proj_b`` + ``in_proj_a``; ``linear_qkv`` = ``q_proj`` + ``k_proj`` +
 ``v_proj``, grouped by KV head; ``linear_fc1`` = ``gate_proj`` + ``up_proj``) each adapter writes
 the base output rows of its HF module: which rows those are on each TP rank is derived from the HF
-conversion plan (:mod:`relax_gdn.model.hf_checkpoint.plan`), the one place that knows the layouts,
-so an adapter is the PEFT adapter of that HF module tensor for tensor, rows in HF order.
+conversion plan (:mod:`relax_gdn.model.hf_checkpoint.plan`), the one place that knows the layouts
+(:mod:`relax_gdn.model.lora_rows`), so an adapter is the PEFT adapter of that HF module tensor for tensor, rows in HF order.
 
 The ``A`` matrices start as PEFT's (Kaiming-uniform), drawn whole from a seeded generator and cut
 for this TP rank, ``B`` at zero: a model at any TP size starts from the same adapters, and from
