@@ -35,6 +35,7 @@ def test_impossible_config_exits_before_training(tmp_path):
     assert done.returncode == 2
     text = done.stdout + done.stderr
     assert "world size 1 is not divisible by parallel.tp x parallel.cp" in text
+    assert "python -m relax_gdn.launch --nproc-per-node 2 train.py" in text  # how to start enough processes
     run = tmp_path / "run"
     assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
 

@@ -256,11 +256,14 @@ def _mesh(cfg: RunConfig, world_size: int) -> tuple[ParallelDims | None, list[st
         )
     if problems:
         return None, problems
-    if world_size % (par.tp * par.cp):
+    model_parallel = par.tp * par.cp
+    if world_size % model_parallel:
+        processes = -(-world_size // model_parallel) * model_parallel  # the next whole number of DP ranks
         return None, [
             f"world size {world_size} is not divisible by parallel.tp x parallel.cp = {par.tp} x {par.cp} = "
-            f"{par.tp * par.cp}: data parallel = world / (tp*cp) must be a whole number; change parallel.tp, "
-            "parallel.cp or the number of processes"
+            f"{model_parallel}: data parallel = world / (tp*cp) must be a whole number; change parallel.tp, "
+            f"parallel.cp or the number of processes (on one node: python -m relax_gdn.launch "
+            f"--nproc-per-node {processes} train.py ...)"
         ]
     return ParallelDims(world_size, par.tp, par.cp), []
 
