@@ -190,7 +190,7 @@ def test_long_context_rows_and_targets():
     """The e2e rows by device call: 64k first (full recompute with FA2 against mixed with the winner,
     profiled), every size's candidate with the winner, each call within 9.5 minutes of limits where
     it has more than one row; the targets read rows of several calls together."""
-    assert list(long_context.E2E_CALLS) == ["2a", "2b", "2c", "2d", "2e"]
+    assert list(long_context.E2E_CALLS) == ["2a", "2b", "2c", "2d", "2e", "2f"]
     assert long_context.rows("2a", "fa4") == [
         (270, "mt=65536,recompute=full,model.attention_backend=varlen"),
         (270, "mt=65536,recompute=mixed,model.attention_backend=fa4,profile"),
@@ -208,8 +208,11 @@ def test_long_context_rows_and_targets():
         "mt=8192,recompute=full,model.attention_backend=varlen",
         "mt=8192,recompute=full,model.attention_backend=fa4",
         "mt=8192,recompute=selective,model.attention_backend=fa4",
+        # FP8 at 64k: bf16 and tensorwise in one process, measured side by side
+        "mt=65536,recompute=mixed,model.attention_backend=fa4;"
+        "mt=65536,recompute=mixed,model.attention_backend=fa4,fp8=tensorwise",
     ]
-    for call in ("2a", "2b", "2c", "2e"):  # the calls whose rows must all run
+    for call in ("2a", "2b", "2c", "2e", "2f"):  # the calls whose rows must all run
         assert sum(limit for limit, _ in long_context.rows(call, "fa4")) <= 570
     with pytest.raises(ValueError, match="unknown call '3'"):
         long_context.rows("3", "fa4")

@@ -58,6 +58,15 @@ E2E_CALLS: dict[str, list[tuple[int, str]]] = {
         (90, "mt=8192,recompute=full,model.attention_backend={winner}"),
         (90, "mt=8192,recompute=selective,model.attention_backend={winner}"),
     ],
+    # FP8 at 64k (docs/fp8.md): mixed with the winner in bf16 and in tensorwise, in ONE process so that
+    # the ratio is measured side by side (the memory model picks each variant's whole layers)
+    "2f": [
+        (
+            520,
+            "mt=65536,recompute=mixed,model.attention_backend={winner};"
+            "mt=65536,recompute=mixed,model.attention_backend={winner},fp8=tensorwise",
+        ),
+    ],
 }
 
 

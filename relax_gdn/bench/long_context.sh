@@ -5,12 +5,13 @@
 #       against SDPA per CP rank, auto's choice, one step of the reduced 9B with fa4 against varlen),
 #       bench.attention (varlen and fa4, each in its own process, 8k-128k) and the kernel it picks
 #       (written to .gpu-cache/winner and $OUT/winner)
-#   CALL=2a / 2b / 2c / 2d / 2e relax_gdn/bench/long_context.sh    the full 9B, CP 1, one bench.train_e2e
+#   CALL=2a / ... / 2f relax_gdn/bench/long_context.sh    the full 9B, CP 1, one bench.train_e2e
 #       process per row (a warm-up pass over the row's batches, then --steps 5 --skip 2), rows from
 #       `python -m relax_gdn.bench.long_context rows --call 2a`: 2a 64k full recompute with varlen
 #       against mixed with the winner (profiled); 2b 32k the same and selective; 2c 128k full with
 #       varlen; 2d 128k mixed with the winner, then 64k full with the winner if time is left; 2e 8k
-#       full recompute with varlen and with the winner, selective with the winner.
+#       full recompute with varlen and with the winner, selective with the winner; 2f 64k mixed with
+#       the winner in bf16 and in FP8 (tensorwise), one process (.gpu built with torchao).
 #       Each row writes $OUT/e2e_<call>_<n>.json; the call ends with the targets over its rows
 #       (`python -m relax_gdn.bench.long_context targets e2e_*.json` over every call's files gives
 #       the ratios across calls).
