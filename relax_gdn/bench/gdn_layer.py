@@ -215,6 +215,7 @@ def _run(args) -> None:
 
     from relax_gdn.bench.routes import per_token_route
     from relax_gdn.gdn import layer as gdn_layer
+    from relax_gdn.gdn import row_plans
     from relax_gdn.layout import thd_rank_indices
 
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
@@ -303,12 +304,13 @@ def _run(args) -> None:
                 statistics.median(pipelined),
             )
 
-        real_get_route = gdn_layer.get_route  # naive baseline: route rebuilt per call, per token
+        # naive baseline: route rebuilt per call, per token (the layer's row plans ask get_route)
+        real_get_route = row_plans.get_route
 
         def per_token_get_route(psp_, cu_, cp_size, cp_rank, source, target, strategy, device):
             return per_token_route(cu_, cp_size, cp_rank, source, target)
 
-        gdn_layer.get_route = per_token_get_route
+        row_plans.get_route = per_token_get_route
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
             row["chunkwise, per-token route per call"] = (
@@ -318,7 +320,7 @@ def _run(args) -> None:
                 cuda_pipelined_ms(fn),
             )
         finally:
-            gdn_layer.get_route = real_get_route
+            row_plans.get_route = real_get_route
 
         whole_step = step(layers["single GPU"], x_full, dy_full, packed_seq_params(cu, device))
         single_ms, single_pipelined_ms = cuda_median_ms(whole_step, args.iters), cuda_pipelined_ms(whole_step)
