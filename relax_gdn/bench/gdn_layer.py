@@ -41,6 +41,7 @@ traces, ``--python-hotspots`` a cProfile of chunkwise (host time per Python func
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -216,7 +217,7 @@ def _run(args) -> None:
     from relax_gdn.bench.routes import per_token_route
     from relax_gdn.gdn import layer as gdn_layer
     from relax_gdn.gdn import row_plans
-    from relax_gdn.layout import thd_rank_indices
+    from relax_gdn.layout import CP_LAYOUT_PAIR, thd_rank_indices
 
     if os.environ.get("RELAX_GDN_HANG_DUMP_S"):  # debugging aid: every thread's stack, then exit
         import faulthandler
@@ -304,13 +305,14 @@ def _run(args) -> None:
                 statistics.median(pipelined),
             )
 
-        # naive baseline: route rebuilt per call, per token (the layer's row plans ask get_route)
-        real_get_route = row_plans.get_route
+        # naive baseline: the route rebuilt per call, per token (the chunkwise layer's own row plans
+        # replaced for this row, rather than a module attribute that a move of the code would orphan)
+        class PerTokenRoutes(row_plans.GDNRowPlans):
+            def route(self, psp_, resolved, cp, device, source=CP_LAYOUT_PAIR[0], target=CP_LAYOUT_PAIR[1]):
+                return per_token_route(resolved.cu_seqlens, cp.size, cp.rank, source, target)
 
-        def per_token_get_route(psp_, cu_, cp_size, cp_rank, source, target, strategy, device):
-            return per_token_route(cu_, cp_size, cp_rank, source, target)
-
-        row_plans.get_route = per_token_get_route
+        cached_plans = layers["chunkwise"].row_plans
+        layers["chunkwise"].row_plans = PerTokenRoutes(**dataclasses.asdict(cached_plans))
         try:
             fn = step(layers["chunkwise"], x_local, dy_local, psp)
             row["chunkwise, per-token route per call"] = (
@@ -320,7 +322,7 @@ def _run(args) -> None:
                 cuda_pipelined_ms(fn),
             )
         finally:
-            row_plans.get_route = real_get_route
+            layers["chunkwise"].row_plans = cached_plans
 
         whole_step = step(layers["single GPU"], x_full, dy_full, packed_seq_params(cu, device))
         single_ms, single_pipelined_ms = cuda_median_ms(whole_step, args.iters), cuda_pipelined_ms(whole_step)
