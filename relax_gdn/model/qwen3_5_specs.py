@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 # Spec provider
 # ---------------------------------------------------------------------------------------------
 
+# (request, choice) pairs already logged: the spec-provider line once per process, not once per model
 _logged_choices: set[tuple[str, str]] = set()
 
 
