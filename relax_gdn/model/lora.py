@@ -209,6 +209,17 @@ class LoRAColumnParallel(LoRALayer):
             return output + delta.index_select(-1, self.lora_rows)
         return output.index_add(-1, self.lora_rows, delta)
 
+    def adapter_base_rows(self) -> torch.Tensor:
+        """The base rows of the adapters' concatenated rows, whatever ``lora_rows_mode`` stores (the
+        merged export adds ``B·A`` there)."""
+        if self.lora_rows_mode == "identity":
+            return torch.arange(self.weight.shape[0], device=self.lora_rows.device)
+        if self.lora_rows_mode == "permute":  # lora_rows is the inverse permutation
+            rows = torch.empty_like(self.lora_rows)
+            rows[self.lora_rows] = torch.arange(rows.numel(), device=rows.device)
+            return rows
+        return self.lora_rows
+
 
 class LoRARowParallel(LoRALayer):
     """A row-parallel linear with one adapter (see the module docstring)."""

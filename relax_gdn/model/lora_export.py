@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from relax_gdn.model.hf_checkpoint.plan import TPSplit
-from relax_gdn.model.lora import LoRAColumnParallel, LoRAEmbedding, LoRALayer, LoRARowParallel, lora_layers
+from relax_gdn.model.lora import LoRAEmbedding, LoRALayer, LoRARowParallel, lora_layers
 
 
 @torch.no_grad()
@@ -22,18 +22,7 @@ def _delta(layer: LoRALayer) -> torch.Tensor:
         return a.lora_B.float() @ a.lora_A.float() * layer.lora_scaling
     rows = torch.cat([a.lora_B.float() @ a.lora_A.float() for a in adapters]) * layer.lora_scaling
     delta = torch.zeros(layer.weight.shape, dtype=torch.float32, device=rows.device)
-    return delta.index_add(0, _scatter_rows(layer), rows)
-
-
-def _scatter_rows(layer: LoRAColumnParallel) -> torch.Tensor:
-    """The base rows of the adapters' concatenated rows (whatever ``lora_rows_mode`` stores)."""
-    if layer.lora_rows_mode == "identity":
-        return torch.arange(layer.weight.shape[0], device=layer.lora_rows.device)
-    if layer.lora_rows_mode == "permute":  # lora_rows is the inverse permutation
-        rows = torch.empty_like(layer.lora_rows)
-        rows[layer.lora_rows] = torch.arange(rows.numel(), device=rows.device)
-        return rows
-    return layer.lora_rows
+    return delta.index_add(0, layer.adapter_base_rows(), rows)
 
 
 @torch.no_grad()
