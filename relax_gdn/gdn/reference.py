@@ -34,7 +34,6 @@ Their context-parallel forms, on one rank's slice of the packed stream:
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Sequence
 from itertools import pairwise
@@ -208,7 +207,7 @@ class _ChunkPlan(NamedTuple):
 
     size: int  # tokens per chunk
     src: torch.Tensor  # [n_chunks * size] the row each chunk slot reads (T: the zero row)
-    real_slots: torch.Tensor  # the slots that hold a real row, in row order
+    real_slots: list[int]  # the slots that hold a real row, in row order
     chunk_seq: list[int]  # the sequence of each chunk
 
     @classmethod
@@ -223,8 +222,7 @@ class _ChunkPlan(NamedTuple):
                 src_rows.extend(range(start, stop))
                 src_rows.extend([total] * (size - (stop - start)))
                 chunk_seq.append(n)
-        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        return cls(size, as_tensor(src_rows), as_tensor(real_slots), chunk_seq)
+        return cls(size, torch.tensor(src_rows, dtype=torch.long, device=device), real_slots, chunk_seq)
 
     def chunked(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, HV, ...]`` rows -> ``[n_chunks, HV, C, ...]``."""
@@ -286,7 +284,10 @@ def scan_chunked(
         state = chunk_decay[c] * state + k_to_end[c].transpose(-1, -2) @ u
         finals[n] = state
 
-    o = None if q is None else torch.stack(outputs).transpose(1, 2).reshape(-1, heads, dv)[plan.real_slots]
+    o = None
+    if q is not None:
+        slots = torch.tensor(plan.real_slots, dtype=torch.long, device=k.device)
+        o = torch.stack(outputs).transpose(1, 2).reshape(-1, heads, dv)[slots]
     return o, torch.stack(finals)
 
 
