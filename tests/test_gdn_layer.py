@@ -166,7 +166,7 @@ def _single_process_checks():
         h.build_gdn(config, world, world, max_recomputed_prefix=0),
         h.build_gdn(config, world, world),
     )
-    outcome["prefix_limits"] = (told.max_recomputed_prefix, untold.max_recomputed_prefix)
+    outcome["prefix_limits"] = (told.row_plans.max_recomputed_prefix, untold.row_plans.max_recomputed_prefix)
     outcome["bad_prefix_limit"] = value_error_message(
         lambda: h.build_gdn(config, world, world, max_recomputed_prefix=-1)
     )

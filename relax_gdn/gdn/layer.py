@@ -108,9 +108,6 @@ class CPGatedDeltaNet(GatedDeltaNet):
             )
         self.options = options
         self.cp_mode = options.cp_mode
-        # chunkwise: a sequence crossing a rank cut with at most this many tokens before the cut is
-        # recomputed by the next rank instead of passing the state (``RecomputedPrefix``)
-        self.max_recomputed_prefix = options.max_recomputed_prefix
         # the routes and the kernels' row boundaries, built once per micro-batch
         self.row_plans = GDNRowPlans(self.conv_kernel_dim, options.route, options.max_recomputed_prefix)
         # Selective recompute of the cheap, activation-heavy middle (conv -> gates -> scan -> gated
