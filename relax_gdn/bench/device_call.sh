@@ -35,6 +35,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 PYTHONUNBUF
 # one Triton cache per GPU model: an autotuning choice is keyed by the architecture (sm_90 for H100 and
 # H200 alike), not the card, and one timed on an H100 must not pick an H200 benchmark's kernels
 gpu_model=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | tr -cs 'A-Za-z0-9' '_')
+# the first GPU's memory in whole GiB, for the scripts that size their work to it (empty without a GPU)
+gpu_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
+gpu_gib=${gpu_gib:+$(( gpu_gib / 1024 ))}
 export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton/${gpu_model%_} TRITON_CACHE_AUTOTUNING=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4

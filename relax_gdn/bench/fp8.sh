@@ -32,9 +32,8 @@ CALL=${CALL:-1}
 OUT=${OUT:-outputs/fp8}
 source "$(dirname "$0")/device_call.sh"
 RECIPE=${RECIPE:-tensorwise}
-gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null)
 # selective recompute keeps 85 GiB of the 9B at 8k: an 80 GB card runs the lightest form that fits it
-if [[ -n $gpu_mib ]] && (( gpu_mib / 1024 < 100 )); then LIGHT=${LIGHT:-recompute=mixed}; fi
+if [[ -n $gpu_gib ]] && (( gpu_gib < 100 )); then LIGHT=${LIGHT:-recompute=mixed}; fi
 LIGHT=${LIGHT:-recompute=selective}
 BF16_MODULES=${BF16_MODULES:-[output_layer,*.out_proj,*.linear_proj]}
 LORA=${LORA:-recompute=full}

@@ -42,14 +42,13 @@ declare -A STREAM_FILES=(
 )
 
 streams() {  # streams DEFAULT_NAMES...: the call's streams ($STREAMS, else these) in parallel
-  local names name gib
+  local names name
   read -ra names <<< "${STREAMS:-$*}"
   for name in "${names[@]}"; do
     [[ " $* " == *" $name "* ]] || { echo "STREAMS: CALL=$CALL has no stream $name (its streams: $*)" >&2; exit 2; }
   done
-  gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0) / 1024 ))
-  if (( ${#names[@]} > 1 && gib < 100 )); then
-    echo "CALL=$CALL: this GPU has $gib GiB, too little for the streams ${names[*]} at once (each holds" \
+  if (( ${#names[@]} > 1 && ${gpu_gib:-0} < 100 )); then
+    echo "CALL=$CALL: this GPU has $gpu_gib GiB, too little for the streams ${names[*]} at once (each holds" \
       "a reduced or the full 9B at times): run one per call, STREAMS=${names[0]} and so on" >&2
     exit 2
   fi
