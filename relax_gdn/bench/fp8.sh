@@ -19,6 +19,8 @@
 #       adapters train), NINE_B_STEPS steps of 4 samples with Adam, bf16 and RECIPE, and relax_gdn.compare
 #   CALL=7 relax_gdn/bench/fp8.sh   LIGHT bf16 / tensorwise / tensorwise with the 4,096 -> 4,096 projections
 #       in bf16 (model.fp8.bf16_modules=BF16_MODULES: slower in FP8 in bench.gemm), one process
+#   CALL=8 relax_gdn/bench/fp8.sh   LoRA r16 + Adam, no recompute, bf16 / RECIPE, both profiled (the kernel
+#       split says where FP8 LoRA's time goes on packed micro-batches), one process
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
@@ -108,6 +110,10 @@ case $CALL in
     step e2e_bf16_modules 300 "${E2E[@]}" --out "$OUT/e2e_bf16_modules.json" --variants \
       "$LIGHT;$LIGHT,fp8=tensorwise;$LIGHT,fp8=tensorwise,model.fp8.bf16_modules=$BF16_MODULES"
     echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_bf16_modules.log" ;;
+  8)
+    step e2e_lora_profile 240 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora_profile.json" --variants \
+      "model.lora.rank=16,recompute=none,profile;model.lora.rank=16,recompute=none,fp8=$RECIPE,profile"
+    echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora_profile.log" ;;
 esac
 save_caches
 echo; cat "$summary"
