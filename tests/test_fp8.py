@@ -102,6 +102,7 @@ def test_bf16_rows_and_the_main_grad(recipe):
     gradient added into a pre-filled fp32 main grad with Megatron-Core's placeholder returned."""
     x, w, g = _inputs(40, 64, 96, seed=1)
     xi, wi = x.clone().requires_grad_(), as_ddp_parameter(w.clone().requires_grad_(), start=0.5)
+    wi.grad_added_to_main_grad = True  # what the step's earlier micro-batches left there
     y = _impl(recipe, bf16_rows=16)(xi, wi, gradient_accumulation_fusion=True)
     y.backward(g)
     out8, gin8, gw8 = _reference(recipe, x, w[:80], g[:, :80])
@@ -111,6 +112,27 @@ def test_bf16_rows_and_the_main_grad(recipe):
     assert wi.grad_added_to_main_grad
     assert relative_error(wi.main_grad[:80] - 0.5, gw8) < 1e-6
     assert torch.allclose(wi.main_grad[80:] - 0.5, g[:, 80:].t() @ x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_steps_first_weight_gradient_is_written_into_the_main_grad(recipe):
+    """Megatron-Core DDP zeroes ``main_grad`` and clears ``grad_added_to_main_grad`` when a step
+    starts: the first micro-batch's FP8 weight gradient is written there (what the buffer held is not
+    read: a NaN left in it disappears), the next one is added; the gate rows, and ``rowwise_gw_hp``'s
+    high-precision weight gradient, accumulate inside their GEMM as before. The sum equals the two
+    micro-batches' gradients of the recipe's definition."""
+    (x1, w, g1), (x2, _, g2) = _inputs(40, 64, 96, seed=1), _inputs(40, 64, 96, seed=2)
+    wi = as_ddp_parameter(w.clone().requires_grad_(), start=0.0)
+    impl = _impl(recipe, bf16_rows=16)
+    if impl.operands.weight_grad_in_fp8:
+        wi.main_grad[:80] = float("nan")  # not read: the step's first FP8 weight gradient overwrites it
+    for x, g in ((x1, g1), (x2, g2)):
+        impl(x.clone().requires_grad_(), wi, gradient_accumulation_fusion=True).backward(g)
+        assert wi.grad_added_to_main_grad
+    want = _reference(recipe, x1, w[:80], g1[:, :80])[2] + _reference(recipe, x2, w[:80], g2[:, :80])[2]
+    assert relative_error(wi.main_grad[:80], want) < 1e-6
+    gates = g1[:, 80:].t() @ x1 + g2[:, 80:].t() @ x2
+    assert torch.allclose(wi.main_grad[80:], gates, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -133,7 +155,9 @@ def test_the_scaled_mm_path_agrees_with_the_emulation(recipe, monkeypatch):
     monkeypatch.setattr(
         linear,
         "fp8_mm",
-        lambda a, b, dtype, *, fast_accum, emulate: fp8_mm(a, b, dtype, fast_accum=fast_accum, emulate=False),
+        lambda a, b, dtype, *, fast_accum, emulate, out=None: fp8_mm(
+            a, b, dtype, fast_accum=fast_accum, emulate=False, out=out
+        ),
     )
     for name, got, want in zip(("output", "input grad", "weight grad"), fwd_bwd(), emulated):
         assert got.dtype == torch.bfloat16 and relative_error(got, want) < 1e-2, (recipe, name)

@@ -228,3 +228,19 @@ def test_reduced_9b_trains_in_fp8_like_bf16(bf16_reduced_9b, runtime, recipe, re
         assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_TOL), (recipe, recompute)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_NORM_TOL), (recipe, recompute)
     assert records[-1]["host_syncs"] == 0, (recipe, recompute)
+
+
+def test_writing_a_steps_first_weight_gradient_equals_adding_it(runtime, monkeypatch):
+    """The reduced 9B in tensorwise, several micro-batches per step: each step's first FP8 weight
+    gradient written into the zeroed ``main_grad`` (in fp32) against every one added (in bf16, then
+    into fp32). If ``main_grad`` held anything when it is written (DDP's protocol broken), the gradient
+    norms would part by far more than the first micro-batch's bf16 rounding."""
+    import relax_gdn.model.fp8.linear as linear
+
+    fp8 = {"model.fp8.recipe": "tensorwise"}
+    written = _train_reduced(runtime, **fp8)[0]
+    monkeypatch.setattr(linear, "main_grad_is_empty", lambda weight: False)
+    added = _train_reduced(runtime, **fp8)[0]
+    for got, want in zip(written, added):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-3)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2)

@@ -106,6 +106,16 @@ def takes_main_grad(weight: torch.Tensor) -> bool:
     return getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
 
 
+def main_grad_is_empty(weight: torch.Tensor) -> bool:
+    """Whether ``weight.main_grad`` holds no gradient of this step yet, so a weight gradient may be
+    written there instead of added: Megatron-Core DDP's ``zero_grad_buffer`` zeroes the buffers and
+    clears ``grad_added_to_main_grad`` at each step's start, and every path that adds into
+    ``main_grad`` during the step sets it (:func:`handed_to_main_grad`). A parameter whose gradient
+    reaches ``main_grad`` through DDP's hook instead (no fused path) never takes this branch: its
+    layers pass no ``main_grad``. No device value is read (no host sync)."""
+    return takes_main_grad(weight) and weight.grad_added_to_main_grad is False
+
+
 def handed_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
     """Mark ``weight``'s gradient as added to ``main_grad`` and return what autograd gets instead,
     as Megatron-Core's fused linears do: an uninitialised tensor of the weight's shape, which DDP's

@@ -218,12 +218,21 @@ def cast_to_fp8(
 
 
 def fp8_mm(
-    a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, *, fast_accum: bool, emulate: bool
+    a: FP8Data,
+    b_t: FP8Data,
+    out_dtype: torch.dtype,
+    *,
+    fast_accum: bool,
+    emulate: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b_tᵀ`` in FP8 (``a [m, k]``, ``b_t [n, k]``, both row-major): Hopper's ``torch._scaled_mm``,
-    or on CPU torchao's emulation (the dequantised operands multiplied in fp32)."""
+    or on CPU torchao's emulation (the dequantised operands multiplied in fp32); written into ``out``
+    (``[m, n]``, contiguous, of ``out_dtype``) when given."""
     if emulate:
-        return ((a.data.float() / a.scale) @ (b_t.data.float() / b_t.scale).t()).to(out_dtype)
+        product = ((a.data.float() / a.scale) @ (b_t.data.float() / b_t.scale).t()).to(out_dtype)
+        return product if out is None else out.copy_(product)
+    into = {} if out is None else {"out": out}
     scale_a, scale_b = a.inv_scale, b_t.inv_scale.t()
     rowwise = scale_a.dim() or scale_b.dim()
     if rowwise:  # _scaled_mm scales both operands the same way: a tensorwise one is repeated
@@ -233,10 +242,12 @@ def fp8_mm(
         # torchao's choice: the rowwise kernel without fast accumulation is slow; the tensorwise one
         # with unit scales, then the scales applied to the product
         one = torch.ones((), device=a.data.device)
-        out = torch._scaled_mm(a.data, b_t.data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
-        return out.mul_(scale_a).mul_(scale_b)
+        product = torch._scaled_mm(
+            a.data, b_t.data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False, **into
+        )
+        return product.mul_(scale_a).mul_(scale_b)
     return torch._scaled_mm(
-        a.data, b_t.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum
+        a.data, b_t.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum, **into
     )
 
 

@@ -13,7 +13,9 @@ keeping what Megatron-Core's function does around them:
 * column-parallel without SP: the input gradient is all-reduced over TP;
 * ``gradient_accumulation_fusion``: the weight gradient is added into the fp32 ``main_grad`` and
   autograd gets Megatron-Core's placeholder (:func:`~relax_gdn.model.fusion.handed_to_main_grad`);
-  a high-precision weight-gradient GEMM (``rowwise_gw_hp``) accumulates there inside the GEMM;
+  a high-precision weight-gradient GEMM (``rowwise_gw_hp``) accumulates there inside the GEMM; an FP8
+  one (``torch._scaled_mm`` cannot accumulate) writes a step's first gradient straight into the zeroed
+  ``main_grad`` in fp32 (:func:`~relax_gdn.model.fusion.main_grad_is_empty`) and adds the later ones;
 * a frozen weight (LoRA's base) is cast once and kept in FP8 until the weight changes (its
   ``_version``: a checkpoint load casts again), not at every step: one byte per weight under
   tensorwise (the input gradient's transposed copy is made from the kept rows), two under the
@@ -41,7 +43,7 @@ from torchao.float8.config import Float8LinearConfig
 
 from relax_gdn.model.fp8.casts import CastKernels, FP8Data, Operand, cast_to_fp8, fp8_mm, operand
 from relax_gdn.model.fp8.options import TORCHAO_RECIPES
-from relax_gdn.model.fusion import handed_to_main_grad
+from relax_gdn.model.fusion import handed_to_main_grad, main_grad_is_empty
 from relax_gdn.model.mlp import matmul_output_unread
 
 
@@ -213,9 +215,10 @@ class FP8LinearImpl:
             self._frozen_key = key
         return self._frozen_casts
 
-    def mm(self, a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, gemm) -> torch.Tensor:
-        """``a @ b_tᵀ`` with the recipe's setting for ``gemm`` (a ``Float8GemmConfig``)."""
-        return fp8_mm(a, b_t, out_dtype, fast_accum=gemm.use_fast_accum, emulate=not a.data.is_cuda)
+    def mm(self, a: FP8Data, b_t: FP8Data, out_dtype: torch.dtype, gemm, out=None) -> torch.Tensor:
+        """``a @ b_tᵀ`` with the recipe's setting for ``gemm`` (a ``Float8GemmConfig``), into ``out``
+        when given."""
+        return fp8_mm(a, b_t, out_dtype, fast_accum=gemm.use_fast_accum, emulate=not a.data.is_cuda, out=out)
 
     def fp8_rows(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of a weight ``[N, K]`` that run in FP8."""
@@ -384,8 +387,14 @@ def _grad_weight(
         x_t8, _ = impl.cast(
             x, ops.input_for_grad_weight, "cols", _reusable(ops.input, ops.input_for_grad_weight, x_amax)
         )
-        gw = impl.mm(g_t8, x_t8, weight.dtype, impl.config.gemm_config_grad_weight)
-        grads = [gw if into is None else into.add_(gw)]
+        gemm = impl.config.gemm_config_grad_weight
+        if into is not None and main_grad_is_empty(weight):
+            # the step's first addition into a zeroed main_grad: the GEMM writes it in fp32, which
+            # spares the bf16 product's round trip through memory and the addition's pass over main_grad
+            grads = [impl.mm(g_t8, x_t8, into.dtype, gemm, out=into)]
+        else:
+            gw = impl.mm(g_t8, x_t8, weight.dtype, gemm)
+            grads = [gw if into is None else into.add_(gw)]
     else:
         grads = [_hp_weight_grad(g8, x, into)]
     if g_hp is not None:
