@@ -230,7 +230,7 @@ def test_reduced_9b_trains_in_fp8_like_bf16(bf16_reduced_9b, runtime, recipe, re
     assert records[-1]["host_syncs"] == 0, (recipe, recompute)
 
 
-def test_writing_a_steps_first_weight_gradient_equals_adding_it(runtime, monkeypatch):
+def test_reduced_9b_writes_a_steps_first_weight_gradient_as_it_would_add_it(runtime, monkeypatch):
     """The reduced 9B in tensorwise, several micro-batches per step: each step's first FP8 weight
     gradient written into the zeroed ``main_grad`` (in fp32) against every one added (in bf16, then
     into fp32). If ``main_grad`` held anything when it is written (DDP's protocol broken), the gradient

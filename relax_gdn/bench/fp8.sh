@@ -17,7 +17,8 @@
 #       RECIPE, and relax_gdn.compare over the two runs
 #   CALL=6 relax_gdn/bench/fp8.sh   one GPU: the 9B with LoRA r16 (every linear's GEMMs run, only the
 #       adapters train), NINE_B_STEPS steps of 4 samples with Adam, bf16 and RECIPE, and relax_gdn.compare
-#   CALL=7 relax_gdn/bench/fp8.sh   LIGHT bf16 / tensorwise / tensorwise with the 4,096 -> 4,096 projections
+#   CALL=7 relax_gdn/bench/fp8.sh   the GPU tests of a step's first weight gradient written into main_grad
+#       and of no host sync, then LIGHT bf16 / tensorwise / tensorwise with the 4,096 -> 4,096 projections
 #       in bf16 (model.fp8.bf16_modules=BF16_MODULES: slower in FP8 in bench.gemm), one process
 #   CALL=8 relax_gdn/bench/fp8.sh   LoRA r16 + Adam, no recompute, bf16 / RECIPE, both profiled (the kernel
 #       split says where FP8 LoRA's time goes on packed micro-batches), one process
@@ -107,9 +108,10 @@ case $CALL in
   6)
     nine_b nine_b_lora 250 python3 train.py train.global_batch_size=4 model.lora.rank=16 recompute=none ;;
   7)
+    step test_fp8_gpu_write 150 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py -k "no_host_sync or first_weight_gradient"
     step e2e_bf16_modules 300 "${E2E[@]}" --out "$OUT/e2e_bf16_modules.json" --variants \
       "$LIGHT;$LIGHT,fp8=tensorwise;$LIGHT,fp8=tensorwise,model.fp8.bf16_modules=$BF16_MODULES"
-    echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_bf16_modules.log" ;;
+    echo; tail -n 3 "$OUT/test_fp8_gpu_write.log"; sed -n '/^qwen3_5/,$p' "$OUT/e2e_bf16_modules.log" ;;
   8)
     step e2e_lora_profile 240 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora_profile.json" --variants \
       "model.lora.rank=16,recompute=none,profile;model.lora.rank=16,recompute=none,fp8=$RECIPE,profile"
