@@ -22,6 +22,8 @@
 #       in bf16 (model.fp8.bf16_modules=BF16_MODULES: slower in FP8 in bench.gemm), one process
 #   CALL=8 relax_gdn/bench/fp8.sh   LoRA r16 + Adam, no recompute, bf16 / RECIPE, both profiled (the kernel
 #       split says where FP8 LoRA's time goes on packed micro-batches), one process
+#   CALL=9 relax_gdn/bench/fp8.sh   the reduced 9B's loss curves in bf16, rowwise and rowwise_gw_hp, seeds 1
+#       and 2 (packed into $OUT/curves.tgz), and relax_gdn.compare over them
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
@@ -44,14 +46,20 @@ PRESET=${PRESET:-qwen3_5_9b}
 E2E=(python3 -m relax_gdn.bench.train_e2e --preset "$PRESET" --max-tokens-per-gpu 8192
      --global-batch-size "${GBS:-4}" --steps "${STEPS:-4}" --skip "${SKIP:-1}")
 
-curves() {  # curves SEED: the reduced 9B, CURVE_STEPS steps, bf16 and RECIPE (one job each)
-  local seed=$1
-  for recipe in null "$RECIPE"; do
-    step "curve_${recipe}_seed$seed" 75 python3 train.py hydra.run.dir="curves/${recipe}_seed$seed" \
+curves() {  # curves SEED LIMIT RECIPE...: the reduced 9B, CURVE_STEPS steps, bf16 and each RECIPE (one job each)
+  local seed=$1 limit=$2 recipe; shift 2
+  for recipe in null "$@"; do
+    step "curve_${recipe}_seed$seed" "$limit" python3 train.py hydra.run.dir="curves/${recipe}_seed$seed" \
       ${CURVE_ARGS:-model=qwen3_5_9b_reduced train=h200} train.steps="${CURVE_STEPS:-150}" train.global_batch_size=8 \
       data.max_sample_tokens=2048 data.num_samples=2048 optim.lr=2e-4 optim.min_lr=2e-5 recompute=selective \
       logging.wandb.mode=disabled logging.console=false model.fp8.recipe="$recipe" train.seed="$seed"
   done
+}
+
+compare_curves() {  # relax_gdn.compare over curves/ against bf16; the runs packed into $OUT/curves.tgz
+  rm -rf curves/*/checkpoints
+  python3 -m relax_gdn.compare curves --baseline model.fp8.recipe=null > "$OUT/compare.log" 2>&1
+  tar -czf "$OUT/curves.tgz" curves  # one file: a call returns a limited number of them
 }
 
 nine_b() {  # nine_b DIR LIMIT COMMAND...: the 9B, NINE_B_STEPS steps in bf16 and RECIPE, then relax_gdn.compare
@@ -83,11 +91,9 @@ case $CALL in
   2)
     step e2e_lora 150 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora.json" --variants \
       "model.lora.rank=16,$LORA;model.lora.rank=16,$LORA,fp8=$RECIPE"
-    curves 1
-    curves 2
-    rm -rf curves/*/checkpoints
-    python3 -m relax_gdn.compare curves --baseline model.fp8.recipe=null > "$OUT/compare.log" 2>&1
-    tar -czf "$OUT/curves.tgz" curves  # one file: a call returns a limited number of them
+    curves 1 75 "$RECIPE"
+    curves 2 75 "$RECIPE"
+    compare_curves
     echo; echo "== lora =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora.log"
     echo; tail -n 12 "$OUT/compare.log" ;;
   3)
@@ -116,6 +122,11 @@ case $CALL in
     step e2e_lora_profile 240 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora_profile.json" --variants \
       "model.lora.rank=16,recompute=none,profile;model.lora.rank=16,recompute=none,fp8=$RECIPE,profile"
     echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora_profile.log" ;;
+  9)
+    curves 1 85 rowwise rowwise_gw_hp
+    curves 2 85 rowwise rowwise_gw_hp
+    compare_curves
+    echo; tail -n 12 "$OUT/compare.log" ;;
 esac
 save_caches
 echo; cat "$summary"
