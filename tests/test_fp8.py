@@ -195,6 +195,17 @@ def test_a_failing_cast_kernel_turns_the_models_casts_eager(monkeypatch, caplog)
     assert "sm_90a" in warnings[0] and "this model casts eagerly" in warnings[0]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_frozen_weight_in_host_memory_keeps_both_layouts(recipe):
+    """tensorwise casts a frozen weight alike for both of its GEMMs: with its bf16 values in host
+    memory the GPU keeps both layouts from one cast (no transposing copy in backward); left on the GPU
+    it keeps the rows alone. The rowwise recipes keep each GEMM's own cast either way."""
+    impl = _impl(recipe)
+    one_cast = recipe == "tensorwise"
+    assert impl.kept_layouts(on_host=True) == (("rows", "cols") if one_cast else ())
+    assert impl.kept_layouts(on_host=False) == (("rows",) if one_cast else ())
+
+
 def test_frozen_weight_is_cast_once_per_value():
     x, w, g = _inputs(32, 64, 96)
     impl = _impl("rowwise")

@@ -27,11 +27,11 @@ FP8 GEMMs (``fp8``: ``model.fp8.recipe``) keep what bf16 keeps for backward (the
 high-precision inputs; the FP8 operands are transient) and add ``fp8``: the casts of the largest
 linear live during its backward (its input and output gradient in FP8 with their transposed copies,
 the weight's casts, the weight gradient before it is added into the main grad), and with LoRA the
-frozen base weights' casts, kept across steps: one byte per FP8 weight under ``tensorwise`` (the
-forward's rows; the input gradient's transposed copy is made from them for its GEMM), two under the
-rowwise recipes (their forward and input-gradient casts scale along different dimensions). Their
-bf16 values are then kept in host memory (``fp8_frozen_on_host``: ``model.fp8.frozen_weights_on_host``)
-and leave the weights' term.
+frozen base weights' casts, kept across steps: two bytes per FP8 weight (both GEMM layouts), or one
+under ``tensorwise`` when their bf16 values stay on the GPU (the forward's rows; the input
+gradient's transposed copy is made from them for its GEMM). With ``fp8_frozen_on_host``
+(``model.fp8.frozen_weights_on_host``) those bf16 values are kept in host memory and leave the
+weights' term.
 
 A multi-token-prediction layer (``ModelShape.mtp_num_layers``) adds its parameters (an attention
 layer, its MLP, the input fusion ``eh_proj`` and three norms), its activations (an attention
@@ -186,7 +186,7 @@ def fp8_weight_count(shape: ModelShape, tp: int = 1) -> float:
     return sum(i * o * n for i, o, n in fp8_linear_shapes(shape)) / tp
 
 
-def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
+def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str, frozen_on_host: bool) -> float:
     """The FP8 casts' memory (see the module docstring): the largest linear's transient casts, and
     the frozen base weights' kept casts with LoRA."""
     linears = [(i, o) for i, o, n in fp8_linear_shapes(shape) if n]
@@ -197,7 +197,8 @@ def _fp8_bytes(shape: ModelShape, tokens: float, tp: int, recipe: str) -> float:
     )  # operands + transposed copies; weight casts, bf16 wgrad
     if not shape.lora_rank:
         return transient
-    kept_bytes = 1 if recipe in ONE_WEIGHT_CAST_RECIPES else 2
+    # relax_gdn.model.fp8.linear.FP8LinearImpl.kept_layouts
+    kept_bytes = 1 if recipe in ONE_WEIGHT_CAST_RECIPES and not frozen_on_host else 2
     return transient + kept_bytes * fp8_weight_count(shape, tp)
 
 
@@ -266,7 +267,11 @@ def estimate_memory(
     act_tokens = tokens_per_gpu / (tp if sequence_parallel else 1)
     activations = act_tokens * _activation_bytes_per_token(shape, recompute, fused_norms, full_layers)
     logits = _loss_bytes(shape, tokens_per_gpu, tp, act_tokens, 2 if bf16 else 4, fused=fused_cross_entropy)
-    fp8_bytes = _fp8_bytes(shape, act_tokens * (tp if sequence_parallel else 1), tp, fp8) if fp8 else 0.0
+    fp8_bytes = (
+        _fp8_bytes(shape, act_tokens * (tp if sequence_parallel else 1), tp, fp8, fp8_frozen_on_host)
+        if fp8
+        else 0.0
+    )
     return MemoryEstimate(
         weights=weights,
         gradients=gradients,

@@ -17,11 +17,12 @@ keeping what Megatron-Core's function does around them:
   one (``torch._scaled_mm`` cannot accumulate) writes a step's first gradient straight into the zeroed
   ``main_grad`` in fp32 (:func:`~relax_gdn.model.fusion.main_grad_is_empty`) and adds the later ones;
 * a frozen weight (LoRA's base) is cast once and kept in FP8 until the weight changes (its
-  ``_version``: a checkpoint load casts again), not at every step: one byte per weight under
-  tensorwise (the input gradient's transposed copy is made from the kept rows), two under the
-  rowwise recipes (their forward and input-gradient casts scale along different dimensions). The
-  bf16 weight itself may then live in host memory (``model.fp8.frozen_weights_on_host``): its casts
-  (and its bf16 gate rows) are made from a copy brought to the GPU and kept there;
+  ``_version``: a checkpoint load casts again), not at every step. The bf16 weight itself may live
+  in host memory (``model.fp8.frozen_weights_on_host``): its casts (and its bf16 gate rows) are
+  made from a copy brought to the GPU and kept there, both layouts, two bytes per weight (the
+  rowwise recipes' forward and input-gradient casts scale along different dimensions; tensorwise
+  writes both layouts in one cast). A frozen weight left on the GPU keeps one byte per weight under
+  tensorwise, and each backward makes the input gradient's transposed copy from the kept rows;
 * ``bf16_rows``: the last rows of the output (the GDN input projection's beta/alpha gates) come
   from a bf16 GEMM beside the FP8 one.
 
@@ -178,22 +179,31 @@ class FP8LinearImpl:
             self.weight_casts += 1
             return self.cast(self.fp8_rows(weight), op, layout, amax)
         kept_casts = self._frozen(weight, device)
-        # tensorwise: forward and input gradient cast the weight alike, so only the rows are kept and
-        # the input gradient's transposed copy is made from them (a byte copy, freed after its GEMM)
-        kept = "rows" if self.operands.weight == self.operands.weight_for_grad_input else layout
+        layouts = self.kept_layouts(on_host=weight.device != device) or (layout,)
+        kept = layout if layout in layouts else "rows"
         if (op, kept) not in kept_casts:
             casts, amax = cast_to_fp8(
                 self.fp8_rows(weight.to(device, non_blocking=True)),
                 op,
-                layouts=(kept,),
+                layouts=layouts,
                 tp_group=self.tp_group,
                 pow2=self.config.round_scales_to_power_of_2,
                 kernels=self.kernels,
             )
             self.weight_casts += 1
-            kept_casts[op, kept] = (casts[kept], amax)
+            kept_casts.update({(op, name): (cast, amax) for name, cast in casts.items()})
         cast, amax = kept_casts[op, kept]
         return (cast, amax) if kept == layout else (cast.transposed(), amax)
+
+    def kept_layouts(self, *, on_host: bool) -> tuple[str, ...]:
+        """The FP8 layouts a frozen weight keeps from one cast, where forward and input gradient cast it
+        alike (tensorwise; empty otherwise: each GEMM's cast is kept on its own). Its bf16 values in
+        host memory (``on_host``) leave the GPU two bytes per weight, so it keeps both layouts there
+        and no backward transposes; on the GPU it keeps the rows alone, on top of bf16's bytes, and
+        each backward makes the transposed copy (a byte copy, freed after its GEMM)."""
+        if self.operands.weight != self.operands.weight_for_grad_input:
+            return ()
+        return ("rows", "cols") if on_host else ("rows",)
 
     def gate_rows(self, weight: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The weight's last ``bf16_rows`` rows (their GEMMs run in bf16) on ``device``: a frozen weight

@@ -36,8 +36,9 @@ TORCHAO_RECIPES: dict[str, str] = {
 }
 assert set(TORCHAO_RECIPES) == set(FP8_RECIPES), "relax_gdn.choices.FP8Recipe lists these names"
 # The recipes that cast a weight alike for the forward and the input gradient (one scale per tensor):
-# a frozen weight keeps one FP8 layout, the other a byte copy of it (relax_gdn.model.fp8.linear derives
-# this from torchao's config; tests/test_fp8.py holds the two together). The memory model reads it here.
+# a frozen weight whose bf16 values stay on the GPU keeps one FP8 layout, the other a byte copy of it
+# (relax_gdn.model.fp8.linear derives this from torchao's config; tests/test_fp8.py holds the two
+# together). The memory model reads it here.
 ONE_WEIGHT_CAST_RECIPES = frozenset({"tensorwise"})
 
 # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and newer

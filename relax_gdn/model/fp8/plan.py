@@ -9,8 +9,8 @@ fused path bypasses shows up as such instead of passing for FP8).
 
 A frozen weight that runs in FP8 (LoRA's base) is read by its GEMMs only through its kept FP8
 casts, so with ``model.fp8.frozen_weights_on_host`` the plan moves its bf16 values to host memory
-before step 1 (:meth:`FP8Plan.keep_frozen_weights_on_host`): the GPU keeps one FP8 byte (two under
-the rowwise recipes) per such weight instead of those bytes plus two of bf16. What reads the weights
+before step 1 (:meth:`FP8Plan.keep_frozen_weights_on_host`): the GPU keeps the two FP8 layouts its
+GEMMs read (a byte each) per such weight instead of two bytes of bf16 plus the FP8 casts. What reads the weights
 themselves (a checkpoint save, the export) does so inside :meth:`FP8Plan.frozen_weights_on_device`.
 """
 
