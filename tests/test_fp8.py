@@ -255,6 +255,27 @@ def test_a_tensorwise_frozen_weight_keeps_its_rows_alone_and_transposes_them_bit
     assert torch.equal(made.inv_scale, casts["cols"].inv_scale)
 
 
+def test_a_frozen_weight_keeping_both_layouts_computes_the_same_without_a_transposing_copy(monkeypatch):
+    """Where a tensorwise frozen weight keeps both layouts (its bf16 values in host memory, on a GPU):
+    one cast makes them, the backward reads the kept transposed one (no byte copy), and output and
+    input gradient equal those of the weight cast afresh at every use. On CPU the weight and its casts
+    share a device, so the layouts are chosen here as a GPU with host-memory weights chooses them."""
+    from relax_gdn.model.fp8.casts import FP8Data
+
+    x, w, g = _inputs(37, 64, 96)
+    frozen, trained = _impl("tensorwise"), _impl("tensorwise")
+    monkeypatch.setattr(frozen, "kept_layouts", lambda *, on_host: ("rows", "cols"))
+    monkeypatch.setattr(FP8Data, "transposed", lambda self: pytest.fail("a kept layout was copied"))
+    for _ in range(2):
+        xf, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yf, yt = frozen(xf, w), trained(xt, w.clone().requires_grad_())
+        yf.backward(g)
+        yt.backward(g)
+        assert torch.equal(yf, yt) and torch.equal(xf.grad, xt.grad)
+    op = frozen.operands.weight
+    assert sorted(frozen._frozen_casts) == [(op, "cols"), (op, "rows")] and frozen.weight_casts == 1
+
+
 _INTERPRETED_CAST = """
 import torch
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
