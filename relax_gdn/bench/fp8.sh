@@ -20,8 +20,9 @@
 #   CALL=7 relax_gdn/bench/fp8.sh   the GPU tests of a step's first weight gradient written into main_grad
 #       and of no host sync, then LIGHT bf16 / tensorwise / tensorwise with the 4,096 -> 4,096 projections
 #       in bf16 (model.fp8.bf16_modules=BF16_MODULES: slower in FP8 in bench.gemm), one process
-#   CALL=8 relax_gdn/bench/fp8.sh   LoRA r16 + Adam, no recompute, bf16 / RECIPE, both profiled (the kernel
-#       split says where FP8 LoRA's time goes on packed micro-batches), one process
+#   CALL=8 relax_gdn/bench/fp8.sh   the GPU tests of frozen weights kept in host memory, then LoRA r16 + Adam,
+#       no recompute, bf16 / RECIPE, both profiled (the kernel split says where FP8 LoRA's time goes on
+#       packed micro-batches), one process
 #   CALL=9 relax_gdn/bench/fp8.sh   the reduced 9B's loss curves in bf16, rowwise and rowwise_gw_hp, seeds 1
 #       and 2 (packed into $OUT/curves.tgz), and relax_gdn.compare over them
 #
@@ -119,9 +120,10 @@ case $CALL in
       "$LIGHT;$LIGHT,fp8=tensorwise;$LIGHT,fp8=tensorwise,model.fp8.bf16_modules=$BF16_MODULES"
     echo; tail -n 3 "$OUT/test_fp8_gpu_write.log"; sed -n '/^qwen3_5/,$p' "$OUT/e2e_bf16_modules.log" ;;
   8)
+    step test_fp8_gpu_host 120 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py -k "host_memory"
     step e2e_lora_profile 240 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora_profile.json" --variants \
       "model.lora.rank=16,recompute=none,profile;model.lora.rank=16,recompute=none,fp8=$RECIPE,profile"
-    echo; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora_profile.log" ;;
+    echo; tail -n 3 "$OUT/test_fp8_gpu_host.log"; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora_profile.log" ;;
   9)
     curves 1 85 rowwise rowwise_gw_hp
     curves 2 85 rowwise rowwise_gw_hp
