@@ -57,10 +57,11 @@ curves() {  # curves SEED LIMIT RECIPE...: the reduced 9B, CURVE_STEPS steps, bf
   done
 }
 
-compare_curves() {  # relax_gdn.compare over curves/ against bf16; the runs packed into $OUT/curves.tgz
+compare_curves() {  # relax_gdn.compare over curves/ against bf16; the runs and their logs packed into $OUT/curves.tgz
   rm -rf curves/*/checkpoints
   python3 -m relax_gdn.compare curves --baseline model.fp8.recipe=null > "$OUT/compare.log" 2>&1
-  tar -czf "$OUT/curves.tgz" curves  # one file: a call returns a limited number of them
+  mv "$OUT"/curve_*.log curves/
+  tar -czf "$OUT/curves.tgz" curves  # one file: a call returns a limited number of them (8)
 }
 
 nine_b() {  # nine_b DIR LIMIT COMMAND...: the 9B, NINE_B_STEPS steps in bf16 and RECIPE, then relax_gdn.compare
