@@ -25,6 +25,8 @@
 #       packed micro-batches), one process
 #   CALL=9 relax_gdn/bench/fp8.sh   the reduced 9B's loss curves in bf16, rowwise and rowwise_gw_hp, seeds 1
 #       and 2 (packed into $OUT/curves.tgz), and relax_gdn.compare over them
+#   CALL=10 relax_gdn/bench/fp8.sh  the one-GPU rows in one call: the GPU tests of frozen weights kept
+#       in host memory, then LoRA r16 + Adam (no recompute) bf16 / RECIPE, then LIGHT bf16 / RECIPE
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
@@ -130,6 +132,13 @@ case $CALL in
     curves 2 85 rowwise rowwise_gw_hp
     compare_curves
     echo; tail -n 12 "$OUT/compare.log" ;;
+  10)
+    step test_fp8_gpu_host 120 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py -k "host_memory"
+    step e2e_lora 170 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora.json" --variants \
+      "model.lora.rank=16,recompute=none;model.lora.rank=16,recompute=none,fp8=$RECIPE"
+    step e2e_light 170 "${E2E[@]}" --out "$OUT/e2e_light.json" --variants "$LIGHT;$LIGHT,fp8=$RECIPE"
+    echo; tail -n 3 "$OUT/test_fp8_gpu_host.log"
+    for t in lora light; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
 esac
 save_caches
 echo; cat "$summary"
