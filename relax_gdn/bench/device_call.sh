@@ -1,9 +1,10 @@
-# Sourced by the device-call scripts (long_context.sh, fp8.sh): one call of at most BUDGET_S seconds
+# Sourced by the device-call scripts (long_context.sh, fp8.sh, peers.sh): one call of at most BUDGET_S seconds
 # on the GPU host, run from the repository root with the .gpu bundle carried. Sets OUT, the caches
 # (Triton autotuning, Inductor, TileLang, FA4's CuTe DSL in .gpu-cache/, which a warm machine keeps
 # between calls) and the environment every step needs; `step NAME LIMIT_S COMMAND...` runs a step
 # only while its limit still fits the budget, its log in $OUT/NAME.log and one line in
-# $OUT/summary.txt; `save_caches` packs .gpu-cache for a fresh machine when small enough.
+# $OUT/summary.txt; `use_fa4` makes FlashAttention-4 importable where its parts were carried;
+# `save_caches` packs .gpu-cache for a fresh machine when small enough.
 BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT" .gpu-cache
 start=$SECONDS
@@ -19,6 +20,18 @@ step() {  # step NAME LIMIT_S COMMAND...: runs when LIMIT_S still fits, log in $
   timeout --signal=INT --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name: exit $rc after $(( SECONDS - t0 )) s" | tee -a "$summary"
   return 0
+}
+
+use_fa4() {  # FlashAttention-4 importable where its parts were carried (relax_gdn/bench/fa4_wheels.sh): fa4_ok=1
+  local log=${TMPDIR:-/tmp}/fa4_install.log  # not under $OUT: a call returns a limited number of files
+  fa4_ok=0
+  if relax_gdn/bench/fa4_wheels.sh install > "$log" 2>&1; then
+    eval "$(relax_gdn/bench/fa4_wheels.sh env)"
+    fa4_ok=1
+    echo "fa4: $(tail -1 "$log")" | tee -a "$summary"
+  else
+    echo "fa4: not installed ($(tail -1 "$log")); the attention kernel is the next one available" | tee -a "$summary"
+  fi
 }
 
 save_caches() {  # the caches for a fresh machine (unpack into the repository root and carry .gpu-cache)

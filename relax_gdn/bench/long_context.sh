@@ -29,14 +29,7 @@ set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/long-context}
 source "$(dirname "$0")/device_call.sh"
-fa4_ok=0
-if relax_gdn/bench/fa4_wheels.sh install > "$OUT/fa4_install.log" 2>&1; then
-  eval "$(relax_gdn/bench/fa4_wheels.sh env)"
-  fa4_ok=1
-  echo "fa4: $(tail -1 "$OUT/fa4_install.log")" | tee -a "$summary"
-else
-  echo "fa4: not installed ($(tail -1 "$OUT/fa4_install.log")); bench.attention reports it unavailable" | tee -a "$summary"
-fi
+use_fa4
 if [[ $CALL == 1 ]]; then
   step test_attention_gpu 270 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
     -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right or auto_runs or reduced_9b"

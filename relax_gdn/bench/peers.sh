@@ -3,7 +3,9 @@
 # transformers"), in device calls of at most 9.5 minutes each, from the repository root on the GPU host.
 # The machine's first call carries .gpu (47 MiB), a later call of the same warm machine .gpu-hf (25 MiB,
 # relax_gdn/bench/hf_wheels.sh): together they pass a call's 64 MiB. The first CALL writes the 9B's
-# random-init HF checkpoint into outputs/peers/, which later calls of the warm machine reuse.
+# random-init HF checkpoint into outputs/peers/, which later calls of the warm machine reuse. Where
+# FlashAttention-4's parts were carried too (relax_gdn/bench/fa4_wheels.sh, part-0 alone in a call of its
+# own), relax-gdn's rows run on it.
 #
 #   CALL=1 relax_gdn/bench/peers.sh   LoRA r16 + AdamW, one 8,192-token document per step: HF without and
 #       with checkpointing, + Liger, relax-gdn at its best setting, with full recompute, and in FP8
@@ -21,6 +23,7 @@ CALL=${CALL:-1}
 OUT=${OUT:-outputs/peers}
 source "$(dirname "$0")/device_call.sh"
 [[ -f .gpu-hf/activate.sh ]] && source .gpu-hf/activate.sh
+use_fa4  # relax-gdn's attention: FlashAttention-4 where its parts were carried (model.attention_backend=auto)
 PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b)
 RELAX_ROWS="relax;relax,recompute=full"
 
