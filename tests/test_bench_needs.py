@@ -5,6 +5,7 @@ needing a GPU or not, so a new one is classified."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,27 @@ def test_gpu_needs_count_gpus_and_processes():
     assert gpu_problem("m", 2, False, visible=2, world_size=None) == started_alone  # plain python
     assert gpu_problem("m", 2, False, visible=8, world_size=4) == started_alone  # exactly 2
     assert gpu_problem("m", 2, True, visible=8, world_size=1) == started_alone
+
+
+def test_cuda_alloc_conf_is_set_before_cuda_starts_and_refused_after(monkeypatch, capsys):
+    import argparse
+
+    import torch
+
+    from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf
+
+    parser = argparse.ArgumentParser(prog="bench")
+    add_cuda_alloc_conf(parser)
+    args = parser.parse_args(["--cuda-alloc-conf", "expandable_segments:True"])
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    apply_cuda_alloc_conf(parser, None)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    apply_cuda_alloc_conf(parser, args.cuda_alloc_conf)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    # a process whose CUDA has started would read it too late: one parser error, exit 2
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(SystemExit) as exit_:
+        apply_cuda_alloc_conf(parser, "expandable_segments:False")
+    assert exit_.value.code == 2
+    assert "--cuda-alloc-conf must be set before CUDA starts" in capsys.readouterr().err
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

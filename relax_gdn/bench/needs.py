@@ -5,6 +5,7 @@ driver traceback."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -41,3 +42,21 @@ def require_gpus(module: str, gpus: int = 1, more_ok: bool = False) -> None:
     problem = gpu_problem(module, gpus, more_ok, visible, world_size)
     if problem is not None:
         report_user_error(MachineError(problem))
+
+
+def add_cuda_alloc_conf(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's ``--cuda-alloc-conf`` (:func:`apply_cuda_alloc_conf` sets it)."""
+    parser.add_argument(
+        "--cuda-alloc-conf",
+        help="PYTORCH_CUDA_ALLOC_CONF for this process, set before CUDA starts (e.g. expandable_segments:True)",
+    )
+
+
+def apply_cuda_alloc_conf(parser: argparse.ArgumentParser, conf: str | None) -> None:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to ``conf`` (when given): CUDA's caching allocator reads it once,
+    when CUDA starts, so a process that has started it is refused (a parser error, exit 2)."""
+    if not conf:
+        return
+    if torch.cuda.is_initialized():
+        parser.error("--cuda-alloc-conf must be set before CUDA starts in this process")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf

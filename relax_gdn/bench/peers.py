@@ -75,7 +75,7 @@ from relax_gdn.bench.hf_peer import (
     out_of_memory,
     parse_hf_settings,
 )
-from relax_gdn.bench.needs import require_gpus
+from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus
 from relax_gdn.config import RunConfig
 
 WORKLOADS = ("lora", "full")
@@ -586,6 +586,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=("auto", "adam", "none"), default="auto")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--out", help="write the results here as JSON (after every row) and beside it as .md")
+    add_cuda_alloc_conf(parser)  # both sides' rows run in this one process under it
     return parser
 
 
@@ -845,6 +846,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    apply_cuda_alloc_conf(parser, args.cuda_alloc_conf)
     if args.device == "cuda":
         require_gpus("relax_gdn.bench.peers")
     device = _device(args.device)

@@ -15,16 +15,21 @@
 #   CALL=3 relax_gdn/bench/peers.sh   full fine-tuning at 8,192 tokens: HF without checkpointing and HF +
 #       torchao float8 with compiled decoder blocks (the rows the H200 table lacks); then full
 #       fine-tuning at 32,768 tokens while the budget lasts
+#   CALL=4 relax_gdn/bench/peers.sh   HF + torchao float8 with compiled decoder blocks, full fine-tuning at
+#       8,192 tokens, beside HF + ckpt and relax-gdn in bf16 and FP8, with the CUDA allocator's expandable
+#       segments (ALLOC_CONF; without them the float8 row ran out of memory at 139.7 GiB in use)
 #
 # Environment: STEPS32 (4: the 32k rows' steps, medians of the steps after the second), ROWS_8K_LORA,
-# ROWS_32K, ROWS_8K_FULL (the --rows of each step; see `python -m relax_gdn.bench.peers --help`).
+# ROWS_32K, ROWS_8K_FULL, ROWS_8K_FP8 (the --rows of each step; see `python -m relax_gdn.bench.peers --help`),
+# ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF of the bench.peers processes; CALL=4: expandable_segments:True).
 set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/peers}
 source "$(dirname "$0")/device_call.sh"
 [[ -f .gpu-hf/activate.sh ]] && source .gpu-hf/activate.sh
 use_fa4  # relax-gdn's attention: FlashAttention-4 where its parts were carried (model.attention_backend=auto)
-PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b)
+[[ $CALL == 4 ]] && ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
+PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b ${ALLOC_CONF:+--cuda-alloc-conf "$ALLOC_CONF"})
 RELAX_ROWS="relax;relax,recompute=full"
 
 case $CALL in
@@ -43,7 +48,11 @@ case $CALL in
     step peers_32k_full 240 "${PEERS[@]}" --doc-tokens 32768 --workloads full --steps "${STEPS32:-4}" \
       --out "$OUT/peers_32k_full.json" --rows "${ROWS_32K:-hf;hf,ckpt;hf,ckpt,liger;$RELAX_ROWS}"
     tables=(peers_8k_full peers_32k_full) ;;
-  *) echo "CALL=$CALL: one of 1, 2, 3" >&2; exit 2 ;;
+  4)
+    step peers_8k_fp8 540 "${PEERS[@]}" --doc-tokens 8192 --workloads full --out "$OUT/peers_8k_fp8.json" \
+      --rows "${ROWS_8K_FP8:-hf,fp8;hf,ckpt;relax;relax,model.fp8.recipe=tensorwise}"
+    tables=(peers_8k_fp8) ;;
+  *) echo "CALL=$CALL: one of 1, 2, 3, 4" >&2; exit 2 ;;
 esac
 for t in "${tables[@]}"; do
   echo; echo "== $t =="

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.bench import trace_launchers
-from relax_gdn.bench.needs import require_gpus
+from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus
 from relax_gdn.bench.provenance import tree_commit
 from relax_gdn.train.gpu_memory import release_gpu_memory
 
@@ -789,11 +789,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="sample lengths per variant: mean this fraction of its micro-batch, clipped to "
         "[--min-tokens, the micro-batch] (replaces --mean-tokens / --max-tokens)",
     )
-    parser.add_argument(
-        "--cuda-alloc-conf",
-        help="PYTORCH_CUDA_ALLOC_CONF for this process, set before CUDA "
-        "starts (e.g. expandable_segments:True)",
-    )
+    add_cuda_alloc_conf(parser)
     parser.add_argument("--preset", default="qwen3_5_9b_reduced")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
@@ -836,10 +832,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if args.mean_fraction is not None and not 0 < args.mean_fraction <= 1:
         parser.error(f"--mean-fraction {args.mean_fraction} must be in (0, 1]")
-    if args.cuda_alloc_conf:
-        if torch.cuda.is_initialized():
-            parser.error("--cuda-alloc-conf must be set before CUDA starts in this process")
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.cuda_alloc_conf
+    apply_cuda_alloc_conf(parser, args.cuda_alloc_conf)
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
     try:
