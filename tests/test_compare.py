@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from relax_gdn.compare import compare_runs, find_runs, run_summary, warmup_steps
+from relax_gdn.compare.report import markdown
 from relax_gdn.compare.runs import Run, load_bench_json, records_from_wandb_history, run_from_wandb
 from relax_gdn.compare.stats import median_ci, steady_records
 from tests.distributed import job_runtime
@@ -410,3 +411,47 @@ def test_wandb_report_spec_panels_grouping_and_filter():
     assert len(grid.panels) == len(spec["panels"]) and grid.runsets[0].groupby == ["config.gdn.cp_mode"]
     with pytest.raises(ValueError, match="ENTITY/PROJECT"):
         report_spec("proj", "g")
+
+
+def test_same_seed_pairs_find_a_shift_the_seed_noise_hides():
+    """Same-seed runs share their batches, so most of the seed-to-seed noise cancels in their
+    difference: a shift of 0.03 against a seed noise of 0.05 is "within noise" for the A/A verdict
+    and "differs" by seed; no shift is "within noise"; a single pair is measured but
+    not judged; runs without a common seed give no pairs."""
+    rng = np.random.default_rng(1)
+    steps = 150
+    seed_noise = {seed: rng.normal(0, 0.05, steps) for seed in (1, 2, 3)}
+
+    def run(name, recipe, seed, shift=0.0):
+        records = [
+            {
+                "step": s,
+                "loss": 3.0 / s**0.3 + seed_noise[seed][s - 1] + shift + rng.normal(0, 0.005),
+                "grad_norm": 1.0 + rng.normal(0, 0.1),
+                "tokens": 100,
+                "tokens_per_s": 1000.0,
+                "world_size": 1,
+            }
+            for s in range(1, steps + 1)
+        ]
+        return Run(name, name, {"model.fp8.recipe": recipe, "train.seed": seed}, records)
+
+    base = [run("b1", None, 1), run("b2", None, 2)]
+    shifted = compare_runs(base + [run("t1", "tensorwise", 1, 0.03), run("t2", "tensorwise", 2, 0.03)])
+    (cmp,) = shifted["comparisons"]
+    assert cmp["loss"]["verdict"] == "within noise", cmp["loss"]
+    paired = cmp["paired"]["loss"]
+    assert paired["verdict"] == "differs" and paired["pairs"] == 2, paired
+    assert paired["lo"] < 0.03 < paired["hi"] and paired["steps"] == 2 * (steps - warmup_steps(steps))
+    assert [p["seed"] for p in paired["per_pair"]] == [1, 2]
+    assert cmp["paired"]["grad_norm"]["verdict"] == "within noise"
+    text = markdown(shifted)
+    assert "loss curve, same-seed pairs: **differs** (mean diff +0.0" in text and "by seed 1: +0.0" in text
+
+    (same,) = compare_runs(base + [run("t1", "tensorwise", 1), run("t2", "tensorwise", 2)])["comparisons"]
+    assert same["paired"]["loss"]["verdict"] == "within noise", same["paired"]["loss"]
+    (one,) = compare_runs(base + [run("t1", "tensorwise", 1, 0.03)])["comparisons"]
+    assert one["paired"]["loss"]["verdict"] == "one pair" and one["paired"]["loss"]["pairs"] == 1
+    (none,) = compare_runs(base + [run("t3", "tensorwise", 3, 0.03)])["comparisons"]
+    assert none["paired"]["loss"] == {"verdict": "no pairs", "pairs": 0}
+    assert "same-seed" not in markdown(compare_runs(base + [run("t3", "tensorwise", 3)]))

@@ -123,6 +123,8 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
         curves = [
             _curve_text(name, c[key]) for key, name in named if key != "mtp_loss" or c[key].get("steps")
         ]
+        paired = c.get("paired", {})
+        curves += [_paired_text(name, paired[key]) for key, name in named if paired.get(key, {}).get("pairs")]
         shared = caution(c.get("shared_machine"))
         throughput = _throughput_text(c["throughput"]) + (f" (**caution**: {shared})" if shared else "")
         lines.append(f"{c['variant']} vs {c['baseline']}: " + "; ".join([throughput, *curves]))
@@ -153,6 +155,19 @@ def _curve_text(name: str, k: dict[str, Any]) -> str:
         text + f" (RMS diff {_num(k['rms_diff'])}{against} over {k['steps']} steps; max |diff| "
         f"{_num(k['max_abs_diff'])} at step {k['at_step']})"
     )
+
+
+def _paired_text(name: str, k: dict[str, Any]) -> str:
+    seeds = ", ".join(f"{p['seed']}: {_signed(p['mean_diff'])}" for p in k["per_pair"])
+    return (
+        f"{name}, same-seed pairs: **{k['verdict']}** (mean diff {_signed(k['mean_diff'])}"
+        f" ({_pct(k['rel_diff'])}), 95 % interval [{_signed(k['lo'])}, {_signed(k['hi'])}] over "
+        f"{k['pairs']} same-seed pair(s), {k['steps']} steps; by seed {seeds})"
+    )
+
+
+def _signed(x: float) -> str:
+    return ("+" if x >= 0 else "") + _num(x)
 
 
 def markdown(summary: dict[str, Any]) -> str:

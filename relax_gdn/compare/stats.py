@@ -23,6 +23,14 @@ Rules (docs/compare.md repeats them):
   floating-point reductions from counting when the A/A runs are bit-identical). One number over
   all steps: a per-step test would flag noise at the steps where two repeats happen to cross.
   Without a variant of >= 2 runs there is no noise floor and the verdict is ``no A/A``.
+* **Paired by seed.** Runs of two variants with the same ``train.seed`` start from the same weights
+  and see the same batches in the same order, so their curves share most of the seed-to-seed noise
+  that the A/A verdict above must allow for. Per curve, the difference (variant - baseline) of each
+  same-seed pair is taken at every steady-state step of the pair's common steps; its mean over all
+  pairs comes with a 95 % moving-block bootstrap interval (blocks of ceil(sqrt(steps)) consecutive
+  steps, resampled within each pair: neighbouring steps' differences are correlated). With >= 2
+  pairs, a curve *differs* by seed when that interval excludes +-(0.1 % of the baseline's mean)
+  and every pair's mean difference has the sign of the overall mean; else it is *within noise*. One pair is measured, not judged (``one pair``); none: ``no pairs``.
 * **Shared machine.** A comparison whose runs overlapped in time on one host, or ran one after
   another on a host loaded far above its cores, says so beside its tok/s verdict
   (:mod:`relax_gdn.compare.machine`).
@@ -56,12 +64,14 @@ from relax_gdn.run_stats import (
     run_value,
     steady_records,
     step_values,
+    warmup_steps,
 )
 from relax_gdn.run_stats import finite_values as _finite
 
 CURVE_RTOL = 1e-3  # relative floor of the per-step noise
 CURVE_NOISE_RATIO = 2.0  # a curve differs when its RMS difference exceeds this many times the A/A prediction
-REPEAT_KEYS = ("train.seed",)
+SEED_KEY = "train.seed"
+REPEAT_KEYS = (SEED_KEY,)
 IGNORED_KEY_PREFIXES = ("logging.", "checkpoint.", "derived.", "hydra.")
 IGNORED_KEYS = ("run_name",)
 
@@ -284,6 +294,88 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
     return out
 
 
+def _seed_pairs(variant: Variant, baseline: Variant) -> list[tuple[Any, Run, Run]]:
+    """(seed, variant run, baseline run) for each seed both variants ran (its first run in each)."""
+    first: dict[str, Run] = {}
+    for run in baseline.runs:
+        first.setdefault(_canonical(run.config.get(SEED_KEY, UNSET)), run)
+    pairs, seen = [], set()
+    for run in variant.runs:
+        seed = run.config.get(SEED_KEY, UNSET)
+        key = _canonical(seed)
+        if seed is not UNSET and key in first and key not in seen:
+            seen.add(key)
+            pairs.append((seed, run, first[key]))
+    return pairs
+
+
+def _block_bootstrap_mean(diffs: list[np.ndarray], seed: int = 0) -> tuple[float, float]:
+    """95 % interval of the mean of all of ``diffs`` (one array per pair): each resample draws, per
+    pair, ceil(n / L) blocks of L = ceil(sqrt(n)) consecutive values (moving blocks), cut to n."""
+    rng = np.random.default_rng(seed)
+    means = np.zeros(BOOTSTRAP_RESAMPLES)
+    total = sum(len(d) for d in diffs)
+    for d in diffs:
+        n = len(d)
+        block = math.ceil(math.sqrt(n))
+        count = math.ceil(n / block)
+        starts = rng.integers(0, n - block + 1, size=(BOOTSTRAP_RESAMPLES, count))
+        index = (starts[:, :, None] + np.arange(block)).reshape(BOOTSTRAP_RESAMPLES, -1)[:, :n]
+        means += d[index].sum(axis=1)
+    means /= total
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def paired_curve_verdict(variant: Variant, baseline: Variant, key: str) -> dict[str, Any]:
+    """The curve ``key`` of same-seed runs, difference by difference (module docstring)."""
+    pairs = _seed_pairs(variant, baseline)
+    diffs, bases, per_pair = [], [], []
+    for seed, v_run, b_run in pairs:
+        v, b = _curve(v_run, key), _curve(b_run, key)
+        common = sorted(set(v) & set(b))
+        steady = common[warmup_steps(len(common)) :]
+        if len(steady) < 2:
+            continue
+        d = np.array([v[s] - b[s] for s in steady])
+        diffs.append(d)
+        bases.append(np.array([b[s] for s in steady]))
+        per_pair.append(
+            {
+                "seed": seed,
+                "steps": len(steady),
+                "first_step": steady[0],
+                "last_step": steady[-1],
+                "mean_diff": float(d.mean()),
+                "rel_diff": float(d.mean() / bases[-1].mean()) if bases[-1].mean() else None,
+            }
+        )
+    if not diffs:
+        return {"verdict": "no pairs", "pairs": 0}
+    all_diffs, all_bases = np.concatenate(diffs), np.concatenate(bases)
+    mean, base_mean = float(all_diffs.mean()), float(all_bases.mean())
+    lo, hi = _block_bootstrap_mean(diffs)
+    floor = CURVE_RTOL * abs(base_mean)
+    out = {
+        "pairs": len(diffs),
+        "steps": int(all_diffs.size),
+        "mean_diff": mean,
+        "rel_diff": mean / base_mean if base_mean else None,
+        "lo": lo,
+        "hi": hi,
+        "floor": floor,
+        "per_pair": per_pair,
+    }
+    if _diverged(variant) or _diverged(baseline):
+        verdict = "diverged"
+    elif len(diffs) < 2:
+        verdict = "one pair"
+    else:
+        same_sign = all(p["mean_diff"] * mean > 0 for p in per_pair)
+        verdict = "differs" if (lo > floor or hi < -floor) and same_sign else "within noise"
+    return out | {"verdict": verdict}
+
+
 def _diverged(variant: Variant) -> bool:
     return any(nonfinite_steps(run.records) for run in variant.runs)
 
@@ -342,6 +434,7 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
                 "throughput": throughput_verdict(stats[variant.label], stats[base.label], noise),
                 "shared_machine": shared_machine(variant.runs, base.runs, steady_records),
                 **{key: curve_verdict(variant, base, key, noise) for key in CURVES},
+                "paired": {key: paired_curve_verdict(variant, base, key) for key in CURVES},
             }
         )
     noise_out = {k: v for k, v in noise.items() if k != "curve_variance"}
@@ -353,6 +446,9 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
             "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
             f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
             f"({CURVE_RTOL:g} x baseline value)^2)",
+            "paired": f"same-seed runs: the mean of (variant - baseline) over steady steps differs when "
+            f"its 95 % moving-block bootstrap interval excludes +-{CURVE_RTOL:g} x the baseline's mean and "
+            f"every pair has its sign (>= 2 pairs)",
             "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
             "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
             "curves not compared",
