@@ -440,24 +440,29 @@ def compare_runs(runs: list[Run], baseline: list[str] | None = None) -> dict[str
     noise_out = {k: v for k, v in noise.items() if k != "curve_variance"}
     return {
         "schema": "relax_gdn.compare/1",
-        "rules": {
-            "warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
-            "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
-            "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
-            f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
-            f"({CURVE_RTOL:g} x baseline value)^2)",
-            "paired": f"same-seed runs: the mean of (variant - baseline) over steady steps differs when "
-            f"its 95 % moving-block bootstrap interval excludes +-{CURVE_RTOL:g} x the baseline's mean and "
-            f"every pair has its sign (>= 2 pairs)",
-            "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
-            "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
-            "curves not compared",
-        },
+        "rules": _rules(),
         "varying_keys": varying,
         "baseline": base.label,
         "variants": out_variants,
         "noise": noise_out,
         "comparisons": comparisons,
+    }
+
+
+def _rules() -> dict[str, str]:
+    """The rules of the verdicts, as summary.json states them (module docstring)."""
+    return {
+        "warmup": f"first {100 * WARMUP_FRACTION:g} % of steps, at least {MIN_WARMUP_STEPS}",
+        "interval": f"95 % percentile bootstrap of the median, {BOOTSTRAP_RESAMPLES} resamples",
+        "curve": f"differs when the RMS over steps of the mean-curve difference exceeds "
+        f"{CURVE_NOISE_RATIO:g}x the RMS the A/A variance predicts (per step at least "
+        f"({CURVE_RTOL:g} x baseline value)^2)",
+        "paired": f"same-seed runs: the mean of (variant - baseline) over steady steps differs when "
+        f"its 95 % moving-block bootstrap interval excludes +-{CURVE_RTOL:g} x the baseline's mean and "
+        f"every pair has its sign (>= 2 pairs)",
+        "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
+        "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
+        "curves not compared",
     }
 
 
