@@ -342,3 +342,49 @@ def test_hf_inputs_count_the_labels_the_loss_mask_counts():
     # transformers scores labels[i] with the prediction at i - 1: position 1's label is token 7, and so on
     assert labels.tolist() == [[-100, -100, 7, 8, -100]]
     assert int((labels != -100).sum()) == sample.num_loss_tokens
+
+
+def test_the_reference_step_moves_to_liger_only_where_hf_ckpt_runs_out_of_memory():
+    """At 32k on an 80 GB card hf,ckpt runs out of memory on its fp32 logits (asked 30.31 GiB with
+    72.79 GiB in use, one H100); hf,ckpt,liger then gives the reference and the title says why. A
+    failure other than memory stops there: the next row would fail the same way."""
+    oom = {"error": TORCH_OOM, "oom": out_of_memory(TORCH_OOM) | {"step": 1}}
+    ran = {"records": [{"loss": 13.2968, "grad_norm": 0.47489}], "summary": {"tokens_per_s": 1.0}}
+    entries = {"hf,ckpt": {"records": [], "summary": oom}, "hf,ckpt,liger": ran}
+    asked = []
+
+    def run_step(spec):
+        asked.append(spec)
+        return {"name": spec, "side": "hf", **entries[spec]}
+
+    ref = peers.reference_step(run_step)
+    assert asked == ["hf,ckpt", "hf,ckpt,liger"]
+    assert ref == {
+        "row": "hf,ckpt,liger",
+        "loss": 13.2968,
+        "grad_norm": 0.47489,
+        "instead_of": "hf,ckpt: OOM at step 1: asked 2.00 GiB with 138.43 GiB in use",
+    }
+    meta = {"preset": "qwen3_5_9b", "docs_per_step": 1, "doc_tokens": 32768, "skip": 2, "steps": 4}
+    workload = {"lora": None, "optimizer": "adam", "reference": ref}
+    assert peers.workload_title(workload, meta).endswith(
+        "HF reference step (hf,ckpt,liger): loss 13.2968, grad norm 0.47489 "
+        "(hf,ckpt: OOM at step 1: asked 2.00 GiB with 138.43 GiB in use)"
+    )
+
+    asked.clear()
+    entries["hf,ckpt"] = ran
+    assert peers.reference_step(run_step) == {"row": "hf,ckpt", "loss": 13.2968, "grad_norm": 0.47489}
+    assert asked == ["hf,ckpt"]
+
+    asked.clear()
+    entries["hf,ckpt"] = {"records": [], "summary": {"error": "ImportError: No module named 'peft'"}}
+    ref = peers.reference_step(run_step)
+    assert asked == ["hf,ckpt"] and ref["loss"] is None
+    assert ref["error"] == "hf,ckpt: FAILED: ImportError: No module named 'peft'"
+
+    asked.clear()
+    entries["hf,ckpt"] = entries["hf,ckpt,liger"] = {"records": [], "summary": oom}
+    ref = peers.reference_step(run_step)
+    assert asked == ["hf,ckpt", "hf,ckpt,liger"] and ref["loss"] is None
+    assert ref["error"].count("OOM at step 1") == 2
