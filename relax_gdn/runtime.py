@@ -32,6 +32,9 @@ A :class:`Runtime` owns, in the order it installs them:
 * the process-wide changes a run can only make once it knows its device and configuration
   (Megatron-Core's fused wgrad GEMM, torch's deterministic algorithms): made by the run, handed
   over with :meth:`Runtime.adopt` / :meth:`Runtime.use_deterministic_algorithms`;
+* Inductor's compile workers, where ``torch.compile`` started them: stopped on close, the one that
+  does not stop within 10 s killed, instead of torch's exit hook waiting 300 s for it
+  (:mod:`relax_gdn.compat.compile_workers`);
 * what a tool or benchmark asks for: transformers' Qwen3.5 on its pure-torch kernels
   (:meth:`Runtime.use_torch_kernels_in_transformers`), a module attribute set for the process
   (:meth:`Runtime.replace_attribute`: the precision benchmark's FLA guard and dynamo switch).
@@ -51,6 +54,7 @@ from types import FrameType
 from typing import Any, ClassVar
 
 # imported with this module: neither imports anything beyond the standard library
+from relax_gdn.compat.compile_workers import stop_compile_workers
 from relax_gdn.compat.deferred_wandb import defer_wandb_import
 from relax_gdn.known_warnings import quiet_cpu_profiler, silence_known_warnings
 
@@ -106,6 +110,7 @@ class Runtime:
         if Runtime._installed is not None:
             raise RuntimeError("another relax_gdn Runtime is installed in this process; close it first")
         Runtime._installed, self.installed = self, True
+        self._undo.append(stop_compile_workers)  # undone last: after everything that might compile
         try:
             for name, value in self.environ.items():
                 self._set_environ(name, value)

@@ -261,3 +261,31 @@ def test_wandb_deferred_by_the_runtime_runs_on_first_use(tmp_path):
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok module", done.stdout + done.stderr[-3000:]
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.slow  # starts Inductor's compile-worker sidecar twice (~10 s)
+def test_a_wedged_compile_worker_sidecar_is_killed_on_close_not_awaited():
+    """Inductor's compile-worker sidecar (started here as torch.compile starts it) stopped with
+    SIGSTOP never exits, as a wedged one; torch's exit hook would wait 300 s for it. Closing the
+    Runtime kills it after the grace period, and a later compile gets a new pool. A healthy
+    sidecar just stops."""
+    from torch._inductor import async_compile
+
+    from relax_gdn.compat.compile_workers import stop_compile_workers
+    from relax_gdn.runtime import Runtime
+
+    with Runtime(silence_warnings=False, cpu_shims=False, fla=False):
+        healthy = async_compile.AsyncCompile.process_pool()
+        assert healthy.process.poll() is None
+    assert healthy.process.wait(timeout=60) == 0  # stopped by close(), the normal way
+
+    wedged = async_compile.AsyncCompile.process_pool()
+    assert wedged is not healthy and wedged.process.poll() is None
+    os.kill(wedged.process.pid, signal.SIGSTOP)
+    try:
+        assert stop_compile_workers(grace_s=1.0) == 1
+    finally:
+        if wedged.process.poll() is None:
+            wedged.process.kill()
+    assert wedged.process.wait(timeout=60) == -signal.SIGKILL
+    assert stop_compile_workers(grace_s=1.0) == 0 and not async_compile._pool_set
