@@ -10,8 +10,8 @@
 #   eval "$(relax_gdn/bench/fa4_wheels.sh env)"   the PYTHONPATH that makes it importable
 #
 # The xz'd set is ~75 MB: part-0 60 MiB, part-1 ~12 MiB. The parts travel in separate device calls
-# (each call carries at most 64 MiB, the .gpu bundle ~46 MB of it), in either order: part-1 and
-# SHA256SUMS with .gpu in a call that does other work, part-0 alone in another; the machine keeps
+# (each call carries at most 64 MiB with the working tree's ~3.4 MiB; the .gpu bundle is ~50 MiB), in
+# either order: part-1 and SHA256SUMS with .gpu-hf (or alone), part-0 alone; the machine keeps
 # what earlier calls brought while it stays warm. apache-tvm-ffi and torch-c-dlpack-ext, which FA4
 # also needs, are in the .gpu bundle already (make-bundle.sh pins them).
 set -euo pipefail
