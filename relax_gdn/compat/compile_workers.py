@@ -3,9 +3,9 @@
 ``torch.compile`` (the FP8 casts, the HF peer's float8 blocks) starts a sidecar process that owns
 Inductor's compile-worker pool (``torch._inductor.compile_worker.subproc_pool.SubprocPool``), and
 torch's exit hook ``shutdown_compile_workers`` asks it to stop and waits up to 300 s for it. A
-sidecar can wedge tearing down its own pool (pytorch/pytorch#176968 and #186136; torch 2.11 then
-waits until the job's time limit, torch 2.14 kills it after the 300 s): one ``bench.peers`` process
-on an H100 sat in that wait, its results written, until its 540 s limit ended it.
+sidecar can wedge tearing down its own pool (pytorch/pytorch#176968 and #186136; after the 300 s
+torch 2.11 raises out of its exit hook, torch 2.14 kills the sidecar): one ``bench.peers`` process
+on an H100 sat in that wait, its results written, until its device call's 540 s limit ended it.
 :func:`stop_compile_workers` asks each sidecar to stop the same way, and kills the one still alive
 after ``grace_s``; torch's own hook then finds nothing running.
 """
