@@ -274,25 +274,30 @@ def test_labels_name_each_differing_key_once_as_an_override_writes_it():
     assert cmp["throughput"]["noise"] is None
 
 
+def _noisy_curve(rng, loss, steps: int = 150) -> list[dict]:
+    """``steps`` step records: ``loss(step)``, a gradient norm of 1 +- 0.1 drawn after it from
+    ``rng``, a constant throughput."""
+    return [
+        {
+            "step": s,
+            "loss": loss(s),
+            "grad_norm": 1.0 + rng.normal(0, 0.1),
+            "tokens": 100,
+            "tokens_per_s": 1000.0,
+            "world_size": 1,
+        }
+        for s in range(1, steps + 1)
+    ]
+
+
 def test_curve_verdict_weighs_the_whole_curve_against_the_seed_noise():
     """Four runs drawn from one noisy curve (two seeds per variant) are within noise even though
     at some steps the two repeats of a variant cross and their spread is ~0; the same curve shifted
     by three times the seed noise differs."""
     rng = np.random.default_rng(0)
-    steps = 150
 
     def run(name, variant, seed, shift=0.0):
-        records = [
-            {
-                "step": s,
-                "loss": 3.0 / s**0.3 + shift + rng.normal(0, 0.05),
-                "grad_norm": 1.0 + rng.normal(0, 0.1),
-                "tokens": 100,
-                "tokens_per_s": 1000.0,
-                "world_size": 1,
-            }
-            for s in range(1, steps + 1)
-        ]
+        records = _noisy_curve(rng, lambda s: 3.0 / s**0.3 + shift + rng.normal(0, 0.05))
         return Run(name, name, {"recompute.granularity": variant, "train.seed": seed}, records)
 
     same = [run("f1", "full", 1), run("f2", "full", 2), run("s1", "selective", 1), run("s2", "selective", 2)]
@@ -423,17 +428,10 @@ def test_same_seed_pairs_find_a_shift_the_seed_noise_hides():
     seed_noise = {seed: rng.normal(0, 0.05, steps) for seed in (1, 2, 3)}
 
     def run(name, recipe, seed, shift=0.0):
-        records = [
-            {
-                "step": s,
-                "loss": 3.0 / s**0.3 + seed_noise[seed][s - 1] + shift + rng.normal(0, 0.005),
-                "grad_norm": 1.0 + rng.normal(0, 0.1),
-                "tokens": 100,
-                "tokens_per_s": 1000.0,
-                "world_size": 1,
-            }
-            for s in range(1, steps + 1)
-        ]
+        def loss(s):
+            return 3.0 / s**0.3 + seed_noise[seed][s - 1] + shift + rng.normal(0, 0.005)
+
+        records = _noisy_curve(rng, loss, steps)
         return Run(name, name, {"model.fp8.recipe": recipe, "train.seed": seed}, records)
 
     base = [run("b1", None, 1), run("b2", None, 2)]

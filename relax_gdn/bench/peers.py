@@ -39,10 +39,10 @@ per step. A row whose package is missing or that cannot run on this device is li
 
 Same model, proved: before any row, one untimed HF step (``hf,ckpt``; ``hf,ckpt,liger`` where that
 runs out of memory, :data:`REFERENCE_ROWS`) on the first batch gives the reference loss (mean per
-loss token of the batch) and gradient norm (fp32, before clipping, over what trains). Every row's first step must equal it (:data:`LOSS_RTOL`: 1e-5 in fp32 on CPU, 1e-3
-in bf16; rows with float8 linears 1e-2; the gradient norm 1e-2, 1e-1 with float8; a relax-gdn
-row without an optimizer has no gradient norm to compare); a row that disagrees is shown as such,
-without its timing.
+loss token of the batch) and gradient norm (fp32, before clipping, over what trains). Every row's
+first step must equal it (:data:`LOSS_RTOL`: 1e-5 in fp32 on CPU, 1e-3 in bf16; rows with float8
+linears 1e-2; the gradient norm 1e-2, 1e-1 with float8; a relax-gdn row without an optimizer has no
+gradient norm to compare); a row that disagrees is shown as such, without its timing.
 
 Per row: medians over the steps after ``--skip`` of tokens/s, MFU (``relax_gdn.train.flops``, the
 same count for both sides), the peak GPU memory over its steps (``max_memory_allocated``), and its

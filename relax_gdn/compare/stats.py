@@ -30,7 +30,8 @@ Rules (docs/compare.md repeats them):
   pairs comes with a 95 % moving-block bootstrap interval (blocks of ceil(sqrt(steps)) consecutive
   steps, resampled within each pair: neighbouring steps' differences are correlated). With >= 2
   pairs, a curve *differs* by seed when that interval excludes +-(0.1 % of the baseline's mean)
-  and every pair's mean difference has the sign of the overall mean; else it is *within noise*. One pair is measured, not judged (``one pair``); none: ``no pairs``.
+  and every pair's mean difference has the sign of the overall mean; else it is *within noise*.
+  One pair is measured, not judged (``one pair``); none: ``no pairs``.
 * **Shared machine.** A comparison whose runs overlapped in time on one host, or ran one after
   another on a host loaded far above its cores, says so beside its tok/s verdict
   (:mod:`relax_gdn.compare.machine`).
@@ -294,19 +295,22 @@ def curve_verdict(variant: Variant, baseline: Variant, key: str, noise: dict[str
     return out
 
 
-def _seed_pairs(variant: Variant, baseline: Variant) -> list[tuple[Any, Run, Run]]:
-    """(seed, variant run, baseline run) for each seed both variants ran (its first run in each)."""
-    first: dict[str, Run] = {}
-    for run in baseline.runs:
-        first.setdefault(_canonical(run.config.get(SEED_KEY, UNSET)), run)
-    pairs, seen = [], set()
+def _first_run_by_seed(variant: Variant) -> dict[str, tuple[Any, Run]]:
+    """Each seed of ``variant``'s runs (as :func:`_canonical` writes it) -> (seed, its first run)."""
+    first: dict[str, tuple[Any, Run]] = {}
     for run in variant.runs:
         seed = run.config.get(SEED_KEY, UNSET)
-        key = _canonical(seed)
-        if seed is not UNSET and key in first and key not in seen:
-            seen.add(key)
-            pairs.append((seed, run, first[key]))
-    return pairs
+        if seed is not UNSET:
+            first.setdefault(_canonical(seed), (seed, run))
+    return first
+
+
+def _seed_pairs(variant: Variant, baseline: Variant) -> list[tuple[Any, Run, Run]]:
+    """(seed, variant run, baseline run) for each seed both variants ran (its first run in each)."""
+    base = _first_run_by_seed(baseline)
+    return [
+        (seed, run, base[key][1]) for key, (seed, run) in _first_run_by_seed(variant).items() if key in base
+    ]
 
 
 def _block_bootstrap_mean(diffs: list[np.ndarray], seed: int = 0) -> tuple[float, float]:
@@ -337,9 +341,9 @@ def paired_curve_verdict(variant: Variant, baseline: Variant, key: str) -> dict[
         steady = common[warmup_steps(len(common)) :]
         if len(steady) < 2:
             continue
-        d = np.array([v[s] - b[s] for s in steady])
+        d, base = np.array([v[s] - b[s] for s in steady]), np.array([b[s] for s in steady])
         diffs.append(d)
-        bases.append(np.array([b[s] for s in steady]))
+        bases.append(base)
         per_pair.append(
             {
                 "seed": seed,
@@ -347,7 +351,7 @@ def paired_curve_verdict(variant: Variant, baseline: Variant, key: str) -> dict[
                 "first_step": steady[0],
                 "last_step": steady[-1],
                 "mean_diff": float(d.mean()),
-                "rel_diff": float(d.mean() / bases[-1].mean()) if bases[-1].mean() else None,
+                "rel_diff": float(d.mean() / base.mean()) if base.mean() else None,
             }
         )
     if not diffs:
