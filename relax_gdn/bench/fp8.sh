@@ -27,12 +27,15 @@
 #       and 2 (packed into $OUT/curves.tgz), and relax_gdn.compare over them
 #   CALL=10 relax_gdn/bench/fp8.sh  the issue's one-GPU rows in one call: the GPU tests of frozen weights kept
 #       in host memory, then LoRA r16 + Adam (no recompute) bf16 / RECIPE, then LIGHT bf16 / RECIPE
+#   CALL=11 relax_gdn/bench/fp8.sh  the reduced 9B's loss curves alone (fits an 80 GB card): bf16 and each of
+#       CURVE_RECIPES, seeds 1 and 2, and relax_gdn.compare, whose same-seed verdict reads each pair
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
 # CURVE_ARGS (model=qwen3_5_9b_reduced train=h200; model=tiny train=cpu_demo on a CPU machine), LIGHT
 # (recompute=selective; recompute=mixed on a card under 100 GiB, where selective does not fit the 9B at 8k),
-# LORA (the LoRA rows' recompute: recompute=full, which fits both cards), NINE_B_STEPS (50), NINE_B_ARGS
+# CURVE_RECIPES (CALL=11: tensorwise rowwise_gw_hp), LORA (the LoRA rows' recompute: recompute=full, which
+# fits both cards), NINE_B_STEPS (50), NINE_B_ARGS
 # (model=qwen3_5_9b train=h200; model=tiny train=cpu_demo on a CPU machine), BF16_MODULES
 # ([output_layer,*.out_proj,*.linear_proj]).
 set -uo pipefail
@@ -139,6 +142,12 @@ case $CALL in
     step e2e_light 170 "${E2E[@]}" --out "$OUT/e2e_light.json" --variants "$LIGHT;$LIGHT,fp8=$RECIPE"
     echo; tail -n 3 "$OUT/test_fp8_gpu_host.log"
     for t in lora light; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
+  11)
+    read -ra curve_recipes <<< "${CURVE_RECIPES:-tensorwise rowwise_gw_hp}"
+    curves 1 80 "${curve_recipes[@]}"
+    curves 2 80 "${curve_recipes[@]}"
+    compare_curves
+    echo; tail -n 16 "$OUT/compare.log" ;;
 esac
 save_caches
 echo; cat "$summary"
