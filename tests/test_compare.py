@@ -422,7 +422,7 @@ def test_same_seed_pairs_find_a_shift_the_seed_noise_hides():
     """Same-seed runs share their batches, so most of the seed-to-seed noise cancels in their
     difference: a shift of 0.03 against a seed noise of 0.05 is "within noise" for the A/A verdict
     and "differs" by seed; no shift is "within noise"; a single pair is measured but
-    not judged; runs without a common seed give no pairs."""
+    not judged, nor are pairs too short for the bootstrap; runs without a common seed give no pairs."""
     rng = np.random.default_rng(1)
     steps = 150
     seed_noise = {seed: rng.normal(0, 0.05, steps) for seed in (1, 2, 3)}
@@ -453,3 +453,14 @@ def test_same_seed_pairs_find_a_shift_the_seed_noise_hides():
     (none,) = compare_runs(base + [run("t3", "tensorwise", 3, 0.03)])["comparisons"]
     assert none["paired"]["loss"] == {"verdict": "no pairs", "pairs": 0}
     assert "same-seed" not in markdown(compare_runs(base + [run("t3", "tensorwise", 3)]))
+
+    def first_steps(r, n):
+        return Run(r.name, r.source, r.config, r.records[:n])
+
+    short = [
+        first_steps(r, 12)
+        for r in base + [run("t1", "tensorwise", 1, 0.03), run("t2", "tensorwise", 2, 0.03)]
+    ]
+    (few,) = compare_runs(short)["comparisons"]
+    assert few["paired"]["loss"]["verdict"] == "too few steps", few["paired"]["loss"]
+    assert "same-seed pairs: **too few steps**" in markdown(compare_runs(short))

@@ -31,7 +31,9 @@ Rules (docs/compare.md repeats them):
   steps, resampled within each pair: neighbouring steps' differences are correlated). With >= 2
   pairs, a curve *differs* by seed when that interval excludes +-(0.1 % of the baseline's mean)
   and every pair's mean difference has the sign of the overall mean; else it is *within noise*.
-  One pair is measured, not judged (``one pair``); none: ``no pairs``.
+  One pair is measured, not judged (``one pair``); none: ``no pairs``. Nor is a pair with fewer
+  than ``PAIRED_MIN_STEPS`` steady steps (``too few steps``): its blocks are so few that the
+  bootstrap interval shrinks towards one value and any offset would count.
 * **Shared machine.** A comparison whose runs overlapped in time on one host, or ran one after
   another on a host loaded far above its cores, says so beside its tok/s verdict
   (:mod:`relax_gdn.compare.machine`).
@@ -70,6 +72,9 @@ from relax_gdn.run_stats import (
 from relax_gdn.run_stats import finite_values as _finite
 
 CURVE_RTOL = 1e-3  # relative floor of the per-step noise
+# 10 steady steps make blocks of 4 with 7 places to start: fewer, and the resampled means of a pair
+# take so few values that the interval says nothing (2 steps: one block, an interval of zero width)
+PAIRED_MIN_STEPS = 10
 CURVE_NOISE_RATIO = 2.0  # a curve differs when its RMS difference exceeds this many times the A/A prediction
 SEED_KEY = "train.seed"
 REPEAT_KEYS = (SEED_KEY,)
@@ -374,6 +379,8 @@ def paired_curve_verdict(variant: Variant, baseline: Variant, key: str) -> dict[
         verdict = "diverged"
     elif len(diffs) < 2:
         verdict = "one pair"
+    elif min(p["steps"] for p in per_pair) < PAIRED_MIN_STEPS:
+        verdict = "too few steps"
     else:
         same_sign = all(p["mean_diff"] * mean > 0 for p in per_pair)
         verdict = "differs" if (lo > floor or hi < -floor) and same_sign else "within noise"
@@ -463,7 +470,7 @@ def _rules() -> dict[str, str]:
         f"({CURVE_RTOL:g} x baseline value)^2)",
         "paired": f"same-seed runs: the mean of (variant - baseline) over steady steps differs when "
         f"its 95 % moving-block bootstrap interval excludes +-{CURVE_RTOL:g} x the baseline's mean and "
-        f"every pair has its sign (>= 2 pairs)",
+        f"every pair has its sign (>= 2 pairs of >= {PAIRED_MIN_STEPS} steady steps each)",
         "throughput": "differs when |ratio - 1| > A/A spread and the intervals do not overlap",
         "diverged": "a run with a non-finite loss or grad norm; left out of the A/A noise floor, its "
         "curves not compared",
