@@ -29,6 +29,9 @@
 #       in host memory, then LoRA r16 + Adam (no recompute) bf16 / RECIPE, then LIGHT bf16 / RECIPE
 #   CALL=11 relax_gdn/bench/fp8.sh  the reduced 9B's loss curves alone (fits an 80 GB card): bf16 and each of
 #       CURVE_RECIPES, seeds 1 and 2, and relax_gdn.compare, whose same-seed verdict reads each pair
+#   CALL=12 relax_gdn/bench/fp8.sh  what needs an H200 in the least time: LIGHT bf16 / RECIPE (the issue's
+#       selective row), then the reduced 9B's loss curves in bf16 and RECIPE, seeds 1 and 2, and
+#       relax_gdn.compare
 #
 # Environment: RECIPE (the recipe of the loss curves and the LoRA row; tensorwise), PRESET (qwen3_5_9b;
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
@@ -148,6 +151,13 @@ case $CALL in
     curves 2 80 "${curve_recipes[@]}"
     compare_curves
     echo; tail -n 16 "$OUT/compare.log" ;;
+  12)
+    step e2e_light 170 "${E2E[@]}" --out "$OUT/e2e_light.json" --variants "$LIGHT;$LIGHT,fp8=$RECIPE"
+    curves 1 80 "$RECIPE"
+    curves 2 80 "$RECIPE"
+    compare_curves
+    echo; echo "== light =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_light.log"
+    echo; tail -n 12 "$OUT/compare.log" ;;
 esac
 save_caches
 echo; cat "$summary"
