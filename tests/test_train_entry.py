@@ -79,6 +79,22 @@ def test_bad_input_is_one_message_and_leaves_nothing(tmp_path, case):
     assert not (tmp_path / "run").exists()  # nothing written: Hydra's run directory is gone too
 
 
+def test_selective_recompute_without_a_compiler_is_one_message_before_step_1(tmp_path):
+    """``mlp_act``'s recompute needs a C++ extension torch builds with ninja and a compiler. On a
+    machine without them (here: an empty PATH and no cached build) the run stops while the model is
+    built, with the cause and the fix, instead of inside step 1's backward with ninja's traceback."""
+    (tmp_path / "bin").mkdir()
+    env = {"PATH": str(tmp_path / "bin"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    done = _train(tmp_path, "recompute=selective", "train.steps=2", env=env)
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    assert "Traceback" not in text and "step 1" not in text
+    (line,) = re.findall(r"^error: .*", done.stderr, flags=re.M)
+    assert "share_storage C++ extension" in line and "Ninja is required" in line, line
+    assert "pip install ninja" in line and "recompute.modules=[core_attn,gdn_core]" in line, line
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_empty_data_file_is_one_message_and_leaves_no_default_run_directory_behind(tmp_path):
     """A bad input found while loading the data (BAD_INPUTS' checks, in one run). Without
     hydra.run.dir, Hydra makes outputs/runs/<date>/<time>/; the failed attempt removes that and the

@@ -1,10 +1,11 @@
 # Sourced by the device-call scripts (long_context.sh, fp8.sh, peers.sh): one call of at most BUDGET_S seconds
 # on the GPU host, run from the repository root with the .gpu bundle carried. Sets OUT, the caches
 # (Triton autotuning, Inductor, TileLang, FA4's CuTe DSL in .gpu-cache/, which a warm machine keeps
-# between calls) and the environment every step needs; `step NAME LIMIT_S COMMAND...` runs a step
-# only while its limit still fits the budget, its log in $OUT/NAME.log and one line in
-# $OUT/summary.txt; `use_fa4` makes FlashAttention-4 importable where its parts were carried;
-# `save_caches` packs .gpu-cache for a fresh machine when small enough.
+# between calls) and the environment every step needs, and builds Megatron-Core's share_storage
+# extension; `step NAME LIMIT_S COMMAND...` runs a step only while its limit still fits the budget,
+# its log in $OUT/NAME.log and one line in $OUT/summary.txt; `use_fa4` makes FlashAttention-4
+# importable where its parts were carried; `save_caches` packs .gpu-cache for a fresh machine when
+# small enough.
 BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT" .gpu-cache
 start=$SECONDS
@@ -54,5 +55,11 @@ gpu_gib=${gpu_gib:+$(( gpu_gib / 1024 ))}
 export TRITON_CACHE_DIR=$PWD/.gpu-cache/triton/${gpu_model%_} TRITON_CACHE_AUTOTUNING=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.gpu-cache/inductor TILELANG_CACHE_DIR=$PWD/.gpu-cache/tilelang
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/.gpu-cache/fa4
+export TORCH_EXTENSIONS_DIR=$PWD/.gpu-cache/torch_extensions
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 git log -1 --format='commit %h %s' > "$OUT/commit.txt" 2>/dev/null
+# Megatron-Core's share_storage C++ extension (recompute.modules mlp_act), built before any timed step:
+# on a fresh host its build took over a minute, which ended every 80 s curve run of a call before
+# step 1; later calls of a warm machine (and a carried .gpu-cache) load it in seconds
+step torch_extensions 240 python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+from relax_gdn.compat.share_storage import build_share_storage; build_share_storage()"

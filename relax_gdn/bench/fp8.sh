@@ -28,7 +28,8 @@
 #   CALL=10 relax_gdn/bench/fp8.sh  the issue's one-GPU rows in one call: the GPU tests of frozen weights kept
 #       in host memory, then LoRA r16 + Adam (no recompute) bf16 / RECIPE, then LIGHT bf16 / RECIPE
 #   CALL=11 relax_gdn/bench/fp8.sh  the reduced 9B's loss curves alone (fits an 80 GB card): bf16 and each of
-#       CURVE_RECIPES, seeds 1 and 2, and relax_gdn.compare, whose same-seed verdict reads each pair
+#       CURVE_RECIPES, seeds 1 and 2, and relax_gdn.compare, whose same-seed verdict reads each pair; 100 s
+#       a run, for a fresh machine's first (Triton compiles FLA's kernels)
 #   CALL=12 relax_gdn/bench/fp8.sh  what needs an H200 in the least time: LIGHT bf16 / RECIPE (the issue's
 #       selective row), then the reduced 9B's loss curves in bf16 and RECIPE, seeds 1 and 2, and
 #       relax_gdn.compare
@@ -37,7 +38,7 @@
 # qwen3_5_tiny checks the script on a CPU machine), STEPS (4), SKIP (1), GBS (4), CURVE_STEPS (150),
 # CURVE_ARGS (model=qwen3_5_9b_reduced train=h200; model=tiny train=cpu_demo on a CPU machine), LIGHT
 # (recompute=selective; recompute=mixed on a card under 100 GiB, where selective does not fit the 9B at 8k),
-# CURVE_RECIPES (CALL=11: tensorwise rowwise_gw_hp), LORA (the LoRA rows' recompute: recompute=full, which
+# CURVE_RECIPES (CALL=11: tensorwise), LORA (the LoRA rows' recompute: recompute=full, which
 # fits both cards), NINE_B_STEPS (50), NINE_B_ARGS
 # (model=qwen3_5_9b train=h200; model=tiny train=cpu_demo on a CPU machine), BF16_MODULES
 # ([output_layer,*.out_proj,*.linear_proj]).
@@ -146,9 +147,9 @@ case $CALL in
     echo; tail -n 3 "$OUT/test_fp8_gpu_host.log"
     for t in lora light; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
   11)
-    read -ra curve_recipes <<< "${CURVE_RECIPES:-tensorwise rowwise_gw_hp}"
-    curves 1 80 "${curve_recipes[@]}"
-    curves 2 80 "${curve_recipes[@]}"
+    read -ra curve_recipes <<< "${CURVE_RECIPES:-tensorwise}"
+    curves 1 100 "${curve_recipes[@]}"
+    curves 2 100 "${curve_recipes[@]}"
     compare_curves
     echo; tail -n 16 "$OUT/compare.log" ;;
   12)

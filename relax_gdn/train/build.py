@@ -2,9 +2,10 @@
 
 * :func:`build` (the Trainer and the benchmarks): the padded vocabulary (:func:`padded_vocab_size`),
   the memory model's choice of whole-layer recomputes (:func:`resolve_full_layers`), the
-  memory-fit verdict (:func:`check_memory_fits`, before anything is built), then the model on this
-  rank's device with the weights it starts from (:func:`load_base_weights`). Nothing in it is a
-  collective; a caller that runs it on every rank wraps it in
+  memory-fit verdict (:func:`check_memory_fits`, before anything is built), the C++ extension
+  ``mlp_act``'s recompute needs (:func:`~relax_gdn.compat.share_storage.build_share_storage`), then
+  the model on this rank's device with the weights it starts from (:func:`load_base_weights`).
+  Nothing in it is a collective; a caller that runs it on every rank wraps it in
   :func:`~relax_gdn.train.agreement.agree_on_errors`.
 * :func:`build_checkpoint_model` (``python -m relax_gdn.export_hf`` and the tools that read a
   checkpoint's weights): the model a checkpoint's manifest describes, uninitialised (every weight
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relax_gdn.compat.share_storage import build_share_storage
 from relax_gdn.config import ParallelDims, RunConfig
 from relax_gdn.errors import ConfigError, MemoryFitError
 from relax_gdn.model import Qwen3_5Options, build_qwen3_5_model, qwen3_5_config, qwen3_5_preset
@@ -258,6 +260,9 @@ def build(
 
         fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
         runtime.adopt(undo)  # Megatron-Core patched: the Runtime undoes it
+    if recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"):
+        # its recompute's C++ extension, built here rather than inside step 1's backward
+        build_share_storage()
     tconfig = training_transformer_config(cfg, parallel.tp, device=device, bf16=bf16, fuse_wgrad=fuse_wgrad)
     model = build_qwen3_5_model(tconfig, model_options(cfg, vocab_size))
     if cfg.recompute.granularity == "mixed":
