@@ -1,11 +1,11 @@
 # Sourced by the device-call scripts (long_context.sh, fp8.sh, peers.sh): one call of at most BUDGET_S seconds
 # on the GPU host, run from the repository root with the .gpu bundle carried. Sets OUT, the caches
 # (Triton autotuning, Inductor, TileLang, FA4's CuTe DSL in .gpu-cache/, which a warm machine keeps
-# between calls) and the environment every step needs, and builds Megatron-Core's share_storage
-# extension; `step NAME LIMIT_S COMMAND...` runs a step only while its limit still fits the budget,
-# its log in $OUT/NAME.log and one line in $OUT/summary.txt; `use_fa4` makes FlashAttention-4
-# importable where its parts were carried; `save_caches` packs .gpu-cache for a fresh machine when
-# small enough.
+# between calls) and the environment every step needs; `step NAME LIMIT_S COMMAND...` runs a step only
+# while its limit still fits the budget, its log in $OUT/NAME.log and one line in $OUT/summary.txt;
+# `use_fa4` makes FlashAttention-4 importable where its parts were carried; `build_torch_extensions`
+# builds Megatron-Core's C++ extension before the timed steps; `save_caches` packs .gpu-cache for a
+# fresh machine when small enough.
 BUDGET_S=${BUDGET_S:-570}
 mkdir -p "$OUT" .gpu-cache
 start=$SECONDS
@@ -35,6 +35,13 @@ use_fa4() {  # FlashAttention-4 importable where its parts were carried (relax_g
   fi
 }
 
+build_torch_extensions() {  # Megatron-Core's share_storage C++ extension (mlp_act), before any timed step
+  # on a fresh host its build took over a minute inside step 1, which ended every 80 s curve run of a
+  # call; kept in .gpu-cache/torch_extensions, a warm machine (or a carried cache) loads it in seconds
+  step torch_extensions 240 python3 -c "import logging; logging.basicConfig(level=logging.INFO)
+from relax_gdn.compat.share_storage import build_share_storage; build_share_storage()"
+}
+
 save_caches() {  # the caches for a fresh machine (unpack into the repository root and carry .gpu-cache)
   du -sh .gpu-cache 2>/dev/null | tee -a "$summary"
   # Triton's autotuning choices alone, kilobytes: small enough to carry beside .gpu, they spare a fresh
@@ -58,8 +65,3 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 export TORCH_EXTENSIONS_DIR=$PWD/.gpu-cache/torch_extensions
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 git log -1 --format='commit %h %s' > "$OUT/commit.txt" 2>/dev/null
-# Megatron-Core's share_storage C++ extension (recompute.modules mlp_act), built before any timed step:
-# on a fresh host its build took over a minute, which ended every 80 s curve run of a call before
-# step 1; later calls of a warm machine (and a carried .gpu-cache) load it in seconds
-step torch_extensions 240 python3 -c "import logging; logging.basicConfig(level=logging.INFO)
-from relax_gdn.compat.share_storage import build_share_storage; build_share_storage()"

@@ -46,6 +46,7 @@ set -uo pipefail
 CALL=${CALL:-1}
 OUT=${OUT:-outputs/fp8}
 source "$(dirname "$0")/device_call.sh"
+build_torch_extensions
 RECIPE=${RECIPE:-tensorwise}
 # selective recompute keeps 85 GiB of the 9B at 8k: an 80 GB card runs the lightest form that fits it
 if [[ -n $gpu_gib ]] && (( gpu_gib < 100 )); then LIGHT=${LIGHT:-recompute=mixed}; fi

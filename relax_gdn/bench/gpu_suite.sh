@@ -52,6 +52,7 @@ streams() {  # streams DEFAULT_NAMES...: the call's streams ($STREAMS, else thes
       "a reduced or the full 9B at times): run one per call, STREAMS=${names[0]} and so on" >&2
     exit 2
   fi
+  build_torch_extensions  # once, before the streams that would each wait on its build
   for name in "${names[@]}"; do
     # shellcheck disable=SC2086  # the stream's files, one word each
     stream "$name" ${STREAM_FILES[$name]}

@@ -30,6 +30,7 @@ CALL=${CALL:-1}
 OUT=${OUT:-outputs/long-context}
 source "$(dirname "$0")/device_call.sh"
 use_fa4
+build_torch_extensions
 if [[ $CALL == 1 ]]; then
   step test_attention_gpu 270 python3 -m pytest -q -s -m gpu tests/test_cp_attention_gpu.py \
     -k "(kernel_equals and 16-4-256) or host_syncs or bottom_right or auto_runs or reduced_9b"

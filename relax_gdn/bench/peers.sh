@@ -28,6 +28,7 @@ OUT=${OUT:-outputs/peers}
 source "$(dirname "$0")/device_call.sh"
 [[ -f .gpu-hf/activate.sh ]] && source .gpu-hf/activate.sh
 use_fa4  # relax-gdn's attention: FlashAttention-4 where its parts were carried (model.attention_backend=auto)
+[[ $CALL == [1-4] ]] && build_torch_extensions
 [[ $CALL == 4 ]] && ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b ${ALLOC_CONF:+--cuda-alloc-conf "$ALLOC_CONF"})
 RELAX_ROWS="relax;relax,recompute=full"
