@@ -57,17 +57,19 @@ PRESET=${PRESET:-qwen3_5_9b}
 E2E=(python3 -m relax_gdn.bench.train_e2e --preset "$PRESET" --max-tokens-per-gpu 8192
      --global-batch-size "${GBS:-4}" --steps "${STEPS:-4}" --skip "${SKIP:-1}")
 
-curves() {  # curves SEED LIMIT RECIPE...: the reduced 9B, CURVE_STEPS steps, bf16 and each RECIPE (one job each)
-  local seed=$1 limit=$2 recipe; shift 2
-  for recipe in null "$@"; do
-    step "curve_${recipe}_seed$seed" "$limit" python3 train.py hydra.run.dir="curves/${recipe}_seed$seed" \
-      ${CURVE_ARGS:-model=qwen3_5_9b_reduced train=h200} train.steps="${CURVE_STEPS:-150}" train.global_batch_size=8 \
-      data.max_sample_tokens=2048 data.num_samples=2048 optim.lr=2e-4 optim.min_lr=2e-5 recompute=selective \
-      logging.wandb.mode=disabled logging.console=false model.fp8.recipe="$recipe" train.seed="$seed"
+curves() {  # curves LIMIT RECIPE...: the reduced 9B, CURVE_STEPS steps, bf16 and each RECIPE, seeds 1 and 2
+  # (one job each), then relax_gdn.compare over them against bf16 ($OUT/compare.log); the runs and their
+  # logs packed into $OUT/curves.tgz
+  local limit=$1 seed recipe; shift
+  for seed in 1 2; do
+    for recipe in null "$@"; do
+      step "curve_${recipe}_seed$seed" "$limit" python3 train.py hydra.run.dir="curves/${recipe}_seed$seed" \
+        ${CURVE_ARGS:-model=qwen3_5_9b_reduced train=h200} train.steps="${CURVE_STEPS:-150}" \
+        train.global_batch_size=8 data.max_sample_tokens=2048 data.num_samples=2048 optim.lr=2e-4 \
+        optim.min_lr=2e-5 recompute=selective logging.wandb.mode=disabled logging.console=false \
+        model.fp8.recipe="$recipe" train.seed="$seed"
+    done
   done
-}
-
-compare_curves() {  # relax_gdn.compare over curves/ against bf16; the runs and their logs packed into $OUT/curves.tgz
   rm -rf curves/*/checkpoints
   python3 -m relax_gdn.compare curves --baseline model.fp8.recipe=null > "$OUT/compare.log" 2>&1
   mv "$OUT"/curve_*.log curves/
@@ -103,9 +105,7 @@ case $CALL in
   2)
     step e2e_lora 150 "${E2E[@]}" --optimizer adam --out "$OUT/e2e_lora.json" --variants \
       "model.lora.rank=16,$LORA;model.lora.rank=16,$LORA,fp8=$RECIPE"
-    curves 1 75 "$RECIPE"
-    curves 2 75 "$RECIPE"
-    compare_curves
+    curves 75 "$RECIPE"
     echo; echo "== lora =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora.log"
     echo; tail -n 12 "$OUT/compare.log" ;;
   3)
@@ -136,9 +136,7 @@ case $CALL in
       "model.lora.rank=16,recompute=none,profile;model.lora.rank=16,recompute=none,fp8=$RECIPE,profile"
     echo; tail -n 3 "$OUT/test_fp8_gpu_host.log"; sed -n '/^qwen3_5/,$p' "$OUT/e2e_lora_profile.log" ;;
   9)
-    curves 1 85 rowwise rowwise_gw_hp
-    curves 2 85 rowwise rowwise_gw_hp
-    compare_curves
+    curves 85 rowwise rowwise_gw_hp
     echo; tail -n 12 "$OUT/compare.log" ;;
   10)
     step test_fp8_gpu_host 120 python3 -m pytest -q -s -m gpu tests/test_fp8_gpu.py -k "host_memory"
@@ -149,15 +147,11 @@ case $CALL in
     for t in lora light; do echo; echo "== $t =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_$t.log"; done ;;
   11)
     read -ra curve_recipes <<< "${CURVE_RECIPES:-tensorwise}"
-    curves 1 100 "${curve_recipes[@]}"
-    curves 2 100 "${curve_recipes[@]}"
-    compare_curves
+    curves 100 "${curve_recipes[@]}"
     echo; tail -n 16 "$OUT/compare.log" ;;
   12)
     step e2e_light 170 "${E2E[@]}" --out "$OUT/e2e_light.json" --variants "$LIGHT;$LIGHT,fp8=$RECIPE"
-    curves 1 80 "$RECIPE"
-    curves 2 80 "$RECIPE"
-    compare_curves
+    curves 80 "$RECIPE"
     echo; echo "== light =="; sed -n '/^qwen3_5/,$p' "$OUT/e2e_light.log"
     echo; tail -n 12 "$OUT/compare.log" ;;
 esac

@@ -24,11 +24,12 @@
 # ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF of the bench.peers processes; CALL=4: expandable_segments:True).
 set -uo pipefail
 CALL=${CALL:-1}
+[[ $CALL == [1-4] ]] || { echo "CALL=$CALL: one of 1, 2, 3, 4" >&2; exit 2; }
 OUT=${OUT:-outputs/peers}
 source "$(dirname "$0")/device_call.sh"
 [[ -f .gpu-hf/activate.sh ]] && source .gpu-hf/activate.sh
 use_fa4  # relax-gdn's attention: FlashAttention-4 where its parts were carried (model.attention_backend=auto)
-[[ $CALL == [1-4] ]] && build_torch_extensions
+build_torch_extensions
 [[ $CALL == 4 ]] && ALLOC_CONF=${ALLOC_CONF-expandable_segments:True}
 PEERS=(python3 -m relax_gdn.bench.peers --preset qwen3_5_9b ${ALLOC_CONF:+--cuda-alloc-conf "$ALLOC_CONF"})
 RELAX_ROWS="relax;relax,recompute=full"
@@ -53,7 +54,6 @@ case $CALL in
     step peers_8k_fp8 540 "${PEERS[@]}" --doc-tokens 8192 --workloads full --out "$OUT/peers_8k_fp8.json" \
       --rows "${ROWS_8K_FP8:-hf,fp8;hf,ckpt;relax;relax,model.fp8.recipe=tensorwise}"
     tables=(peers_8k_fp8) ;;
-  *) echo "CALL=$CALL: one of 1, 2, 3, 4" >&2; exit 2 ;;
 esac
 for t in "${tables[@]}"; do
   echo; echo "== $t =="

@@ -34,7 +34,8 @@ def build_share_storage() -> None:
     try:
         _get_share_storage()
     except (RuntimeError, OSError) as error:  # no ninja / no compiler / a failed compile
-        cause = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        lines = str(error).strip().splitlines()
+        cause = lines[-1] if lines else type(error).__name__
         raise RecipeError(
             "recompute.modules includes mlp_act, whose recompute needs Megatron-Core's share_storage "
             "C++ extension, and torch could not build it (torch.utils.cpp_extension: ninja and a C++ "

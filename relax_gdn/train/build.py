@@ -260,11 +260,12 @@ def build(
 
         fuse_wgrad, undo = enable_wgrad_accumulation_fusion()
         runtime.adopt(undo)  # Megatron-Core patched: the Runtime undoes it
-    if recomputes(cfg.recompute.granularity, cfg.recompute.modules, "mlp_act"):
+    options = model_options(cfg, vocab_size)
+    if options.recompute_mlp_activation:
         # its recompute's C++ extension, built here rather than inside step 1's backward
         build_share_storage()
     tconfig = training_transformer_config(cfg, parallel.tp, device=device, bf16=bf16, fuse_wgrad=fuse_wgrad)
-    model = build_qwen3_5_model(tconfig, model_options(cfg, vocab_size))
+    model = build_qwen3_5_model(tconfig, options)
     if cfg.recompute.granularity == "mixed":
         apply_mixed_recompute(model, cfg.recompute.full_layers, cfg.recompute.modules)
     if device.type == "cuda":
