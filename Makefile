@@ -44,8 +44,10 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
+# The same two workers: collection (importing torch, Megatron-Core and FLA) and the cases run on
+# both cores: 38–55 s against 59–60 s in one process on the 2-core machine.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not gpu"
 
 # On a GPU host (2 GPUs for the NCCL tests).
 test-gpu: setup
