@@ -11,10 +11,10 @@ removes the run directory Hydra made for the attempt.
 
 The check also refuses what this machine cannot run (CUDA-only choices on a CPU machine, a GPU
 generation or package a backend needs: ``relax_gdn.config.machine``), importing torch only once
-the configuration is valid. ``python train.py --check [--world-size N] [overrides]`` does only
-that check, for a run of N processes, and exits: 0 with one line saying what it checked (the
-world size, this machine, the memory model's verdict), or 2 with the message. A launcher runs it
-once before it starts workers (``make run``, ``slurm/train.sbatch``).
+the configuration is valid. ``python train.py --check [--world-size N] [overrides]`` (the flags
+in any place) does only that check, for a run of N processes, and exits: 0 with one line saying
+what it checked (the world size, this machine, the memory model's verdict), or 2 with the
+message. A launcher runs it once before it starts workers (``make run``, ``slurm/train.sbatch``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def check_only(argv: list[str]) -> None:
         help="the processes the run will have (torchrun's nnodes x nproc-per-node; default 1)",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to train.py")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # --world-size before, between or after the overrides
     check_command_line(args.overrides, world_size=args.world_size, report=True)
     raise SystemExit(0)
 
@@ -271,8 +271,8 @@ if __name__ == "__main__":
     if os.environ.get(LAUNCHED_ENV) == "1":  # relax_gdn.launch's second Ctrl-C: as a Ctrl-C until training
         signal.signal(AT_ONCE_SIGNAL, signal.default_int_handler)
     try:
-        if sys.argv[1:2] == ["--check"]:
-            check_only(sys.argv[2:])
+        if "--check" in sys.argv[1:]:  # anywhere: `python train.py <overrides> --check` too
+            check_only([arg for arg in sys.argv[1:] if arg != "--check"])
         refuse_multirun_under_torchrun(sys.argv[1:])
         check_command_line(sys.argv[1:])
         main()

@@ -279,6 +279,7 @@ def test_bad_input_is_one_message_before_anything_is_written(tmp_path, capsys):
     cases = [
         (["--preset", "qwen3_5_9b"], "--preset qwen3_5_9b on CPU: only qwen3_5_tiny trains there"),
         (["--preset", "qwen3_5_tiny", "--skip", "0"], "--skip 0 must be at least 1"),
+        (["--preset", "qwen3_5_tiny", "--steps", "0"], "--steps 0 must be at least 2"),
         (["--preset", "qwen3_5_tiny", "--rows", "hf;relax"], "--baseline-row hf,ckpt is not one of the rows"),
         (["--preset", "qwen3_5_tiny", "--rows", "hf,ckpt;hf,turbo"], "HF row setting 'turbo'"),
         (["--preset", "qwen3_5_tiny", "--hf-checkpoint", str(tmp_path / "missing")], "model.hf_checkpoint="),

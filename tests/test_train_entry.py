@@ -197,9 +197,10 @@ def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
 
 
 def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
-    def check(*args: str) -> subprocess.CompletedProcess:
+    def check(*args: str, flag_last: bool = False) -> subprocess.CompletedProcess:
+        flagged = [*args, "--check"] if flag_last else ["--check", *args]
         return subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), "--check", *args],
+            [sys.executable, str(ROOT / "train.py"), *flagged],
             cwd=tmp_path,
             env=child_env(),
             capture_output=True,
@@ -207,14 +208,15 @@ def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
             timeout=120,
         )
 
-    ok = check("--world-size", "2", "parallel.cp=2", "recompute.granularity=mixed")
+    # the flags where a user puts them: --world-size among the overrides, --check after them
+    ok = check("parallel.cp=2", "--world-size", "2", "recompute.granularity=mixed")
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     if not torch.cuda.is_available():  # what the one line says on a machine without CUDA
         assert ok.stdout == (
             "train.py --check: ok for 2 processes (dp 1 x cp 2 x tp 1) on this machine's CPU "
             "(no CUDA); memory: CPU run, not modelled; recompute mixed: no layer whole on CPU\n"
         )
-    refused = check("parallel.cp=2")
+    refused = check("parallel.cp=2", flag_last=True)
     assert refused.returncode == 2 and refused.stderr.startswith(
         "error: configuration problem: world size 1 is"
     )

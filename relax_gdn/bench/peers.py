@@ -634,6 +634,10 @@ def check_args(args, parser: argparse.ArgumentParser, device: torch.device) -> l
     limit = PRESETS[args.preset].max_sequence_length
     if not 2 <= args.doc_tokens <= limit:
         parser.error(f"--doc-tokens {args.doc_tokens} must be in [2, {limit}] for {args.preset}")
+    if args.steps < 2:  # the first step is the agreement check: at least one more is timed
+        parser.error(
+            f"--steps {args.steps} must be at least 2: step 1 checks agreement, later steps are timed"
+        )
     args.skip = min(2, args.steps - 1) if args.skip is None else args.skip
     if not 1 <= args.skip < args.steps:
         parser.error(f"--skip {args.skip} must be at least 1 and below --steps {args.steps}")
