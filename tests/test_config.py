@@ -93,6 +93,11 @@ RULES = [
     (dict(optim__warmup_steps=2.5), 1, ["optim.warmup_steps=2.5", "fraction", "whole number"]),
     (dict(optim__warmup_steps=-1), 1, ["optim.warmup_steps=-1"]),
     (dict(checkpoint__resume="/nonexistent/ckpt"), 1, ["checkpoint.resume="]),
+    (
+        dict(checkpoint__resume="auto"),
+        1,
+        ["checkpoint.resume=auto needs checkpoint.dir", "checkpoint.dir=ckpt/"],
+    ),
     (dict(model__preset="qwen3_5_4b"), 1, ["model.preset='qwen3_5_4b'"]),
     (dict(train__steps=0), 1, ["train.steps=0"]),
 ]

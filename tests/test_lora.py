@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,8 +38,10 @@ import pytest
 import torch
 
 from relax_gdn.config import ConfigError, RunConfig, validate
+from relax_gdn.config.hydra_io import compose_run_config
 from relax_gdn.model.lora_options import LORA_GROUPS, LORA_MODULES, resolve_targets
 from tests.distributed import job_runtime
+from tests.helpers import ROOT
 
 
 def _cfg(**dotted) -> RunConfig:
@@ -339,11 +342,20 @@ def test_a_lora_checkpoint_continues_only_into_its_own_model(tmp_path):
     assert lora_resume_problem(tmp_path, None, None) is None
     assert "it holds only LoRA adapters" in lora_resume_problem(tmp_path, mine, None)
     assert "it is a full fine-tuning checkpoint" in lora_resume_problem(tmp_path, None, mine)
+    # what differs, each key with both values, and the whole command-line fix
     other = lora_resume_problem(tmp_path, mine, lora_manifest(_cfg(model__lora__rank=16)))
-    assert "its LoRA adapters" in other and "'rank': 8" in other
+    assert "model.lora.rank: 8 (this run: 16); model.lora.alpha: 16.0 (this run: 32.0))" in other
+    assert "(model.lora.rank=8 model.lora.alpha=16.0 model.lora.dropout=0.0 model.lora.targets=[" in other
     hf = lora_manifest(_cfg(model__lora__rank=8, model__hf_checkpoint=str(tmp_path)))
     assert hf["base"] == {"hf_checkpoint": str(tmp_path.absolute())}
-    assert "its LoRA base" in lora_resume_problem(tmp_path, mine, hf)
+    assert (
+        f"model.preset: qwen3_5_tiny (this run: not set); model.hf_checkpoint: not set (this run: "
+        f"{tmp_path.absolute()})" in lora_resume_problem(tmp_path, mine, hf)
+    )
+    # the overrides a full fine-tuning run is told to resume a LoRA checkpoint with build its manifest
+    full = lora_resume_problem(tmp_path, mine, None)
+    told = re.search(r"written with \((model\.lora\.rank=.*?)\)", full).group(1)
+    assert lora_manifest(compose_run_config(ROOT / "conf", told.split())) == mine
     assert math.isfinite(mine["adapters"]["alpha"])
 
 

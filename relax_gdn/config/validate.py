@@ -475,7 +475,9 @@ def _logging_and_checkpoint(cfg: RunConfig) -> list[str]:
     if ckpt.resume == "auto" and not ckpt.dir:
         problems.append(
             "checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and "
-            "read from)"
+            "read from): without it each run saves into its own run directory's checkpoints/, which a "
+            "new run does not look in. Fix: give every attempt the same checkpoint.dir (e.g. "
+            "checkpoint.dir=ckpt/run1), or resume one checkpoint with checkpoint.resume=<its directory>"
         )
     if not _is_int(ckpt.keep_last) or ckpt.keep_last < 0:
         problems.append(

@@ -76,6 +76,35 @@ def lora_manifest(cfg) -> dict[str, Any] | None:
     return {"adapters": lora.as_dict(), "base": base}
 
 
+# lora_manifest's keys -> the overrides that set them
+_LORA_OVERRIDE_KEYS = {
+    "rank": "model.lora.rank",
+    "alpha": "model.lora.alpha",
+    "dropout": "model.lora.dropout",
+    "modules": "model.lora.targets",
+    "init_seed": "train.seed",
+    "preset": "model.preset",
+    "seed": "train.seed",
+    "hf_checkpoint": "model.hf_checkpoint",
+}
+
+
+def _lora_settings(manifest: dict[str, Any]) -> dict[str, str]:
+    """``override key -> its value as typed`` that build a :func:`lora_manifest`'s adapters and base."""
+    settings = {}
+    for key, value in [*manifest["adapters"].items(), *manifest["base"].items()]:
+        if key in _LORA_OVERRIDE_KEYS:
+            settings[_LORA_OVERRIDE_KEYS[key]] = (
+                f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else str(value)
+            )
+    return settings
+
+
+def lora_overrides(manifest: dict[str, Any]) -> str:
+    """The command-line overrides that build a :func:`lora_manifest`'s adapters and base."""
+    return " ".join(f"{key}={value}" for key, value in _lora_settings(manifest).items())
+
+
 def lora_resume_problem(
     directory: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None
 ) -> str | None:
@@ -86,9 +115,9 @@ def lora_resume_problem(
         return None
     if current is None:
         return (
-            f"cannot resume from {directory}: it holds only LoRA adapters ({saved['adapters']}) on the base "
-            f"{saved['base']}, this run trains the whole model: resume with the checkpoint's model.lora.* "
-            "(see its config in relax_gdn.json), or start from its merged export (python -m relax_gdn.export_hf)"
+            f"cannot resume from {directory}: it holds only LoRA adapters, and this run trains the whole "
+            f"model. Resume with the settings it was written with ({lora_overrides(saved)}), or start from "
+            "its merged export (python -m relax_gdn.export_hf, then model.hf_checkpoint=<that directory>)"
         )
     if saved is None:
         return (
@@ -96,10 +125,15 @@ def lora_resume_problem(
             "(model.lora.rank > 0): resume with model.lora.rank=0, or start LoRA from its export "
             "(python -m relax_gdn.export_hf, then model.hf_checkpoint=<that directory>)"
         )
-    what = "base" if saved["base"] != current["base"] else "adapters"
+    written, this_run = _lora_settings(saved), _lora_settings(current)
+    differ = [
+        f"{key}: {written.get(key, 'not set')} (this run: {this_run.get(key, 'not set')})"
+        for key in dict.fromkeys([*written, *this_run])
+        if written.get(key) != this_run.get(key)
+    ]
     return (
-        f"cannot resume from {directory}: its LoRA {what} {saved[what]} differ from this run's {current[what]}; "
-        "resume with the model.lora.*, model.hf_checkpoint and train.seed the checkpoint was written with"
+        f"cannot resume from {directory}: its LoRA adapters were built on other settings ({'; '.join(differ)}). "
+        f"Resume with the settings it was written with ({lora_overrides(saved)})"
     )
 
 
