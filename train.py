@@ -32,7 +32,12 @@ import hydra
 from omegaconf import DictConfig
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
-from relax_gdn.config.hydra_io import compose_run_config, register_schema, run_config_from_hydra
+from relax_gdn.config.hydra_io import (
+    compose_run_config,
+    register_schema,
+    run_config_from_hydra,
+    sweep_jobs_to_compose,
+)
 from relax_gdn.config.machine import Machine, check_machine
 from relax_gdn.errors import (
     INTERRUPTED_EXIT_CODE,
@@ -60,14 +65,22 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
 register_schema()
 
 
+MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
+
+
 def check_command_line(overrides: list[str], world_size: int | None = None, *, report: bool = False) -> None:
     """Compose and validate what Hydra is about to run (for ``world_size`` processes; None: torchrun's
     ``WORLD_SIZE``, else 1), then what this machine can run (``relax_gdn.config.machine``); a problem
     exits here with status 2. ``report``: print the line :func:`check_report` says (``--check``).
 
-    Flags (``--multirun``, ``--cfg``, ``--help``, ...) are left to Hydra: each job then validates
-    in :func:`main` and removes its run directory when it fails."""
-    if any(arg.startswith("-") for arg in overrides):
+    A sweep (``-m``) is composed before its first job, once per value of each swept key (a typo is
+    one message, whichever job it is in); each job validates its own combination in :func:`main`
+    and removes its run directory when it fails, and the sweep goes on. Other flags (``--cfg``,
+    ``--help``, ...) are left to Hydra."""
+    flags = [arg for arg in overrides if arg.startswith("-")]
+    if flags:
+        if set(flags) <= MULTIRUN_FLAGS:
+            check_sweep_composes([arg for arg in overrides if arg not in MULTIRUN_FLAGS])
         return
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -78,6 +91,16 @@ def check_command_line(overrides: list[str], world_size: int | None = None, *, r
         check_machine(cfg, machine)
         if report:
             print(check_report(cfg, dims, machine))
+    except RecipeError as e:
+        report_user_error(e)
+
+
+def check_sweep_composes(overrides: list[str]) -> None:
+    """``train.py -m <overrides>``: compose every value of the sweep (``sweep_jobs_to_compose``);
+    a problem exits here with status 2, before Hydra starts a job."""
+    try:
+        for job in sweep_jobs_to_compose(overrides) or []:
+            compose_run_config(CONF_DIR, job)
     except RecipeError as e:
         report_user_error(e)
 
@@ -146,7 +169,7 @@ class MultirunUnderTorchrun(RecipeError):
 def refuse_multirun_under_torchrun(argv: list[str]) -> None:
     """A sweep under torchrun would run every job on every rank, each job trying to join a process
     group the other ranks are not in. Sweeps start their own process groups: exit 2 here."""
-    multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=MULTIRUN") for a in argv)
+    multirun = any(a in MULTIRUN_FLAGS or a.startswith("hydra.mode=MULTIRUN") for a in argv)
     if multirun and ("TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ):
         report_user_error(
             MultirunUnderTorchrun(

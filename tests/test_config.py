@@ -374,3 +374,20 @@ def test_learning_rate_defaults_follow_the_model_preset(overrides, expected):
 def test_an_unusable_learning_rate_names_the_value():
     with pytest.raises(ConfigError, match=r"optim.min_lr=0.5 must be within \[0, optim.lr=1e-05\]"):
         validate(_compose("model=qwen3_5_9b", "optim.min_lr=0.5"), 1)
+
+
+def test_a_sweep_is_composed_once_per_swept_value():
+    from relax_gdn.config.hydra_io import sweep_jobs_to_compose
+
+    jobs = sweep_jobs_to_compose(
+        ["train.seed=1,2,3", "gdn=chunkwise,headwise", "+x=1", "train.steps=range(4,6)"]
+    )
+    assert jobs == [
+        ["train.seed=1", "gdn=chunkwise", "+x=1", "train.steps=4"],
+        ["train.seed=2", "gdn=headwise", "+x=1", "train.steps=5"],
+        ["train.seed=3", "gdn=chunkwise", "+x=1", "train.steps=4"],
+    ]
+    assert sweep_jobs_to_compose([]) == [[]]
+    assert sweep_jobs_to_compose(["model=glob(t*)"]) is None  # Hydra's sweeper lists a glob's options
+    with pytest.raises(ConfigError, match="no viable alternative"):
+        sweep_jobs_to_compose(["train.steps=[1"])

@@ -196,6 +196,28 @@ def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize(
+    "sweep,says",
+    [
+        (
+            ["gdn=chunkwise,chunkwis"],
+            "gdn=chunkwis is not an option of the gdn group; use one of all_gather,",
+        ),
+        (["train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["hydra/launcher=locl"], "hydra/launcher=locl is not an option of the hydra/launcher group"),
+    ],
+    ids=["a swept value", "a key", "the launcher"],
+)
+def test_a_typo_in_a_sweep_is_one_message_before_any_job(tmp_path, sweep, says):
+    """Wherever the typo is (a value only the second job takes, too), the sweep stops before
+    Hydra starts a job: one line, exit 2, no sweep directory."""
+    done = _train(tmp_path, "-m", "train.seed=1,2", *sweep, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1 and says in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Launching" not in done.stdout + done.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
     def check(*args: str, flag_last: bool = False) -> subprocess.CompletedProcess:
         flagged = [*args, "--check"] if flag_last else ["--check", *args]

@@ -80,6 +80,31 @@ def compose_run_config(
         raise ConfigError([hydra_problem(e)]) from e
 
 
+def sweep_jobs_to_compose(overrides: list[str]) -> list[list[str]] | None:
+    """For ``train.py -m <overrides>``: job override lists that together give every value of every
+    swept key once (job i takes each key's value i, cycling through shorter lists), so composing
+    them finds each unknown key, group option or badly typed value of the sweep before its first
+    job starts. None for a sweep Hydra must expand itself (``glob(...)``, which reads the config
+    groups). Bad override syntax is a :class:`ConfigError`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        columns = [
+            [f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [o.input_line]
+            for o in parsed
+        ]
+    except HydraException as e:
+        if "ConfigLoader is not set" in str(e):  # glob(): only Hydra's sweeper can list the options
+            return None
+        raise ConfigError([hydra_problem(e)]) from e
+    jobs = max((len(column) for column in columns), default=1)
+    return [[column[i % len(column)] for column in columns] for i in range(jobs)]
+
+
 def hydra_problem(error: Exception) -> str:
     """One line naming the key (or group) and the fix for an error Hydra raised while composing."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
