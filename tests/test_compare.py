@@ -244,6 +244,7 @@ def test_labels_name_each_differing_key_once_as_an_override_writes_it():
             gdn__route="prebuild",
             x__alpha=1,
             x__beta=1,
+            optim__min_lr=0.1 * 0.003,
         ),
         run(
             "b",
@@ -256,9 +257,12 @@ def test_labels_name_each_differing_key_once_as_an_override_writes_it():
     ]
     summary = compare_runs(runs)
     assert [v["label"] for v in summary["variants"]] == [
-        "data.max_sample_tokens=null, gdn.route=prebuild, model.fused_*=false, x.{alpha,beta}=1",
-        "data.max_sample_tokens=512, gdn.route=(unset), model.fused_*=true, x.{alpha,beta}=2",
+        "data.max_sample_tokens=null, gdn.route=prebuild, model.fused_*=false, optim.min_lr=0.0003, "
+        "x.{alpha,beta}=1",
+        "data.max_sample_tokens=512, gdn.route=(unset), model.fused_*=true, optim.min_lr=(unset), "
+        "x.{alpha,beta}=2",
     ]
+    assert compare_runs(runs, ["optim.min_lr=0.0003"])["baseline"].startswith("data.max_sample_tokens=null")
     assert summary["variants"][1]["config"] == {
         "data.max_sample_tokens": 512,
         "model.fused_norms": True,

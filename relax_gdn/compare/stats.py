@@ -155,6 +155,8 @@ def _fmt_value(value: Any) -> str:
         return "null"
     if value is UNSET:
         return repr(value)
+    if isinstance(value, float):  # a derived value (min_lr = 0.1 x 0.003) without its binary tail
+        return repr(float(f"{value:.12g}"))
     return str(value)
 
 
