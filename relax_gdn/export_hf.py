@@ -78,9 +78,10 @@ def export_checkpoint(
         )
     if adapter and "hf_checkpoint" not in lora["base"]:
         raise RecipeError(
-            f"checkpoint {directory} trained LoRA adapters on the preset's seeded base "
-            f"({lora['base']}), which no Hugging Face model holds, so a PEFT adapter has nothing to "
-            "load onto: export the merged model instead (without --adapter)"
+            f"checkpoint {directory} trained LoRA adapters on the seeded base of preset "
+            f"{lora['base'].get('preset')} (train.seed={lora['base'].get('seed')}, no model.hf_checkpoint), "
+            "which no Hugging Face model holds, so a PEFT adapter has nothing to load onto: export the "
+            "merged model instead (without --adapter)"
         )
     if spec.like is not None:
         _check_source(spec.like, manifest, recorded=like == RECORDED)

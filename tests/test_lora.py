@@ -1033,6 +1033,7 @@ def _lora_resume_cases(tmp: str) -> dict:
         out["full_from_lora"] = None
     except Exception as e:  # noqa: BLE001 - the RecipeError's message is asserted in the parent
         out["full_from_lora"] = f"{type(e).__name__}: {e}"
+    out["seeded_checkpoint"] = str(saved["cp2"])
     dist.barrier()
     return out
 
@@ -1046,6 +1047,18 @@ def _run_cfg_full(**dotted):
 @pytest.fixture(scope="module")
 def lora_resume(gloo, tmp_path_factory):
     return gloo(_lora_resume_cases, 2, str(tmp_path_factory.mktemp("lora_resume")), timeout_s=1800)
+
+
+def test_a_peft_adapter_export_of_a_seeded_base_is_one_message_naming_it(lora_resume, tmp_path, capsys):
+    """Adapters trained on the preset's seeded base have no Hugging Face base to load onto."""
+    from relax_gdn.export_hf import main as export_main
+
+    code = export_main([lora_resume[0]["seeded_checkpoint"], str(tmp_path / "adapter"), "--adapter"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "the seeded base of preset qwen3_5_tiny (train.seed=1234, no model.hf_checkpoint)" in err
+    assert "export the merged model instead (without --adapter)" in err
+    assert not (tmp_path / "adapter").exists()
 
 
 @pytest.mark.parametrize("pair", RESUME_PAIRS, ids=lambda p: f"{p[0]}_to_{p[1]}")
