@@ -93,6 +93,7 @@ RULES = [
     (dict(optim__warmup_steps=2.5), 1, ["optim.warmup_steps=2.5", "fraction", "whole number"]),
     (dict(optim__warmup_steps=-1), 1, ["optim.warmup_steps=-1"]),
     (dict(checkpoint__resume="/nonexistent/ckpt"), 1, ["checkpoint.resume="]),
+    (dict(parallel__cp=3, parallel__dynamic_cp=dict(enabled=True)), 3, ["parallel.cp=3", "power of two"]),
     (
         dict(checkpoint__resume="auto"),
         1,
@@ -391,3 +392,10 @@ def test_a_sweep_is_composed_once_per_swept_value():
     assert sweep_jobs_to_compose(["model=glob(t*)"]) is None  # Hydra's sweeper lists a glob's options
     with pytest.raises(ConfigError, match="no viable alternative"):
         sweep_jobs_to_compose(["train.steps=[1"])
+
+
+def test_dynamic_cp_without_max_cp_runs_up_to_the_cp_group():
+    cfg = _cfg(parallel__cp=4, parallel__dynamic_cp=dict(enabled=True))
+    assert cfg.parallel.dynamic_cp.max_cp is None
+    validate(cfg, 4)
+    assert cfg.effective_max_cp == 4

@@ -120,7 +120,7 @@ class GDNConfig:
 @dataclass
 class DynamicCPConfig:
     enabled: bool = False
-    max_cp: int = 1  # with enabled=true: equal to parallel.cp (a power of two)
+    max_cp: int | None = None  # with enabled=true: parallel.cp (a power of two); if given, equal to it
 
 
 @dataclass
@@ -303,7 +303,7 @@ class RunConfig:
     def effective_max_cp(self) -> int:
         """The largest CP group a micro-batch can run on (what head splits must divide)."""
         dyn = self.parallel.dynamic_cp
-        return dyn.max_cp if dyn.enabled else self.parallel.cp
+        return dyn.max_cp if dyn.enabled and dyn.max_cp is not None else self.parallel.cp
 
     @property
     def gdn_options(self) -> GDNOptions:

@@ -301,12 +301,16 @@ def _parallel(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
         )
     dyn = par.dynamic_cp
     if dyn.enabled and dims is not None:
-        if not _is_power_of_two(dyn.max_cp):
+        # max_cp left out is parallel.cp: the CP size the static group has
+        key, max_cp = (
+            ("parallel.cp", par.cp) if dyn.max_cp is None else ("parallel.dynamic_cp.max_cp", dyn.max_cp)
+        )
+        if not _is_power_of_two(max_cp):
             problems.append(
-                f"parallel.dynamic_cp.max_cp={dyn.max_cp!r} must be a power of two (CP groups of 1, 2, "
-                "4, ...)"
+                f"{key}={max_cp!r} must be a power of two with parallel.dynamic_cp.enabled=true (CP groups "
+                "of 1, 2, 4, ...)"
             )
-        elif dyn.max_cp != par.cp:
+        elif dyn.max_cp != par.cp and dyn.max_cp is not None:
             problems.append(
                 f"parallel.dynamic_cp.max_cp={dyn.max_cp} must equal parallel.cp={par.cp}: each micro-batch runs at "
                 "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value"

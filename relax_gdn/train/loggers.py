@@ -37,7 +37,7 @@ def run_tags(cfg) -> list[str]:
     if p.sp:
         tags.append("sp")
     if p.dynamic_cp.enabled:
-        tags.append(f"dynamic_cp:{p.dynamic_cp.max_cp}")
+        tags.append(f"dynamic_cp:{cfg.effective_max_cp}")
     return tags + [t for t in cfg.logging.wandb.tags if t not in tags]
 
 
@@ -48,7 +48,7 @@ def default_run_name(cfg) -> str:
     p = cfg.parallel
     name = f"{cfg.model.preset}-{cfg.gdn.cp_mode}-{cfg.gdn.route}-tp{p.tp}{'sp' if p.sp else ''}-cp{p.cp}"
     if p.dynamic_cp.enabled:
-        name += f"-dcp{p.dynamic_cp.max_cp}"
+        name += f"-dcp{cfg.effective_max_cp}"
     return name + f"-rc{cfg.recompute.granularity}-mt{cfg.train.max_tokens_per_gpu}"
 
 

@@ -29,11 +29,10 @@ def start_process_groups(
     if cfg.train.deterministic:
         runtime.use_deterministic_algorithms(warn_only=True)
     seed_everything(cfg.train.seed)
-    dynamic = cfg.parallel.dynamic_cp
     parallel = ParallelContext.initialize(
         tp=dims.tp,
         cp=dims.cp,
-        dynamic_max_cp=dynamic.max_cp if dynamic.enabled else None,
+        dynamic_max_cp=cfg.effective_max_cp if cfg.parallel.dynamic_cp.enabled else None,
         timeout=timedelta(seconds=timeout_s),
     )
     if device.type == "cuda":
