@@ -23,7 +23,10 @@ press is passed on to the workers (:data:`LAUNCHED_ENV` tells them who counts):
   where not even its signal thread runs) is killed, and so is every process below the workers;
   the launcher exits 130.
 
-A Ctrl-C before any worker started ends the launcher at once with one line.
+A Ctrl-C before any worker started ends the launcher at once with one line. A command line no
+worker could run (``--nproc-per-node two``, a script or ``-m`` module that is not there) is one
+line and exit code 2 before any worker starts, where torchrun ends in a traceback or in every
+worker's error.
 
 ``make run`` and ``slurm/train.sbatch`` start their workers through it; a bare ``torchrun`` runs
 the same workers and ends with torchrun's own report and exit code.
@@ -31,6 +34,7 @@ the same workers and ends with torchrun's own report and exit code.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -38,7 +42,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from relax_gdn.errors import INTERRUPTED_EXIT_CODE
+from relax_gdn.errors import INTERRUPTED_EXIT_CODE, RecipeError, report_user_error
 
 # In the workers' environment: "1" when this launcher counts the presses of Ctrl-C (relax_gdn.train.stop)
 LAUNCHED_ENV = "RELAX_GDN_LAUNCHED"
@@ -194,11 +198,49 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
 
 
+class LaunchError(RecipeError):
+    """A command line torchrun would start no worker from, or start every worker to fail on."""
+
+
+def check_launch(argv: list[str]) -> None:
+    """What torchrun would only find out with a traceback (``--nproc-per-node two``) or in every
+    worker (a script that is not there), as one :class:`LaunchError` before any worker starts."""
+    from torch.distributed.run import determine_local_world_size, get_args_parser
+
+    args = get_args_parser().parse_args(argv)  # a usage error: torchrun's own message, exit 2
+    try:
+        determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        raise LaunchError(
+            f"--nproc-per-node {args.nproc_per_node} ({str(e).rstrip('.')}): give a number of processes, "
+            "or auto, cpu or gpu (one per CPU core / GPU of this machine)"
+        ) from None
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.training_script) is not None
+        except ImportError:  # a parent package that is not there
+            found = False
+        if not found:
+            raise LaunchError(
+                f"-m {args.training_script}: no such module here (python {sys.executable}): check its "
+                "name, e.g. -m relax_gdn.bench.train_e2e"
+            )
+    elif not (args.no_python or os.path.isfile(args.training_script)):
+        raise LaunchError(
+            f"{args.training_script} is not a file (from {os.getcwd()}): give the path of train.py, "
+            "or -m and a module (python -m relax_gdn.launch --nproc-per-node N train.py <overrides>)"
+        )
+
+
 def _torchrun(argv: list[str]) -> None:
     """torchrun, ending with the failed workers' agreed exit code without its report."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    try:
+        check_launch(argv)
+    except LaunchError as e:
+        report_user_error(e)
     logger = logging.getLogger(_TORCHRUN_LOGGER)
     lines = _WorkerExitLines(logger)
     logger.addFilter(lines)

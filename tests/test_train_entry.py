@@ -218,6 +218,49 @@ def test_a_typo_in_a_sweep_is_one_message_before_any_job(tmp_path, sweep, says):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (
+            ["--nproc-per-node", "two", "train.py"],
+            "--nproc-per-node two (Unsupported nproc_per_node value: two)",
+        ),
+        (
+            ["--nproc-per-node", "2", "-m", "relax_gdn.bench.nothere"],
+            "-m relax_gdn.bench.nothere: no such module",
+        ),
+        (["--nproc-per-node", "2", "trian.py"], "trian.py is not a file (from "),
+    ],
+    ids=["nproc", "module", "script"],
+)
+def test_a_launch_no_worker_could_run_is_refused_naming_it(argv, says, tmp_path, monkeypatch):
+    from relax_gdn.launch import LaunchError, check_launch
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchError) as refused:
+        check_launch(argv)
+    assert says in str(refused.value)
+    check_launch(["--nproc-per-node", "2", str(ROOT / "train.py"), "train.steps=1"])  # the good one passes
+
+
+def test_a_launch_of_a_script_that_is_not_there_is_one_line_and_starts_no_worker(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "relax_gdn.launch", "--nproc-per-node", "2", "trian.py", "train.steps=1"],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if "trian.py" in line] == [
+        f"error: trian.py is not a file (from {tmp_path}): give the path of train.py, or -m and a module "
+        "(python -m relax_gdn.launch --nproc-per-node N train.py <overrides>)"
+    ]
+    assert "Traceback" not in done.stderr and "can't open file" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
     def check(*args: str, flag_last: bool = False) -> subprocess.CompletedProcess:
         flagged = [*args, "--check"] if flag_last else ["--check", *args]
