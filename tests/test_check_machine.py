@@ -69,6 +69,17 @@ def test_gpu_generations_and_packages_a_backend_needs():
     )
 
 
+def test_online_wandb_needs_a_key_and_offline_does_not():
+    keyless = Machine(cuda=False, installed=lambda module: True, wandb_logged_in=lambda: False)
+    (problem,) = _problems(keyless, **{"logging.wandb.mode": "online"})
+    assert (
+        problem.startswith("logging.wandb.mode=online but W&B has no API key") and "`wandb login`" in problem
+    )
+    assert _problems(keyless, **{"logging.wandb.mode": "offline"}) == []
+    logged_in = Machine(cuda=False, installed=lambda module: True, wandb_logged_in=lambda: True)
+    assert _problems(logged_in, **{"logging.wandb.mode": "online"}) == []
+
+
 def test_the_fa4_generations_are_the_kernels_own():
     from relax_gdn.model import attention_kernels
 
@@ -102,3 +113,24 @@ def test_cuda_only_choices_are_one_message_and_exit_2_before_anything_is_written
     for key in CUDA_ONLY:
         assert sum(line.startswith(f"  - {key} ") for line in lines) == 1, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_online_wandb_without_a_key_is_one_message_and_exit_2_before_anything_is_written(tmp_path_factory):
+    """As on a fresh node: no WANDB_API_KEY, no ~/.netrc. Without the check, wandb.init asks rank 0's
+    terminal for a key, or the run goes on untracked."""
+    run, home = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("home")
+    env = child_env({"HOME": str(home)})
+    env.pop("WANDB_API_KEY", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run / 'run'}", "logging.wandb.mode=online"],
+        cwd=run,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().startswith(
+        "error: configuration problem: logging.wandb.mode=online but W&B has no API key on this machine"
+    ), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == "" and list(run.iterdir()) == []

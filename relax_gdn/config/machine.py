@@ -27,6 +27,18 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _wandb_logged_in() -> bool:
+    """Whether W&B finds an API key for its server here (``WANDB_API_KEY``, or ``wandb login``'s
+    entry in ~/.netrc), without asking the server or the user."""
+    try:
+        import wandb
+        from wandb.sdk.lib.wbauth.authenticate import authenticate_session
+    except ImportError:  # wandb moved its credentials lookup: cannot tell, wandb.init will say
+        return True
+    host = wandb.Settings().base_url
+    return authenticate_session(host=host, source="relax-gdn", prompt=False, update_session=False) is not None
+
+
 @dataclass(frozen=True)
 class Machine:
     """The facts the rules read. ``gpu``: the first GPU's name, SM major version and memory in
@@ -36,6 +48,7 @@ class Machine:
     gpu: tuple[str, int, float] | None = None
     capability: tuple[int, int] | None = None  # the first GPU's compute capability (with ``gpu``)
     installed: Callable[[str], bool] = field(default=_installed, compare=False)
+    wandb_logged_in: Callable[[], bool] = field(default=_wandb_logged_in, compare=False)
 
     @classmethod
     def here(cls, *, gpu_details: bool = False) -> Machine:
@@ -136,6 +149,19 @@ def _fp8_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     return [problem] if problem else []
 
 
+def _logging_problems(cfg: RunConfig, machine: Machine) -> list[str]:
+    # wandb.init without a key asks rank 0's terminal for one while the other ranks wait in their
+    # first collective, or (no terminal) fails and the run goes on without W&B: either way a run
+    # meant to be tracked is not, found out hours later
+    if cfg.logging.wandb.mode != "online" or machine.wandb_logged_in():
+        return []
+    return [
+        "logging.wandb.mode=online but W&B has no API key on this machine: run `wandb login` (or set "
+        "WANDB_API_KEY), or use logging.wandb.mode=offline (the run ends with the `wandb sync` command "
+        "that uploads it) or disabled"
+    ]
+
+
 def machine_problems(cfg: RunConfig, machine: Machine) -> list[str]:
     """Every choice of ``cfg`` that ``machine`` cannot run, one message each naming the key and what
     to set instead (a configuration :func:`~relax_gdn.config.validate` accepted)."""
@@ -144,6 +170,7 @@ def machine_problems(cfg: RunConfig, machine: Machine) -> list[str]:
         + _attention_problems(cfg, machine)
         + _gdn_problems(cfg, machine)
         + _fp8_problems(cfg, machine)
+        + _logging_problems(cfg, machine)
     )
 
 
