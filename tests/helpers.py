@@ -22,11 +22,12 @@ def _typo_message() -> str:
     keys = ", ".join(f.name for f in fields(TrainConfig))
     return (
         f"error: configuration problem: unknown config key 'train.stepz': train has no key 'stepz'; its keys "
-        f"are {keys} (relax_gdn/config/schema.py)"
+        f"are {keys} (relax_gdn/config/schema.py). Did you mean train.steps?"
     )
 
 
-# What train.py prints for the typo ``train.stepz=3``: the one message, the keys in schema order.
+# What train.py prints for the typo ``train.stepz=3``: the one message, the keys in schema order,
+# the key it is closest to.
 TYPO_MESSAGE = _typo_message()
 GDN_MODES = ("headwise", "chunkwise", "all_gather")
 EQ_TOL = 1e-5  # fp32, relative: CP 2 vs CP 1 on the same samples

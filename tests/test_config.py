@@ -399,3 +399,29 @@ def test_dynamic_cp_without_max_cp_runs_up_to_the_cp_group():
     assert cfg.parallel.dynamic_cp.max_cp is None
     validate(cfg, 4)
     assert cfg.effective_max_cp == 4
+
+
+@pytest.mark.parametrize(
+    "typed,meant",
+    [
+        ("train.stepz", "train.steps"),  # a typo
+        ("model.lora_rank", "model.lora.rank"),
+        ("train.max_steps", "train.steps"),  # another trainer's name (HF Trainer, Megatron-LM)
+        ("optim.learning_rate", "optim.lr"),
+        ("train.eval_every", "eval.every_steps"),
+        ("data.eval_fraction", "eval.holdout_fraction"),
+        ("parallel.context_parallel_size", "parallel.cp"),
+    ],
+)
+def test_an_unknown_key_names_the_key_it_is_closest_to(typed, meant):
+    from relax_gdn.config.schema import unknown_key_problem
+
+    assert unknown_key_problem(typed).endswith(f"(relax_gdn/config/schema.py). Did you mean {meant}?")
+
+
+def test_no_guess_for_a_key_like_none_and_every_other_name_is_a_key():
+    from relax_gdn.config.schema import KNOWN_AS, config_keys, unknown_key_problem
+
+    assert "Did you mean" not in unknown_key_problem("train.banana")
+    assert "Did you mean" not in unknown_key_problem("foo.bar")
+    assert set(KNOWN_AS.values()) <= set(config_keys())

@@ -417,6 +417,53 @@ _NESTED = {
 }
 
 
+# what users of other trainers (HF Trainer, Megatron-LM, torchtitan) call a key: the one here
+KNOWN_AS = {
+    "learning_rate": "optim.lr",
+    "lr": "optim.lr",
+    "max_steps": "train.steps",
+    "train_iters": "train.steps",
+    "num_steps": "train.steps",
+    "eval_every": "eval.every_steps",
+    "eval_steps": "eval.every_steps",
+    "eval_interval": "eval.every_steps",
+    "eval_fraction": "eval.holdout_fraction",
+    "save_every": "checkpoint.every_steps",
+    "save_steps": "checkpoint.every_steps",
+    "save_interval": "checkpoint.every_steps",
+    "warmup": "optim.warmup_steps",
+    "lr_warmup_iters": "optim.warmup_steps",
+    "micro_batch_size": "train.max_tokens_per_gpu",
+    "seq_length": "train.max_tokens_per_gpu",
+    "context_parallel_size": "parallel.cp",
+    "tensor_model_parallel_size": "parallel.tp",
+    "tensor_parallel_size": "parallel.tp",
+    "sequence_parallel": "parallel.sp",
+    "lora_rank": "model.lora.rank",
+}
+
+
+def config_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (``train.steps``, ``model.lora.rank``, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls or RunConfig):
+        nested = _NESTED.get((cls or RunConfig, f.name))
+        keys += config_keys(nested, f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    """`` Did you mean X?`` for a mistyped key (a close spelling, or another trainer's name for
+    it), or nothing."""
+    import difflib
+
+    known = config_keys()
+    leaf = key.rpartition(".")[2]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    guess = KNOWN_AS.get(leaf.lower()) or (close[0] if close else None)
+    return f" Did you mean {guess}?" if guess and guess != key else ""
+
+
 def unknown_key_problem(key: str) -> str:
     """The one wording for a key the schema does not have (from Hydra or from a dict)."""
     *parents, leaf = key.split(".")
@@ -424,11 +471,11 @@ def unknown_key_problem(key: str) -> str:
     for part in parents:
         cls = _NESTED.get((cls, part))
         if cls is None:
-            return f"unknown config key {key!r}: {'.'.join(parents)} is not a group"
+            return f"unknown config key {key!r}: {'.'.join(parents)} is not a group.{_did_you_mean(key)}"
     group = ".".join(parents) or "the top level"
     return (
         f"unknown config key {key!r}: {group} has no key {leaf!r}; its keys are "
-        f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py)"
+        f"{', '.join(f.name for f in dataclasses.fields(cls))} (relax_gdn/config/schema.py).{_did_you_mean(key)}"
     )
 
 
