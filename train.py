@@ -78,6 +78,14 @@ def check_command_line(overrides: list[str], world_size: int | None = None, *, r
     and removes its run directory when it fails, and the sweep goes on. Other flags (``--cfg``,
     ``--help``, ...) are left to Hydra."""
     flags = [arg for arg in overrides if arg.startswith("-")]
+    if any(flag.split("=")[0] == "--world-size" for flag in flags):  # --check's option, given to a run
+        report_user_error(
+            RecipeError(
+                "--world-size is an option of --check (python train.py --check --world-size N <overrides>); "
+                "a run's world size is its launcher's: python -m relax_gdn.launch --nproc-per-node N train.py "
+                "<overrides>"
+            )
+        )
     if flags:
         if set(flags) <= MULTIRUN_FLAGS:
             check_sweep_composes([arg for arg in overrides if arg not in MULTIRUN_FLAGS])

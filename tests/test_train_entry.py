@@ -285,6 +285,10 @@ def test_check_validates_the_command_line_for_the_world_size_alone(tmp_path):
     assert refused.returncode == 2 and refused.stderr.startswith(
         "error: configuration problem: world size 1 is"
     )
+    without_check = _train(tmp_path, "--world-size", "2", "parallel.cp=2", run_dir=False)
+    assert without_check.returncode == 2 and without_check.stderr.startswith(
+        "error: --world-size is an option of --check"
+    ), without_check.stderr
     typo = check("--world-size", "2", "parallel.cp=2", "train.stepz=3")
     assert typo.returncode == 2 and typo.stderr.strip() == CONFIG_PROBLEMS["train.stepz=3"]
     assert list(tmp_path.iterdir()) == []  # nothing written
