@@ -405,7 +405,13 @@ def _plan_case() -> dict:
         single, single, single, "tensorwise", bf16_modules=("output_layer", "decoder.layers.3.*")
     )
     plan = model.fp8_plan
+    try:  # a typo in a pattern ("layer" for "layers"): those layers would silently run in FP8
+        _tiny(single, single, single, "tensorwise", bf16_modules=("output_layer", "decoder.layer.3.*"))
+        typo = None
+    except ConfigError as e:
+        typo = str(e)
     return {
+        "typo": typo,
         "kept": {layer.name: layer.bf16_reason for layer in plan.layers if layer.impl is None},
         "gated": {
             layer.name: layer.impl.bf16_rows for layer in plan.layers if layer.impl and layer.impl.bf16_rows
@@ -429,6 +435,10 @@ def test_plan_keeps_output_layer_gates_and_chosen_modules_in_bf16(gloo):
         ),
     }, case
     assert case["kept"]["decoder.layers.3.mlp.linear_fc1"] == "model.fp8.bf16_modules 'decoder.layers.3.*'"
+    assert case["typo"].startswith(
+        "configuration problem: model.fp8.bf16_modules 'decoder.layer.3.*' match no linear layer of this "
+        "model; its linear layers are named like decoder.layers.0.self_attention.in_proj,"
+    ), case["typo"]
     assert case["gated"] == {
         f"decoder.layers.{i}.self_attention.in_proj": 16 for i in range(3)
     }  # 2 x 8 value heads

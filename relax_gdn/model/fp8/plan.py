@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from relax_gdn.errors import RecipeError
+from relax_gdn.errors import ConfigError, RecipeError
 from relax_gdn.model.fp8.options import FP8Options, fp8_problems
 
 if TYPE_CHECKING:  # torchao takes seconds to import: only a model built with FP8 loads it
@@ -185,6 +185,19 @@ def _gemms_in_fp8(planned: list[PlannedLayer]) -> str:
     return "forward and input-gradient GEMMs in FP8 (weight gradients in bf16)"
 
 
+def _check_patterns_match(patterns: tuple[str, ...], names: list[str]) -> None:
+    """A ``model.fp8.bf16_modules`` pattern that names no linear layer is a mistyped name: the layers
+    it meant would silently run in FP8."""
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        examples = ", ".join(dict.fromkeys([*names[:2], *names[-3:]]))
+        raise ConfigError(
+            f"model.fp8.bf16_modules {', '.join(repr(p) for p in unmatched)} match no linear layer of this "
+            f"model; its linear layers are named like {examples} (fnmatch patterns, e.g. "
+            "'decoder.layers.0.*' or '*.linear_fc2'): fix the pattern or leave it out"
+        )
+
+
 def _matching(name: str, patterns: tuple[str, ...]) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
@@ -248,9 +261,15 @@ def install_fp8(
         cuda_capability=None,
     ):
         raise ValueError("; ".join(problems))
+    linears = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    _check_patterns_match(options.bf16_modules, [name for name, _ in linears])
     kernels, gate_rows, layers = CastKernels(), _gdn_gate_rows(model), []
-    for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.weight is None:
+    for name, module in linears:
+        if module.weight is None:  # an output layer that shares the embedding's weight
             continue
         layer = _plan_layer(name, module, options, gate_rows, kernels)
         if layer.impl is not None:
