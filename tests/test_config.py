@@ -116,6 +116,13 @@ def test_all_problems_are_reported_together():
     assert len(error.value.problems) == 3
 
 
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "notes").write_text("mine")
+    message = _problems(_cfg(checkpoint__dir=str(tmp_path / "notes")), 1)
+    assert f"checkpoint.dir='{tmp_path / 'notes'}' is a file, not a directory" in message
+    validate(_cfg(checkpoint__dir=str(tmp_path / "new")), 1)  # a directory still to be made is fine
+
+
 def test_route_prebuild_is_fine_with_every_mode():
     for mode in ("headwise", "chunkwise", "all_gather"):
         validate(

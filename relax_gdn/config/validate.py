@@ -476,6 +476,11 @@ def _logging_and_checkpoint(cfg: RunConfig) -> list[str]:
             f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint or its "
             "parent) nor auto"
         )
+    if ckpt.dir and os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
+        problems.append(
+            f"checkpoint.dir={ckpt.dir!r} is a file, not a directory: point checkpoint.dir at a directory "
+            "(made if it does not exist)"
+        )
     if ckpt.resume == "auto" and not ckpt.dir:
         problems.append(
             "checkpoint.resume=auto needs checkpoint.dir (the directory its checkpoints are saved in and "
