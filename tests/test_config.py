@@ -88,6 +88,11 @@ RULES = [
         ["data.path='/nonexistent/train.jsonl'"],
     ),
     (dict(data__source="parquet", data__path=None), 1, ["data.path is required"]),
+    (
+        dict(data__source="jsonl", data__path="nowhere.jsonl"),
+        1,
+        ["data.path='nowhere.jsonl'", "looked for from /"],
+    ),
     (dict(data__tokenizer="/nonexistent/tok"), 1, ["data.tokenizer='/nonexistent/tok'"]),
     (dict(optim__min_lr=1.0), 1, ["optim.min_lr=1.0"]),
     (dict(optim__warmup_steps=2.5), 1, ["optim.warmup_steps=2.5", "fraction", "whole number"]),

@@ -400,10 +400,7 @@ def _data(cfg: RunConfig) -> list[str]:
                 f"data.path is required for data.source={data.source} (a file or directory to read)"
             )
         elif not os.path.exists(data.path):
-            problems.append(
-                f"data.path={data.path!r} does not exist (data.source={data.source}); point it at the "
-                "data file or directory"
-            )
+            problems.append(missing_data_path(data.path, data.source))
     if data.tokenizer is None:
         problems.append(
             f"data.tokenizer is required for data.source={data.source}: a local Hugging Face tokenizer "
@@ -419,6 +416,16 @@ def _data(cfg: RunConfig) -> list[str]:
             f"model.hf_checkpoint={cfg.model.hf_checkpoint!r} is not a directory (a local HF checkpoint)"
         )
     return problems
+
+
+def missing_data_path(path: str, source: str) -> str:
+    """The one wording for a ``data.path`` that is not there; a relative one names the directory it
+    was looked for from (``train.py`` reads paths from where it was started)."""
+    where = "" if os.path.isabs(path) else f", looked for from {os.getcwd()}"
+    return (
+        f"data.path={path!r} does not exist (data.source={source}{where}); point it at the data file or "
+        "directory"
+    )
 
 
 def _optim(cfg: RunConfig) -> list[str]:

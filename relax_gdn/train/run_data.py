@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_gdn.config import RunConfig
+from relax_gdn.config.validate import missing_data_path
 from relax_gdn.data import SFTDataset, load_sft_dataset, load_tokenizer, padded_length, synthetic_math_dataset
 from relax_gdn.errors import DataError
 from relax_gdn.train.evaluate import EvalSet, split_eval_set
@@ -42,10 +43,7 @@ def load_data(cfg: RunConfig, log: bool = True) -> RunData:
         )
     else:
         if not d.path or not Path(d.path).exists():
-            raise DataError(
-                f"data.path={d.path!r} does not exist (data.source={d.source}); point it at the data "
-                "file or directory"
-            )
+            raise DataError(missing_data_path(d.path, d.source))
         dataset = load_sft_dataset(
             d.path,
             tokenizer,
