@@ -27,30 +27,16 @@ from relax_gdn.train.checkpoint import (
     CheckpointError,
     complete_checkpoints,
     read_latest,
+    run_checkpoint_dir,
     verify_checkpoint,
 )
 from relax_gdn.train.checkpoint_disk import disk_size
 
-RUN_CHECKPOINTS = "checkpoints"  # where a run keeps its checkpoints without checkpoint.dir
-RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its directory
 _WHAT = "give a step_NNNNNN checkpoint directory, the checkpoint directory holding them, or a run directory"
 
 
 def _is_step_dir(path: Path) -> bool:
     return (path / MANIFEST).is_file() or (path.name.startswith("step_") and path.name[5:].isdigit())
-
-
-def _run_checkpoint_dir(run_dir: Path) -> Path | None:
-    """The checkpoint directory of a run directory: ``checkpoints/`` in it, else the
-    ``checkpoint.dir`` its config.yaml names; None when it is not a run directory."""
-    if (run_dir / RUN_CHECKPOINTS).is_dir():
-        return run_dir / RUN_CHECKPOINTS
-    if not (run_dir / RUN_CONFIG).is_file():
-        return None
-    from omegaconf import OmegaConf
-
-    named = OmegaConf.select(OmegaConf.load(run_dir / RUN_CONFIG), "checkpoint.dir", default=None)
-    return Path(named) if named else None
 
 
 def resolve_checkpoint(arg: str) -> Path:
@@ -63,7 +49,7 @@ def resolve_checkpoint(arg: str) -> Path:
     if _is_step_dir(path):
         chosen = path
     else:
-        root = path if complete_checkpoints(path) or (path / "latest").exists() else _run_checkpoint_dir(path)
+        root = path if complete_checkpoints(path) or (path / "latest").exists() else run_checkpoint_dir(path)
         chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
         if chosen is None:
             where = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""

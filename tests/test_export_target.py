@@ -106,6 +106,19 @@ def test_checkpoint_may_be_a_run_a_checkpoint_or_a_step_directory(run_dir, tmp_p
     ), stderr
 
 
+@pytest.mark.slow  # the run_dir fixture trains
+def test_resume_takes_the_same_three_forms_as_the_export(run_dir, tmp_path):
+    """checkpoint.resume=<run directory> continues the run's newest checkpoint, as export_hf reads it."""
+    from relax_gdn.train.checkpoint import CheckpointError, resolve_resume
+
+    step = run_dir / "checkpoints" / "step_000003"
+    for given in (run_dir, run_dir / "checkpoints", step):
+        assert resolve_resume(str(given), None) == (step, [])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint .*or at a run directory"):
+        resolve_resume(str(tmp_path / "empty"), None)
+
+
 @pytest.mark.slow
 def test_a_checkpoint_argument_that_is_none_of_those_names_checkpoint(run_dir, tmp_path):
     what = (

@@ -480,8 +480,8 @@ def _logging_and_checkpoint(cfg: RunConfig) -> list[str]:
         )
     if ckpt.resume not in (None, "auto") and not os.path.isdir(ckpt.resume):
         problems.append(
-            f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint or its "
-            "parent) nor auto"
+            f"checkpoint.resume={ckpt.resume!r} is not a directory (a step_NNNNNN checkpoint, its "
+            "parent or a run directory) nor auto"
         )
     if ckpt.dir and os.path.exists(ckpt.dir) and not os.path.isdir(ckpt.dir):
         problems.append(

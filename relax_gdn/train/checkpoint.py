@@ -197,12 +197,29 @@ def newest_usable_checkpoint(root: Path, notes: list[str]) -> Path | None:
     return None
 
 
+RUN_CHECKPOINTS = "checkpoints"  # where a run keeps its checkpoints without checkpoint.dir
+RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its directory
+
+
+def run_checkpoint_dir(run_dir: Path) -> Path | None:
+    """The checkpoint directory of a run directory: ``checkpoints/`` in it, else the
+    ``checkpoint.dir`` its config.yaml names; None when it is not a run directory."""
+    if (run_dir / RUN_CHECKPOINTS).is_dir():
+        return run_dir / RUN_CHECKPOINTS
+    if not (run_dir / RUN_CONFIG).is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    named = OmegaConf.select(OmegaConf.load(run_dir / RUN_CONFIG), "checkpoint.dir", default=None)
+    return Path(named) if named else None
+
+
 def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[str]]:
     """The checkpoint directory to load for ``checkpoint.resume`` (``auto`` or a path), and notes
     for the log (rank 0 calls it and broadcasts the answer). ``auto``: the checkpoint
     :func:`newest_usable_checkpoint` finds under ``checkpoint.dir``, or None (a fresh start). A
-    path: that checkpoint, or the one ``latest`` names in that directory (else its newest); any
-    damage is an error."""
+    path: that checkpoint, or the one ``latest`` names in that directory (else its newest), or in
+    a run directory's checkpoint directory (:func:`run_checkpoint_dir`); any damage is an error."""
     notes: list[str] = []
     if resume == "auto":
         if root is None:
@@ -224,11 +241,15 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     if (path / MANIFEST).is_file() or path.name.endswith(PARTIAL_SUFFIX) or step_of(path) is not None:
         verify_checkpoint(path)
         return path, notes
-    chosen = read_latest(path) or next(iter(complete_checkpoints(path)), None)
+    holds = complete_checkpoints(path) or (path / LATEST).exists()
+    root = path if holds else run_checkpoint_dir(path)
+    chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
     if chosen is None:
+        where = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""
         raise CheckpointError(
             f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
-            f"directory with {MANIFEST}); point it at one or at the directory that contains them"
+            f"directory with {MANIFEST}){where}; point it at one, at the directory that contains them, "
+            "or at a run directory"
         )
     verify_checkpoint(chosen)
     return chosen, notes
