@@ -417,6 +417,35 @@ def test_a_submission_recorded_after_the_job_started_keeps_the_jobs_status(tmp_p
     assert manifest.merge()["jobs"][0]["submitit_job_id"] == "4242_0"
 
 
+def test_a_slurm_sweep_off_a_slurm_machine_is_one_line_and_writes_nothing(tmp_path):
+    """Without sbatch and srun on PATH (an empty bin directory as PATH here), the sweep stops before
+    Hydra writes its sweep directory: one line naming both ways on, exit 2."""
+    (tmp_path / "bin").mkdir()
+    sweep = tmp_path / "sweep"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "train.seed=1,2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=child_env({"PATH": str(tmp_path / "bin")}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip() == (
+        "error: hydra/launcher=slurm submits each job with SLURM's sbatch and srun, and this machine has no "
+        "sbatch or srun on its PATH: start the sweep on a SLURM login node, or run it here with "
+        "hydra/launcher=local (docs/sweeps.md)"
+    )
+    assert not sweep.exists()
+
+
 def test_slurm_launcher_writes_the_sbatch_script_it_promises(tmp_path, monkeypatch):
     """hydra/launcher=slurm composed from conf/ as a user would set it; submitit's sbatch text
     carries the shape, the signal, requeue and the container flags. No cluster here: submitit only

@@ -27,6 +27,7 @@ Hydra only instantiates launchers defined under ``hydra_plugins``, hence this pa
 import copy
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, LocalQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict, read_write
 
-from relax_gdn.errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from relax_gdn.errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, RecipeError, report_user_error
 from relax_gdn.sweep import SLOW_JOB_FACTOR, job_counts
 
 log = logging.getLogger(__name__)
@@ -650,6 +651,20 @@ class SlurmSweepLauncher(_SweepLauncher):
     """``hydra/launcher=slurm``: each job an sbatch allocation of ``nodes x tasks_per_node`` ranks."""
 
     _EXECUTOR = "slurm"
+
+    def setup(self, **kwargs) -> None:
+        # before Hydra's sweeper writes the sweep directory: submitit would fail at its first job,
+        # a traceback and exit 1, leaving the directory behind
+        missing = [tool for tool in ("sbatch", "srun") if shutil.which(tool) is None]
+        if missing:
+            report_user_error(
+                RecipeError(
+                    f"hydra/launcher=slurm submits each job with SLURM's sbatch and srun, and this machine "
+                    f"has no {' or '.join(missing)} on its PATH: start the sweep on a SLURM login node, or "
+                    "run it here with hydra/launcher=local (docs/sweeps.md)"
+                )
+            )
+        super().setup(**kwargs)
 
     def _requeues(self) -> bool:
         return bool(self.params.get("requeue"))
