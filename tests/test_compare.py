@@ -468,3 +468,18 @@ def test_same_seed_pairs_find_a_shift_the_seed_noise_hides():
     (few,) = compare_runs(short)["comparisons"]
     assert few["paired"]["loss"]["verdict"] == "too few steps", few["paired"]["loss"]
     assert "same-seed pairs: **too few steps**" in markdown(compare_runs(short))
+
+
+def test_a_runs_metrics_file_stands_for_its_directory(tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"train": {"seed": 1}}))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 3.0, "tokens": 10, "tokens_per_s": 5.0}) + "\n" for s in (1, 2)
+        )
+    )
+    (by_file,), (by_dir,) = find_runs([run / "metrics.jsonl"]), find_runs([run])
+    assert by_file.config == by_dir.config and by_file.records == by_dir.records

@@ -488,3 +488,12 @@ def test_refused_variant_is_reported_and_the_run_goes_on(tmp_path, capsys, monke
     printed = capsys.readouterr().out
     assert "recompute=selective: refused by the memory model" in printed
     assert "REFUSED by the memory model" in printed
+
+
+def test_a_single_step_is_refused_naming_steps(capsys):
+    from relax_gdn.bench.train_e2e import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--preset", "qwen3_5_tiny", "--device", "cpu", "--steps", "1"])
+    assert refused.value.code == 2
+    assert "--steps 1 must be at least 2: a warm-up step, then the timed ones" in capsys.readouterr().err

@@ -792,7 +792,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_cuda_alloc_conf(parser)
     parser.add_argument("--preset", default="qwen3_5_9b_reduced")
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
+    parser.add_argument(
+        "--skip", type=int, help="warm-up steps left out of the medians (default 2, fewer with --steps 2)"
+    )
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     parser.add_argument("--mean-tokens", type=float, default=3000.0)
@@ -833,6 +835,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mean_fraction is not None and not 0 < args.mean_fraction <= 1:
         parser.error(f"--mean-fraction {args.mean_fraction} must be in (0, 1]")
     apply_cuda_alloc_conf(parser, args.cuda_alloc_conf)
+    if args.steps < 2:  # one warm-up step at least, and one to time
+        parser.error(f"--steps {args.steps} must be at least 2: a warm-up step, then the timed ones")
+    args.skip = min(2, args.steps - 1) if args.skip is None else args.skip
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
     try:

@@ -195,6 +195,8 @@ def find_runs(paths: Iterable[str | Path]) -> list[Run]:
             runs.extend(load_bench_json(path))
         elif (path / METRICS_FILE).exists():
             runs.append(load_run_dir(path))
+        elif path.name == METRICS_FILE and path.is_file():  # a run's file given for its directory
+            runs.append(load_run_dir(path.parent))
         elif path.is_dir():
             found = sorted(p.parent for p in path.rglob(METRICS_FILE))
             if not found:
