@@ -35,8 +35,12 @@ def _wandb_logged_in() -> bool:
         from wandb.sdk.lib.wbauth.authenticate import authenticate_session
     except ImportError:  # wandb moved its credentials lookup: cannot tell, wandb.init will say
         return True
-    host = wandb.Settings().base_url
-    return authenticate_session(host=host, source="relax-gdn", prompt=False, update_session=False) is not None
+    try:
+        host = wandb.Settings().base_url
+        found = authenticate_session(host=host, source="relax-gdn", prompt=False, update_session=False)
+    except Exception:  # noqa: BLE001 - a W&B setting it cannot read: wandb.init will say which
+        return True
+    return found is not None
 
 
 @dataclass(frozen=True)
