@@ -1,5 +1,6 @@
 """The run configuration: typed dataclasses, validation, and (only here) the Hydra/OmegaConf bridge."""
 
+from relax_gdn.config.mesh import ParallelDims
 from relax_gdn.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -19,7 +20,7 @@ from relax_gdn.config.schema import (
     WandbConfig,
     run_config_from_dict,
 )
-from relax_gdn.config.validate import ParallelDims, validate
+from relax_gdn.config.validate import validate
 from relax_gdn.errors import ConfigError
 
 __all__ = [

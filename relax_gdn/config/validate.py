@@ -12,8 +12,8 @@ Decisions recorded here:
 * ``train.max_tokens_per_gpu`` must be even (the data module's rule, ``check_max_tokens_per_gpu``):
   documents are padded to multiples of ``2·cp`` and a micro-batch holds ``max_tokens_per_gpu·cp``
   tokens, so an even budget is always a whole number of ``2·cp`` units.
-* ``parallel.dynamic_cp`` : ``max_cp`` must be a power of two ``== parallel.cp``. GDN head splits
-  (headwise) must divide ``tp × max_cp`` where dynamic CP is on, else ``tp × cp``.
+* ``parallel.dynamic_cp``: the largest CP size is ``parallel.cp`` (``max_cp``, if given, must equal
+  it), a power of two. GDN head splits (headwise) must divide ``tp × cp``.
 
 The GDN rules are :func:`relax_gdn.gdn.options.gdn_cp_problems`'s, the same the layer checks
 when it is built; each group's rules are one function below.
@@ -22,7 +22,6 @@ when it is built; each group's rules are one function below.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from relax_gdn.choices import (
     DATA_SOURCES,
@@ -41,25 +40,13 @@ from relax_gdn.choices import (
     WANDB_MODES,
     choice_problem,
 )
+from relax_gdn.config.mesh import ParallelDims
 from relax_gdn.config.schema import LoRAConfig, RunConfig
 from relax_gdn.errors import ConfigError
 from relax_gdn.gdn.options import gdn_option_problems, gdn_shape_problems
 from relax_gdn.model.fp8.options import fp8_problems
 from relax_gdn.model.lora_options import lora_problems
 from relax_gdn.model.presets import PRESETS
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The mesh arithmetic in one place: world = dp × cp × tp (pipeline parallelism is not used)."""
-
-    world_size: int
-    tp: int
-    cp: int
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp)
 
 
 def _is_power_of_two(n: int) -> bool:
