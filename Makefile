@@ -45,7 +45,7 @@ test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # The same two workers: collection (importing torch, Megatron-Core and FLA) and the cases run on
-# both cores: 38–55 s against 59–60 s in one process on the 2-core machine.
+# both cores: 45–55 s against 59–66 s in one process on the 2-core machine (docs/testing.md).
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not gpu"
 
