@@ -2,7 +2,8 @@
 run, W&B.
 
 Only global rank 0 logs. A W&B failure (import, init, log, finish) never stops training: it is
-warned about once and W&B is switched off for the rest of the run.
+logged once (a warning line, on the console and in train.log) and W&B is switched off for the rest
+of the run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import math
 import os
 import socket
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +129,7 @@ class WandbLogger:
             self._fail("init", e)
 
     def _fail(self, what: str, error: Exception) -> None:
-        if not self._failed:
-            warnings.warn(
-                f"W&B {what} failed ({type(error).__name__}: {error}); continuing without W&B",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if not self._failed:  # one line, on the console and in train.log
             logger.warning(
                 "W&B %s failed (%s: %s); continuing without W&B", what, type(error).__name__, error
             )
