@@ -22,14 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_gdn.errors import RecipeError
-from relax_gdn.train.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    complete_checkpoints,
-    read_latest,
-    run_checkpoint_dir,
-    verify_checkpoint,
-)
+from relax_gdn.train.checkpoint import MANIFEST, CheckpointError, checkpoint_in, verify_checkpoint
 from relax_gdn.train.checkpoint_disk import disk_size
 
 _WHAT = "give a step_NNNNNN checkpoint directory, the checkpoint directory holding them, or a run directory"
@@ -49,13 +42,11 @@ def resolve_checkpoint(arg: str) -> Path:
     if _is_step_dir(path):
         chosen = path
     else:
-        root = path if complete_checkpoints(path) or (path / "latest").exists() else run_checkpoint_dir(path)
-        chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
+        chosen, elsewhere = checkpoint_in(path)
         if chosen is None:
-            where = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""
             raise RecipeError(
                 f"CHECKPOINT {arg} holds no complete checkpoint (a step_NNNNNN directory with "
-                f"{MANIFEST}){where}: {_WHAT}"
+                f"{MANIFEST}){elsewhere}: {_WHAT}"
             )
     try:
         verify_checkpoint(chosen)

@@ -214,6 +214,18 @@ def run_checkpoint_dir(run_dir: Path) -> Path | None:
     return Path(named) if named else None
 
 
+def checkpoint_in(path: Path) -> tuple[Path | None, str]:
+    """The checkpoint a directory that is not one itself stands for: the one ``latest`` names in
+    it, else its newest complete one; for a run directory, in its checkpoint directory
+    (:func:`run_checkpoint_dir`). None and the words that say where else it was looked for ("" when
+    nowhere else) when there is none."""
+    holds = complete_checkpoints(path) or (path / LATEST).exists()
+    root = path if holds else run_checkpoint_dir(path)
+    chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
+    elsewhere = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""
+    return chosen, elsewhere
+
+
 def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[str]]:
     """The checkpoint directory to load for ``checkpoint.resume`` (``auto`` or a path), and notes
     for the log (rank 0 calls it and broadcasts the answer). ``auto``: the checkpoint
@@ -241,14 +253,11 @@ def resolve_resume(resume: str, root: Path | None) -> tuple[Path | None, list[st
     if (path / MANIFEST).is_file() or path.name.endswith(PARTIAL_SUFFIX) or step_of(path) is not None:
         verify_checkpoint(path)
         return path, notes
-    holds = complete_checkpoints(path) or (path / LATEST).exists()
-    root = path if holds else run_checkpoint_dir(path)
-    chosen = None if root is None else read_latest(root) or next(iter(complete_checkpoints(root)), None)
+    chosen, elsewhere = checkpoint_in(path)
     if chosen is None:
-        where = f" (nor does {root}, the run's checkpoint directory)" if root not in (None, path) else ""
         raise CheckpointError(
             f"checkpoint.resume={resume!r} holds no complete checkpoint (a step_NNNNNN "
-            f"directory with {MANIFEST}){where}; point it at one, at the directory that contains them, "
+            f"directory with {MANIFEST}){elsewhere}; point it at one, at the directory that contains them, "
             "or at a run directory"
         )
     verify_checkpoint(chosen)
