@@ -1,7 +1,8 @@
 """What a benchmark needs of the machine, checked first thing in its ``main``: where it cannot run
 (no CUDA, too few GPUs, not started as one process per GPU) it says so in one line on stderr and
 exits with code 2, before any GPU call and before Megatron-Core or FLA are imported, instead of a
-driver traceback."""
+driver traceback. Also the command-line arguments benchmarks share (``--cuda-alloc-conf``, the
+``--steps`` / ``--skip`` defaults)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,12 @@ def apply_cuda_alloc_conf(parser: argparse.ArgumentParser, conf: str | None) -> 
     if torch.cuda.is_initialized():
         parser.error("--cuda-alloc-conf must be set before CUDA starts in this process")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
+def resolve_skip(parser: argparse.ArgumentParser, args: argparse.Namespace, first_step: str) -> None:
+    """A benchmark's ``--steps`` (at least 2: ``first_step``, then the timed ones) and its
+    ``--skip`` left out: 2, or all but the last step when there are fewer."""
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps} must be at least 2: {first_step}, then the timed ones")
+    if args.skip is None:
+        args.skip = min(2, args.steps - 1)

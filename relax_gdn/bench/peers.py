@@ -75,7 +75,7 @@ from relax_gdn.bench.hf_peer import (
     out_of_memory,
     parse_hf_settings,
 )
-from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus
+from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus, resolve_skip
 from relax_gdn.config import RunConfig
 
 WORKLOADS = ("lora", "full")
@@ -634,11 +634,7 @@ def check_args(args, parser: argparse.ArgumentParser, device: torch.device) -> l
     limit = PRESETS[args.preset].max_sequence_length
     if not 2 <= args.doc_tokens <= limit:
         parser.error(f"--doc-tokens {args.doc_tokens} must be in [2, {limit}] for {args.preset}")
-    if args.steps < 2:  # the first step is the agreement check: at least one more is timed
-        parser.error(
-            f"--steps {args.steps} must be at least 2: step 1 checks agreement, later steps are timed"
-        )
-    args.skip = min(2, args.steps - 1) if args.skip is None else args.skip
+    resolve_skip(parser, args, "step 1 checks agreement")
     if not 1 <= args.skip < args.steps:
         parser.error(f"--skip {args.skip} must be at least 1 and below --steps {args.steps}")
     for name in ("docs_per_step", "lora_rank"):

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from relax_gdn.bench import trace_launchers
-from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus
+from relax_gdn.bench.needs import add_cuda_alloc_conf, apply_cuda_alloc_conf, require_gpus, resolve_skip
 from relax_gdn.bench.provenance import tree_commit
 from relax_gdn.train.gpu_memory import release_gpu_memory
 
@@ -835,9 +835,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.mean_fraction is not None and not 0 < args.mean_fraction <= 1:
         parser.error(f"--mean-fraction {args.mean_fraction} must be in (0, 1]")
     apply_cuda_alloc_conf(parser, args.cuda_alloc_conf)
-    if args.steps < 2:  # one warm-up step at least, and one to time
-        parser.error(f"--steps {args.steps} must be at least 2: a warm-up step, then the timed ones")
-    args.skip = min(2, args.steps - 1) if args.skip is None else args.skip
+    resolve_skip(parser, args, "a warm-up step")
     if args.skip >= args.steps:
         parser.error(f"--skip {args.skip} must be below --steps {args.steps}")
     try:
