@@ -443,11 +443,11 @@ KNOWN_AS = {
 }
 
 
-def config_keys(cls: type = None, prefix: str = "") -> list[str]:
+def config_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
     """Every dotted key of the schema (``train.steps``, ``model.lora.rank``, ...)."""
     keys = []
-    for f in dataclasses.fields(cls or RunConfig):
-        nested = _NESTED.get((cls or RunConfig, f.name))
+    for f in dataclasses.fields(cls):
+        nested = _NESTED.get((cls, f.name))
         keys += config_keys(nested, f"{prefix}{f.name}.") if nested else [f"{prefix}{f.name}"]
     return keys
 
