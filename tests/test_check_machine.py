@@ -86,11 +86,11 @@ def test_the_fa4_generations_are_the_kernels_own():
     assert FA4_SM_MAJORS == attention_kernels.FA4_SM_MAJORS
 
 
-def _train_py(tmp_path, *args: str) -> subprocess.CompletedProcess:
+def _train_py(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=tmp_path,
-        env=child_env(),
+        env=env or child_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -121,14 +121,7 @@ def test_online_wandb_without_a_key_is_one_message_and_exit_2_before_anything_is
     run, home = tmp_path_factory.mktemp("run"), tmp_path_factory.mktemp("home")
     env = child_env({"HOME": str(home)})
     env.pop("WANDB_API_KEY", None)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run / 'run'}", "logging.wandb.mode=online"],
-        cwd=run,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _train_py(run, f"hydra.run.dir={run / 'run'}", "logging.wandb.mode=online", env=env)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().startswith(
         "error: configuration problem: logging.wandb.mode=online but W&B has no API key on this machine"

@@ -29,6 +29,7 @@ from relax_gdn.sweep import (
     wandb_run_id,
 )
 from tests.distributed import child_env
+from tests.helpers import train_py
 from tests.processes import ChildLines, alive, descendants, start_as_a_job, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -422,20 +423,14 @@ def test_a_slurm_sweep_off_a_slurm_machine_is_one_line_and_writes_nothing(tmp_pa
     Hydra writes its sweep directory: one line naming both ways on, exit 2."""
     (tmp_path / "bin").mkdir()
     sweep = tmp_path / "sweep"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            "hydra/launcher=slurm",
-            "train.seed=1,2",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env=child_env({"PATH": str(tmp_path / "bin")}),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = train_py(
+        tmp_path,
+        "-m",
+        "hydra/launcher=slurm",
+        "train.seed=1,2",
+        f"hydra.sweep.dir={sweep}",
+        env={"PATH": str(tmp_path / "bin")},
+        run_dir=False,
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip() == (

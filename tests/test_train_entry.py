@@ -133,6 +133,18 @@ CONFIG_PROBLEMS = {  # override: the one message
 }
 
 
+def _launch(tmp_path: Path, launcher: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m <launcher> --nproc-per-node 2 <args>`` in ``tmp_path``, as a user starts it."""
+    return subprocess.run(
+        [sys.executable, "-m", launcher, "--nproc-per-node", "2", *args],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": str(ROOT)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 # each launcher with one kind of problem: a typo and a bad value take the same path (compose, validate)
 @pytest.mark.parametrize(
     "launcher,override", [("torch.distributed.run", "train.stepz=3"), ("relax_gdn.launch", "train.steps=0")]
@@ -141,23 +153,7 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path, launc
     """Every rank finds the problem; rank 0 prints it, the others exit 2 when torchrun stops them.
     torchrun itself then exits 1 below its own report (its exit code is not the workers');
     relax_gdn.launch (what make run and slurm/train.sbatch start) exits 2 without it."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            launcher,
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "train.py"),
-            f"hydra.run.dir={tmp_path / 'run'}",
-            override,
-        ],
-        cwd=tmp_path,
-        env=child_env({"PYTHONPATH": str(ROOT)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _launch(tmp_path, launcher, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", override)
     assert done.returncode != 0
     assert re.findall(r"^(?:\[rank \d+\] )?error: .*", done.stderr, flags=re.M) == [CONFIG_PROBLEMS[override]]
     assert not (tmp_path / "run").exists()
@@ -174,22 +170,8 @@ def test_under_torchrun_rank_zero_alone_reports_a_config_problem(tmp_path, launc
 
 
 def test_a_sweep_under_torchrun_is_refused_once(tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "relax_gdn.launch",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "train.py"),
-            "-m",
-            "gdn.cp_mode=headwise,chunkwise",
-        ],
-        cwd=tmp_path,
-        env=child_env({"PYTHONPATH": str(ROOT)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = _launch(
+        tmp_path, "relax_gdn.launch", str(ROOT / "train.py"), "-m", "gdn.cp_mode=headwise,chunkwise"
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("cannot run under torchrun") == 1 and "Traceback" not in done.stderr, done.stderr
@@ -244,14 +226,7 @@ def test_a_launch_no_worker_could_run_is_refused_naming_it(argv, says, tmp_path,
 
 
 def test_a_launch_of_a_script_that_is_not_there_is_one_line_and_starts_no_worker(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "relax_gdn.launch", "--nproc-per-node", "2", "trian.py", "train.steps=1"],
-        cwd=tmp_path,
-        env=child_env({"PYTHONPATH": str(ROOT)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _launch(tmp_path, "relax_gdn.launch", "trian.py", "train.steps=1")
     assert done.returncode == 2, done.stderr[-3000:]
     assert [line for line in done.stderr.splitlines() if "trian.py" in line] == [
         f"error: trian.py is not a file (from {tmp_path}): give the path of train.py, or -m and a module "
