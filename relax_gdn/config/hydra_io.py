@@ -87,10 +87,13 @@ def sweep_jobs_to_compose(overrides: list[str]) -> list[list[str]] | None:
     job starts. None for a sweep Hydra must expand itself (``glob(...)``, which reads the config
     groups). Bad override syntax is a :class:`ConfigError`."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
     from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
+        if any(isinstance(o.value(), Glob) for o in parsed):  # only Hydra's sweeper can list its options
+            return None
         columns = [
             [f"{o.get_key_element()}={value}" for value in o.sweep_string_iterator()]
             if o.is_sweep_override()
@@ -98,8 +101,6 @@ def sweep_jobs_to_compose(overrides: list[str]) -> list[list[str]] | None:
             for o in parsed
         ]
     except HydraException as e:
-        if "ConfigLoader is not set" in str(e):  # glob(): only Hydra's sweeper can list the options
-            return None
         raise ConfigError([hydra_problem(e)]) from e
     jobs = max((len(column) for column in columns), default=1)
     return [[column[i % len(column)] for column in columns] for i in range(jobs)]

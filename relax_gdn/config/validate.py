@@ -297,7 +297,7 @@ def _parallel(cfg: RunConfig, dims: ParallelDims | None) -> list[str]:
                 f"{key}={max_cp!r} must be a power of two with parallel.dynamic_cp.enabled=true (CP groups "
                 "of 1, 2, 4, ...)"
             )
-        elif dyn.max_cp != par.cp and dyn.max_cp is not None:
+        elif dyn.max_cp is not None and dyn.max_cp != par.cp:
             problems.append(
                 f"parallel.dynamic_cp.max_cp={dyn.max_cp} must equal parallel.cp={par.cp}: each micro-batch runs at "
                 "a CP size d <= max_cp on the sub-groups of size d of the static CP group; set both to the same value"
