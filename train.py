@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import (
     compose_run_config,
+    hydra_mode_problem,
     register_schema,
     run_config_from_hydra,
     sweep_jobs_to_compose,
@@ -87,6 +88,8 @@ def check_command_line(overrides: list[str], world_size: int | None = None, *, r
             )
         )
     if flags:
+        if (problem := hydra_mode_problem(overrides)) is not None:
+            report_user_error(RecipeError(problem))
         if set(flags) <= MULTIRUN_FLAGS:
             check_sweep_composes([arg for arg in overrides if arg not in MULTIRUN_FLAGS])
         return

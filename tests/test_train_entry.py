@@ -201,6 +201,27 @@ def test_a_typo_in_a_sweep_is_one_message_before_any_job(tmp_path, sweep, says):
 
 
 @pytest.mark.parametrize(
+    "modes,says",
+    [
+        (["--multirun", "--cfg", "job"], "error: --multirun and --cfg cannot be given together"),
+        (["-c", "job", "-i"], "error: --cfg and --info cannot be given together"),
+    ],
+    ids=["sweep and print", "print and info"],
+)
+def test_two_of_hydras_modes_are_one_line_naming_both(tmp_path, modes, says):
+    """Hydra runs one of --run, --multirun, --cfg, --info, --shell-completion and ends two of them
+    with its own traceback; the user gets one line naming both (with the way to see one sweep
+    job's configuration), exit 2, and nothing written."""
+    done = _train(tmp_path, *modes, "train.seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}", run_dir=False)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(says), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    if "--multirun" in modes:
+        assert "give --cfg job that job's overrides (one value per key)" in errors[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
     "argv,says",
     [
         (

@@ -106,6 +106,37 @@ def sweep_jobs_to_compose(overrides: list[str]) -> list[list[str]] | None:
     return [[column[i % len(column)] for column in columns] for i in range(jobs)]
 
 
+# Hydra's command-line modes: it runs one of them (hydra/_internal/utils.py) and raises a ValueError,
+# with a traceback, when given two; spelled as its argparse parser spells them
+HYDRA_MODES = {
+    "--run": "--run",
+    "-r": "--run",
+    "--multirun": "--multirun",
+    "-m": "--multirun",
+    "--cfg": "--cfg",
+    "-c": "--cfg",
+    "--info": "--info",
+    "-i": "--info",
+    "--shell-completion": "--shell-completion",
+    "-sc": "--shell-completion",
+}
+
+
+def hydra_mode_problem(argv: list[str]) -> str | None:
+    """One line for a command line that asks Hydra for two of its modes (``train.py -m --cfg job``),
+    None when it asks for one or none."""
+    modes = list(dict.fromkeys(HYDRA_MODES[a.split("=")[0]] for a in argv if a.split("=")[0] in HYDRA_MODES))
+    if len(modes) < 2:
+        return None
+    given = " and ".join(modes)
+    fix = (
+        "; to see one sweep job's configuration, give --cfg job that job's overrides (one value per key)"
+        if {"--multirun", "--cfg"} <= set(modes)
+        else ""
+    )
+    return f"{given} cannot be given together: Hydra runs one of {', '.join(dict.fromkeys(HYDRA_MODES.values()))}{fix}"
+
+
 def hydra_problem(error: Exception) -> str:
     """One line naming the key (or group) and the fix for an error Hydra raised while composing."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
