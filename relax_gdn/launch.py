@@ -207,7 +207,9 @@ def check_launch(argv: list[str]) -> None:
     worker (a script that is not there), as one :class:`LaunchError` before any worker starts."""
     from torch.distributed.run import determine_local_world_size, get_args_parser
 
-    args = get_args_parser().parse_args(argv)  # a usage error: torchrun's own message, exit 2
+    parser = get_args_parser()
+    parser.prog = "python -m relax_gdn.launch"  # not argparse's default, this file's name (launch.py)
+    args = parser.parse_args(argv)  # a usage error: torchrun's own message, exit 2
     try:
         determine_local_world_size(args.nproc_per_node)
     except ValueError as e:

@@ -246,6 +246,21 @@ def test_a_launch_no_worker_could_run_is_refused_naming_it(argv, says, tmp_path,
     check_launch(["--nproc-per-node", "2", str(ROOT / "train.py"), "train.steps=1"])  # the good one passes
 
 
+def test_a_launch_usage_error_names_the_command_the_user_typed(capsys):
+    """torchrun's parser with no script: argparse's message and exit 2, under the command the user
+    typed (not ``launch.py``, the module's file name)."""
+    from relax_gdn.launch import check_launch
+
+    with pytest.raises(SystemExit) as stopped:
+        check_launch(["--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith("usage: python -m relax_gdn.launch [-h]") and "launch.py" not in err, err
+    assert err.splitlines()[-1].startswith(
+        "python -m relax_gdn.launch: error: the following arguments are required"
+    )
+
+
 def test_a_launch_of_a_script_that_is_not_there_is_one_line_and_starts_no_worker(tmp_path):
     done = _launch(tmp_path, "relax_gdn.launch", "trian.py", "train.steps=1")
     assert done.returncode == 2, done.stderr[-3000:]
