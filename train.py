@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 
 from relax_gdn.config import ParallelDims, RunConfig, validate
 from relax_gdn.config.hydra_io import (
+    MULTIRUN_FLAGS,
     compose_run_config,
     hydra_mode_problem,
     register_schema,
@@ -64,9 +65,6 @@ if RANK != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
     ]
 
 register_schema()
-
-
-MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
 
 
 def check_command_line(overrides: list[str], world_size: int | None = None, *, report: bool = False) -> None:

@@ -106,35 +106,31 @@ def sweep_jobs_to_compose(overrides: list[str]) -> list[list[str]] | None:
     return [[column[i % len(column)] for column in columns] for i in range(jobs)]
 
 
-# Hydra's command-line modes: it runs one of them (hydra/_internal/utils.py) and raises a ValueError,
-# with a traceback, when given two; spelled as its argparse parser spells them
+# Hydra's command-line modes, each with its spellings in Hydra's argparse parser: it runs one of
+# them (hydra/_internal/utils.py) and raises a ValueError, with a traceback, when given two
 HYDRA_MODES = {
-    "--run": "--run",
-    "-r": "--run",
-    "--multirun": "--multirun",
-    "-m": "--multirun",
-    "--cfg": "--cfg",
-    "-c": "--cfg",
-    "--info": "--info",
-    "-i": "--info",
-    "--shell-completion": "--shell-completion",
-    "-sc": "--shell-completion",
+    "--run": ("--run", "-r"),
+    "--multirun": ("--multirun", "-m"),
+    "--cfg": ("--cfg", "-c"),
+    "--info": ("--info", "-i"),
+    "--shell-completion": ("--shell-completion", "-sc"),
 }
+MULTIRUN_FLAGS = frozenset(HYDRA_MODES["--multirun"])
 
 
 def hydra_mode_problem(argv: list[str]) -> str | None:
     """One line for a command line that asks Hydra for two of its modes (``train.py -m --cfg job``),
     None when it asks for one or none."""
-    modes = list(dict.fromkeys(HYDRA_MODES[a.split("=")[0]] for a in argv if a.split("=")[0] in HYDRA_MODES))
+    flags = {arg.split("=")[0] for arg in argv if arg.startswith("-")}
+    modes = [mode for mode, spellings in HYDRA_MODES.items() if flags.intersection(spellings)]
     if len(modes) < 2:
         return None
-    given = " and ".join(modes)
     fix = (
         "; to see one sweep job's configuration, give --cfg job that job's overrides (one value per key)"
         if {"--multirun", "--cfg"} <= set(modes)
         else ""
     )
-    return f"{given} cannot be given together: Hydra runs one of {', '.join(dict.fromkeys(HYDRA_MODES.values()))}{fix}"
+    return f"{' and '.join(modes)} cannot be given together: Hydra runs one of {', '.join(HYDRA_MODES)}{fix}"
 
 
 def hydra_problem(error: Exception) -> str:
